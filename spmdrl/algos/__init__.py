@@ -1,0 +1,27 @@
+"""RL algorithm core: pure tensor functions, registered by name, formula in each docstring."""
+from spmdrl.algos.advantages import ADV_ESTIMATORS, discounted_returns, group_stats
+from spmdrl.algos.agg import LOSS_AGG, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
+from spmdrl.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
+from spmdrl.algos.losses import POLICY_LOSSES, value_loss
+from spmdrl.algos.token_stats import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "discounted_returns",
+    "entropy_from_logits",
+    "group_stats",
+    "kl_penalty",
+    "logprobs_from_hidden",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "value_loss",
+]

@@ -1,0 +1,107 @@
+"""Cross-field checks, run on every rank before any process group, model or engine exists."""
+from __future__ import annotations
+
+from spmdrl.errors import ConfigError
+
+CHOICES = {
+    "data.truncation": ("error", "left", "right", "middle"),
+    "model.dtype": ("auto", "float32", "bfloat16"),
+    "actor.lr_scheduler": ("constant", "cosine", "linear"),
+    "rollout.engine": ("auto", "vllm", "hf"),
+    "rollout.dtype": ("auto", "float32", "bfloat16"),
+    "reward.on_error": ("raise", "zero"),
+    "algorithm.kl_ctrl": ("fixed", "adaptive"),
+    "trainer.device": ("auto", "cuda", "cpu"),
+    "trainer.backend": ("fsdp",),
+}
+
+
+def _get(cfg, key):
+    sec, name = key.split(".")
+    return getattr(getattr(cfg, sec), name)
+
+
+def validate(cfg, world_size: int):
+    """Raise ConfigError on the first inconsistency; return the per-role layout on success."""
+    from spmdrl.algos import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES
+    from spmdrl.dist.layout import plan_layout
+
+    for key, allowed in CHOICES.items():
+        v = _get(cfg, key)
+        if v not in allowed:
+            raise ConfigError(f"{key} = {v!r} is not one of {', '.join(allowed)}")
+    for key, reg in (
+        ("algorithm.adv_estimator", ADV_ESTIMATORS),
+        ("actor.policy_loss", POLICY_LOSSES),
+        ("actor.loss_agg_mode", LOSS_AGG),
+        ("critic.loss_agg_mode", LOSS_AGG),
+        ("actor.kl_loss_type", KL_ESTIMATORS),
+        ("algorithm.kl_penalty", KL_ESTIMATORS),
+    ):
+        if _get(cfg, key) not in reg:
+            raise ConfigError(f"{key} = {_get(cfg, key)!r} is not registered; registered: {', '.join(reg.names())}")
+
+    positive = [
+        "data.max_prompt_length", "data.max_response_length", "data.train_batch_size", "rollout.n",
+        "rollout.val_n", "actor.ppo_epochs", "actor.micro_batch_size", "ref.micro_batch_size",
+        "critic.micro_batch_size", "critic.ppo_epochs", "trainer.total_steps", "rollout.max_num_seqs",
+        "rollout.weight_sync_bucket_mb", "actor.logprob_chunk_size",
+    ]
+    for key in positive:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, found {_get(cfg, key)}")
+    for key in ("actor.lr", "critic.lr", "rollout.temperature", "rollout.kv_cache_gb"):
+        if not _get(cfg, key) > 0:
+            raise ConfigError(f"{key} must be > 0, found {_get(cfg, key)}")
+    for key in ("actor.clip_ratio_low", "actor.clip_ratio_high", "actor.grad_clip", "critic.grad_clip",
+                "actor.entropy_coeff", "actor.kl_loss_coef", "algorithm.kl_coef", "rollout.val_temperature",
+                "reward.timeout_s", "data.val_batch_size", "actor.warmup_steps", "trainer.test_freq"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, found {_get(cfg, key)}")
+    if cfg.actor.clip_ratio_c <= 1:
+        raise ConfigError(f"actor.clip_ratio_c must be > 1 (dual-clip constant), found {cfg.actor.clip_ratio_c}")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], found {cfg.rollout.top_p}")
+    if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1], found {cfg.rollout.gpu_memory_utilization}")
+    if len(cfg.actor.betas) != 2:
+        raise ConfigError(f"actor.betas must have 2 values, found {cfg.actor.betas}")
+    if not cfg.model.path:
+        raise ConfigError("model.path is empty; set it to an HF model directory or hub id")
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files is empty; give one or more parquet files in verl's schema")
+    if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
+        raise ConfigError("algorithm.adv_estimator = 'gae' needs a critic; set critic.enable = true")
+
+    layout = plan_layout(cfg.placement, world_size)
+    bs, n = cfg.data.train_batch_size, cfg.rollout.n
+    rollout_dp = layout["rollout"].dp
+    if bs % rollout_dp:
+        raise ConfigError(
+            f"data.train_batch_size = {bs} is not divisible by the rollout data-parallel size {rollout_dp} "
+            f"(world {world_size} / rollout_tp {cfg.placement.rollout_tp})"
+        )
+    mini = cfg.actor.ppo_mini_batch_size or bs
+    if bs % mini:
+        raise ConfigError(f"data.train_batch_size = {bs} is not divisible by actor.ppo_mini_batch_size = {mini}")
+    for role, micro in (("actor", cfg.actor.micro_batch_size), ("critic", cfg.critic.micro_batch_size)):
+        if role == "critic" and not cfg.critic.enable:
+            continue
+        dp = layout[role].dp
+        samples = mini * n
+        if samples % dp:
+            raise ConfigError(
+                f"actor.ppo_mini_batch_size * rollout.n = {mini} * {n} = {samples} samples is not divisible by the "
+                f"{role} data-parallel size {dp}"
+            )
+        if (samples // dp) % micro:
+            raise ConfigError(
+                f"{role}.micro_batch_size = {micro} does not divide the {samples // dp} samples each {role} rank gets "
+                f"per mini-batch (ppo_mini_batch_size * n / dp = {mini} * {n} / {dp})"
+            )
+    if cfg.reward.overlong_buffer_len >= cfg.data.max_response_length:
+        raise ConfigError(
+            f"reward.overlong_buffer_len = {cfg.reward.overlong_buffer_len} must be < data.max_response_length = "
+            f"{cfg.data.max_response_length}"
+        )
+    return layout

@@ -1,0 +1,103 @@
+"""Process-group init from torchrun, srun, or nothing (a world of one)."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("spmdrl")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # torchrun | slurm | single
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm node list such as 'gpu[01-03,07],login1' into host names."""
+    hosts = []
+    for m in re.finditer(r"([^,\[]+)(\[([^\]]+)\])?", nodelist):
+        prefix, ranges = m.group(1), m.group(3)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            if "-" in part:
+                lo, hi = part.split("-")
+                hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)]
+            else:
+                hosts.append(prefix + part)
+    return hosts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def detect_env(environ=None) -> DistEnv:
+    """Rank/world/master from torchrun's variables, else Slurm's (srun without torchrun), else a world of one."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+            env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        hosts = expand_nodelist(nodelist) if nodelist else ["127.0.0.1"]
+        job = int(env.get("SLURM_JOB_ID", "0") or 0)
+        return DistEnv(
+            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+            env.get("MASTER_ADDR", hosts[0]), int(env.get("MASTER_PORT", 20000 + job % 20000)), "slurm",
+        )
+    return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 0)) or _free_port(), "single")
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "cuda" or (spec == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def init_distributed(device_spec: str = "auto", timeout_s: float = 600.0) -> tuple[DistEnv, torch.device]:
+    """Initialise the default process group (NCCL on CUDA, gloo on CPU); export the env vars vLLM reads."""
+    env = detect_env()
+    for k, v in (
+        ("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
+        ("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port),
+        ("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", env.world_size if env.launcher == "single" else "")),
+    ):
+        if str(v):
+            os.environ[k] = str(v)
+    device = resolve_device(device_spec)
+    if device.type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return env, device
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,82 @@
+"""Placement -> per-role rank sets and parallel degrees. Pure arithmetic: runs before init.
+
+A role owns a list of global ranks, laid out as (dp, pp, tp) with tp fastest, so the ranks of one
+tensor-parallel group are adjacent (on one node). Colocated placement gives every role all ranks; split
+placement gives roles disjoint lists; the arithmetic is the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmdrl.errors import LayoutError
+
+ROLES = ("actor", "ref", "critic", "rollout")
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    role: str
+    ranks: tuple[int, ...]
+    dp: int
+    pp: int
+    tp: int
+
+    def coords(self, rank: int) -> tuple[int, int, int] | None:
+        """(dp_rank, pp_rank, tp_rank) of a global rank in this role, or None if it is not in the role."""
+        if rank not in self.ranks:
+            return None
+        i = self.ranks.index(rank)
+        return i // (self.pp * self.tp), (i // self.tp) % self.pp, i % self.tp
+
+    def mesh_ranks(self) -> list[list[list[int]]]:
+        """Ranks as a [dp][pp][tp] nested list (the DeviceMesh layout)."""
+        r = list(self.ranks)
+        per_dp = self.pp * self.tp
+        return [[r[d * per_dp + p * self.tp: d * per_dp + (p + 1) * self.tp] for p in range(self.pp)] for d in range(self.dp)]
+
+
+def _ranks(spec: list[int], default: tuple[int, ...], world_size: int, key: str) -> tuple[int, ...]:
+    if not spec:
+        return default
+    bad = [r for r in spec if not 0 <= r < world_size]
+    if bad:
+        raise LayoutError(f"placement.{key} has ranks {bad} outside the world of {world_size} ranks (0..{world_size - 1})")
+    if len(set(spec)) != len(spec):
+        raise LayoutError(f"placement.{key} lists a rank twice: {spec}")
+    return tuple(spec)
+
+
+def plan_layout(placement, world_size: int) -> dict[str, RoleLayout]:
+    """Rank sets and degrees for every role; raises LayoutError naming the world size and the degrees."""
+    if placement.mode != "colocate":
+        raise LayoutError(f"placement.mode = {placement.mode!r} is not available yet; use 'colocate'")
+    everyone = tuple(range(world_size))
+    actor = _ranks(placement.actor_ranks, everyone, world_size, "actor_ranks")
+    ranks = {
+        "actor": actor,
+        "ref": _ranks(placement.ref_ranks, actor, world_size, "ref_ranks"),
+        "critic": _ranks(placement.critic_ranks, actor, world_size, "critic_ranks"),
+        "rollout": _ranks(placement.rollout_ranks, everyone, world_size, "rollout_ranks"),
+    }
+    degrees = {
+        "actor": (placement.actor_tp, placement.actor_pp),
+        "ref": (placement.ref_tp, 1),
+        "critic": (placement.critic_tp, 1),
+        "rollout": (placement.rollout_tp, 1),
+    }
+    out = {}
+    for role in ROLES:
+        tp, pp = degrees[role]
+        n = len(ranks[role])
+        for name, v in (("tp", tp), ("pp", pp)):
+            if v < 1:
+                raise LayoutError(f"placement.{role}_{name} must be >= 1, found {v}")
+        if n % (tp * pp):
+            raise LayoutError(
+                f"placement: {role} has {n} ranks (world size {world_size}) but tp*pp = {tp}*{pp} = {tp * pp} "
+                f"does not divide it; choose {role}_tp (and pp) whose product divides {n}"
+            )
+        out[role] = RoleLayout(role, ranks[role], n // (tp * pp), pp, tp)
+    if out["actor"].pp != 1:
+        raise LayoutError("placement.actor_pp > 1 needs the Megatron backend, which is not available yet; set actor_pp = 1")
+    return out

@@ -1,0 +1,262 @@
+"""FSDP2 training engine: HF causal LM, `fully_shard` per decoder block, optional DTensor TP, AdamW.
+
+The engine knows nothing about RL. It turns packed token batches into per-token log-probs (and entropy)
+and applies an optimizer step from a loss callback; the trainer decides what the loss is.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from spmdrl.algos.token_stats import logprobs_from_hidden
+from spmdrl.dist.meshes import RoleMesh
+from spmdrl.errors import ConfigError
+
+log = logging.getLogger("spmdrl")
+
+
+@dataclass
+class TokenBatch:
+    """Packed sequences for one forward: prompt + response, right-padded to the longest in the batch.
+
+    input_ids [B, L]; attention_mask [B, L]; position_ids [B, L]; resp_pos [B, R] = index in L of the hidden
+    state that predicts response token j (prompt_len - 1 + j); resp_ids [B, R]; resp_mask [B, R].
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    resp_pos: torch.Tensor
+    resp_ids: torch.Tensor
+    resp_mask: torch.Tensor
+
+    def to(self, device) -> "TokenBatch":
+        return TokenBatch(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
+
+
+def pack_sequences(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int) -> TokenBatch:
+    """Build a TokenBatch from ragged prompt and response token tensors (1-D int64 each)."""
+    B = len(prompts)
+    plen = torch.tensor([len(p) for p in prompts])
+    rlen = torch.tensor([len(r) for r in responses])
+    L = int((plen + rlen).max())
+    R = max(int(rlen.max()), 1)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    resp_ids = torch.full((B, R), pad_id, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, : len(p)] = p
+        input_ids[i, len(p): len(p) + len(r)] = r
+        resp_ids[i, : len(r)] = r
+    ar_L = torch.arange(L)
+    attention_mask = (ar_L[None, :] < (plen + rlen)[:, None]).long()
+    ar_R = torch.arange(R)
+    resp_mask = (ar_R[None, :] < rlen[:, None]).long()
+    resp_pos = (plen[:, None] - 1 + ar_R[None, :]).clamp(max=L - 1)
+    position_ids = ar_L.expand(B, L).contiguous()
+    return TokenBatch(input_ids, attention_mask, position_ids, resp_pos, resp_ids, resp_mask)
+
+
+class _LogprobHead(nn.Module):
+    """Root module: backbone forward + chunked log-probs from the LM head inside one FSDP root forward, so
+    the root's parameters (embeddings, final norm, lm_head) are unsharded while they are used."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, b: TokenBatch, temperature: float, with_entropy: bool, chunk_size: int):
+        backbone = getattr(self.hf, self.hf.base_model_prefix)
+        hidden = backbone(
+            input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids, use_cache=False
+        ).last_hidden_state
+        B, R = b.resp_ids.shape
+        h = hidden[torch.arange(B, device=hidden.device)[:, None], b.resp_pos]  # [B, R, H]
+        sel = b.resp_mask.bool()
+        weight = self.hf.get_output_embeddings().weight
+        if isinstance(weight, DTensor):
+            weight = weight.full_tensor()
+        logp_flat, ent_flat = logprobs_from_hidden(
+            h[sel], weight, b.resp_ids[sel], temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+        )
+        logp = torch.zeros(B, R, dtype=logp_flat.dtype, device=h.device).masked_scatter(sel, logp_flat)
+        ent = None
+        if with_entropy:
+            ent = torch.zeros(B, R, dtype=ent_flat.dtype, device=h.device).masked_scatter(sel, ent_flat)
+        return logp, ent
+
+
+def _tp_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    col, row = ColwiseParallel, RowwiseParallel
+    return {
+        "layers.*.self_attn.q_proj": col(), "layers.*.self_attn.k_proj": col(), "layers.*.self_attn.v_proj": col(),
+        "layers.*.self_attn.o_proj": row(), "layers.*.mlp.gate_proj": col(), "layers.*.mlp.up_proj": col(),
+        "layers.*.mlp.down_proj": row(),
+    }
+
+
+def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "cosine":
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return min_ratio + (1 - min_ratio) * (1 - progress)
+
+    return f
+
+
+class FSDPEngine:
+    """One HF causal LM sharded over a role mesh: FSDP2 over "dp", DTensor TP over "tp" when tp > 1."""
+
+    def __init__(
+        self,
+        model_path: str,
+        mesh: RoleMesh,
+        device: torch.device,
+        *,
+        trainable: bool,
+        dtype: str = "auto",
+        gradient_checkpointing: bool = False,
+        offload: bool = False,
+        trust_remote_code: bool = False,
+        optim: dict | None = None,
+        total_steps: int = 1,
+    ):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        self.device = device
+        self.mesh = mesh
+        cuda = device.type == "cuda"
+        param_dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(
+                model_path, torch_dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            )
+        except OSError as e:
+            raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
+        hf.config.use_cache = False
+        if gradient_checkpointing and trainable:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not trainable:
+            hf.requires_grad_(False)
+        if mesh.tp_size > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            backbone = getattr(hf, hf.base_model_prefix)
+            parallelize_module(backbone, mesh.mesh["tp"], _tp_plan())
+        self.module = _LogprobHead(hf)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype != torch.float32 else MixedPrecisionPolicy()
+        kw = dict(mesh=mesh.mesh["dp"], mp_policy=mp)
+        if offload and cuda:
+            kw["offload_policy"] = CPUOffloadPolicy()
+        for block in getattr(hf, hf.base_model_prefix).layers:
+            fully_shard(block, **kw)
+        fully_shard(self.module, **kw)
+        if not (offload and cuda):
+            self.module.to(device)
+        self.hf = hf
+        self.trainable = trainable
+        self.optimizer = self.scheduler = None
+        if trainable:
+            o = optim or {}
+            self.optimizer = torch.optim.AdamW(
+                self.module.parameters(), lr=o.get("lr", 1e-6), betas=tuple(o.get("betas", (0.9, 0.999))),
+                eps=o.get("eps", 1e-8), weight_decay=o.get("weight_decay", 0.0),
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer,
+                lr_lambda(o.get("warmup_steps", 0), total_steps, o.get("lr_scheduler", "constant"), o.get("min_lr_ratio", 0.0)),
+            )
+            self.grad_clip = o.get("grad_clip", 0.0)
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def logprobs(self, b: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024):
+        return self.module(b.to(self.device), temperature, with_entropy, chunk_size)
+
+    @torch.no_grad()
+    def logprobs_batched(self, batches: list[TokenBatch], **kw) -> list[torch.Tensor]:
+        self.module.eval()
+        return [self.logprobs(b, **kw)[0].float().cpu() for b in batches]
+
+    # ---- update -------------------------------------------------------------------------------------
+    def train_step(self, micro_batches: list, loss_fn: Callable) -> dict[str, float]:
+        """One optimizer step over `micro_batches`; loss_fn(micro, engine) -> (loss, metrics).
+
+        Gradients are reduce-scattered only on the last micro-batch. Returns averaged metrics plus
+        grad_norm and lr; a non-finite grad norm skips the step (metrics report it).
+        """
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for i, mb in enumerate(micro_batches):
+            self.module.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            loss, metrics = loss_fn(mb, self)
+            loss.backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        grad_norm = self.clip_grad_norm()
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        out = {k: v / len(micro_batches) for k, v in sums.items()}
+        out.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0 if finite else 1.0)
+        return out
+
+    def clip_grad_norm(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ---- weights out --------------------------------------------------------------------------------
+    def iter_full_params(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full (unsharded) parameters in HF names, in buckets of about `bucket_bytes`.
+
+        Every rank of the mesh must iterate (each `full_tensor` is a collective). Only one bucket of full
+        tensors is alive at a time.
+        """
+        bucket, size = [], 0
+        for name, p in self.hf.named_parameters():
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            t = t.detach()
+            if dtype is not None:
+                t = t.to(dtype)
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model on CPU on every rank (for HF export of small models and tests)."""
+        out = {}
+        for bucket in self.iter_full_params(1 << 30):
+            out.update({k: v.cpu().clone() for k, v in bucket})
+        return out
+
+    def save_hf(self, out_dir: str, tokenizer=None, rank: int = 0) -> None:
+        """Write an HF model directory (safetensors, config, tokenizer) from rank 0."""
+        sd = self.full_state_dict()
+        if rank == 0:
+            self.hf.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)

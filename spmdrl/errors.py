@@ -1,0 +1,29 @@
+"""Errors a user can cause. Each carries a one-line message naming the key, file or row and a fix."""
+
+
+class SpmdrlError(Exception):
+    """Base class of every user-facing spmdrl error (bad config, data, paths, checkpoints, user code)."""
+
+
+class ConfigError(SpmdrlError):
+    """A config file, key, value or override is wrong."""
+
+
+class DataError(SpmdrlError):
+    """A dataset file, column or row is wrong."""
+
+
+class RewardError(SpmdrlError):
+    """A reward function failed or returned something unusable."""
+
+
+class LayoutError(ConfigError):
+    """The requested parallel layout does not fit the world."""
+
+
+class CheckpointError(SpmdrlError):
+    """A checkpoint is missing, corrupted or does not match the run."""
+
+
+class HookError(SpmdrlError):
+    """A user hook raised."""

@@ -1,0 +1,171 @@
+"""Where metrics go: tensorboard scalars, one JSON line per step, a console line; plus stage timing and memory.
+
+Metric names are `group/name` (train/reward_mean, actor/pg_loss, timing/rollout_s, perf/tokens_per_s); the
+same names appear in tensorboard, metrics.jsonl and reports. Only rank 0 writes; other ranks' loggers are
+no-ops, so callers never branch on rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+
+from spmdrl.errors import DataError
+
+# (label on the console, metric name): the few numbers worth a glance every step.
+CONSOLE_KEYS = (
+    ("reward", "train/reward_mean"),
+    ("val_acc", "val/accuracy"),
+    ("pg_loss", "actor/pg_loss"),
+    ("step_s", "timing/step_s"),
+    ("tok/s", "perf/tokens_per_s"),
+)
+
+
+def _fmt(v: float) -> str:
+    if not math.isfinite(v):
+        return str(v)
+    if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+        return f"{v:.3e}"
+    return f"{v:.4g}" if abs(v) < 1e3 else f"{v:.0f}"
+
+
+class MetricsLogger:
+    """Writes each step's metrics to tensorboard (output_dir/tensorboard), output_dir/metrics.jsonl and stdout."""
+
+    def __init__(self, output_dir: str, *, tensorboard: bool = True, jsonl: bool = True, console: bool = True,
+                 rank: int = 0):
+        self.output_dir = output_dir
+        self.enabled = rank == 0
+        self.console = console and self.enabled
+        self._writer = None
+        self._jsonl = None
+        if not self.enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
+
+            self._writer = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
+        if jsonl:
+            # Append: a resumed run continues the same file (read_jsonl keeps the last record of a step).
+            self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one step. Values are anything float() accepts (Python, numpy or 0-d torch numbers)."""
+        if not self.enabled:
+            return
+        values = {k: float(v) for k, v in metrics.items()}
+        if self._writer is not None:
+            for k, v in values.items():
+                self._writer.add_scalar(k, v, global_step=step)
+            self._writer.flush()
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
+            self._jsonl.flush()
+        if self.console:
+            parts = [f"step {step}"] + [f"{label} {_fmt(values[k])}" for label, k in CONSOLE_KEYS if k in values]
+            print(" | ".join(parts), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_jsonl(path: str, *, last_per_step: bool = False) -> list[dict]:
+    """The records of a metrics.jsonl, in file order.
+
+    A malformed final line (a run killed mid-write) is dropped; a malformed line elsewhere is a DataError.
+    last_per_step keeps only the last record of each step (a resumed run re-logs the steps after its
+    checkpoint), sorted by step.
+    """
+    if not os.path.isfile(path):
+        raise DataError(f"file {path}: not found; metrics.jsonl is written under trainer.output_dir")
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise DataError(f"file {path}, line {i + 1}: not valid JSON ({e.msg}); the file is corrupted") from None
+    if last_per_step:
+        by_step = {r["step"]: r for r in records if "step" in r}
+        records = [by_step[s] for s in sorted(by_step)]
+    return records
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def peak_memory_gb(device) -> float:
+    """Peak memory in GiB: CUDA max_memory_allocated on a CUDA device, else this process's peak RSS."""
+    if _is_cuda(device):
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**30 if sys.platform == "darwin" else rss / 2**20  # bytes on macOS, KiB on Linux
+
+
+class StageTimer:
+    """Wall time per named stage, summed over repeated entries until reset().
+
+        timer = StageTimer(device)
+        with timer("rollout"):
+            ...
+        timer.as_metrics()  # {"timing/rollout_s": ...}
+
+    On CUDA the device is synchronized on entry and exit so queued kernels are charged to their stage.
+    Without a device it synchronizes whenever CUDA is initialized.
+    """
+
+    def __init__(self, device=None):
+        self.device = device
+        self._totals: dict[str, float] = defaultdict(float)
+
+    def _sync(self) -> None:
+        if _is_cuda(self.device):
+            torch.cuda.synchronize(self.device)
+        elif self.device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self._totals[name] += time.perf_counter() - start
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"timing/{name}_s": t for name, t in self._totals.items()}
+
+    def reset(self) -> None:
+        self._totals.clear()
+
+
+__all__ = ["MetricsLogger", "StageTimer", "peak_memory_gb", "read_jsonl"]

@@ -1,0 +1,22 @@
+"""Rule-based reward functions, looked up by a row's data_source."""
+from __future__ import annotations
+
+from typing import Callable
+
+from spmdrl.errors import ConfigError, RewardError
+from spmdrl.registry import Registry
+
+# fn(solution_str, ground_truth, extra_info) -> float | {"score": float, ...extras}
+REWARD_FNS: Registry[Callable] = Registry("reward function")
+
+
+def default_compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None):
+    """Dispatch to the reward function registered for `data_source` (verl's compute_score signature)."""
+    try:
+        fn = REWARD_FNS.get(data_source)
+    except ConfigError:
+        raise RewardError(
+            f"no reward function for data_source {data_source!r} (registered: {', '.join(REWARD_FNS.names())}); "
+            "set reward.custom_fn='path/to/file.py:function' or register one with REWARD_FNS.register"
+        ) from None
+    return fn(solution_str, ground_truth, extra_info)

@@ -1,0 +1,144 @@
+"""What every rollout engine takes and returns.
+
+An engine turns token-id prompts into sampled responses plus the log-prob of each sampled token. Engines run
+SPMD: every rank of a rollout tensor-parallel group calls `generate` with the same prompts and seeds and gets
+the same answer, so sampling is seeded per sample from the caller's per-prompt seed (`sample_seed`).
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from spmdrl.errors import ConfigError
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingSpec:
+    """How to sample: one spec for a whole `generate` call."""
+
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus threshold; 1 disables."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) disables."""
+    max_tokens: int = 256
+    """Longest response in tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: generation ends once the decoded response contains one (the tokens are kept)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Stop token ids besides EOS (the stop token is kept in the response)."""
+    logprobs: bool = True
+    """Return the raw (pre-temperature) log-prob of each sampled token."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the bad field."""
+        if self.n < 1:
+            raise ConfigError(f"sampling n={self.n}: need at least one sample per prompt")
+        if self.temperature < 0:
+            raise ConfigError(f"sampling temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling top_p={self.top_p}: must be in (0, 1]")
+        if self.max_tokens < 1:
+            raise ConfigError(f"sampling max_tokens={self.max_tokens}: must be >= 1")
+
+
+@dataclass
+class RolloutOutput:
+    """Responses ordered prompt-major: prompt 0's n samples, then prompt 1's, and so on."""
+
+    response_ids: list[list[int]]
+    """Generated token ids per sample (the stop token, when there is one, included)."""
+    logprobs: list[list[float]]
+    """Raw log-prob (before temperature) of each sampled token; empty lists when the spec asked for none."""
+    finish_reason: list[str]
+    """'stop' (EOS, stop token or stop string) or 'length' (max_tokens reached), per sample."""
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generator living in this process; one per rollout tensor-parallel group, called on all its ranks."""
+
+    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> RolloutOutput:
+        """Sample spec.n responses per prompt; sample j of prompt i is seeded by sample_seed(seeds[i], j)."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of HF-named, full (unsharded) tensors; call again for the next bucket."""
+        ...
+
+    def sleep(self) -> None:
+        """Release weights and KV cache memory until wake_up (no-op where unsupported)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo sleep (no-op where unsupported)."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine; the process group it shared stays usable."""
+        ...
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_seed(prompt_seed: int, j: int) -> int:
+    """Seed of sample j of a prompt: a 63-bit hash of (prompt_seed, j), the same on every rank.
+
+    Hashing (rather than prompt_seed + j) keeps prompts with neighbouring seeds from sharing samples.
+    """
+    return _splitmix64(_splitmix64(prompt_seed & _MASK64) ^ j) >> 1
+
+
+def check_generate_args(prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> None:
+    """The checks both engines make before generating."""
+    spec.validate()
+    if len(seeds) != len(prompt_ids):
+        raise ConfigError(f"generate got {len(prompt_ids)} prompts but {len(seeds)} seeds: pass one seed per prompt")
+    for i, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise ConfigError(f"prompt {i} is empty: every prompt needs at least one token")
+
+
+@contextmanager
+def preserved_rng_state() -> Iterator[None]:
+    """Restore the torch (CPU and CUDA), numpy and python RNG states on exit.
+
+    Engine construction reseeds the global RNGs; training must not notice.
+    """
+    py_state = random.getstate()
+    torch_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        import numpy as np
+
+        np_state = np.random.get_state()
+    except ImportError:  # numpy is optional
+        np = None
+        np_state = None
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        if np is not None:
+            np.random.set_state(np_state)

@@ -1,0 +1,317 @@
+"""vLLM in-process, one engine per rollout tensor-parallel group (`distributed_executor_backend="external_launcher"`).
+
+Every rank of the world builds a `VLLMEngine` at the same time (construction runs collectives on the whole
+world). vLLM lays ranks out as ExternalDP x TP: rollout TP groups are blocks of consecutive ranks
+[k*tp, (k+1)*tp), each an independent engine; nothing needs `data_parallel_size` (that is vLLM's in-model DP,
+for MoE, whose ranks must generate in lockstep). The process group initialised by torchrun is reused, and
+training collectives keep working on it afterwards.
+
+Every rank of a TP group must call `generate` with the same prompts and seeds: external_launcher runs one
+scheduler per rank and relies on all of them making the same decisions.
+
+Weights stream in with vLLM's layerwise reload: the first `update_weights` after a generate opens a reload
+session (layers go back to checkpoint format), each bucket goes through the model's own `load_weights`
+(HF names, full tensors; each rank takes its TP shard), a layer is re-processed as soon as all of its tensors
+have arrived (this is what refreshes the CPU backend's packed GEMM weights, which a plain `load_weights` leaves
+stale), and the next `generate` (or `finish_weight_update`) closes the session and drops the prefix cache.
+A bucket may end anywhere; a layer some of whose tensors never arrive before the session closes is left with
+garbage in the missing part, so send every tensor of each layer you touch.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from spmdrl.errors import ConfigError, LayoutError, SpmdrlError
+from spmdrl.rollout.base import (
+    RolloutOutput,
+    SamplingSpec,
+    check_generate_args,
+    preserved_rng_state,
+    sample_seed,
+)
+
+logger = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+
+
+class VLLMEngine:
+    """A vLLM `LLM` living in this process, shared by the ranks of one rollout TP group."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tokenizer_path: str | None = None,
+        tp_size: int = 1,
+        dtype: str = "float32",
+        max_model_len: int,
+        seed: int,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool = False,
+        enforce_eager: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        kv_cache_gb: float = 1.0,
+        trust_remote_code: bool = False,
+    ):
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        rank, world_size = _ensure_launcher_env(tp_size)
+        if tp_size < 1 or world_size % tp_size:
+            raise LayoutError(
+                f"rollout tp_size={tp_size} does not divide the world size {world_size}: "
+                "vLLM splits the whole world into TP groups of consecutive ranks; pick a divisor"
+            )
+        self.tp_size = tp_size
+        self.tp_rank = rank % tp_size
+        self.dp_rank = rank // tp_size
+        self.dp_size = world_size // tp_size
+
+        self.on_cpu = current_platform.is_cpu()
+        if dtype == "auto":
+            dtype = "float32" if self.on_cpu else "bfloat16"
+        self.sleep_enabled = bool(enable_sleep_mode) and current_platform.is_cuda_alike()
+        kwargs: dict = {}
+        if self.on_cpu:
+            if kv_cache_gb <= 0:
+                raise ConfigError(f"rollout kv_cache_gb={kv_cache_gb}: must be > 0")
+            # vLLM's CPU KV budget: the env var takes whole GiB and overrides kv_cache_memory_bytes, so set it
+            # when the size is whole and otherwise clear it and pass the exact bytes.
+            if float(kv_cache_gb).is_integer():
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gb))
+            else:
+                os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * _GiB)
+
+        set_num_threads = torch.set_num_threads  # the CPU worker replaces it process-wide; see below
+        t0 = time.perf_counter()
+        with preserved_rng_state():
+            self.llm = LLM(
+                model=model_path,
+                tokenizer=tokenizer_path or model_path,
+                tensor_parallel_size=tp_size,
+                distributed_executor_backend="external_launcher",
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=self.sleep_enabled,
+                enforce_eager=enforce_eager,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                trust_remote_code=trust_remote_code,
+                enable_prefix_caching=True,
+                disable_log_stats=True,
+                **kwargs,
+            )
+        # vLLM's CPU worker disables torch.set_num_threads for the whole process because its multiprocess
+        # executor pins OMP threads; external_launcher pins nothing, so give training its setter back.
+        torch.set_num_threads = set_num_threads
+        self.build_seconds = time.perf_counter() - t0
+        self.max_model_len = max_model_len
+        self._reloading = False
+        self._asleep = False
+        logger.info(
+            "vLLM engine built in %.1fs (tp=%d, rollout dp=%d, dtype=%s, device=%s)",
+            self.build_seconds, tp_size, self.dp_size, dtype, "cpu" if self.on_cpu else "cuda",
+        )
+
+    # ----------------------------------------------------------------------------------------------- generate
+
+    @property
+    def tokenizer(self):
+        """The HF tokenizer vLLM loaded."""
+        return self.llm.get_tokenizer()
+
+    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> RolloutOutput:
+        """spec.n samples per prompt, prompt-major; sample j of prompt i is seeded by sample_seed(seeds[i], j)."""
+        from vllm.inputs import TokensPrompt
+
+        check_generate_args(prompt_ids, spec, seeds)
+        self._check_lengths(prompt_ids)
+        self.finish_weight_update()
+        prompts, params = [], []
+        for ids, seed in zip(prompt_ids, seeds):
+            for j in range(spec.n):
+                prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
+                params.append(self._sampling_params(spec, sample_seed(seed, j)))
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+
+        response_ids, logprobs, finish_reason = [], [], []
+        for out in outs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            if c.finish_reason not in ("stop", "length"):
+                raise SpmdrlError(f"vLLM request {out.request_id} ended with finish_reason={c.finish_reason!r}")
+            response_ids.append(ids)
+            finish_reason.append(c.finish_reason)
+            logprobs.append([float(c.logprobs[k][t].logprob) for k, t in enumerate(ids)] if spec.logprobs else [])
+        return RolloutOutput(response_ids, logprobs, finish_reason)
+
+    def compute_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """Raw log-probs of response tokens given their prompts (vLLM prompt_logprobs), one list per pair."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if len(prompt_ids) != len(response_ids):
+            raise ConfigError(f"compute_logprobs got {len(prompt_ids)} prompts but {len(response_ids)} responses")
+        self.finish_weight_update()
+        seqs = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+        self._check_lengths(seqs)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        result = []
+        for out, p, r in zip(outs, prompt_ids, response_ids):
+            lps = out.prompt_logprobs  # position k holds log p(token k | tokens < k); position 0 is None
+            result.append([float(lps[len(p) + k][t].logprob) for k, t in enumerate(r)])
+        return result
+
+    def _sampling_params(self, spec: SamplingSpec, seed: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=1,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k if spec.top_k > 0 else 0,
+            max_tokens=spec.max_tokens,
+            stop=list(spec.stop) or None,
+            stop_token_ids=list(spec.stop_token_ids) or None,
+            logprobs=0 if spec.logprobs else None,
+            seed=seed,
+            detokenize=bool(spec.stop),  # only stop strings need text
+        )
+
+    def _check_lengths(self, seqs: list[list[int]]) -> None:
+        for i, s in enumerate(seqs):
+            if len(s) >= self.max_model_len:
+                raise ConfigError(
+                    f"sequence {i} has {len(s)} tokens but the rollout engine's max_model_len is "
+                    f"{self.max_model_len}: raise it (max_prompt_length + max_response_length) or shorten prompts"
+                )
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of HF-named full tensors; the session closes at the next generate."""
+        if self._asleep:
+            raise SpmdrlError("update_weights on a sleeping vLLM engine: call wake_up() first")
+        if not self._reloading:
+            self.llm.collective_rpc(_start_reload)
+            self._reloading = True
+        self.llm.collective_rpc(_load_bucket, args=(list(named_tensors),))
+
+    def finish_weight_update(self) -> None:
+        """Close an open weight-update session: process the layers still pending, drop the prefix cache."""
+        if not self._reloading:
+            return
+        self.llm.collective_rpc(_finish_reload)
+        self._reloading = False
+        self.llm.reset_prefix_cache()
+
+    # ---------------------------------------------------------------------------------------------- lifecycle
+
+    def sleep(self) -> None:
+        """Offload weights and drop the KV cache (CUDA with sleep mode only; otherwise a no-op)."""
+        self.finish_weight_update()
+        if self.sleep_enabled and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Bring weights and KV cache back after sleep (no-op when not asleep)."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+            self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut vLLM down and destroy its process groups (the world group stays) so another engine can be built."""
+        from vllm.distributed import parallel_state as ps
+
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self._reloading = False
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # best effort: the engine may be half-built or already down
+            logger.debug("vLLM engine_core.shutdown failed", exc_info=True)
+        del self.llm, llm
+        gc.collect()
+        ps.destroy_model_parallel()
+        if ps._WORLD is not None:  # vLLM's own copy of the world group; the default group is untouched
+            ps._WORLD.destroy()
+            ps._WORLD = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- run on the worker (collective_rpc)
+
+
+def _model(worker):
+    return worker.model_runner.get_model()
+
+
+def _start_reload(worker) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(_model(worker))
+
+
+def _load_bucket(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        _model(worker).load_weights(weights)
+
+
+def _finish_reload(worker) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        finalize_layerwise_reload(_model(worker), worker.vllm_config.model_config)
+
+
+# ------------------------------------------------------------------------------------------------- launcher env
+
+
+def _ensure_launcher_env(tp_size: int) -> tuple[int, int]:
+    """(rank, world size); fill the torchrun variables external_launcher reads when they are missing.
+
+    Without an initialised process group (a single process, e.g. a notebook) vLLM creates a 1-rank one itself.
+    """
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+        os.environ.setdefault("LOCAL_RANK", str(rank % max(1, torch.cuda.device_count())))
+        if int(os.environ["RANK"]) != rank:
+            raise LayoutError(f"RANK={os.environ['RANK']} in the environment but the process group says {rank}")
+        return rank, world_size
+    if tp_size != 1:
+        raise LayoutError(
+            f"rollout tp_size={tp_size} needs torch.distributed initialised (launch with torchrun) before "
+            "the vLLM engine is built"
+        )
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    return 0, 1
