@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,16 +22,11 @@ from spmdrl.engines.fsdp import FSDPEngine, pack_sequences
 from spmdrl.metrics import MetricsLogger, StageTimer, peak_memory_gb
 from spmdrl.reshard.sync import sync_weights
 from spmdrl.rewards import default_compute_score, load_reward_fn
+from spmdrl.rng import seed_everything
 from spmdrl.rewards.custom import compute_rewards
 from spmdrl.rollout import SamplingSpec, build_engine
 
 log = logging.getLogger("spmdrl")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def request_seeds(seed: int, step: int, first: int, count: int) -> list[int]:

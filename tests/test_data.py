@@ -191,7 +191,8 @@ def test_wrong_types(tmp_path, tok):
     base = verl_row()
     cases = {
         "prompt": pa.table({"data_source": ["x"], "prompt": [5], "reward_model": [base["reward_model"]]}),
-        "data_source": pa.table({"data_source": [1], "prompt": [base["prompt"]], "reward_model": [base["reward_model"]]}),
+        "data_source": pa.table({
+            "data_source": [1], "prompt": [base["prompt"]], "reward_model": [base["reward_model"]]}),
         "reward_model": pa.table({"data_source": ["x"], "prompt": [base["prompt"]], "reward_model": ["3"]}),
         "reward_model.ground_truth": pa.table({
             "data_source": ["x"], "prompt": [base["prompt"]], "reward_model": [{"ground_truth": [1, 2]}]}),
@@ -199,7 +200,8 @@ def test_wrong_types(tmp_path, tok):
             "data_source": ["x"], "prompt": [base["prompt"]], "reward_model": [base["reward_model"]],
             "extra_info": [3]}),
         "prompt ": pa.table({  # messages without 'content'
-            "data_source": ["x"], "prompt": [[{"role": "user", "text": "hi"}]], "reward_model": [base["reward_model"]]}),
+            "data_source": ["x"], "prompt": [[{"role": "user", "text": "hi"}]],
+            "reward_model": [base["reward_model"]]}),
     }
     for column, table in cases.items():
         path = write(tmp_path / f"w{len(column)}.parquet", table)

@@ -65,11 +65,12 @@ def test_epochs_differ_and_cover_without_repeats():
 
 
 def test_drop_last_false_fills_last_batch():
-    s = make(n=20, batch=8, drop_last=False, size=2)
-    assert s.steps_per_epoch == 3
-    batches = take(s, 3)
+    ranks = [make(n=20, batch=8, drop_last=False, rank=r, size=2) for r in range(2)]
+    assert ranks[0].steps_per_epoch == 3
+    batches = [b for s in ranks for b in take(s, 3)]
     assert all(len(b) == 4 for b in batches)
     assert set(sum(batches, [])) == set(range(20))
+    assert ranks[0].state_dict()["epoch"] == 1
 
 
 def test_no_shuffle_is_in_order():

@@ -65,6 +65,7 @@ def coerce(value: Any, tp, key: str, where: str, from_string: bool = False) -> A
             text, value = value, _parse_cli_value(value, key, where)
             if not isinstance(value, list):
                 value = [text if item_tp is str else value]  # `rollout.stop=0` means the string "0"
+            from_string = False  # the items are typed TOML values now; do not parse them again
         if not isinstance(value, list):
             raise _type_error(key, tp, value, where)
         return [coerce(v, item_tp, f"{key}[{i}]", where, from_string) for i, v in enumerate(value)]

@@ -210,7 +210,8 @@ class PromptDataset:
             ds = sub.column(schema.DATA_SOURCE).to_pylist()
             gt = sub.column(schema.GROUND_TRUTH).to_pylist()
             pr = sub.column("prompt").to_pylist()
-            ei = sub.column(schema.EXTRA_INFO).to_pylist() if schema.EXTRA_INFO in sub.column_names else [None] * len(pos)
+            has_extra = schema.EXTRA_INFO in sub.column_names
+            ei = sub.column(schema.EXTRA_INFO).to_pylist() if has_extra else [None] * len(pos)
             for j, p in enumerate(pos):
                 data_source[p], ground_truth[p] = ds[j], gt[j]
                 raw_prompt[p], extra_info[p] = as_messages(pr[j]), _as_dict(ei[j])

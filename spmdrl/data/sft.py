@@ -89,13 +89,15 @@ class SFTDataset:
     def _tokenize_file(self, table: pa.Table, path):
         prompts, responses = table.column(self.prompt_key), table.column(self.response_key)
         eos = self.tokenizer.eos_token_id
-        flats, lens, plens = [np.zeros(0, dtype=np.int32)], [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+        flats = [np.zeros(0, dtype=np.int32)]
+        lens, plens = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
         for start in range(0, len(table), _CHUNK_ROWS):
             msgs = [as_messages(p) for p in prompts.slice(start, _CHUNK_ROWS).to_pylist()]
             texts = render_chat(self.tokenizer, msgs, path=path, start=start, column=self.prompt_key)
             p_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-            r_ids = self.tokenizer(responses.slice(start, _CHUNK_ROWS).to_pylist(), add_special_tokens=False)["input_ids"]
-            rows = []
+            r_texts = responses.slice(start, _CHUNK_ROWS).to_pylist()
+            r_ids = self.tokenizer(r_texts, add_special_tokens=False)["input_ids"]
+            rows, chunk_plens = [], []
             for i, (p, r) in enumerate(zip(p_ids, r_ids)):
                 ids = p + r + [eos]
                 if len(ids) > self.max_length:
@@ -108,10 +110,11 @@ class SFTDataset:
                         )
                     ids = ids[:self.max_length]
                 rows.append(ids)
-                plens.append(np.array([len(p)], dtype=np.int64))
+                chunk_plens.append(len(p))
             n = np.fromiter((len(x) for x in rows), dtype=np.int64, count=len(rows))
             flats.append(np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(n.sum())))
             lens.append(n)
+            plens.append(np.asarray(chunk_plens, dtype=np.int64))
         return np.concatenate(flats), np.concatenate(lens), np.concatenate(plens)
 
     def __len__(self) -> int:

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Start torchrun on every node of a Slurm allocation, rendezvous on the first node.
+#   srun --ntasks-per-node=1 launch/torchrun_slurm.sh -m spmdrl.train --config configs/grpo.toml [overrides]
+# One task per node; torchrun starts GPUS_PER_NODE ranks on each (default: the node's visible GPUs).
+set -euo pipefail
+: "${SLURM_JOB_NODELIST:?run this under srun inside a Slurm allocation}"
+NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+GPUS_PER_NODE=${GPUS_PER_NODE:-$(python -c "import torch; print(max(1, torch.cuda.device_count()))")}
+MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+exec python -m torch.distributed.run \
+  --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_JOB_ID:-spmdrl}" \
+  "$@"

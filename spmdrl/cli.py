@@ -1,0 +1,212 @@
+"""The `spmdrl` command: launch training, inspect configs, prepare data and tiny models.
+
+    spmdrl train --config configs/grpo.toml --nproc 8 actor.lr=2e-6
+    spmdrl config show --config configs/grpo.toml --world-size 8
+    spmdrl data synthetic --out data/arith
+    spmdrl model tiny --out models/tiny
+
+Every SpmdrlError (bad config, data, path) prints as one line `error: ...` on stderr with exit code 2.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from typing import Optional
+
+import typer
+
+from spmdrl.errors import ConfigError, SpmdrlError
+
+app = typer.Typer(
+    name="spmdrl",
+    help="SPMD RL post-training for LLMs (PPO, GRPO and family) under torchrun.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+config_app = typer.Typer(help="Inspect the resolved config and regenerate its reference.", no_args_is_help=True)
+data_app = typer.Typer(help="Write datasets in verl's parquet schema.", no_args_is_help=True)
+model_app = typer.Typer(help="Build local models.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(data_app, name="data")
+app.add_typer(model_app, name="model")
+
+# Overrides look like options to click (`--actor.lr=1e-6`); let them through to the OVERRIDES argument.
+PASS_OVERRIDES = {"ignore_unknown_options": True}
+CONFIG_HELP = "TOML config file (may `extends` others)."
+OVERRIDES_HELP = "Config overrides `section.key=value` (e.g. actor.lr=1e-6 rollout.n=8); last one wins."
+
+
+def user_errors(fn):
+    """Print SpmdrlError as one line `error: ...` on stderr and exit 2, without a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SpmdrlError as e:
+            typer.echo(f"error: {' '.join(str(e).splitlines())}", err=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def _overrides(items: Optional[list[str]]) -> list[str]:
+    return [o[2:] if o.startswith("--") else o for o in items or []]
+
+
+def launch_command(module: str, config: str, overrides: list[str], nproc: int) -> list[str]:
+    """The command that runs `module` on `nproc` local ranks (torchrun when nproc > 1)."""
+    args = ["-m", module, "--config", config, *overrides]
+    if nproc > 1:
+        # --standalone: a local rendezvous on a free port, so two runs on one machine do not collide.
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
+    return [sys.executable, *args]
+
+
+def _launch(cmd: list[str], dry_run: bool) -> None:
+    typer.echo(" ".join(cmd), err=True)
+    if dry_run:
+        return
+    proc = subprocess.Popen(cmd)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:  # the ranks got the same Ctrl-C; let them shut down
+        rc = proc.wait()
+    raise typer.Exit(rc)
+
+
+@app.command(context_settings=PASS_OVERRIDES)
+@user_errors
+def train(
+    config: str = typer.Option(..., "--config", "-c", help=CONFIG_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    nproc: int = typer.Option(1, "--nproc", "-n", min=1, help="Ranks on this machine; > 1 launches torchrun."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the config and print the command; run nothing."),
+):
+    """RL training (python -m spmdrl.train), on --nproc local ranks.
+
+    The config is validated for --nproc ranks before any process starts.
+
+    Several nodes: run `torchrun ... -m spmdrl.train --config F` on each.
+    """
+    from spmdrl.config import load_config, validate
+
+    overrides = _overrides(overrides)
+    validate(load_config(config, overrides), nproc)
+    _launch(launch_command("spmdrl.train", config, overrides, nproc), dry_run)
+
+
+@app.command(context_settings=PASS_OVERRIDES)
+@user_errors
+def sft(
+    config: str = typer.Option(..., "--config", "-c", help=CONFIG_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    nproc: int = typer.Option(1, "--nproc", "-n", min=1, help="Ranks on this machine; > 1 launches torchrun."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the command; run nothing."),
+):
+    """Supervised warm start (python -m spmdrl.sft) on the same training engines, on --nproc local ranks."""
+    if not os.path.isfile(config):
+        raise ConfigError(f"config file not found: {config}; check the path")
+    _launch(launch_command("spmdrl.sft", config, _overrides(overrides), nproc), dry_run)
+
+
+@config_app.command("show", context_settings=PASS_OVERRIDES)
+@user_errors
+def config_show(
+    config: Optional[str] = typer.Option(None, "--config", "-c", help=CONFIG_HELP + " Omit for the defaults."),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    world_size: Optional[int] = typer.Option(
+        None, "--world-size", "-w", min=1, help="Also validate for this many ranks and print the layout on stderr."
+    ),
+    comments: bool = typer.Option(False, "--comments", help="Put each key's documentation above it."),
+):
+    """Print the resolved config (files, extends and overrides merged) as TOML, valid input to --config."""
+    from spmdrl.config import load_config, to_toml, validate
+
+    cfg = load_config(config, _overrides(overrides))
+    if world_size is not None:
+        layout = validate(cfg, world_size)
+        for role in layout.values():
+            typer.echo(f"# {role.role}: {len(role.ranks)} ranks, dp={role.dp} pp={role.pp} tp={role.tp}", err=True)
+    typer.echo(to_toml(cfg, with_docs=comments), nl=False)
+
+
+@config_app.command("docs")
+@user_errors
+def config_docs(
+    out: str = typer.Option("docs/config.md", "--out", "-o", help="Where to write the reference; '-' for stdout."),
+    check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 if the file is stale."),
+):
+    """Regenerate the config reference (docs/config.md) from the dataclasses and their field docstrings."""
+    from spmdrl.config import config_reference
+
+    text = config_reference()
+    if out == "-":
+        typer.echo(text, nl=False)
+    elif check:
+        current = open(out, encoding="utf-8").read() if os.path.exists(out) else None
+        if current != text:
+            typer.echo(f"{out} is stale; run `spmdrl config docs --out {out}`", err=True)
+            raise typer.Exit(1)
+    else:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
+        typer.echo(f"wrote {out}")
+
+
+@data_app.command("gsm8k")
+@user_errors
+def data_gsm8k(
+    input: str = typer.Option(..., "--input", "-i", help="A GSM8K .parquet/.jsonl file, or a directory of train/test files."),
+    out: str = typer.Option(..., "--out", "-o", help="Output directory for {split}.parquet."),
+):
+    """Convert the original GSM8K files to verl-schema parquet (train.parquet, test.parquet)."""
+    from spmdrl.data.gsm8k import convert_gsm8k
+
+    for split, path in convert_gsm8k(input, out).items():
+        typer.echo(f"{split}: {path}")
+
+
+@data_app.command("synthetic")
+@user_errors
+def data_synthetic(
+    out: str = typer.Option(..., "--out", "-o", help="Output directory."),
+    n_train: int = typer.Option(4096, "--n-train", min=1, help="Training problems."),
+    n_val: int = typer.Option(256, "--n-val", min=0, help="Validation problems (disjoint from training)."),
+    n_sft: Optional[int] = typer.Option(
+        None, "--n-sft", min=1, help="Rows of sft.parquet (from the training side); default --n-train."
+    ),
+    seed: int = typer.Option(0, "--seed", help="The files are a function of the seed."),
+    digits: int = typer.Option(2, "--digits", min=1, help="Digits per operand."),
+    ops: str = typer.Option("+", "--ops", help="Operators to draw from, e.g. '+-'."),
+):
+    """Write the synthetic arithmetic task ("12+34=" -> "46"): train/val.parquet and sft.parquet."""
+    from spmdrl.data.synthetic import make_arith, make_sft_parquet
+
+    paths = make_arith(out, n_train=n_train, n_val=n_val, seed=seed, digits=digits, ops=ops)
+    paths["sft"] = make_sft_parquet(out, n=n_sft or n_train, n_val=n_val, seed=seed, digits=digits, ops=ops)
+    for name, path in paths.items():
+        typer.echo(f"{name}: {path}")
+
+
+@model_app.command("tiny")
+@user_errors
+def model_tiny(
+    out: str = typer.Option(..., "--out", "-o", help="Output HF model directory."),
+    seed: int = typer.Option(0, "--seed", help="Initialisation seed."),
+):
+    """Build the tiny Qwen2 model and character tokenizer used by tests and the CPU quickstart."""
+    from spmdrl.tiny import build_tiny
+
+    typer.echo(build_tiny(out, seed=seed))
+
+
+def main() -> None:
+    app(prog_name="spmdrl")
+
+
+__all__ = ["app", "launch_command", "main"]

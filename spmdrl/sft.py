@@ -1,0 +1,179 @@
+"""Supervised warm start on the RL training engine: `torchrun ... -m spmdrl.sft --config sft.toml`.
+
+Trains the policy on prompt/response parquet (loss on response tokens only) with the same FSDP2 engine
+the RL loop uses, and saves an HF model directory that an RL config's model.path can load.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from spmdrl.config.schema import LoggingConfig, ModelConfig, PlacementConfig, TrainerConfig
+from spmdrl.errors import ConfigError, SpmdrlError
+
+log = logging.getLogger("spmdrl")
+
+
+@dataclass
+class SFTSection:
+    """The warm start's data and optimisation."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Parquet/jsonl files with a chat-message (or string) prompt column and a string response column."""
+    prompt_key: str = "prompt"
+    """Prompt column."""
+    response_key: str = "response"
+    """Response column."""
+    max_length: int = 512
+    """Longest prompt + response in tokens."""
+    truncation: str = "error"
+    """Over-long rows: error | right."""
+    epochs: int = 1
+    """Passes over the data."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps; 0 means run all epochs."""
+    batch_size: int = 32
+    """Samples per optimizer step over all ranks."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one rank."""
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    lr_scheduler: str = "cosine"
+    """constant | cosine | linear."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip; 0 disables."""
+    save_dir: str = ""
+    """Where the HF model is written; empty means trainer.output_dir/hf_model."""
+
+
+@dataclass
+class SFTConfig:
+    """The SFT run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTSection = field(default_factory=SFTSection)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def validate_sft(cfg: SFTConfig, world_size: int):
+    from spmdrl.dist.layout import plan_layout
+
+    s = cfg.sft
+    if not cfg.model.path:
+        raise ConfigError("model.path is empty; set it to an HF model directory or hub id")
+    if not s.train_files:
+        raise ConfigError("sft.train_files is empty; give parquet files with prompt and response columns")
+    for key in ("max_length", "epochs", "batch_size", "micro_batch_size"):
+        if getattr(s, key) <= 0:
+            raise ConfigError(f"sft.{key} must be > 0, found {getattr(s, key)}")
+    if s.lr <= 0:
+        raise ConfigError(f"sft.lr must be > 0, found {s.lr}")
+    layout = plan_layout(cfg.placement, world_size)
+    dp = layout["actor"].dp
+    if s.batch_size % dp or (s.batch_size // dp) % s.micro_batch_size:
+        raise ConfigError(
+            f"sft.batch_size = {s.batch_size} must split into {dp} data-parallel ranks of whole micro-batches "
+            f"of sft.micro_batch_size = {s.micro_batch_size}"
+        )
+    return layout
+
+
+def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
+    from transformers import AutoTokenizer
+
+    from spmdrl.data.sampler import DistributedPromptSampler
+    from spmdrl.data.sft import SFTDataset
+    from spmdrl.dist.collectives import reduce_sum
+    from spmdrl.dist.meshes import RoleMeshes
+    from spmdrl.engines.fsdp import FSDPEngine, pack_sequences
+    from spmdrl.metrics import MetricsLogger
+    from spmdrl.rng import seed_everything
+
+    s = cfg.sft
+    seed_everything(cfg.trainer.seed)
+    mesh = RoleMeshes(layout, rank, device.type)["actor"]
+    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    ds = SFTDataset(s.train_files, tok, s.max_length, s.prompt_key, s.response_key, s.truncation)
+    sampler = DistributedPromptSampler(len(ds), dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, batch_size=s.batch_size, seed=cfg.trainer.seed)
+    total = s.max_steps or s.epochs * sampler.steps_per_epoch
+    engine = FSDPEngine(
+        cfg.model.path, mesh, device, trainable=True, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
+        gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=total,
+        optim=dict(lr=s.lr, weight_decay=s.weight_decay, warmup_steps=s.warmup_steps, lr_scheduler=s.lr_scheduler, grad_clip=s.grad_clip),
+    )
+    logger = MetricsLogger(cfg.trainer.output_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
+                           console=cfg.logging.console, rank=rank)
+    dp_group = mesh.mesh.get_group("dp")
+    for step in range(1, total + 1):
+        t0 = time.perf_counter()
+        rows = next(sampler)
+        items = [ds[i] for i in rows]
+        prompts = [torch.tensor(x["input_ids"][: x["loss_mask"].index(1)]) for x in items]
+        resps = [torch.tensor(x["input_ids"][x["loss_mask"].index(1):]) for x in items]
+        n_tokens = float(reduce_sum(torch.tensor([float(sum(len(r) for r in resps))]), group=dp_group)[0])
+        micro = [
+            pack_sequences(prompts[i: i + s.micro_batch_size], resps[i: i + s.micro_batch_size], ds.pad_id)
+            for i in range(0, len(items), s.micro_batch_size)
+        ]
+
+        def loss_fn(tb, eng):
+            logp, _ = eng.logprobs(tb)
+            mask = tb.resp_mask.to(logp.device)
+            nll = -(logp * mask).sum()
+            return nll / n_tokens * mesh.dp_size, {"sft/loss": nll.detach() / n_tokens * mesh.dp_size}
+
+        out = engine.train_step(micro, loss_fn)
+        m = {"sft/loss": float(reduce_sum(torch.tensor([out["sft/loss"] * len(micro)]), group=dp_group)[0]),
+             "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"], "timing/step_s": time.perf_counter() - t0}
+        logger.log(step, m)
+    save_dir = s.save_dir or os.path.join(cfg.trainer.output_dir, "hf_model")
+    engine.save_hf(save_dir, tokenizer=tok, rank=rank)
+    logger.close()
+    if rank == 0:
+        log.info("saved the SFT model to %s", save_dir)
+    return save_dir
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="spmdrl.sft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", "-c", default=None)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    from spmdrl.config.loader import load_config
+    from spmdrl.dist.init import destroy_distributed, detect_env, init_distributed
+    from spmdrl.train import setup_logging
+
+    env = detect_env()
+    setup_logging(env.rank)
+    try:
+        cfg = load_config(args.config, args.overrides, root_cls=SFTConfig)
+        layout = validate_sft(cfg, env.world_size)
+    except SpmdrlError as e:
+        if env.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    env, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+    try:
+        run_sft(cfg, layout, env.rank, device)
+    except SpmdrlError as e:
+        print(f"error (rank {env.rank}): {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The `spmdrl` command, through typer's CliRunner (and once as `python -m spmdrl`)."""
+import json
+import os
+import subprocess
+import sys
+
+import click
+import pyarrow.parquet as pq
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from spmdrl import cli
+from spmdrl.cli import app
+from spmdrl.config import config_reference, load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRPO = os.path.join(REPO, "configs", "grpo.toml")
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(result, *needles):
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    err = result.stderr
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_help_lists_subcommands():
+    result = run("--help")
+    assert result.exit_code == 0
+    for name in ("train", "sft", "config", "data", "model"):
+        assert name in result.stdout
+    for group, names in (("config", ("show", "docs")), ("data", ("gsm8k", "synthetic")), ("model", ("tiny",))):
+        out = run(group, "--help").stdout
+        assert all(n in out for n in names), out
+
+
+def test_every_command_and_option_has_help():
+    def walk(cmd, path):
+        assert cmd.help, f"{path} has no help text"
+        for p in cmd.params:
+            if isinstance(p, click.Option) and p.name != "help" or isinstance(p, click.Argument):
+                assert getattr(p, "help", None), f"{path} {p.name} has no help text"
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(typer.main.get_command(app), "spmdrl")
+
+
+def test_config_show_is_toml_that_loads_back(tmp_path):
+    overrides = ["actor.lr=2e-6", "--rollout.n=8", 'rollout.stop=["\\n\\n"]']
+    result = run("config", "show", "--config", GRPO, *overrides)
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "resolved.toml"
+    path.write_text(result.stdout)
+    expected = load_config(GRPO, overrides)
+    assert load_config(str(path)) == expected
+    assert expected.actor.lr == 2e-6 and expected.rollout.n == 8 and expected.rollout.stop == ["\n\n"]
+
+
+def test_config_show_with_comments_and_defaults(tmp_path):
+    result = run("config", "show", "--comments")
+    assert result.exit_code == 0
+    assert "# AdamW learning rate." in result.stdout
+    path = tmp_path / "defaults.toml"
+    path.write_text(result.stdout)
+    assert load_config(str(path)) == load_config(None)
+
+
+def test_config_show_validates_for_world_size():
+    result = run("config", "show", "--config", GRPO, "--world-size", 8)
+    assert result.exit_code == 0, result.output
+    assert "rollout: 8 ranks, dp=4 pp=1 tp=2" in result.stderr
+    assert_user_error(run("config", "show", "--config", GRPO, "--world-size", 3), "world size 3")
+
+
+def test_bad_key_is_one_line_error(tmp_path):
+    assert_user_error(run("config", "show", "--config", GRPO, "actor.lrr=1e-6"), "'actor.lrr'", "did you mean 'actor.lr'")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rollout]\ntemprature = 0.7\n")
+    assert_user_error(run("config", "show", "--config", bad), "bad.toml", "'rollout.temprature'")
+    assert_user_error(run("config", "show", "--config", tmp_path / "missing.toml"), "not found")
+    assert_user_error(run("train", "--config", bad, "--dry-run"), "'rollout.temprature'")
+
+
+def test_config_docs_writes_and_checks(tmp_path):
+    out = tmp_path / "docs" / "config.md"
+    assert run("config", "docs", "--out", out).exit_code == 0
+    assert out.read_text() == config_reference()
+    assert run("config", "docs", "--out", out, "--check").exit_code == 0
+    out.write_text("stale")
+    result = run("config", "docs", "--out", out, "--check")
+    assert result.exit_code == 1 and "stale" in result.stderr
+    assert run("config", "docs", "--out", "-").stdout == config_reference()
+
+
+def test_train_dry_run_validates_and_builds_the_command():
+    result = run("train", "--config", GRPO, "--nproc", 8, "--dry-run", "--actor.lr=3e-6", "rollout.n=8")
+    assert result.exit_code == 0, result.output
+    assert "-m torch.distributed.run --standalone --nproc-per-node 8 -m spmdrl.train" in result.stderr
+    assert f"--config {GRPO} actor.lr=3e-6 rollout.n=8" in result.stderr
+    # 256 prompts over 4 rollout engines is fine; over 3 ranks it is not, and nothing is launched.
+    assert_user_error(run("train", "--config", GRPO, "--nproc", 3, "--dry-run"), "world size 3")
+    assert cli.launch_command("spmdrl.train", "c.toml", ["a.b=1"], 1) == [
+        sys.executable, "-m", "spmdrl.train", "--config", "c.toml", "a.b=1"
+    ]
+
+
+def test_train_runs_the_module_and_returns_its_exit_code(monkeypatch):
+    launched = []
+
+    class FakePopen:
+        def __init__(self, cmd):
+            launched.append(cmd)
+
+        def wait(self):
+            return 3
+
+    monkeypatch.setattr(cli.subprocess, "Popen", FakePopen)
+    result = run("train", "--config", GRPO, "--nproc", 2, "placement.rollout_tp=1")
+    assert result.exit_code == 3
+    assert launched == [cli.launch_command("spmdrl.train", GRPO, ["placement.rollout_tp=1"], 2)]
+    result = run("sft", "--config", GRPO)
+    assert result.exit_code == 3 and launched[-1][1:4] == ["-m", "spmdrl.sft", "--config"]
+    assert_user_error(run("sft", "--config", "missing.toml"), "missing.toml")
+
+
+def test_data_synthetic_writes_files(tmp_path):
+    out = tmp_path / "arith"
+    result = run("data", "synthetic", "--out", out, "--n-train", 40, "--n-val", 8, "--seed", 1, "--digits", 1)
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(out / "train.parquet").num_rows == 40
+    assert pq.read_table(out / "val.parquet").num_rows == 8
+    assert pq.read_table(out / "sft.parquet").num_rows == 40
+    assert "train:" in result.stdout and "sft:" in result.stdout
+    # 1-digit '+' has only 100 problems: a user error, one line.
+    assert_user_error(run("data", "synthetic", "--out", out, "--n-train", 200, "--digits", 1), "100")
+
+
+def test_data_gsm8k_converts(tmp_path):
+    src = tmp_path / "gsm8k"
+    src.mkdir()
+    rows = [{"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}, {"question": "1000+234?", "answer": "#### 1,234"}]
+    (src / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run("data", "gsm8k", "--input", src / "train.jsonl", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(tmp_path / "out" / "train.parquet").num_rows == 2
+    assert_user_error(run("data", "gsm8k", "--input", tmp_path / "nothing", "--out", tmp_path / "o"), "nothing")
+
+
+def test_model_tiny(tmp_path):
+    result = run("model", "tiny", "--out", tmp_path / "tiny")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "tiny" / "config.json").exists() and (tmp_path / "tiny" / "tokenizer.json").exists()
+
+
+def test_python_dash_m_spmdrl():
+    result = subprocess.run([sys.executable, "-m", "spmdrl", "config", "show", "bad.key=1"],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    result = subprocess.run([sys.executable, "-m", "spmdrl", "--help"], capture_output=True, text=True, cwd=REPO,
+                            timeout=120)
+    assert result.returncode == 0 and "train" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["train"], ["data", "synthetic"], ["model", "tiny"]])
+def test_missing_required_options_are_usage_errors(args):
+    result = run(*args)
+    assert result.exit_code == 2 and "Missing option" in result.output

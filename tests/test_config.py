@@ -1,0 +1,363 @@
+"""The config system: extends, unknown keys, types, overrides, TOML round-trip, docs, cross-field validation."""
+import dataclasses
+import os
+import tomllib
+
+import pytest
+
+from spmdrl.algos import ADV_ESTIMATORS
+from spmdrl.config import Config, config_reference, load_config, to_toml, validate
+from spmdrl.config.docs import missing_docs
+from spmdrl.errors import ConfigError, LayoutError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REGENERATE = "python -c \"from spmdrl.config import config_reference; open('docs/config.md','w').write(config_reference())\""
+
+
+def write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+def config_error(fn, *args, **kwargs) -> str:
+    """The message of the ConfigError fn raises; every user-facing error is one line."""
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# ---------------------------------------------------------------------------------------------- extends
+
+
+def test_extends_three_levels_relative_paths_child_wins(tmp_path):
+    write(tmp_path / "shared" / "base.toml", """
+[actor]
+lr = 1e-5
+weight_decay = 0.05
+[rollout]
+n = 2
+stop = ["base"]
+[data]
+train_batch_size = 16
+""")
+    write(tmp_path / "family" / "mid.toml", """
+extends = "../shared/base.toml"
+[rollout]
+n = 4
+[data]
+max_prompt_length = 256
+""")
+    child = write(tmp_path / "runs" / "exp" / "child.toml", """
+extends = "../../family/mid.toml"
+[actor]
+lr = 2e-6
+[rollout]
+stop = ["child"]
+""")
+    cfg = load_config(child)
+    assert cfg.actor.lr == 2e-6  # child beats base
+    assert cfg.actor.weight_decay == 0.05  # merge is per key: the rest of base's [actor] survives
+    assert cfg.rollout.n == 4  # mid beats base
+    assert cfg.rollout.stop == ["child"]  # lists are replaced, not concatenated
+    assert cfg.data.train_batch_size == 16 and cfg.data.max_prompt_length == 256
+    assert cfg.data.max_response_length == Config().data.max_response_length  # untouched default
+
+
+def test_extends_list_later_parent_wins_and_diamond_is_not_a_cycle(tmp_path):
+    write(tmp_path / "root.toml", "[rollout]\nn = 1\n")
+    write(tmp_path / "a.toml", 'extends = "root.toml"\n[rollout]\nn = 2\ntop_k = 5\n')
+    write(tmp_path / "b.toml", 'extends = "root.toml"\n[rollout]\nn = 3\n')
+    cfg = load_config(write(tmp_path / "c.toml", 'extends = ["a.toml", "b.toml"]\n'))
+    assert cfg.rollout.n == 3 and cfg.rollout.top_k == 5
+
+
+def test_extends_cycle_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "a.toml", 'extends = "b.toml"\n')
+    write(tmp_path / "b.toml", 'extends = "c.toml"\n')
+    write(tmp_path / "c.toml", 'extends = "a.toml"\n')
+    msg = config_error(load_config, str(tmp_path / "a.toml"))
+    assert "cycle" in msg and "a.toml -> b.toml -> c.toml -> a.toml" in msg
+    write(tmp_path / "self.toml", 'extends = "self.toml"\n')
+    assert "self.toml -> self.toml" in config_error(load_config, "self.toml")
+
+
+def test_extends_missing_parent_is_named(tmp_path):
+    child = write(tmp_path / "child.toml", 'extends = "nowhere/base.toml"\n')
+    msg = config_error(load_config, child)
+    assert os.path.join("nowhere", "base.toml") in msg and "not found" in msg
+    assert "child.toml" in msg  # which file asked for it
+    assert "not found" in config_error(load_config, str(tmp_path / "missing.toml"))
+
+
+def test_invalid_toml_names_file(tmp_path):
+    path = write(tmp_path / "bad.toml", "[actor\nlr = 1\n")
+    msg = config_error(load_config, path)
+    assert "bad.toml" in msg and "invalid TOML" in msg
+
+
+# ------------------------------------------------------------------------------- unknown keys and types
+
+
+def test_unknown_section_names_section_file_and_closest(tmp_path):
+    path = write(tmp_path / "typo.toml", "[acter]\nlr = 1e-6\n")
+    msg = config_error(load_config, path)
+    assert "'acter'" in msg and "typo.toml" in msg and "did you mean 'actor'" in msg
+
+
+def test_unknown_key_names_key_file_and_closest(tmp_path):
+    path = write(tmp_path / "typo.toml", "[actor]\nlearning_rat = 1e-6\nmicro_batch_sise = 2\n")
+    msg = config_error(load_config, path)
+    assert "'actor.learning_rat'" in msg and "typo.toml" in msg
+    path = write(tmp_path / "typo2.toml", "[actor]\nmicro_batch_sise = 2\n")
+    msg = config_error(load_config, path)
+    assert "'actor.micro_batch_sise'" in msg and "did you mean 'actor.micro_batch_size'" in msg
+
+
+def test_unknown_key_without_close_match_lists_valid_keys(tmp_path):
+    msg = config_error(load_config, write(tmp_path / "x.toml", "[ref]\nzzz = 1\n"))
+    assert "'ref.zzz'" in msg and "micro_batch_size" in msg and "offload" in msg
+
+
+def test_unknown_key_in_parent_names_the_parent(tmp_path):
+    write(tmp_path / "base.toml", "[rollout]\ntemprature = 0.7\n")
+    child = write(tmp_path / "child.toml", 'extends = "base.toml"\n[rollout]\nn = 2\n')
+    msg = config_error(load_config, child)
+    assert "base.toml" in msg and "child.toml" not in msg and "did you mean 'rollout.temperature'" in msg
+
+
+def test_unknown_override_key_names_override():
+    msg = config_error(load_config, None, ["actor.lrr=1e-6"])
+    assert "command-line override" in msg and "'actor.lrr'" in msg and "did you mean 'actor.lr'" in msg
+    msg = config_error(load_config, None, ["actr.lr=1e-6"])
+    assert "'actr'" in msg and "did you mean 'actor'" in msg
+
+
+@pytest.mark.parametrize(
+    "toml, key, expected, found",
+    [
+        ('[actor]\nlr = "fast"\n', "actor.lr", "float", "'fast' (str)"),
+        ("[data]\ntrain_batch_size = 1.5\n", "data.train_batch_size", "int", "1.5 (float)"),
+        ("[data]\ntrain_batch_size = true\n", "data.train_batch_size", "int", "True (bool)"),
+        ('[rollout]\nenforce_eager = "yes"\n', "rollout.enforce_eager", "bool", "'yes' (str)"),
+        ("[model]\npath = 7\n", "model.path", "str", "7 (int)"),
+        ('[data]\ntrain_files = "a.parquet"\n', "data.train_files", "list[str]", "'a.parquet' (str)"),
+        ('[rollout]\nstop_token_ids = [1, "2"]\n', "rollout.stop_token_ids[1]", "int", "'2' (str)"),
+    ],
+)
+def test_wrong_type_names_key_expected_and_found(tmp_path, toml, key, expected, found):
+    msg = config_error(load_config, write(tmp_path / "t.toml", toml))
+    assert f"'{key}'" in msg and f"expects {expected}" in msg and found in msg and "t.toml" in msg
+
+
+def test_section_must_be_a_table(tmp_path):
+    msg = config_error(load_config, write(tmp_path / "t.toml", "actor = 3\n"))
+    assert "'actor'" in msg and "table" in msg and "t.toml" in msg
+
+
+# ---------------------------------------------------------------------------------------------- overrides
+
+
+@pytest.mark.parametrize(
+    "override, section, key, value",
+    [
+        ("data.train_batch_size=64", "data", "train_batch_size", 64),
+        ("data.train_batch_size=1_024", "data", "train_batch_size", 1024),
+        ("actor.lr=3e-6", "actor", "lr", 3e-6),
+        ("actor.lr=1", "actor", "lr", 1.0),
+        ("rollout.enforce_eager=false", "rollout", "enforce_eager", False),
+        ("trainer.val_before_train=True", "trainer", "val_before_train", True),
+        ("logging.console=0", "logging", "console", False),
+        ("model.path=Qwen/Qwen2.5-7B-Instruct", "model", "path", "Qwen/Qwen2.5-7B-Instruct"),
+        ('model.path="with space"', "model", "path", "with space"),
+        ("trainer.experiment_name=123", "trainer", "experiment_name", "123"),
+        ("data.train_files=data/a.parquet", "data", "train_files", ["data/a.parquet"]),
+        ('data.train_files=["a.parquet", "b.parquet"]', "data", "train_files", ["a.parquet", "b.parquet"]),
+        ("rollout.stop=0", "rollout", "stop", ["0"]),
+        ("rollout.stop=[]", "rollout", "stop", []),
+        ("rollout.stop_token_ids=[1, 2]", "rollout", "stop_token_ids", [1, 2]),
+        ("rollout.stop_token_ids=7", "rollout", "stop_token_ids", [7]),
+        ("actor.betas=[0.9, 0.95]", "actor", "betas", [0.9, 0.95]),
+        ("actor.betas=[1, 0]", "actor", "betas", [1.0, 0.0]),
+        ("--actor.kl_loss_type=mse", "actor", "kl_loss_type", "mse"),
+    ],
+)
+def test_override_coercion(override, section, key, value):
+    got = getattr(getattr(load_config(None, [override]), section), key)
+    assert got == value and type(got) is type(value)
+    if isinstance(value, list):
+        assert all(type(a) is type(b) for a, b in zip(got, value))
+
+
+def test_overrides_beat_files(tmp_path):
+    path = write(tmp_path / "c.toml", "[actor]\nlr = 1e-5\n[rollout]\nn = 2\n")
+    cfg = load_config(path, ["actor.lr=2e-6", "actor.lr=3e-6"])
+    assert cfg.actor.lr == 3e-6 and cfg.rollout.n == 2  # the last override of a key wins
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("rollout.enforce_eager=maybe", "expects bool"),
+        ("data.train_batch_size=1.5", "expects int"),
+        ("actor.lr=fast", "expects float"),
+        ("rollout.stop_token_ids=[1, x]", "TOML syntax"),
+        ("actor.lr", "section.key=value"),
+        ("lr=1e-6", "section.key"),
+        ("actor.optim.lr=1e-6", "section.key"),
+    ],
+)
+def test_bad_overrides(override, needle):
+    msg = config_error(load_config, None, [override])
+    assert needle in msg
+
+
+# ------------------------------------------------------------------------------------- round-trip, docs
+
+
+def _non_default_config() -> Config:
+    return load_config(None, [
+        "model.path=/models/qwen", "data.train_files=[\"a.parquet\", \"b b.parquet\"]", "actor.lr=1e-6",
+        "actor.betas=[0.9, 0.95]", "actor.clip_ratio_high=0.28", "rollout.stop=[\"\\n\\n\", \"\\\"q\\\"\", \"é😀\"]",
+        "rollout.stop_token_ids=[151643, 151645]", "rollout.kv_cache_gb=4", "trainer.dist_timeout_s=1e9",
+        "logging.progress=false", "placement.rollout_ranks=[0, 1]", "trainer.experiment_name=run \\ #1",
+        "reward.custom_fn=my_rewards.py:score",
+    ])
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+@pytest.mark.parametrize("make", [Config, _non_default_config])
+def test_to_toml_round_trips(tmp_path, make, with_docs):
+    cfg = make()
+    path = write(tmp_path / "resolved.toml", to_toml(cfg, with_docs=with_docs))
+    assert load_config(path) == cfg
+    assert dataclasses.asdict(load_config(path)) == dataclasses.asdict(cfg)
+
+
+def test_to_toml_non_default_values_survive():
+    text = to_toml(_non_default_config())
+    data = tomllib.loads(text)
+    assert data["rollout"]["stop"] == ["\n\n", '"q"', "é😀"]
+    assert data["trainer"]["experiment_name"] == "run \\ #1"
+    assert data["trainer"]["dist_timeout_s"] == 1e9 and isinstance(data["rollout"]["kv_cache_gb"], float)
+
+
+def test_every_field_has_a_docstring():
+    assert missing_docs() == []
+
+
+def test_docs_config_md_is_current():
+    path = os.path.join(REPO, "docs", "config.md")
+    current = open(path).read() if os.path.exists(path) else None
+    assert current == config_reference(), f"docs/config.md is stale; regenerate it from the repo root: {REGENERATE}"
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+def valid(*overrides) -> Config:
+    return load_config(None, ["model.path=/models/tiny", "data.train_files=[\"train.parquet\"]", *overrides])
+
+
+def validate_error(world_size, *overrides) -> str:
+    return config_error(validate, valid(*overrides), world_size)
+
+
+def test_valid_config_returns_layout():
+    layout = validate(valid("placement.rollout_tp=2", "data.train_batch_size=8", "rollout.n=4"), 8)
+    assert layout["rollout"].dp == 4 and layout["rollout"].tp == 2
+    assert layout["actor"].dp == 8 and layout["actor"].ranks == tuple(range(8))
+
+
+def test_batch_not_divisible_by_rollout_dp():
+    msg = validate_error(8, "placement.rollout_tp=2", "data.train_batch_size=6")
+    assert "data.train_batch_size = 6" in msg and "rollout data-parallel size 4" in msg
+    assert "world 8" in msg and "rollout_tp 2" in msg
+
+
+def test_mini_batch_must_divide_batch():
+    msg = validate_error(1, "data.train_batch_size=16", "actor.ppo_mini_batch_size=6")
+    assert "data.train_batch_size = 16" in msg and "actor.ppo_mini_batch_size = 6" in msg
+
+
+def test_mini_batch_samples_must_split_over_actor_dp():
+    msg = validate_error(4, "data.train_batch_size=4", "actor.ppo_mini_batch_size=1", "rollout.n=2")
+    assert "1 * 2 = 2 samples" in msg and "data-parallel size 4" in msg
+
+
+def test_micro_batch_must_divide_per_rank_samples():
+    # 4 prompts * 2 samples / 2 ranks = 4 samples per rank; micro-batch 3 does not divide it.
+    msg = validate_error(2, "data.train_batch_size=4", "rollout.n=2", "actor.micro_batch_size=3")
+    assert "actor.micro_batch_size = 3" in msg and "4 samples" in msg
+    msg = validate_error(2, "data.train_batch_size=4", "rollout.n=2", "critic.enable=true", "critic.micro_batch_size=3",
+                         "actor.micro_batch_size=2")
+    assert "critic.micro_batch_size = 3" in msg
+
+
+@pytest.mark.parametrize("key", ["actor_tp", "rollout_tp", "ref_tp", "critic_tp"])
+def test_tp_must_divide_world_size(key):
+    with pytest.raises(LayoutError):
+        validate(valid(f"placement.{key}=4", "critic.enable=true"), 6)
+    msg = validate_error(6, f"placement.{key}=4", "critic.enable=true")
+    assert "world size 6" in msg and "4*1 = 4" in msg
+
+
+@pytest.mark.parametrize("override", ["actor.lr=0", "actor.lr=-1e-6", "critic.lr=0"])
+def test_lr_must_be_positive(override):
+    msg = validate_error(1, override)
+    assert override.split("=")[0] in msg and "> 0" in msg
+
+
+@pytest.mark.parametrize(
+    "override", ["data.max_prompt_length=-1", "data.max_response_length=0", "data.max_response_length=-512"]
+)
+def test_lengths_must_be_positive(override):
+    assert override.split("=")[0] in validate_error(1, override)
+
+
+def test_unknown_estimator_lists_registered():
+    msg = validate_error(1, "algorithm.adv_estimator=ppo2")
+    assert "algorithm.adv_estimator = 'ppo2'" in msg
+    assert all(name in msg for name in ADV_ESTIMATORS.names())
+
+
+@pytest.mark.parametrize(
+    "override, key", [("actor.policy_loss=nope", "actor.policy_loss"), ("actor.kl_loss_type=k9", "actor.kl_loss_type"),
+                      ("actor.loss_agg_mode=sum", "actor.loss_agg_mode"), ("trainer.device=tpu", "trainer.device")]
+)
+def test_unknown_choices_are_named(override, key):
+    assert key in validate_error(1, override)
+
+
+def test_gae_needs_critic():
+    msg = validate_error(1, "algorithm.adv_estimator=gae")
+    assert "gae" in msg and "critic.enable = true" in msg
+    validate(valid("algorithm.adv_estimator=gae", "critic.enable=true"), 1)
+
+
+def test_empty_model_path_and_train_files():
+    assert "model.path" in config_error(validate, load_config(None, ["data.train_files=t.parquet"]), 1)
+    assert "data.train_files" in config_error(validate, load_config(None, ["model.path=m"]), 1)
+
+
+# -------------------------------------------------------------------------------------- shipped configs
+
+
+def test_grpo_example_validates_for_8_ranks():
+    cfg = load_config(os.path.join(REPO, "configs", "grpo.toml"))
+    assert cfg.model.path == "Qwen/Qwen2.5-7B-Instruct"
+    assert cfg.placement.rollout_tp == 2 and cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "low_var_kl"
+    assert cfg.trainer.seed == 0  # inherited from base.toml
+    layout = validate(cfg, 8)
+    assert layout["rollout"].dp == 4 and layout["actor"].dp == 8
+
+
+def test_every_shipped_config_loads():
+    configs = sorted(f for f in os.listdir(os.path.join(REPO, "configs")) if f.endswith(".toml"))
+    assert "base.toml" in configs
+    for name in configs:
+        load_config(os.path.join(REPO, "configs", name))
