@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -117,6 +118,7 @@ class VLLMEngine:
         # vLLM's CPU worker disables torch.set_num_threads for the whole process because its multiprocess
         # executor pins OMP threads; external_launcher pins nothing, so give training its setter back.
         torch.set_num_threads = set_num_threads
+        _make_shutdown_keep_world(self.llm)
         self.build_seconds = time.perf_counter() - t0
         self.max_model_len = max_model_len
         self._reloading = False
@@ -236,23 +238,17 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        """Shut vLLM down and destroy its process groups (the world group stays) so another engine can be built."""
-        from vllm.distributed import parallel_state as ps
-
+        """Shut vLLM down and destroy its process groups; the world group stays, so another engine can be built."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return
         self._reloading = False
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # best effort: the engine may be half-built or already down
-            logger.debug("vLLM engine_core.shutdown failed", exc_info=True)
-        del self.llm, llm
+        client = llm.llm_engine.engine_core
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()  # runs _shutdown_keeping_world once
+        del self.llm, llm, client
         gc.collect()
-        ps.destroy_model_parallel()
-        if ps._WORLD is not None:  # vLLM's own copy of the world group; the default group is untouched
-            ps._WORLD.destroy()
-            ps._WORLD = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -285,6 +281,44 @@ def _finish_reload(worker) -> None:
 
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
         finalize_layerwise_reload(_model(worker), worker.vllm_config.model_config)
+
+
+# --------------------------------------------------------------------------------------------------- shutdown
+
+
+def _make_shutdown_keep_world(llm) -> None:
+    """Make vLLM's shutdown leave the default process group alone.
+
+    The in-process engine core shuts down from a weakref finalizer (on garbage collection or at exit) that
+    calls `cleanup_dist_env_and_memory`, which destroys torch's default process group: the training world.
+    Swap that finalizer for one that tears down only vLLM's own groups.
+    """
+    client = llm.llm_engine.engine_core
+    finalizer = getattr(client, "_finalizer", None)
+    core = getattr(client, "engine_core", None)
+    if finalizer is None or core is None:  # multiprocess client: nothing of vLLM runs in this process
+        return
+    finalizer.detach()
+    client._finalizer = weakref.finalize(client, _shutdown_keeping_world, core)
+
+
+def _shutdown_keeping_world(core) -> None:
+    from vllm.distributed import parallel_state as ps
+
+    def destroy_vllm_groups_only():
+        if ps._WORLD is not None:  # vLLM's copy of the world (its own subgroup), not torch's default group
+            ps._WORLD.destroy()
+        ps._WORLD = None
+        ps._NODE_COUNT = None
+
+    original = ps.destroy_distributed_environment
+    ps.destroy_distributed_environment = destroy_vllm_groups_only
+    try:
+        core.shutdown()
+    except Exception:  # best effort at exit; never take the training world down with it
+        logger.debug("vLLM engine core shutdown failed", exc_info=True)
+    finally:
+        ps.destroy_distributed_environment = original
 
 
 # ------------------------------------------------------------------------------------------------- launcher env
