@@ -205,6 +205,21 @@ def model_tiny(
     typer.echo(build_tiny(out, seed=seed))
 
 
+@app.command()
+@user_errors
+def summary(run_dirs: list[str] = typer.Argument(..., help="Run output directories (trainer.output_dir).")):
+    """Print a table of a run's headline metrics (validation accuracy, reward, step time, throughput)."""
+    from spmdrl.errors import DataError
+    from spmdrl.metrics import format_table, summarize_run
+
+    rows = []
+    for d in run_dirs:
+        if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
+            raise DataError(f"{d}: no metrics.jsonl; give a run's trainer.output_dir")
+        rows.append((os.path.basename(os.path.normpath(d)), summarize_run(d)))
+    typer.echo(format_table(rows))
+
+
 def main() -> None:
     app(prog_name="spmdrl")
 

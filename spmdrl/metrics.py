@@ -169,3 +169,39 @@ class StageTimer:
 
 
 __all__ = ["MetricsLogger", "StageTimer", "peak_memory_gb", "read_jsonl"]
+
+
+def summarize_run(run_dir: str) -> dict[str, float]:
+    """Headline numbers of a finished run from its metrics.jsonl: first/last/best validation accuracy, reward
+    at the start and end (mean of the first and last 5 steps), median step time and throughput."""
+    import statistics
+
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"), last_per_step=True)
+    val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+    train = [r for r in rows if "train/reward_mean" in r]
+    out: dict[str, float] = {"steps": float(len(train))}
+    if val:
+        out.update({"val/accuracy first": val[0], "val/accuracy last": val[-1], "val/accuracy best": max(val)})
+    if train:
+        rewards = [r["train/reward_mean"] for r in train]
+        out["train/reward first 5"] = statistics.fmean(rewards[:5])
+        out["train/reward last 5"] = statistics.fmean(rewards[-5:])
+        for key in ("timing/step_s", "timing/rollout_s", "timing/update_actor_s", "timing/weight_sync_s", "perf/tokens_per_s"):
+            vals = [r[key] for r in train if key in r]
+            if vals:
+                out[f"{key} (median)"] = statistics.median(vals)
+    return out
+
+
+def format_table(rows: list[tuple[str, dict[str, float]]]) -> str:
+    """A plain-text table: one column per run, one row per metric."""
+    keys = list(dict.fromkeys(k for _, d in rows for k in d))
+    names = [n for n, _ in rows]
+    width = max(len(k) for k in keys) if keys else 10
+    cols = [max(len(n), 10) for n in names]
+    lines = [" " * width + " | " + " | ".join(n.rjust(c) for n, c in zip(names, cols))]
+    lines.append("-" * len(lines[0]))
+    for k in keys:
+        cells = [(_fmt(d[k]) if k in d else "-").rjust(c) for (_, d), c in zip(rows, cols)]
+        lines.append(k.ljust(width) + " | " + " | ".join(cells))
+    return "\n".join(lines)

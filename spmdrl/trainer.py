@@ -88,7 +88,7 @@ class Trainer:
             gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.enable_sleep_mode and cuda,
             enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=max(r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length),
-            kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code, device=device,
+            kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code,
         )
         seed_everything(cfg.trainer.seed)  # building the engine reseeds the global RNG
         self.rollout.sleep()

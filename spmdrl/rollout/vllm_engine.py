@@ -20,12 +20,14 @@ garbage in the missing part, so send every tensor of each layer you touch.
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import os
 import socket
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -94,30 +96,35 @@ class VLLMEngine:
                 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * _GiB)
 
-        set_num_threads = torch.set_num_threads  # the CPU worker replaces it process-wide; see below
+        set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         t0 = time.perf_counter()
-        with preserved_rng_state():
-            self.llm = LLM(
-                model=model_path,
-                tokenizer=tokenizer_path or model_path,
-                tensor_parallel_size=tp_size,
-                distributed_executor_backend="external_launcher",
-                dtype=dtype,
-                max_model_len=max_model_len,
-                seed=seed,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_sleep_mode=self.sleep_enabled,
-                enforce_eager=enforce_eager,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                trust_remote_code=trust_remote_code,
-                enable_prefix_caching=True,
-                disable_log_stats=True,
-                **kwargs,
-            )
-        # vLLM's CPU worker disables torch.set_num_threads for the whole process because its multiprocess
-        # executor pins OMP threads; external_launcher pins nothing, so give training its setter back.
-        torch.set_num_threads = set_num_threads
+        try:
+            with preserved_rng_state(), _job_unique_cpu_shm_names():
+                self.llm = LLM(
+                    model=model_path,
+                    tokenizer=tokenizer_path or model_path,
+                    tensor_parallel_size=tp_size,
+                    distributed_executor_backend="external_launcher",
+                    dtype=dtype,
+                    max_model_len=max_model_len,
+                    seed=seed,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    enable_sleep_mode=self.sleep_enabled,
+                    enforce_eager=enforce_eager,
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    trust_remote_code=trust_remote_code,
+                    enable_prefix_caching=True,
+                    disable_log_stats=True,
+                    **kwargs,
+                )
+        finally:
+            # vLLM sets the process's torch threads to 1 for serving, and its CPU worker disables
+            # torch.set_num_threads process-wide (its multiprocess executor pins OMP threads; external_launcher
+            # pins nothing). Training shares this process: give it back its setter and its thread count.
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(num_threads)
+        _quiet_reload_warnings()
         _make_shutdown_keep_world(self.llm)
         self.build_seconds = time.perf_counter() - t0
         self.max_model_len = max_model_len
@@ -141,13 +148,17 @@ class VLLMEngine:
 
         check_generate_args(prompt_ids, spec, seeds)
         self._check_lengths(prompt_ids)
+        self._check_same_across_tp(prompt_ids, spec, seeds)
         self.finish_weight_update()
+        if not prompt_ids:
+            return RolloutOutput([], [], [])
         prompts, params = [], []
         for ids, seed in zip(prompt_ids, seeds):
             for j in range(spec.n):
                 prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
                 params.append(self._sampling_params(spec, sample_seed(seed, j)))
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        with preserved_rng_state():  # vLLM draws from the global RNGs even for seeded requests; keep training's
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
 
         response_ids, logprobs, finish_reason = [], [], []
         for out in outs:
@@ -171,7 +182,8 @@ class VLLMEngine:
         seqs = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
         self._check_lengths(seqs)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        with preserved_rng_state():
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
         result = []
         for out, p, r in zip(outs, prompt_ids, response_ids):
             lps = out.prompt_logprobs  # position k holds log p(token k | tokens < k); position 0 is None
@@ -193,6 +205,23 @@ class VLLMEngine:
             seed=seed,
             detokenize=bool(spec.stop),  # only stop strings need text
         )
+
+    def _check_same_across_tp(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> None:
+        """Fail loudly when the ranks of a TP group disagree on the request (vLLM would silently go wrong)."""
+        if self.tp_size == 1:
+            return
+        from vllm.distributed.parallel_state import get_tp_group
+
+        digest = hashlib.blake2b(repr((prompt_ids, seeds, spec)).encode(), digest_size=8).digest()
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+        group = get_tp_group()
+        everyone = [torch.zeros_like(mine) for _ in range(group.world_size)]
+        dist.all_gather(everyone, mine, group=group.cpu_group)
+        if any(int(x) != int(mine) for x in everyone):
+            raise SpmdrlError(
+                f"rollout TP group ranks {group.ranks} called generate with different prompts, seeds or sampling "
+                "spec: every rank of a TP group must pass the same request"
+            )
 
     def _check_lengths(self, seqs: list[list[int]]) -> None:
         for i, s in enumerate(seqs):
@@ -319,6 +348,59 @@ def _shutdown_keeping_world(core) -> None:
         logger.debug("vLLM engine core shutdown failed", exc_info=True)
     finally:
         ps.destroy_distributed_environment = original
+
+
+# ------------------------------------------------------------------------------------------ vLLM side effects
+
+_engines_built = 0
+
+
+@contextmanager
+def _job_unique_cpu_shm_names() -> Iterator[None]:
+    """Give vLLM's CPU shared-memory TP communicator segment names unique to this job and engine.
+
+    vLLM names them after the init method, which external_launcher fixes to "env://", so two jobs on one host
+    with TP > 1 (two test runs, two users) both try to create "-tp:0-[0-1]-cpushm_0" and the second fails with
+    "create shm in SHMManager failed. errno: 17". MASTER_PORT differs between concurrent torchrun jobs on a host
+    and is the same on all ranks of one; the engine count is the same on all ranks because all build together.
+    """
+    global _engines_built
+    _engines_built += 1
+    try:
+        from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    except ImportError:  # not a CPU build or vLLM moved it: nothing to rename
+        yield
+        return
+    original = _CPUSHMDistributed.__dict__.get("make_group_name")
+    if not isinstance(original, staticmethod):
+        yield
+        return
+    tag = f"spmdrl{os.environ.get('MASTER_PORT', '0')}e{_engines_built}"
+
+    def make_group_name(communicator) -> str:
+        name = original.__func__(communicator)
+        body = name.lstrip("/")  # shm_open wants the leading slash(es) first
+        return f"{name[: len(name) - len(body)]}{tag}{body}"
+
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+    try:
+        yield
+    finally:
+        _CPUSHMDistributed.make_group_name = original
+
+
+class _DropIdleRotaryWarning(logging.Filter):
+    """Every weight update logs "RotaryEmbedding: Failed to load weights": its cos/sin cache is a buffer that
+    checkpoints never carry, and vLLM keeps the existing one, which is right."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+
+
+def _quiet_reload_warnings() -> None:
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _DropIdleRotaryWarning) for f in reload_logger.filters):
+        reload_logger.addFilter(_DropIdleRotaryWarning())
 
 
 # ------------------------------------------------------------------------------------------------- launcher env

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The CPU quickstart: tiny model + tokenizer, synthetic arithmetic data, SFT warm start, then GRPO with two
+# processes and in-process vLLM, then a summary table. Everything lands in $OUT (default outputs/quickstart).
+#   bash launch/quickstart.sh [extra GRPO overrides, e.g. trainer.total_steps=20]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/quickstart}
+NPROC=${NPROC:-2}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+start=$(date +%s)
+
+echo "== 1/4 tiny model and tokenizer -> $OUT/tiny"
+spmdrl model tiny --out "$OUT/tiny"
+echo "== 2/4 synthetic arithmetic data -> $OUT/data"
+spmdrl data synthetic --out "$OUT/data" --n-sft 4096
+echo "== 3/4 SFT warm start ($NPROC processes)"
+spmdrl sft --nproc "$NPROC" --config configs/quickstart/sft.toml \
+  model.path="$OUT/tiny" sft.train_files="[\"$OUT/data/sft.parquet\"]" \
+  sft.save_dir="$OUT/sft_model" trainer.output_dir="$OUT/sft"
+echo "== 4/4 GRPO ($NPROC processes, in-process vLLM)"
+spmdrl train --nproc "$NPROC" --config configs/quickstart/grpo.toml \
+  model.path="$OUT/sft_model" data.train_files="[\"$OUT/data/train.parquet\"]" \
+  data.val_files="[\"$OUT/data/val.parquet\"]" trainer.output_dir="$OUT/grpo" "$@"
+
+spmdrl summary "$OUT/grpo"
+echo "quickstart finished in $(( $(date +%s) - start )) s; tensorboard --logdir $OUT/grpo/tensorboard"

@@ -1,0 +1,232 @@
+"""A transformers fallback for machines without vLLM: same interface, plain batched decoding with a KV cache.
+
+Slow (no continuous batching, no paged attention); meant for tests, debugging and tiny models. Every rank holds
+the whole model, so in a "TP group" each rank simply computes the same samples; per-sample seeds make that
+consistent.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+import torch
+
+from spmdrl.errors import ConfigError, SpmdrlError
+from spmdrl.rollout.base import (
+    RolloutOutput,
+    SamplingSpec,
+    check_generate_args,
+    preserved_rng_state,
+    sample_seed,
+)
+
+logger = logging.getLogger(__name__)
+_warned_slow = False
+
+
+def _warn_slow_once() -> None:
+    global _warned_slow
+    if not _warned_slow:
+        _warned_slow = True
+        logger.warning(
+            "rollout uses the transformers engine (HFEngine): it is much slower than vLLM; "
+            "install vllm and set rollout.engine = 'vllm' for real runs"
+        )
+
+
+class HFEngine:
+    """Sampling with a transformers causal LM in this process."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tokenizer_path: str | None = None,
+        dtype: str = "auto",
+        device: str | torch.device | None = None,
+        max_model_len: int | None = None,
+        batch_size: int = 64,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+    ):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        _warn_slow_once()
+        if device is None:
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"rollout dtype={dtype!r}: use auto, float32, bfloat16 or float16")
+        if batch_size < 1:
+            raise ConfigError(f"HFEngine batch_size={batch_size}: must be >= 1")
+        with preserved_rng_state():
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+            ).to(self.device)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            tokenizer_path or model_path, trust_remote_code=trust_remote_code
+        )
+        self.max_model_len = max_model_len
+        self.batch_size = batch_size
+        self.seed = seed  # unused: every sample is seeded from the caller's per-prompt seeds
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else next(iter(self.eos_ids), 0)
+
+    # ----------------------------------------------------------------------------------------------- generate
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> RolloutOutput:
+        """spec.n samples per prompt, prompt-major; sample j of prompt i is seeded by sample_seed(seeds[i], j)."""
+        check_generate_args(prompt_ids, spec, seeds)
+        if self.max_model_len is not None:
+            for i, p in enumerate(prompt_ids):
+                if len(p) >= self.max_model_len:
+                    raise ConfigError(f"prompt {i} has {len(p)} tokens, max_model_len is {self.max_model_len}")
+        samples = [(list(p), sample_seed(s, j)) for p, s in zip(prompt_ids, seeds) for j in range(spec.n)]
+        out = RolloutOutput([], [], [])
+        for start in range(0, len(samples), self.batch_size):
+            chunk = samples[start : start + self.batch_size]
+            ids, lps, reasons = self._generate_batch([p for p, _ in chunk], [s for _, s in chunk], spec)
+            out.response_ids += ids
+            out.logprobs += lps if spec.logprobs else [[] for _ in ids]
+            out.finish_reason += reasons
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], spec: SamplingSpec):
+        dev = self.device
+        b = len(prompts)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((b, width), self.pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros((b, width), dtype=torch.long, device=dev)
+        for r, p in enumerate(prompts):  # left padding keeps every row's next token in the last column
+            input_ids[r, width - len(p) :] = torch.tensor(p, device=dev)
+            mask[r, width - len(p) :] = 1
+        generators = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+        max_new = spec.max_tokens
+        if self.max_model_len is not None:
+            max_new = min(max_new, self.max_model_len - width)
+        stop_ids = self.eos_ids | set(spec.stop_token_ids)
+
+        responses: list[list[int]] = [[] for _ in range(b)]
+        logprobs: list[list[float]] = [[] for _ in range(b)]
+        reasons: list[str | None] = [None] * b
+        past = None
+        step_ids = input_ids
+        for _ in range(max_new):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+            res = self.model(
+                input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True
+            )
+            past = res.past_key_values
+            logits = res.logits[:, -1, :].float()
+            tokens = _sample(logits, spec, generators)
+            raw = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+            for r in range(b):
+                if reasons[r] is not None:
+                    continue
+                t = int(tokens[r])
+                responses[r].append(t)
+                logprobs[r].append(float(raw[r]))
+                if t in stop_ids or (spec.stop and self._hit_stop_string(responses[r], spec.stop)):
+                    reasons[r] = "stop"
+            if all(x is not None for x in reasons):
+                break
+            tokens = torch.where(
+                torch.tensor([x is None for x in reasons], device=dev), tokens, torch.full_like(tokens, self.pad_id)
+            )
+            step_ids = tokens[:, None]
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
+        return responses, logprobs, [x or "length" for x in reasons]
+
+    def _hit_stop_string(self, response: list[int], stops: list[str]) -> bool:
+        text = self.tokenizer.decode(response, skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    @torch.no_grad()
+    def compute_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """Raw log-probs of response tokens given their prompts, one list per pair."""
+        if len(prompt_ids) != len(response_ids):
+            raise ConfigError(f"compute_logprobs got {len(prompt_ids)} prompts but {len(response_ids)} responses")
+        result = []
+        for p, r in zip(prompt_ids, response_ids):
+            ids = torch.tensor([list(p) + list(r)], device=self.device)
+            logits = self.model(input_ids=ids).logits[0, len(p) - 1 : -1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r, device=self.device)[:, None])[:, 0]
+            result.append(lp.tolist())
+        return result
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named full tensors into the module by name; any subset, in any number of calls."""
+        params = dict(self.model.named_parameters())
+        params.update(self.model.named_buffers())
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        for name, tensor in named_tensors:
+            target = params.get(name)
+            if target is None:
+                if tied and name == "lm_head.weight":
+                    continue  # the embedding carries it
+                raise SpmdrlError(f"update_weights: the rollout model has no parameter named {name!r}")
+            if target.shape != tensor.shape:
+                raise SpmdrlError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, the rollout model expects "
+                    f"{tuple(target.shape)} (send full, unsharded tensors)"
+                )
+            target.copy_(tensor)
+
+    # ---------------------------------------------------------------------------------------------- lifecycle
+
+    def sleep(self) -> None:
+        """Move the weights to CPU (CUDA only; a no-op on CPU)."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Move the weights back after sleep."""
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+
+    def close(self) -> None:
+        """Drop the model."""
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _sample(logits: torch.Tensor, spec: SamplingSpec, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row: greedy at temperature 0, else temperature, top-k, top-p and a per-row generator."""
+    if spec.temperature == 0:
+        return logits.argmax(dim=-1)
+    scaled = logits / spec.temperature
+    if 0 < spec.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, spec.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if spec.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > spec.top_p  # mass before this token already reaches top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return torch.stack([torch.multinomial(probs[r], 1, generator=g)[0] for r, g in enumerate(generators)])
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(x) for x in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

@@ -1,0 +1,158 @@
+"""HFEngine (the transformers fallback) in one process, plus the engine-independent pieces of spmdrl.rollout."""
+import logging
+
+import pytest
+import torch
+
+from spmdrl.errors import ConfigError, SpmdrlError
+from spmdrl.rollout import SamplingSpec, build_engine, sample_seed
+from spmdrl.rollout.base import RolloutEngine
+from spmdrl.rollout.hf_engine import HFEngine
+from spmdrl.tiny import build_tiny
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny(str(tmp_path_factory.mktemp("tiny") / "m"), seed=0)
+
+
+@pytest.fixture()
+def engine(model_dir):
+    return HFEngine(model_dir, max_model_len=256, batch_size=4)
+
+
+def prompts_of(engine):
+    return [engine.tokenizer.encode(t) for t in ("hello world", "abc", "The quick brown fox jumps")]
+
+
+@torch.no_grad()
+def argmax_decode(model, prompt, steps):
+    """Greedy decoding the slow, obvious way: full forward per token, no cache, no padding."""
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@torch.no_grad()
+def forward_logprobs(model, prompt, response):
+    logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_greedy_matches_argmax_decoding(engine):
+    prompts = prompts_of(engine)  # different lengths: exercises left padding and the KV cache
+    out = engine.generate(prompts, SamplingSpec(n=1, temperature=0.0, max_tokens=12), [0, 1, 2])
+    for p, resp, reason in zip(prompts, out.response_ids, out.finish_reason):
+        ref = argmax_decode(engine.model, p, len(resp))
+        assert resp == ref
+        assert reason == "stop" or len(resp) == 12
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_are_raw_and_match_forward(engine, temperature):
+    prompts = prompts_of(engine)
+    spec = SamplingSpec(n=2, temperature=temperature, top_p=0.95, top_k=50, max_tokens=16)
+    out = engine.generate(prompts, spec, [5, 6, 7])
+    for k, (resp, lps) in enumerate(zip(out.response_ids, out.logprobs)):
+        assert len(resp) == len(lps) > 0
+        ref = forward_logprobs(engine.model, prompts[k // 2], resp)  # raw: no temperature
+        assert (torch.tensor(lps) - ref).abs().max().item() < 1e-5
+    again = engine.compute_logprobs([prompts[k // 2] for k in range(6)], out.response_ids)
+    for a, b in zip(out.logprobs, again):
+        assert (torch.tensor(a) - torch.tensor(b)).abs().max().item() < 1e-5
+
+
+def test_n_samples_are_prompt_major_and_seeded_per_sample(engine):
+    prompts = prompts_of(engine)
+    spec = SamplingSpec(n=3, temperature=1.0, max_tokens=10)
+    out = engine.generate(prompts, spec, [11, 12, 13])
+    assert len(out) == 9
+    # prompt 1's samples are slots 3..5 and do not depend on what else is in the batch
+    alone = engine.generate([prompts[1]], spec, [12])
+    assert out.response_ids[3:6] == alone.response_ids
+    # the n samples of one prompt differ; the same seeds give the same samples
+    assert len({tuple(r) for r in out.response_ids[0:3]}) == 3
+    assert engine.generate(prompts, spec, [11, 12, 13]).response_ids == out.response_ids
+    assert engine.generate(prompts, spec, [21, 12, 13]).response_ids[0:3] != out.response_ids[0:3]
+
+
+def test_stops_on_eos(engine):
+    """Swap the EOS row of lm_head with the row of the k-th greedy token: greedy decoding then emits EOS at k."""
+    (eos,) = engine.eos_ids
+    prompt = prompts_of(engine)[0]
+    greedy = argmax_decode(engine.model, prompt, 12)
+    k = next(i for i in range(1, 12) if greedy[i] not in greedy[:i] and eos not in greedy[: i + 1])
+    w = engine.model.lm_head.weight.detach().clone()
+    w[[eos, greedy[k]]] = w[[greedy[k], eos]]
+    engine.update_weights([("lm_head.weight", w)])
+    out = engine.generate([prompt], SamplingSpec(n=1, temperature=0.0, max_tokens=12), [0])
+    assert out.response_ids[0] == greedy[:k] + [eos]
+    assert out.finish_reason == ["stop"]
+
+
+def test_stops_on_stop_token_ids_and_strings(engine):
+    prompt = prompts_of(engine)[0]
+    greedy = argmax_decode(engine.model, prompt, 12)
+    k = next(i for i in range(1, 12) if greedy[i] not in greedy[:i])
+    by_id = engine.generate([prompt], SamplingSpec(n=1, temperature=0, max_tokens=12, stop_token_ids=[greedy[k]]), [0])
+    assert by_id.response_ids[0] == greedy[: k + 1] and by_id.finish_reason == ["stop"]
+    stop_text = engine.tokenizer.decode([greedy[k]])  # one character per token in the tiny tokenizer
+    by_str = engine.generate([prompt], SamplingSpec(n=1, temperature=0, max_tokens=12, stop=[stop_text]), [0])
+    assert by_str.response_ids[0] == greedy[: k + 1] and by_str.finish_reason == ["stop"]
+    long = engine.generate([prompt], SamplingSpec(n=1, temperature=0, max_tokens=5), [0])
+    assert long.finish_reason == ["length"] and len(long.response_ids[0]) == 5
+
+
+def test_update_weights_by_name(engine, tmp_path):
+    other_dir = build_tiny(str(tmp_path / "other"), seed=1)
+    other = HFEngine(other_dir)
+    state = sorted(other.model.state_dict().items())
+    engine.update_weights(state[0::2])
+    engine.update_weights(state[1::2])
+    prompt = prompts_of(engine)[2]
+    spec = SamplingSpec(n=1, temperature=0, max_tokens=8)
+    assert engine.generate([prompt], spec, [0]).response_ids == other.generate([prompt], spec, [0]).response_ids
+    with pytest.raises(SpmdrlError, match="no parameter named 'nope'"):
+        engine.update_weights([("nope", torch.zeros(1))])
+    with pytest.raises(SpmdrlError, match="unsharded"):
+        engine.update_weights([("lm_head.weight", torch.zeros(3, 3))])
+
+
+def test_bad_requests_are_config_errors(engine):
+    with pytest.raises(ConfigError, match="one seed per prompt"):
+        engine.generate([[5, 6]], SamplingSpec(), [1, 2])
+    with pytest.raises(ConfigError, match="top_p"):
+        engine.generate([[5, 6]], SamplingSpec(top_p=0), [1])
+    with pytest.raises(ConfigError, match="prompt 0 is empty"):
+        engine.generate([[]], SamplingSpec(), [1])
+
+
+def test_build_engine_hf_warns_and_drops_vllm_kwargs(model_dir, caplog, monkeypatch):
+    import spmdrl.rollout.hf_engine as hf_engine
+
+    monkeypatch.setattr(hf_engine, "_warned_slow", False)
+    with caplog.at_level(logging.WARNING, logger="spmdrl.rollout.hf_engine"):
+        eng = build_engine("hf", model_path=model_dir, tp_size=2, kv_cache_gb=1.0, max_model_len=64, seed=3)
+    assert isinstance(eng, HFEngine) and isinstance(eng, RolloutEngine)
+    assert "slower than vLLM" in caplog.text
+    eng.sleep(), eng.wake_up()  # no-ops on CPU
+    assert len(eng.generate([[5, 6]], SamplingSpec(max_tokens=3), [0]).response_ids[0]) <= 3
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        build_engine("sglang", model_path=model_dir)
+
+
+def test_auto_falls_back_to_hf_without_vllm(model_dir, monkeypatch):
+    import spmdrl.rollout as rollout
+
+    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
+    assert isinstance(build_engine("auto", model_path=model_dir, tp_size=1, max_model_len=64, seed=0), HFEngine)
+    with pytest.raises(ConfigError, match="not installed"):
+        build_engine("vllm", model_path=model_dir)
+
+
+def test_sample_seed_is_deterministic_and_spread():
+    assert sample_seed(7, 0) == sample_seed(7, 0)
+    seeds = {sample_seed(s, j) for s in range(50) for j in range(8)}
+    assert len(seeds) == 400  # neighbouring prompt seeds never share a sample seed
+    assert all(0 <= x < 2**63 for x in seeds)
