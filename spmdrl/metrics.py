@@ -42,8 +42,9 @@ class MetricsLogger:
     """Writes each step's metrics to tensorboard (output_dir/tensorboard), output_dir/metrics.jsonl and stdout."""
 
     def __init__(self, output_dir: str, *, tensorboard: bool = True, jsonl: bool = True, console: bool = True,
-                 rank: int = 0):
+                 rank: int = 0, append: bool = True, progress_total: int = 0):
         self.output_dir = output_dir
+        self._bar = None
         self.enabled = rank == 0
         self.console = console and self.enabled
         self._writer = None
@@ -57,7 +58,11 @@ class MetricsLogger:
             self._writer = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
         if jsonl:
             # Append: a resumed run continues the same file (read_jsonl keeps the last record of a step).
-            self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a" if append else "w", encoding="utf-8")
+        if progress_total and self.console:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=progress_total, desc="steps", unit="step", dynamic_ncols=True, leave=True)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step. Values are anything float() accepts (Python, numpy or 0-d torch numbers)."""
@@ -73,9 +78,18 @@ class MetricsLogger:
             self._jsonl.flush()
         if self.console:
             parts = [f"step {step}"] + [f"{label} {_fmt(values[k])}" for label, k in CONSOLE_KEYS if k in values]
-            print(" | ".join(parts), file=sys.stdout, flush=True)
+            line = " | ".join(parts)
+            if self._bar is not None:
+                self._bar.write(line)
+                if step > self._bar.n:
+                    self._bar.update(step - self._bar.n)
+            else:
+                print(line, file=sys.stdout, flush=True)
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None

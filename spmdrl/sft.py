@@ -114,7 +114,8 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
         optim=dict(lr=s.lr, weight_decay=s.weight_decay, warmup_steps=s.warmup_steps, lr_scheduler=s.lr_scheduler, grad_clip=s.grad_clip),
     )
     logger = MetricsLogger(cfg.trainer.output_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
-                           console=cfg.logging.console, rank=rank)
+                           console=cfg.logging.console, rank=rank, append=False,
+                           progress_total=total if cfg.logging.progress else 0)
     dp_group = mesh.mesh.get_group("dp")
     for step in range(1, total + 1):
         t0 = time.perf_counter()

@@ -14,6 +14,8 @@ from spmdrl.errors import SpmdrlError
 
 
 def setup_logging(rank: int) -> None:
+    # vLLM logs every engine call at INFO; keep its warnings and errors only unless the user asks for more
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"[%(asctime)s rank{rank}] %(message)s",

@@ -109,7 +109,8 @@ class Trainer:
                 f.write(to_toml(cfg))
         lg = cfg.logging
         self.logger = MetricsLogger(
-            cfg.trainer.output_dir, tensorboard=lg.tensorboard, jsonl=lg.jsonl, console=lg.console, rank=rank
+            cfg.trainer.output_dir, tensorboard=lg.tensorboard, jsonl=lg.jsonl, console=lg.console, rank=rank,
+            append=False, progress_total=cfg.trainer.total_steps if lg.progress else 0,
         )
         self.global_step = 0
 

@@ -110,6 +110,7 @@ def test_update_weights_by_name(engine, tmp_path):
     state = sorted(other.model.state_dict().items())
     engine.update_weights(state[0::2])
     engine.update_weights(state[1::2])
+    engine.finish_weight_update()
     prompt = prompts_of(engine)[2]
     spec = SamplingSpec(n=1, temperature=0, max_tokens=8)
     assert engine.generate([prompt], spec, [0]).response_ids == other.generate([prompt], spec, [0]).response_ids

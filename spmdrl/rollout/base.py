@@ -79,6 +79,10 @@ class RolloutEngine(Protocol):
         """Load one bucket of HF-named, full (unsharded) tensors; call again for the next bucket."""
         ...
 
+    def finish_weight_update(self) -> None:
+        """Apply what update_weights left pending (the next generate does it anyway); no-op when nothing is."""
+        ...
+
     def sleep(self) -> None:
         """Release weights and KV cache memory until wake_up (no-op where unsupported)."""
         ...

@@ -181,6 +181,9 @@ class HFEngine:
                 )
             target.copy_(tensor)
 
+    def finish_weight_update(self) -> None:
+        """Nothing pending: update_weights copies immediately."""
+
     # ---------------------------------------------------------------------------------------------- lifecycle
 
     def sleep(self) -> None:

@@ -1,0 +1,34 @@
+"""Start real multi-process runs from tests: torchrun on loopback, or a plain single process."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: list[str], nproc: int | None, timeout: int = 600, module: bool = False, check: bool = True):
+    """Run `args` (a script path, or a module with module=True) under torchrun with nproc ranks, or as one
+    plain process (no torchrun variables) when nproc is None. Returns the CompletedProcess."""
+    target = ["-m", *args] if module else args
+    if nproc is None:
+        cmd = [sys.executable, *target]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *target]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return proc
