@@ -205,6 +205,23 @@ def model_tiny(
     typer.echo(build_tiny(out, seed=seed))
 
 
+@app.command(context_settings=PASS_OVERRIDES)
+@user_errors
+def bench(
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    nproc: int = typer.Option(2, help="Local ranks (torchrun)."),
+    steps: int = typer.Option(12, help="RL steps to run; the first 2 are warm-up and not measured."),
+    model: Optional[str] = typer.Option(None, help="HF model directory; default: a freshly built tiny model."),
+    work_dir: str = typer.Option("outputs/bench", help="Where the data, model and run go."),
+):
+    """Time a GRPO step by stage on the quickstart setup and report the SPMD overhead."""
+    from spmdrl.bench import breakdown, format_breakdown, launch, prepare
+
+    model_dir, data = prepare(work_dir, model)
+    run_dir = launch(work_dir, model_dir, data, nproc, steps, _overrides(overrides))
+    typer.echo(format_breakdown(breakdown(run_dir)))
+
+
 @app.command()
 @user_errors
 def summary(run_dirs: list[str] = typer.Argument(..., help="Run output directories (trainer.output_dir).")):

@@ -1,0 +1,59 @@
+"""Role layouts and launcher detection: pure arithmetic, no process group."""
+import pytest
+
+from spmdrl.config import PlacementConfig
+from spmdrl.dist.init import detect_env, expand_nodelist
+from spmdrl.dist.layout import plan_layout
+from spmdrl.errors import LayoutError
+
+
+def test_colocated_layout_degrees_and_coords():
+    lay = plan_layout(PlacementConfig(actor_tp=2, rollout_tp=4), 8)
+    assert (lay["actor"].dp, lay["actor"].tp) == (4, 2)
+    assert (lay["rollout"].dp, lay["rollout"].tp) == (2, 4)
+    assert lay["ref"].ranks == lay["critic"].ranks == tuple(range(8))
+    # tp is the fastest dim: a TP group is adjacent ranks
+    assert lay["rollout"].mesh_ranks() == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    assert lay["actor"].coords(5) == (2, 0, 1)
+
+
+def test_disjoint_rank_sets_are_expressible():
+    lay = plan_layout(PlacementConfig(actor_ranks=[0, 1, 2, 3], rollout_ranks=[4, 5, 6, 7], rollout_tp=2), 8)
+    assert lay["actor"].dp == 4 and lay["rollout"].dp == 2
+    assert lay["rollout"].coords(1) is None and lay["rollout"].coords(6) == (1, 0, 0)
+    assert lay["ref"].ranks == (0, 1, 2, 3)  # follows the actor
+
+
+@pytest.mark.parametrize("kw,world,words", [
+    ({"rollout_tp": 3}, 8, ["world size 8", "3*1 = 3", "rollout_tp"]),
+    ({"actor_tp": 4}, 2, ["world size 2", "4*1 = 4"]),
+    ({"actor_ranks": [0, 9]}, 4, ["actor_ranks", "outside the world of 4"]),
+    ({"actor_ranks": [1, 1]}, 4, ["twice"]),
+    ({"actor_tp": 0}, 4, ["actor_tp must be >= 1"]),
+    ({"actor_pp": 2}, 4, ["Megatron"]),
+    ({"mode": "split"}, 4, ["placement.mode"]),
+])
+def test_impossible_layouts_are_rejected(kw, world, words):
+    with pytest.raises(LayoutError) as e:
+        plan_layout(PlacementConfig(**kw), world)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_expand_slurm_nodelist():
+    assert expand_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
+    assert expand_nodelist("node5") == ["node5"]
+    assert expand_nodelist("a[8-10]") == ["a8", "a9", "a10"]
+
+
+def test_detect_env_torchrun_slurm_and_single():
+    t = detect_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"})
+    assert (t.rank, t.world_size, t.local_rank, t.master_addr, t.master_port, t.launcher) == (3, 8, 3, "h0", 1234, "torchrun")
+    s = detect_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                    "SLURM_JOB_NODELIST": "gpu[12-13]", "SLURM_JOB_ID": "4242"})
+    assert (s.rank, s.world_size, s.local_rank, s.master_addr, s.launcher) == (5, 16, 1, "gpu12", "slurm")
+    assert s.master_port == 20000 + 4242
+    one = detect_env({})
+    assert (one.rank, one.world_size, one.launcher) == (0, 1, "single") and one.master_port > 0
