@@ -18,10 +18,19 @@ def test_colocated_layout_degrees_and_coords():
 
 
 def test_disjoint_rank_sets_are_expressible():
-    lay = plan_layout(PlacementConfig(actor_ranks=[0, 1, 2, 3], rollout_ranks=[4, 5, 6, 7], rollout_tp=2), 8)
-    assert lay["actor"].dp == 4 and lay["rollout"].dp == 2
-    assert lay["rollout"].coords(1) is None and lay["rollout"].coords(6) == (1, 0, 0)
+    split = PlacementConfig(actor_ranks=[0, 1, 2, 3], critic_ranks=[4, 5, 6, 7], critic_tp=2)
+    with pytest.raises(LayoutError, match="colocated"):
+        plan_layout(split, 8)
+    lay = plan_layout(split, 8, allow_split=True)
+    assert lay["actor"].dp == 4 and lay["critic"].dp == 2
+    assert lay["critic"].coords(1) is None and lay["critic"].coords(6) == (1, 0, 0)
     assert lay["ref"].ranks == (0, 1, 2, 3)  # follows the actor
+    assert lay["rollout"].ranks == tuple(range(8))
+
+
+def test_rollout_must_span_the_world():
+    with pytest.raises(LayoutError, match="rollout_ranks"):
+        plan_layout(PlacementConfig(rollout_ranks=[4, 5, 6, 7]), 8, allow_split=True)
 
 
 @pytest.mark.parametrize("kw,world,words", [

@@ -46,9 +46,13 @@ def _ranks(spec: list[int], default: tuple[int, ...], world_size: int, key: str)
     return tuple(spec)
 
 
-def plan_layout(placement, world_size: int) -> dict[str, RoleLayout]:
-    """Rank sets and degrees for every role; raises LayoutError naming the world size and the degrees."""
-    if placement.mode != "colocate":
+def plan_layout(placement, world_size: int, *, allow_split: bool = False) -> dict[str, RoleLayout]:
+    """Rank sets and degrees for every role; raises LayoutError naming the world size and the degrees.
+
+    The arithmetic handles disjoint rank sets (split placement); until the trainer runs them, only
+    colocated layouts are accepted unless `allow_split`.
+    """
+    if placement.mode != "colocate" and not allow_split:
         raise LayoutError(f"placement.mode = {placement.mode!r} is not available yet; use 'colocate'")
     everyone = tuple(range(world_size))
     actor = _ranks(placement.actor_ranks, everyone, world_size, "actor_ranks")
@@ -77,6 +81,18 @@ def plan_layout(placement, world_size: int) -> dict[str, RoleLayout]:
                 f"does not divide it; choose {role}_tp (and pp) whose product divides {n}"
             )
         out[role] = RoleLayout(role, ranks[role], n // (tp * pp), pp, tp)
+    if not allow_split:
+        for role in ROLES:
+            if out[role].ranks != everyone:
+                raise LayoutError(
+                    f"placement.{role}_ranks = {list(out[role].ranks)}: colocated placement puts every role on all "
+                    f"{world_size} ranks; leave {role}_ranks empty"
+                )
+    if set(out["rollout"].ranks) != set(everyone) or list(out["rollout"].ranks) != sorted(out["rollout"].ranks):
+        raise LayoutError(
+            "placement.rollout_ranks must be all ranks in order for now: in-process vLLM (external_launcher) builds "
+            "its engines with world-wide collectives and takes contiguous TP groups; leave rollout_ranks empty"
+        )
     if out["actor"].pp != 1:
         raise LayoutError("placement.actor_pp > 1 needs the Megatron backend, which is not available yet; set actor_pp = 1")
     return out

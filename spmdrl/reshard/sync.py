@@ -15,4 +15,5 @@ def sync_weights(actor, rollout, *, bucket_mb: int, dtype: torch.dtype | None = 
         rollout.update_weights(bucket)
         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         del bucket
+    rollout.finish_weight_update()  # vLLM: finalize the layerwise reload (repack CPU weights, reset prefix cache)
     return {"timing/weight_sync_s": time.perf_counter() - t0, "perf/weight_sync_mb": nbytes / 2**20}
