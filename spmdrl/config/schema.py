@@ -192,6 +192,16 @@ class RewardConfig:
     """DAPO overlong shaping: penalise responses within this many tokens of max_response_length; 0 disables."""
     overlong_penalty_factor: float = 1.0
     """DAPO overlong shaping: the largest penalty, reached at max_response_length."""
+    rule_weight: float = 1.0
+    """Weight of the rule / custom-function score in the final reward."""
+    model_path: str = ""
+    """Sequence-classification reward model (HF path or hub id); empty disables it."""
+    model_tokenizer_path: str = ""
+    """Reward model tokenizer; empty means model_path's. Responses are re-tokenised when it differs from the policy's."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score in the final reward."""
+    model_micro_batch_size: int = 8
+    """Samples per reward-model forward on one rank."""
 
 
 @dataclass
@@ -220,6 +230,10 @@ class AlgorithmConfig:
     """Adaptive controller: target KL."""
     kl_horizon: int = 10000
     """Adaptive controller: horizon in samples."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more until the batch is full."""
+    max_sample_rounds: int = 4
+    """Dynamic sampling: generation rounds per step at most; past it the step trains on what it has."""
 
 
 @dataclass
@@ -246,6 +260,10 @@ class PlacementConfig:
     """Ranks running vLLM; empty means all ranks."""
     rollout_tp: int = 1
     """vLLM tensor-parallel degree: ranks per engine."""
+    reward_ranks: list[int] = field(default_factory=list)
+    """Ranks of the reward model; empty means the actor's ranks."""
+    reward_tp: int = 1
+    """Reward-model tensor-parallel degree."""
 
 
 @dataclass
@@ -270,6 +288,10 @@ class TrainerConfig:
     """Name shown in logs and sweep reports; empty means the output_dir's name."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a rank that dies makes the others fail within about this long."""
+    critic_warmup: int = 0
+    """Steps at the start during which only the critic trains (the actor and rollout weights stay put)."""
+    max_bad_steps: int = 3
+    """Consecutive steps with a non-finite loss or grad norm (each skipped) before the run aborts."""
 
 
 @dataclass

@@ -45,7 +45,8 @@ def validate(cfg, world_size: int):
         "data.max_prompt_length", "data.max_response_length", "data.train_batch_size", "rollout.n",
         "rollout.val_n", "actor.ppo_epochs", "actor.micro_batch_size", "ref.micro_batch_size",
         "critic.micro_batch_size", "critic.ppo_epochs", "trainer.total_steps", "rollout.max_num_seqs",
-        "rollout.weight_sync_bucket_mb", "actor.logprob_chunk_size",
+        "rollout.weight_sync_bucket_mb", "actor.logprob_chunk_size", "algorithm.max_sample_rounds",
+        "reward.model_micro_batch_size", "trainer.max_bad_steps",
     ]
     for key in positive:
         if _get(cfg, key) <= 0:
@@ -55,7 +56,8 @@ def validate(cfg, world_size: int):
             raise ConfigError(f"{key} must be > 0, found {_get(cfg, key)}")
     for key in ("actor.clip_ratio_low", "actor.clip_ratio_high", "actor.grad_clip", "critic.grad_clip",
                 "actor.entropy_coeff", "actor.kl_loss_coef", "algorithm.kl_coef", "rollout.val_temperature",
-                "reward.timeout_s", "data.val_batch_size", "actor.warmup_steps", "trainer.test_freq"):
+                "reward.timeout_s", "data.val_batch_size", "actor.warmup_steps", "trainer.test_freq",
+                "trainer.critic_warmup", "reward.rule_weight", "reward.model_weight", "critic.cliprange_value"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, found {_get(cfg, key)}")
     if cfg.actor.clip_ratio_c <= 1:

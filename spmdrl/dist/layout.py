@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from spmdrl.errors import LayoutError
 
-ROLES = ("actor", "ref", "critic", "rollout")
+ROLES = ("actor", "ref", "critic", "reward", "rollout")
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,14 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = False) -> dic
         "actor": actor,
         "ref": _ranks(placement.ref_ranks, actor, world_size, "ref_ranks"),
         "critic": _ranks(placement.critic_ranks, actor, world_size, "critic_ranks"),
+        "reward": _ranks(placement.reward_ranks, actor, world_size, "reward_ranks"),
         "rollout": _ranks(placement.rollout_ranks, everyone, world_size, "rollout_ranks"),
     }
     degrees = {
         "actor": (placement.actor_tp, placement.actor_pp),
         "ref": (placement.ref_tp, 1),
         "critic": (placement.critic_tp, 1),
+        "reward": (placement.reward_tp, 1),
         "rollout": (placement.rollout_tp, 1),
     }
     out = {}
