@@ -4,6 +4,7 @@
     spmdrl config show --config configs/grpo.toml --world-size 8
     spmdrl data synthetic --out data/arith
     spmdrl model tiny --out models/tiny
+    spmdrl sweep plan|run|report configs/ablations/estimators.toml
 
 Every SpmdrlError (bad config, data, path) prints as one line `error: ...` on stderr with exit code 2.
 """
@@ -235,6 +236,89 @@ def summary(run_dirs: list[str] = typer.Argument(..., help="Run output directori
             raise DataError(f"{d}: no metrics.jsonl; give a run's trainer.output_dir")
         rows.append((os.path.basename(os.path.normpath(d)), summarize_run(d)))
     typer.echo(format_table(rows))
+
+
+sweep_app = typer.Typer(help="Ablation sweeps: a base config and axes of overrides, one run per point.", no_args_is_help=True)
+app.add_typer(sweep_app, name="sweep")
+SWEEP_HELP = "Sweep file (TOML: base, output_dir, nproc, mode, overrides, seeds, [axes]); see docs/sweeps.md."
+SWEEP_NPROC_HELP = "Ranks per run; overrides the sweep file's nproc."
+
+
+@sweep_app.command("plan")
+@user_errors
+def sweep_plan(
+    sweep_file: str = typer.Argument(..., help=SWEEP_HELP),
+    nproc: Optional[int] = typer.Option(None, "--nproc", "-n", min=1, help=SWEEP_NPROC_HELP),
+):
+    """List the runs (name, state, overrides); every run's config is loaded and validated."""
+    from spmdrl.sweep import format_plan, load_sweep
+
+    typer.echo(format_plan(load_sweep(sweep_file, nproc)))
+
+
+@sweep_app.command("run")
+@user_errors
+def sweep_run(
+    sweep_file: str = typer.Argument(..., help=SWEEP_HELP),
+    nproc: Optional[int] = typer.Option(None, "--nproc", "-n", min=1, help=SWEEP_NPROC_HELP),
+    slurm: bool = typer.Option(False, "--slurm", help="Write slurm/sweep_<name>.sbatch (an array, one task per unfinished run) and print the sbatch command; run nothing."),
+    fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first failed run (default: go on, report failures at the end)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print each unfinished run's command; run nothing."),
+    stream: bool = typer.Option(False, "--stream", help="Echo each run's output here too (it always goes to <run dir>/launch.log)."),
+):
+    """Run the sweep's unfinished runs one after another (torchrun each), skipping finished ones.
+
+    Everything is validated before the first run starts. A run is finished when its metrics.jsonl ends at
+    trainer.total_steps; a partial run resumes (checkpoint.resume=auto). Exit 1 when a run failed.
+    """
+    from spmdrl.sweep import load_sweep, run_local, write_slurm
+
+    sweep = load_sweep(sweep_file, nproc)
+    if slurm:
+        path, todo = write_slurm(sweep)
+        if path is None:
+            typer.echo(f"all {len(sweep.runs)} runs are finished; nothing to submit")
+        else:
+            typer.echo(f"wrote {path}: {len(todo)} of {len(sweep.runs)} runs ({len(sweep.runs) - len(todo)} finished)")
+            typer.echo(f"sbatch {path}")
+        return
+    failed = run_local(sweep, fail_fast=fail_fast, dry_run=dry_run, stream=stream, echo=typer.echo)
+    if failed:
+        typer.echo(f"{len(failed)} of {len(sweep.runs)} runs failed: "
+                   + ", ".join(f"{r.name} (exit {rc}, log {r.output_dir}/launch.log)" for r, rc in failed), err=True)
+        raise typer.Exit(1)
+    if not dry_run:
+        typer.echo(f"all {len(sweep.runs)} runs finished; `spmdrl sweep report {sweep_file}` compares them")
+
+
+@sweep_app.command("report")
+@user_errors
+def sweep_report(
+    sweep_file: str = typer.Argument(..., help=SWEEP_HELP),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Where the PNG plots go; default <output_dir>/report."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write reward.png and val_accuracy.png."),
+):
+    """Compare the runs: a table (final and best val accuracy, reward, step time, tokens/s) and PNG curves."""
+    from spmdrl.sweep import format_report, load_sweep, summaries, write_plots
+
+    sweep = load_sweep(sweep_file)
+    typer.echo(format_report(sweep, summaries(sweep)))
+    if plots:
+        for path in write_plots(sweep, out or os.path.join(sweep.output_dir, "report")):
+            typer.echo(f"wrote {path}")
+
+
+@app.command()
+@user_errors
+def export(
+    checkpoint: str = typer.Option(..., "--checkpoint", help="A checkpoint directory, or a run's output_dir (its latest checkpoint)."),
+    out: str = typer.Option(..., "--out", "-o", help="Output HF model directory (safetensors, config, tokenizer)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the original model's dtype) | float32 | bfloat16 | float16."),
+):
+    """Write a checkpoint's actor (the policy) as an HF model directory; one plain process, no torchrun."""
+    from spmdrl.export import export_hf
+
+    typer.echo(export_hf(checkpoint, out, dtype=dtype))
 
 
 def main() -> None:

@@ -155,6 +155,9 @@ class StageTimer:
     Without a device it synchronizes whenever CUDA is initialized.
     """
 
+    current: str | None = None
+    """The stage being timed in this process, or the one an exception escaped from (fault messages name it)."""
+
     def __init__(self, device=None):
         self.device = device
         self._totals: dict[str, float] = defaultdict(float)
@@ -169,11 +172,13 @@ class StageTimer:
     def __call__(self, name: str) -> Iterator[None]:
         self._sync()
         start = time.perf_counter()
+        outer, StageTimer.current = StageTimer.current, name
         try:
             yield
         finally:
             self._sync()
             self._totals[name] += time.perf_counter() - start
+        StageTimer.current = outer  # not reached on an exception: the failed stage stays named
 
     def as_metrics(self) -> dict[str, float]:
         return {f"timing/{name}_s": t for name, t in self._totals.items()}

@@ -1,4 +1,4 @@
-"""A tiny Qwen2 model and character-level tokenizer, built locally.
+"""A tiny Qwen2 model and byte-level tokenizer, built locally.
 
 No model hub is reachable from CI or the CPU quickstart, so tests and the quickstart build their own model.
 It is a real `Qwen2ForCausalLM` saved in HF format, so the same `from_pretrained` path (transformers and
@@ -7,7 +7,6 @@ vLLM) loads it as it would load Qwen2.5-7B. Head dim is 32: vLLM's CPU attention
 from __future__ import annotations
 
 import os
-import string
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -17,20 +16,21 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(out_dir: str | None = None):
-    """Character-level tokenizer: one token per printable ASCII character, plus chat special tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """Byte-level BPE tokenizer with no merges: one token per byte (the 256 byte symbols of GPT-2/Qwen's
+    byte-level alphabet), plus the chat special tokens. Byte-level like Qwen's, so transformers' Qwen2Tokenizer
+    (which AutoTokenizer picks for a qwen2 model directory) loads it with identical behaviour."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS[1:],
     )
     hf.chat_template = CHAT_TEMPLATE
@@ -42,7 +42,7 @@ def build_tokenizer(out_dir: str | None = None):
 def build_model(
     out_dir: str | None = None,
     *,
-    vocab_size: int = 128,
+    vocab_size: int = 320,
     hidden_size: int = 128,
     num_layers: int = 4,
     num_heads: int = 4,
@@ -83,6 +83,52 @@ def build_tiny(out_dir: str, *, seed: int = 0, **model_kwargs) -> str:
     """Write a tiny model + tokenizer into `out_dir` (an HF model directory) and return the path."""
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tokenizer(out_dir)
-    model_kwargs.setdefault("vocab_size", max(128, len(tok)))
+    model_kwargs.setdefault("vocab_size", max(320, len(tok)))
     build_model(out_dir, seed=seed, **model_kwargs)
+    return out_dir
+
+
+def build_reward_model(out_dir: str, *, seed: int = 0, tokenizer=None, **sizes) -> str:
+    """Write a tiny Qwen2ForSequenceClassification reward model (one label) + tokenizer into `out_dir`.
+
+    `tokenizer` defaults to the char-level one of `build_tokenizer`; its pad token becomes the model's
+    pad_token_id. `sizes` are `build_model`'s size keywords. Returns the path.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    os.makedirs(out_dir, exist_ok=True)
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    tok.save_pretrained(out_dir)
+    s = dict(
+        vocab_size=max(128, len(tok)), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        intermediate_size=384, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    unknown = set(sizes) - set(s)
+    if unknown:
+        raise TypeError(f"build_reward_model: unknown size keywords {sorted(unknown)}; known: {sorted(s)}")
+    s.update(sizes)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    cfg = Qwen2Config(
+        vocab_size=s["vocab_size"],
+        hidden_size=s["hidden_size"],
+        intermediate_size=s["intermediate_size"],
+        num_hidden_layers=s["num_layers"],
+        num_attention_heads=s["num_heads"],
+        num_key_value_heads=s["num_kv_heads"],
+        max_position_embeddings=s["max_position_embeddings"],
+        tie_word_embeddings=s["tie_word_embeddings"],
+        torch_dtype="float32",
+        bos_token_id=pad,
+        eos_token_id=tok.eos_token_id if tok.eos_token_id is not None else pad,
+        pad_token_id=pad,
+        num_labels=1,
+        use_sliding_window=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForSequenceClassification(cfg).float()
+        # scores of order one, so tests can tell samples apart (the default init gives ~0.01)
+        torch.nn.init.normal_(model.score.weight, std=s["hidden_size"] ** -0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

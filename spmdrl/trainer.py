@@ -11,20 +11,26 @@ import time
 import torch
 import torch.distributed as dist
 
-from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES, agg_loss, kl_penalty, masked_mean
+from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES, kl_penalty, masked_mean
+from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
+from spmdrl.checkpoint import CheckpointManager, checkpoint_root, latest_checkpoint, resolve_resume
 from spmdrl.config import Config, to_toml
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
+from spmdrl.errors import SpmdrlError
+from spmdrl.faults import FAULT_ENV, inject_fault, injected_fault, is_bad_step, named_failures, set_collective_timeout
 from spmdrl.dist.collectives import reduce_mean, reduce_sum, redistribute
 from spmdrl.dist.meshes import RoleMeshes
-from spmdrl.engines.fsdp import FSDPEngine, pack_sequences
+from spmdrl.engines.fsdp import FSDPEngine
+from spmdrl.hooks import HookContext, HookRunner
 from spmdrl.metrics import MetricsLogger, StageTimer, peak_memory_gb
 from spmdrl.reshard.sync import sync_weights
 from spmdrl.rewards import default_compute_score, load_reward_fn
-from spmdrl.rng import seed_everything
-from spmdrl.rewards.custom import compute_rewards
+from spmdrl.rng import rng_state, seed_everything, set_rng_state
+from spmdrl.rewards.custom import GuardedReward, compute_rewards
 from spmdrl.rollout import SamplingSpec, build_engine
+from spmdrl.update import actor_body, critic_body, forward_all, run_updates
 
 log = logging.getLogger("spmdrl")
 
@@ -33,6 +39,25 @@ def request_seeds(seed: int, step: int, first: int, count: int) -> list[int]:
     """Per-prompt sampling seeds: a function of (run seed, step, global prompt position) only, so every rank
     of a rollout TP group samples identically and a rerun samples the same tokens."""
     return [(seed * 1_000_003 + step * 100_003 + first + i) % (2**31 - 1) for i in range(count)]
+
+
+def informative_groups(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Bool [B]: samples whose group (same index) has scores that are not all equal (DAPO dynamic sampling)."""
+    uniq, inv = torch.unique(index, return_inverse=True)
+    lo = torch.full((len(uniq),), float("inf")).scatter_reduce(0, inv, scores.float(), "amin")
+    hi = torch.full((len(uniq),), float("-inf")).scatter_reduce(0, inv, scores.float(), "amax")
+    return (hi > lo)[inv]
+
+
+def overlong_penalty(length: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO soft overlong punishment: 0 up to max_len - buffer, then linear down to -factor at max_len."""
+    return ((max_len - buffer - length.float()) / buffer).clamp(max=0.0, min=-1.0) * factor
+
+
+def reduce_min(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t[0])
 
 
 class Trainer:
@@ -78,6 +103,22 @@ class Trainer:
             FSDPEngine(cfg.model.path, self.meshes["ref"], device, trainable=False, offload=cfg.ref.offload, **common)
             if self.use_ref else None
         )
+        c = cfg.critic
+        self.critic = (
+            FSDPEngine(
+                c.path or cfg.model.path, self.meshes["critic"], device, trainable=True, value_head=True,
+                gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=cfg.trainer.total_steps * c.ppo_epochs,
+                optim=dict(lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip=c.grad_clip),
+                **common,
+            )
+            if c.enable else None
+        )
+        alg = cfg.algorithm
+        self.kl_ctrl = (
+            AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon) if alg.kl_ctrl == "adaptive"
+            else FixedKLController(alg.kl_coef)
+        )
+        self.hooks = HookRunner(cfg.hooks.files)
         r = cfg.rollout
         cuda = device.type == "cuda"
         self.rollout_dtype = torch.bfloat16 if r.dtype == "bfloat16" or (r.dtype == "auto" and cuda) else torch.float32
@@ -101,6 +142,8 @@ class Trainer:
             n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p, top_k=-1 if r.val_temperature == 0 else r.top_k,
             max_tokens=d.max_response_length, stop=list(r.stop), stop_token_ids=stop_ids,
         )
+        self.greedy_spec = SamplingSpec(n=1, temperature=0.0, max_tokens=d.max_response_length, stop=list(r.stop),
+                                        stop_token_ids=stop_ids)
         self.adv_fn = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
         self.loss_fn = POLICY_LOSSES.get(a.policy_loss)
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
@@ -110,56 +153,92 @@ class Trainer:
         lg = cfg.logging
         self.logger = MetricsLogger(
             cfg.trainer.output_dir, tensorboard=lg.tensorboard, jsonl=lg.jsonl, console=lg.console, rank=rank,
-            append=False, progress_total=cfg.trainer.total_steps if lg.progress else 0,
+            append=resolve_resume(cfg) is not None, progress_total=cfg.trainer.total_steps if lg.progress else 0,
         )
         self.global_step = 0
+        # reliability (docs/reliability.md): checkpoints, bounded collectives, reward guard, resume
+        self.checkpoints = CheckpointManager(checkpoint_root(cfg.trainer.output_dir), keep_last=cfg.checkpoint.keep_last,
+                                             device=device)
+        self.bad_steps = self.bad_steps_total = 0
+        if cfg.reward.on_error != "raise" or cfg.reward.timeout_s > 0:
+            self.reward_fn = GuardedReward(self.reward_fn, on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
+        set_collective_timeout(cfg.trainer.dist_timeout_s)
+        self.resumed_from = resolve_resume(cfg)
+        if self.resumed_from:
+            self.load_checkpoint(self.resumed_from)
 
     # ---- the loop -----------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
         last: dict[str, float] = {}
-        if self.val_ds is not None and cfg.trainer.val_before_train:
-            self.logger.log(0, self.validate())
-        while self.global_step < cfg.trainer.total_steps:
-            self.global_step += 1
-            metrics = self.step(self.global_step)
-            done = self.global_step == cfg.trainer.total_steps
-            if self.val_ds is not None and (done or (cfg.trainer.test_freq and self.global_step % cfg.trainer.test_freq == 0)):
-                metrics.update(self.validate())
-            self.logger.log(self.global_step, metrics)
-            last = metrics
-        self.logger.close()
+        timer = StageTimer(self.device)  # names validation and checkpointing in failure messages
+        set_collective_timeout(cfg.trainer.dist_timeout_s)
+        try:
+            with named_failures(lambda: self.global_step, cfg.trainer.dist_timeout_s):
+                if self.val_ds is not None and cfg.trainer.val_before_train and not self.resumed_from:
+                    with timer("validation"):
+                        self.logger.log(0, self.validate())
+                while self.global_step < cfg.trainer.total_steps:
+                    self.global_step += 1
+                    StageTimer.current = None
+                    self.inject_test_fault(self.global_step)
+                    metrics = self.step(self.global_step)
+                    metrics.update(self.reward_error_metrics())
+                    bad = self.count_bad_step(metrics)
+                    done = self.global_step == cfg.trainer.total_steps
+                    if self.val_ds is not None and (done or (cfg.trainer.test_freq and self.global_step % cfg.trainer.test_freq == 0)):
+                        with timer("validation"):
+                            metrics.update(self.validate())
+                    self.logger.log(self.global_step, metrics)
+                    last = metrics
+                    self.check_bad_steps()
+                    freq = cfg.checkpoint.save_freq
+                    if not bad and freq >= 0 and (done or (freq > 0 and self.global_step % freq == 0)):
+                        with timer("checkpoint"):
+                            self.save_checkpoint()
+        finally:
+            self.logger.close()
         return last
 
     def step(self, step: int) -> dict[str, float]:
-        cfg, timer = self.cfg, StageTimer(self.device)
+        cfg = self.cfg
+        timer = self.timer = StageTimer(self.device)
         t0 = time.perf_counter()
-        with timer("rollout"):
-            batch = self.generate(next(self.sampler), step)
-        with timer("reshard_batch"):
-            batch = redistribute(batch, self.rollout_mesh, self.actor_mesh)
-        with timer("reward"):
-            self.attach_meta(batch)
-            self.compute_reward(batch)
+        batch, metrics = self.collect(step, timer)
         with timer("old_logprob"):
             batch["old_log_probs"] = self.forward_logprobs(self.actor, batch)
         if self.ref is not None:
             with timer("ref_logprob"):
                 batch["ref_log_probs"] = self.forward_logprobs(self.ref, batch)
+        if self.critic is not None:
+            with timer("values"):
+                batch["values"] = forward_all(self.critic, batch, cfg.critic.micro_batch_size, self.pad_id,
+                                              lambda eng, tb: eng.values(tb))
         with timer("advantage"):
-            kl_metrics = self.apply_kl_in_reward(batch)
-            adv, ret = self.adv_fn(
+            metrics.update(self.apply_kl_in_reward(batch))
+            alg = cfg.algorithm
+            batch["advantages"], batch["returns"] = self.adv_fn(
                 batch["token_level_rewards"], batch["response_mask"], index=batch["index"],
-                values=batch.tensors.get("values"), gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-                epsilon=cfg.algorithm.epsilon, norm_by_std=cfg.algorithm.norm_adv_by_std,
+                values=batch.tensors.get("values"), baseline_rewards=batch.tensors.get("baseline_rewards"),
+                gamma=alg.gamma, lam=alg.lam, epsilon=alg.epsilon, norm_by_std=alg.norm_adv_by_std,
             )
-            batch["advantages"], batch["returns"] = adv, ret
-        with timer("update_actor"):
-            update_metrics = self.update_actor(batch)
-        with timer("weight_sync"):
-            sync_metrics = sync_weights(self.actor, self.rollout, bucket_mb=cfg.rollout.weight_sync_bucket_mb, dtype=self.rollout_dtype)
-            self.rollout.sleep()
-        metrics = {**self.batch_metrics(batch), **kl_metrics, **update_metrics, **{k: v for k, v in sync_metrics.items() if k != "timing/weight_sync_s"}}
+        metrics.update(self.run_hooks("after_advantage", step, batch))
+        metrics.update(self.run_hooks("before_update", step, batch))
+        if self.critic is not None:
+            with timer("update_critic"):
+                metrics.update(self.update(self.critic, batch, critic_body(cfg), "critic"))
+        train_actor = step > cfg.trainer.critic_warmup
+        if train_actor:
+            with timer("update_actor"):
+                metrics.update(self.update(self.actor, batch, actor_body(cfg, self.loss_fn, cfg.rollout.temperature), "actor"))
+        metrics.update(self.run_hooks("after_update", step, batch))
+        if train_actor:
+            with timer("weight_sync"):
+                sync = sync_weights(self.actor, self.rollout, bucket_mb=cfg.rollout.weight_sync_bucket_mb, dtype=self.rollout_dtype)
+                self.rollout.sleep()
+            metrics["perf/weight_sync_mb"] = sync["perf/weight_sync_mb"]
+        metrics.update(self.batch_metrics(batch))
+        metrics.update(self.run_hooks("after_step", step, batch, metrics=dict(metrics)))
         metrics = reduce_mean(metrics, weight=1.0 if self.actor_mesh.tp_rank == 0 else 0.0)
         step_s = time.perf_counter() - t0
         metrics.update(timer.as_metrics())
@@ -170,15 +249,65 @@ class Trainer:
         return metrics
 
     # ---- stages -------------------------------------------------------------------------------------
-    def generate(self, prompt_idx: list[int], step: int) -> Batch:
+    def collect(self, step: int, timer: StageTimer) -> tuple[Batch, dict[str, float]]:
+        """Rollout -> reshard -> reward, repeated while dynamic sampling still lacks informative groups.
+
+        With algorithm.filter_groups, groups whose scores are all equal carry no GRPO signal and are
+        dropped; more prompts are generated until every rank holds a full batch (or max_sample_rounds).
+        Ranks end with the same number of samples (the minimum over ranks), so the update stays in lockstep.
+        """
+        cfg = self.cfg
+        n = cfg.rollout.n
+        target = cfg.data.train_batch_size * n // self.actor_mesh.dp_size
+        kept, metrics, rounds, generated = None, {}, 0, 0
+        while True:
+            rounds += 1
+            with timer("rollout"):
+                batch = self.generate(next(self.sampler), step, rounds - 1)
+            with timer("reshard_batch"):
+                batch = redistribute(batch, self.rollout_mesh, self.actor_mesh)
+            self.attach_meta(batch)
+            metrics.update(self.run_hooks("after_rollout", step, batch))
+            with timer("reward"):
+                metrics.update(self.compute_reward(batch))
+            metrics.update(self.run_hooks("after_reward", step, batch))
+            self.place_token_scores(batch)
+            generated += len(batch)
+            if cfg.algorithm.filter_groups:
+                batch = batch.select(informative_groups(batch["scores"], batch["index"]))
+            kept = batch if kept is None else Batch.cat([kept, batch])
+            have = int(reduce_min(len(kept)))
+            if not cfg.algorithm.filter_groups or have >= target or rounds >= cfg.algorithm.max_sample_rounds:
+                break
+        keep = min(have, target) if cfg.algorithm.filter_groups else have
+        if cfg.algorithm.filter_groups:
+            keep -= keep % n  # whole groups
+            metrics["train/kept_sample_ratio"] = len(kept) / max(generated, 1)
+            metrics["train/sample_rounds"] = float(rounds)
+        if keep == 0:
+            raise SpmdrlError(
+                f"step {step}: no samples left to train on after {rounds} rollout round(s) (dynamic sampling or a "
+                "hook dropped them all); raise algorithm.max_sample_rounds or check the reward"
+            )
+        return kept.select(slice(0, keep)), metrics
+
+    def generate(self, prompt_idx: list[int], step: int, round_: int = 0) -> Batch:
         """Rollout on this rank's TP group: same prompts and seeds on every rank of the group."""
         r = self.rollout_mesh
         prompts = [self.train_ds.prompt_ids(i) for i in prompt_idx]
-        seeds = request_seeds(self.cfg.trainer.seed, step, r.dp_rank * len(prompts), len(prompts))
+        first = (round_ * self.cfg.data.train_batch_size) + r.dp_rank * len(prompts)
+        seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompts))
         self.rollout.wake_up()
         out = self.rollout.generate(prompts, self.train_spec, seeds)
         n = self.train_spec.n
-        return self.to_batch(prompts, prompt_idx, out, n)
+        batch = self.to_batch(prompts, prompt_idx, out, n)
+        if "baseline_rewards" in getattr(self.adv_fn, "requires", ()):  # ReMax: greedy rollout as the baseline
+            greedy = self.rollout.generate(prompts, self.greedy_spec, seeds)
+            gb = self.to_batch(prompts, prompt_idx, greedy, 1)
+            self.attach_meta(gb)
+            self.compute_reward(gb)  # the same shaped reward the samples get
+            batch["baseline_rewards"] = gb["scores"].repeat_interleave(n)
+        return batch
 
     def to_batch(self, prompts: list[list[int]], prompt_idx: list[int], out, n: int) -> Batch:
         B = len(prompts) * n
@@ -217,92 +346,68 @@ class Trainer:
             skip_special_tokens=True,
         )
 
-    def compute_reward(self, batch: Batch) -> None:
+    def compute_reward(self, batch: Batch, shaping: bool = True) -> dict[str, float]:
+        """batch["scores"] [B]: rule/custom score, weighted, plus DAPO overlong shaping (shaping=False: the raw
+        rule score, which validation reports as accuracy)."""
+        r = self.cfg.reward
         scores, _ = compute_rewards(
             self.reward_fn, batch.meta["data_source"], batch.meta["response_text"], batch.meta["ground_truth"],
             batch.meta["extra_info"],
         )
+        metrics = {}
+        if not shaping:
+            batch["scores"] = scores
+            return metrics
+        scores = r.rule_weight * scores
+        if r.overlong_buffer_len > 0:
+            penalty = overlong_penalty(batch["response_len"], self.cfg.data.max_response_length, r.overlong_buffer_len,
+                                       r.overlong_penalty_factor)
+            scores = scores + penalty
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         batch["scores"] = scores
+        return metrics
+
+    def place_token_scores(self, batch: Batch) -> None:
+        """Outcome score on the last response token (what token-level estimators consume)."""
         R = batch["responses"].shape[1]
         last = (batch["response_len"] - 1).clamp(min=0)
         token_scores = torch.zeros(len(batch), R)
-        token_scores[torch.arange(len(batch)), last] = scores * (batch["response_len"] > 0)
+        token_scores[torch.arange(len(batch)), last] = batch["scores"] * (batch["response_len"] > 0)
         batch["token_level_scores"] = token_scores
 
     def apply_kl_in_reward(self, batch: Batch) -> dict[str, float]:
         if not self.cfg.algorithm.use_kl_in_reward:
             batch["token_level_rewards"] = batch["token_level_scores"]
             return {}
-        kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_penalty) * batch["response_mask"]
-        batch["token_level_rewards"] = batch["token_level_scores"] - self.cfg.algorithm.kl_coef * kl
-        return {"actor/reward_kl": float(masked_mean(kl, batch["response_mask"]))}
+        mask = batch["response_mask"]
+        kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_penalty) * mask
+        beta = self.kl_ctrl.value
+        batch["token_level_rewards"] = batch["token_level_scores"] - beta * kl
+        current = float(reduce_mean({"kl": float(masked_mean(kl, mask))})["kl"])  # same value on every rank
+        self.kl_ctrl.update(current, self.cfg.data.train_batch_size * self.cfg.rollout.n)
+        return {"actor/reward_kl": current, "actor/kl_coef": beta}
 
-    def micro_batches(self, batch: Batch, size: int):
-        for mb in batch.split(size):
-            prompts = [mb["prompts"][i, : int(mb["prompt_len"][i])] for i in range(len(mb))]
-            resps = [mb["responses"][i, : int(mb["response_len"][i])] for i in range(len(mb))]
-            yield mb, pack_sequences(prompts, resps, self.pad_id)
-
-    @torch.no_grad()
     def forward_logprobs(self, engine: FSDPEngine, batch: Batch) -> torch.Tensor:
-        engine.module.eval()
-        R = batch["responses"].shape[1]
-        out = torch.zeros(len(batch), R)
-        i = 0
-        for mb, tb in self.micro_batches(batch, self.cfg.actor.micro_batch_size):
-            logp, _ = engine.logprobs(tb, temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.actor.logprob_chunk_size)
-            out[i: i + len(mb), : logp.shape[1]] = logp.float().cpu()
-            i += len(mb)
-        return out
+        a = self.cfg.actor
+        return forward_all(engine, batch, a.micro_batch_size, self.pad_id, lambda eng, tb: eng.logprobs(
+            tb, temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size)[0])
 
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        a, n = self.cfg.actor, self.cfg.rollout.n
-        mini = (a.ppo_mini_batch_size or self.cfg.data.train_batch_size) * n // self.actor_mesh.dp_size
-        dp_group = self.actor_mesh.mesh.get_group("dp")
-        sums: dict[str, float] = {}
-        count = 0
-        for epoch in range(a.ppo_epochs):
-            # fixed order: the same config and seed give the same updates
-            for mb_batch in batch.split(mini):
-                seq_mode = a.loss_agg_mode != "token-mean"
-                unit = (mb_batch["response_mask"].sum(-1) > 0).float().sum() if seq_mode else mb_batch["response_mask"].sum()
-                total = float(reduce_sum(unit.reshape(1), group=dp_group)[0])
-                micro = list(self.micro_batches(mb_batch, a.micro_batch_size))
+    def update(self, engine: FSDPEngine, batch: Batch, body, role: str) -> dict[str, float]:
+        sec = getattr(self.cfg, role)
+        mesh = self.meshes[role]
+        mini = (self.cfg.actor.ppo_mini_batch_size or self.cfg.data.train_batch_size) * self.cfg.rollout.n // mesh.dp_size
+        return run_updates(
+            engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=sec.micro_batch_size, pad_id=self.pad_id,
+            agg_mode=sec.loss_agg_mode, dp_size=mesh.dp_size, dp_group=mesh.mesh.get_group("dp"), body=body, prefix=role,
+        )
 
-                def loss_fn(item, engine, total=total, seq_mode=seq_mode):
-                    mb, tb = item
-                    mask = mb["response_mask"].to(self.device)
-                    logp, ent = engine.logprobs(
-                        tb, temperature=self.cfg.rollout.temperature, with_entropy=True, chunk_size=a.logprob_chunk_size
-                    )
-                    R = logp.shape[1]
-                    mask = mask[:, :R]
-                    old = mb["old_log_probs"][:, :R].to(self.device)
-                    adv = mb["advantages"][:, :R].to(self.device)
-                    pg_loss, pg_m = self.loss_fn(
-                        old, logp, adv, mask, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-                        clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
-                    )
-                    entropy = agg_loss(ent, mask, a.loss_agg_mode)
-                    loss = pg_loss - a.entropy_coeff * entropy
-                    m = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
-                         "actor/clipfrac": pg_m["pg_clipfrac"], "actor/ppo_kl": pg_m["ppo_kl"]}
-                    if a.use_kl_loss:
-                        kl = agg_loss(kl_penalty(logp, mb["ref_log_probs"][:, :R].to(self.device), a.kl_loss_type), mask, a.loss_agg_mode)
-                        loss = loss + a.kl_loss_coef * kl
-                        m["actor/kl"] = kl.detach()
-                    else:
-                        m["actor/kl"] = masked_mean((old - logp).detach(), mask)
-                    local = ((mask.sum(-1) > 0).float().sum() if seq_mode else mask.sum())
-                    weight = float(local) / max(total, 1.0) * self.actor_mesh.dp_size
-                    return loss * weight, m
-
-                out = self.actor.train_step(micro, loss_fn)
-                for k, v in out.items():
-                    key = k if "/" in k else f"actor/{k}"
-                    sums[key] = sums.get(key, 0.0) + v
-                count += 1
-        return {k: v / count for k, v in sums.items()}
+    def run_hooks(self, stage: str, step: int, batch: Batch, metrics: dict | None = None) -> dict[str, float]:
+        if not self.hooks.by_stage[stage]:
+            return {}
+        ctx = HookContext(stage, step, self.cfg, batch, self.meshes, self.tokenizer, metrics=metrics or {})
+        before = set(ctx.metrics)
+        self.hooks.run(stage, ctx)
+        return {k: v for k, v in ctx.metrics.items() if k not in before}
 
     def batch_metrics(self, batch: Batch) -> dict[str, float]:
         mask = batch["response_mask"]
@@ -327,14 +432,18 @@ class Trainer:
         rows = list(range(r.dp_rank * per, min(len(ds), (r.dp_rank + 1) * per)))
         sources = sorted(set(ds.batch(list(range(len(ds)))).data_source))
         sums = torch.zeros(2 * len(sources), dtype=torch.float64)
-        if rows:
-            prompts = [ds.prompt_ids(i) for i in rows]
-            seeds = request_seeds(self.cfg.trainer.seed + 1, 0, rows[0], len(rows))
+        hook_metrics: dict[str, float] = {}
+        chunk = max(1, self.cfg.data.val_batch_size // r.dp_size) if self.cfg.data.val_batch_size else max(1, len(rows))
+        for start in range(0, len(rows), chunk):
+            part = rows[start: start + chunk]
+            prompts = [ds.prompt_ids(i) for i in part]
+            seeds = request_seeds(self.cfg.trainer.seed + 1, 0, part[0], len(part))
             self.rollout.wake_up()
             out = self.rollout.generate(prompts, self.val_spec, seeds)
-            batch = self.to_batch(prompts, rows, out, self.val_spec.n)
+            batch = self.to_batch(prompts, part, out, self.val_spec.n)
             self.attach_meta(batch, ds)
-            self.compute_reward(batch)
+            self.compute_reward(batch, shaping=False)
+            hook_metrics.update(self.run_hooks("on_validation", self.global_step, batch))
             if r.tp_rank == 0:
                 for s, src in zip(batch["scores"].tolist(), batch.meta["data_source"]):
                     k = sources.index(src)
@@ -344,7 +453,79 @@ class Trainer:
         sums = reduce_sum(sums)
         acc = {f"val/accuracy/{src}": float(sums[k] / max(sums[len(sources) + k], 1)) for k, src in enumerate(sources)}
         acc["val/accuracy"] = sum(acc.values()) / len(acc)
+        acc.update(reduce_mean(hook_metrics, weight=1.0 if r.tp_rank == 0 else 0.0))
         acc["timing/validation_s"] = time.perf_counter() - t0
         if dist.get_rank() == 0:
             log.info("validation: %s", ", ".join(f"{k}={v:.3f}" for k, v in acc.items()))
         return acc
+
+    # ---- checkpoints and faults (docs/reliability.md) --------------------------------------------------
+    def engines(self) -> dict[str, FSDPEngine]:
+        """The trainable engines a checkpoint holds."""
+        critic = getattr(self, "critic", None)
+        return {"actor": self.actor, **({"critic": critic} if critic is not None else {})}
+
+    def save_checkpoint(self) -> str:
+        kl_ctrl = getattr(self, "kl_ctrl", None)
+        state = {
+            "sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps, "bad_steps_total": self.bad_steps_total,
+            "kl_ctrl": kl_ctrl.state_dict() if hasattr(kl_ctrl, "state_dict") else None,
+        }
+
+        def hf_files(out_dir: str) -> None:  # what `spmdrl export` needs besides the weights
+            self.actor.hf.config.save_pretrained(out_dir)
+            self.tokenizer.save_pretrained(out_dir)
+
+        return self.checkpoints.save(self.global_step, engines=self.engines(), trainer_state=state,
+                                     config_toml=to_toml(self.cfg), rng=rng_state(), hf_files=hf_files)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore everything a step depends on, so the run continues exactly as if it had not stopped."""
+        state = self.checkpoints.load(path, engines=self.engines(), config_toml=to_toml(self.cfg))
+        self.sampler.load_state_dict(state["sampler"])
+        self.global_step = int(state["step"])
+        self.bad_steps, self.bad_steps_total = int(state.get("bad_steps", 0)), int(state.get("bad_steps_total", 0))
+        kl_ctrl = getattr(self, "kl_ctrl", None)
+        if state.get("kl_ctrl") is not None and hasattr(kl_ctrl, "load_state_dict"):
+            kl_ctrl.load_state_dict(state["kl_ctrl"])
+        sync_weights(self.actor, self.rollout, bucket_mb=self.cfg.rollout.weight_sync_bucket_mb, dtype=self.rollout_dtype)
+        self.rollout.sleep()
+        if "rng" in state:
+            set_rng_state(state["rng"])
+        else:  # another world size: per-rank RNG streams cannot carry over
+            seed_everything(self.cfg.trainer.seed + self.global_step)
+            log.warning("resumed on a different world size: RNG states reseeded, not restored")
+        log.info("resumed from %s at step %d", path, self.global_step)
+
+    def inject_test_fault(self, step: int) -> None:
+        """Test-only: the fault env SPMDRL_FAULT_INJECT asks of this rank at this step (spmdrl.faults)."""
+        if FAULT_ENV in os.environ:
+            inject_fault(injected_fault(self.rank, step), self.rank, step, self.actor)
+
+    def reward_error_metrics(self) -> dict[str, float]:
+        """reward/errors and reward/timeouts of this step, summed over ranks (reward.on_error = zero)."""
+        if not isinstance(self.reward_fn, GuardedReward) or self.reward_fn.on_error != "zero":
+            return {}
+        errors, timeouts = self.reward_fn.take_counts()
+        w = 1.0 if self.actor_mesh.tp_rank == 0 else 0.0  # TP ranks score the same samples
+        t = reduce_sum(torch.tensor([errors * w, timeouts * w]))
+        return {"reward/errors": float(t[0]), "reward/timeouts": float(t[1])}
+
+    def count_bad_step(self, metrics: dict[str, float]) -> bool:
+        """A step with a non-finite loss or grad norm was skipped by the engine; count it (metrics agree on
+        every rank, so every rank counts the same)."""
+        bad = is_bad_step(metrics)
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        self.bad_steps_total += int(bad)
+        metrics["train/bad_steps"] = float(self.bad_steps_total)
+        return bad
+
+    def check_bad_steps(self) -> None:
+        limit = self.cfg.trainer.max_bad_steps
+        if self.bad_steps >= limit:
+            last = latest_checkpoint(self.checkpoints.root)
+            raise SpmdrlError(
+                f"{self.bad_steps} consecutive steps (up to step {self.global_step}) had a non-finite loss or grad "
+                f"norm and were skipped (trainer.max_bad_steps = {limit}); the last good checkpoint is "
+                f"{last or 'none (none was saved)'}; lower actor.lr or check the data and reward of those steps"
+            )

@@ -267,3 +267,12 @@ def remax(
     g = discounted_returns(token_level_rewards, valid, gamma)
     adv = _zero_masked(g - baseline_rewards.to(g.dtype)[:, None], valid)
     return adv, g
+
+
+# What each estimator needs besides rewards and masks; the trainer provides it (and validation checks it)
+# by these declarations, never by estimator name.
+for _fn in (grpo, drgrpo, rloo, reinforce_plus_plus_baseline):
+    _fn.requires = ("index",)
+gae.requires = ("values",)
+remax.requires = ("baseline_rewards",)
+reinforce_plus_plus.requires = ()

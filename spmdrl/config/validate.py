@@ -72,8 +72,16 @@ def validate(cfg, world_size: int):
         raise ConfigError("model.path is empty; set it to an HF model directory or hub id")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty; give one or more parquet files in verl's schema")
-    if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
-        raise ConfigError("algorithm.adv_estimator = 'gae' needs a critic; set critic.enable = true")
+    needs = getattr(ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator), "requires", ())
+    if "values" in needs and not cfg.critic.enable:
+        raise ConfigError(f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}' needs a critic; set critic.enable = true")
+    if "index" in needs and cfg.rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}' compares the samples of a prompt; "
+            f"rollout.n = {cfg.rollout.n} gives groups of one (zero advantage); set rollout.n >= 2"
+        )
+    if cfg.trainer.critic_warmup and not cfg.critic.enable:
+        raise ConfigError("trainer.critic_warmup > 0 needs critic.enable = true")
 
     layout = plan_layout(cfg.placement, world_size)
     bs, n = cfg.data.train_batch_size, cfg.rollout.n

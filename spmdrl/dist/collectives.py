@@ -1,6 +1,8 @@
 """Collectives on packed tensors: batch redistribution between role layouts, and the metric all-reduce."""
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -50,12 +52,23 @@ def redistribute(batch: Batch, src: RoleMesh, dst: RoleMesh) -> Batch:
 
 
 def reduce_mean(values: dict[str, float], weight: float = 1.0, group=None) -> dict[str, float]:
-    """Weighted mean of scalar metrics over ranks in one all-reduce (keys must match on every rank)."""
+    """Weighted mean of scalar metrics over ranks: one all-reduce of a packed vector when every rank has the
+    same keys (the common case, checked with a 2-int all-reduce); ranks may also report different keys
+    (e.g. a hook logging on some ranks only), then each key is averaged over the ranks that have it."""
     keys = sorted(values)
-    packed = torch.tensor([values[k] * weight for k in keys] + [weight], dtype=torch.float64)
+    digest = zlib.crc32("\x00".join(keys).encode())
+    check = torch.tensor([digest, -digest], dtype=torch.int64)
+    dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
+    if not (check[0] == digest and check[1] == -digest):
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, keys, group=group)  # key names only, rare path
+        keys = sorted(set().union(*gathered))
+    packed = torch.tensor(
+        [values.get(k, 0.0) * weight for k in keys] + [weight if k in values else 0.0 for k in keys], dtype=torch.float64
+    )
     dist.all_reduce(packed, group=group)
-    total = float(packed[-1])
-    return {k: float(packed[i]) / total if total else 0.0 for i, k in enumerate(keys)}
+    n = len(keys)
+    return {k: float(packed[i]) / float(packed[n + i]) if float(packed[n + i]) else 0.0 for i, k in enumerate(keys)}
 
 
 def reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:

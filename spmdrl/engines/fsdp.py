@@ -91,6 +91,25 @@ class _LogprobHead(nn.Module):
         return logp, ent
 
 
+class _ValueHead(nn.Module):
+    """Root module of a critic: backbone + the token-classification head (one output) at response positions.
+    V[b, j] is the value of the state that generates response token j."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, b: TokenBatch, *_):
+        backbone = getattr(self.hf, self.hf.base_model_prefix)
+        hidden = backbone(
+            input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids, use_cache=False
+        ).last_hidden_state
+        B = b.resp_ids.shape[0]
+        h = hidden[torch.arange(B, device=hidden.device)[:, None], b.resp_pos]
+        head = self.hf.score if hasattr(self.hf, "score") else self.hf.classifier
+        return head(h).squeeze(-1).float() * b.resp_mask, None
+
+
 def _tp_plan():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -130,20 +149,27 @@ class FSDPEngine:
         gradient_checkpointing: bool = False,
         offload: bool = False,
         trust_remote_code: bool = False,
+        value_head: bool = False,
         optim: dict | None = None,
         total_steps: int = 1,
     ):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         self.device = device
         self.mesh = mesh
         cuda = device.type == "cuda"
         param_dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
         try:
-            hf = AutoModelForCausalLM.from_pretrained(
-                model_path, torch_dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
-            )
+            if value_head:  # the critic: a causal-LM checkpoint gets a fresh one-output head
+                hf = AutoModelForTokenClassification.from_pretrained(
+                    model_path, num_labels=1, torch_dtype=torch.float32, trust_remote_code=trust_remote_code,
+                    attn_implementation="sdpa",
+                )
+            else:
+                hf = AutoModelForCausalLM.from_pretrained(
+                    model_path, torch_dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+                )
         except OSError as e:
             raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
         hf.config.use_cache = False
@@ -156,7 +182,7 @@ class FSDPEngine:
 
             backbone = getattr(hf, hf.base_model_prefix)
             parallelize_module(backbone, mesh.mesh["tp"], _tp_plan())
-        self.module = _LogprobHead(hf)
+        self.module = _ValueHead(hf) if value_head else _LogprobHead(hf)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype != torch.float32 else MixedPrecisionPolicy()
         kw = dict(mesh=mesh.mesh["dp"], mp_policy=mp)
         if offload and cuda:
@@ -185,10 +211,9 @@ class FSDPEngine:
     def logprobs(self, b: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024):
         return self.module(b.to(self.device), temperature, with_entropy, chunk_size)
 
-    @torch.no_grad()
-    def logprobs_batched(self, batches: list[TokenBatch], **kw) -> list[torch.Tensor]:
-        self.module.eval()
-        return [self.logprobs(b, **kw)[0].float().cpu() for b in batches]
+    def values(self, b: TokenBatch) -> torch.Tensor:
+        """Critic values [B, R] at response positions (zero on padding)."""
+        return self.module(b.to(self.device))[0]
 
     # ---- update -------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list, loss_fn: Callable) -> dict[str, float]:

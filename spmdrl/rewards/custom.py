@@ -8,10 +8,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import logging
 import math
 import numbers
 import os
+import signal
 import sys
+import threading
 from typing import Callable
 
 import torch
@@ -19,6 +22,7 @@ import torch
 from spmdrl.errors import RewardError
 
 _SPEC_FORMS = "'path/to/file.py:function' or 'package.module:function'"
+log = logging.getLogger("spmdrl")
 
 
 def _one_line(e: BaseException) -> str:
@@ -164,3 +168,112 @@ def compute_rewards(
     keys = list(dict.fromkeys(k for row in rows for k in row))
     extras = {k: [row.get(k) for row in rows] for k in keys}
     return torch.tensor(scores, dtype=torch.float32), extras
+
+
+# ---- time limits and on_error ------------------------------------------------------------------------------
+
+class RewardTimeout(Exception):
+    """A reward function ran past reward.timeout_s on one sample."""
+
+
+class _Alarm(BaseException):
+    """Raised inside the reward function by SIGALRM; a BaseException so its own `except Exception` cannot
+    swallow the timeout."""
+
+
+def call_with_timeout(fn: Callable, timeout_s: float, **kwargs):
+    """fn(**kwargs), raising RewardTimeout after `timeout_s` seconds (0 = no limit).
+
+    In the main thread a SIGALRM interval timer interrupts the function between Python bytecodes: nothing
+    keeps running afterwards and no process is spawned, but a C call that never returns to the interpreter
+    (a pathological regex, a C extension loop) is only interrupted when it does. Elsewhere (signals reach only
+    the main thread) the call runs in a daemon thread that is abandoned, not stopped, on timeout.
+    """
+    if timeout_s <= 0:
+        return fn(**kwargs)
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return _call_in_thread(fn, timeout_s, kwargs)
+
+    def on_alarm(signum, frame):
+        raise _Alarm()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            return fn(**kwargs)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Alarm:
+        raise RewardTimeout(f"took longer than reward.timeout_s={timeout_s:g}s") from None
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _call_in_thread(fn: Callable, timeout_s: float, kwargs: dict):
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(**kwargs)
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name="spmdrl-reward")
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise RewardTimeout(f"took longer than reward.timeout_s={timeout_s:g}s (left running in a background thread)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _usable(out) -> bool:
+    v = out.get("score") if isinstance(out, dict) else out
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        v = v.item()
+    return isinstance(v, numbers.Real) and math.isfinite(float(v))
+
+
+class GuardedReward:
+    """A reward function under reward.timeout_s and reward.on_error, per sample.
+
+    on_error="raise": exceptions and timeouts propagate (compute_rewards names the sample);
+    "zero": the sample scores 0 and is counted in `errors` (and `timeouts`), read with `take_counts()`.
+    """
+
+    def __init__(self, fn: Callable, *, on_error: str = "raise", timeout_s: float = 0.0):
+        if on_error not in ("raise", "zero"):
+            raise RewardError(f"reward.on_error = {on_error!r} is not one of raise, zero")
+        self.fn, self.on_error, self.timeout_s = fn, on_error, float(timeout_s)
+        self.errors = self.timeouts = 0
+        self._warned = False
+        self.__spmdrl_spec__ = reward_fn_name(fn)
+
+    def __call__(self, **kwargs):
+        try:
+            out = call_with_timeout(self.fn, self.timeout_s, **kwargs)
+        except Exception as e:
+            if self.on_error == "raise":
+                raise
+            self._count(e)
+            return 0.0
+        if self.on_error == "zero" and not _usable(out):
+            self._count(RewardError(f"returned {out!r}, not a finite score"))
+            return 0.0
+        return out
+
+    def _count(self, e: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("reward function %s failed (%s: %s); scoring 0 and counting (reward.on_error=zero)",
+                        self.__spmdrl_spec__, type(e).__name__, _one_line(e))
+        self.errors += 1
+        self.timeouts += isinstance(e, RewardTimeout)
+
+    def take_counts(self) -> tuple[int, int]:
+        """(errors, timeouts) since the last call."""
+        out = (self.errors, self.timeouts)
+        self.errors = self.timeouts = 0
+        return out
