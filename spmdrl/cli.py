@@ -249,11 +249,12 @@ SWEEP_NPROC_HELP = "Ranks per run; overrides the sweep file's nproc."
 def sweep_plan(
     sweep_file: str = typer.Argument(..., help=SWEEP_HELP),
     nproc: Optional[int] = typer.Option(None, "--nproc", "-n", min=1, help=SWEEP_NPROC_HELP),
+    slurm: bool = typer.Option(False, "--slurm", help="Validate for the Slurm world size (nproc * slurm.nodes)."),
 ):
     """List the runs (name, state, overrides); every run's config is loaded and validated."""
     from spmdrl.sweep import format_plan, load_sweep
 
-    typer.echo(format_plan(load_sweep(sweep_file, nproc)))
+    typer.echo(format_plan(load_sweep(sweep_file, nproc, slurm=slurm)))
 
 
 @sweep_app.command("run")
@@ -273,7 +274,7 @@ def sweep_run(
     """
     from spmdrl.sweep import load_sweep, run_local, write_slurm
 
-    sweep = load_sweep(sweep_file, nproc)
+    sweep = load_sweep(sweep_file, nproc, slurm=slurm)
     if slurm:
         path, todo = write_slurm(sweep)
         if path is None:

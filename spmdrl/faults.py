@@ -87,8 +87,8 @@ def named_failures(step: Callable[[], int], timeout_s: float) -> Iterator[None]:
     except KeyboardInterrupt:
         raise
     except (Exception, Terminated) as e:
-        stage = StageTimer.current
-        where = f"step {step()}, " + (f"stage {stage!r}" if stage else "between stages")
+        stage, last = StageTimer.current, StageTimer.last
+        where = f"step {step()}, " + (f"stage {stage!r}" if stage else f"after stage {last!r}" if last else "before the first stage")
         if isinstance(e, Terminated):
             raise SpmdrlError(
                 f"{where}: stopped by {e} (a launcher stops every rank when one fails; the first failing rank's "

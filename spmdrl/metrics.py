@@ -157,6 +157,8 @@ class StageTimer:
 
     current: str | None = None
     """The stage being timed in this process, or the one an exception escaped from (fault messages name it)."""
+    last: str | None = None
+    """The stage that last finished in this process."""
 
     def __init__(self, device=None):
         self.device = device
@@ -178,7 +180,7 @@ class StageTimer:
         finally:
             self._sync()
             self._totals[name] += time.perf_counter() - start
-        StageTimer.current = outer  # not reached on an exception: the failed stage stays named
+        StageTimer.current, StageTimer.last = outer, name  # not reached on an exception: the failed stage stays named
 
     def as_metrics(self) -> dict[str, float]:
         return {f"timing/{name}_s": t for name, t in self._totals.items()}

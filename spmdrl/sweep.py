@@ -180,8 +180,9 @@ def _check_type(path: str, key: str, v, tp, what: str):
     return v
 
 
-def load_sweep(path: str, nproc: int | None = None) -> Sweep:
-    """Read, expand and validate a sweep file: every run's config is loaded and validated for its world size."""
+def load_sweep(path: str, nproc: int | None = None, slurm: bool = False) -> Sweep:
+    """Read, expand and validate a sweep file: every run's config is loaded and validated for its world size
+    (nproc ranks; nproc * slurm.nodes with slurm=True)."""
     from spmdrl.config import load_config, validate
 
     if not os.path.isfile(path):
@@ -227,11 +228,13 @@ def load_sweep(path: str, nproc: int | None = None) -> Sweep:
             raise _err(path, f"'seeds' must be a non-empty list of integers, found {seeds!r}")
         if SEED_KEY in axes:
             raise _err(path, f"both 'seeds' and axes.\"{SEED_KEY}\" are set; keep one")
-    slurm = _check_type(path, "slurm", data.get("slurm", {}), dict, "a table [slurm]")
-    for k, v in slurm.items():
+    slurm_opts = _check_type(path, "slurm", data.get("slurm", {}), dict, "a table [slurm]")
+    for k, v in slurm_opts.items():
         if k not in SLURM_KEYS:
             raise _err(path, f"unknown key 'slurm.{k}'; valid keys: {', '.join(SLURM_KEYS)}")
         _check_type(path, f"slurm.{k}", v, SLURM_KEYS[k], f"of type {SLURM_KEYS[k].__name__}")
+        if k == "extra" and not all(isinstance(x, str) for x in v):
+            raise _err(path, f"'slurm.extra' must be a list of sbatch option strings, found {v!r}")
     if not axes and not seeds:
         raise _err(path, "no axes: add a table [axes] with \"section.key\" = [values], or 'seeds'")
 
@@ -269,7 +272,7 @@ def load_sweep(path: str, nproc: int | None = None) -> Sweep:
         raise _err(path, f"mode = \"zip\" needs axes of equal length: {lengths}")
 
     points = expand(axes, mode, seeds)
-    world = nproc * int(slurm.get("nodes", 1))
+    world = nproc * (slurm_opts.get("nodes", 1) if slurm else 1)
     runs = []
     for i, (name, point) in enumerate(zip(_names(points), points)):
         out = os.path.join(output_dir, name)
@@ -282,7 +285,7 @@ def load_sweep(path: str, nproc: int | None = None) -> Sweep:
             raise _err(path, f"run '{name}': {_strip_override_origin(e)}") from None
         runs.append(Run(i, name, point, run_overrides, out, cfg.trainer.total_steps, cfg))
     all_axes = {**axes, **({SEED_KEY: seeds} if seeds else {})}
-    return Sweep(path, base, output_dir, nproc, mode, overrides, all_axes, slurm, runs)
+    return Sweep(path, base, output_dir, nproc, mode, overrides, all_axes, slurm_opts, runs)
 
 
 # --- state of a run's output directory ------------------------------------------------------------------

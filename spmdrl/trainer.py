@@ -119,6 +119,15 @@ class Trainer:
             else FixedKLController(alg.kl_coef)
         )
         self.hooks = HookRunner(cfg.hooks.files)
+        self.reward_model = None
+        if cfg.reward.model_path:
+            from spmdrl.rewards.model import RewardModelScorer
+
+            self.reward_model = RewardModelScorer(
+                cfg.reward.model_path, self.meshes["reward"], device, tokenizer_path=cfg.reward.model_tokenizer_path,
+                policy_tokenizer=self.tokenizer, micro_batch_size=cfg.reward.model_micro_batch_size,
+                trust_remote_code=cfg.model.trust_remote_code, dtype=cfg.model.dtype,
+            )
         r = cfg.rollout
         cuda = device.type == "cuda"
         self.rollout_dtype = torch.bfloat16 if r.dtype == "bfloat16" or (r.dtype == "auto" and cuda) else torch.float32
@@ -180,7 +189,7 @@ class Trainer:
                         self.logger.log(0, self.validate())
                 while self.global_step < cfg.trainer.total_steps:
                     self.global_step += 1
-                    StageTimer.current = None
+                    StageTimer.current = StageTimer.last = None
                     self.inject_test_fault(self.global_step)
                     metrics = self.step(self.global_step)
                     metrics.update(self.reward_error_metrics())
@@ -341,6 +350,7 @@ class Trainer:
         batch.meta["data_source"] = [pb.data_source[pos[r]] for r in rows]
         batch.meta["ground_truth"] = [pb.ground_truth[pos[r]] for r in rows]
         batch.meta["extra_info"] = [pb.extra_info[pos[r]] for r in rows]
+        batch.meta["raw_prompt"] = [pb.raw_prompt[pos[r]] for r in rows]
         batch.meta["response_text"] = self.tokenizer.batch_decode(
             [batch["responses"][i, : int(batch["response_len"][i])].tolist() for i in range(len(batch))],
             skip_special_tokens=True,
@@ -358,7 +368,18 @@ class Trainer:
         if not shaping:
             batch["scores"] = scores
             return metrics
-        scores = r.rule_weight * scores
+        if self.reward_model is not None:  # a weighted sum with the rule score
+            lens = batch["prompt_len"].tolist(), batch["response_len"].tolist()
+            rm = self.reward_model.score(
+                batch.meta["raw_prompt"], batch.meta["response_text"],
+                [batch["prompts"][i, :p].tolist() for i, p in enumerate(lens[0])],
+                [batch["responses"][i, :n].tolist() for i, n in enumerate(lens[1])],
+            )
+            metrics["reward/model_score_mean"] = float(rm.mean())
+            metrics["reward/rule_score_mean"] = float(scores.mean())
+            scores = combine_rewards(scores, rm, r.rule_weight, r.model_weight)
+        else:
+            scores = r.rule_weight * scores
         if r.overlong_buffer_len > 0:
             penalty = overlong_penalty(batch["response_len"], self.cfg.data.max_response_length, r.overlong_buffer_len,
                                        r.overlong_penalty_factor)

@@ -11,7 +11,7 @@ from launching import run  # noqa: E402
 from spmdrl.algos import ADV_ESTIMATORS, agg_loss  # noqa: E402
 from spmdrl.data.synthetic import make_arith  # noqa: E402
 from spmdrl.metrics import read_jsonl  # noqa: E402
-from spmdrl.tiny import build_tiny  # noqa: E402
+from spmdrl.tiny import build_reward_model, build_tiny  # noqa: E402
 
 pytestmark = pytest.mark.dist
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,6 +27,7 @@ CASES = {
     "remax": {"algorithm.adv_estimator": "remax", "rollout.n": 2},
     "dapo": {"algorithm.adv_estimator": "grpo", "algorithm.filter_groups": "true", "actor.clip_ratio_high": 0.28,
              "reward.overlong_buffer_len": 4, "algorithm.max_sample_rounds": 3},
+    "grpo_reward_model": {"algorithm.adv_estimator": "grpo", "reward.model_path": "<rm>", "reward.model_weight": 0.5},
     "ppo_gae": {"algorithm.adv_estimator": "gae", "critic.enable": "true", "critic.micro_batch_size": 8,
                 "algorithm.lam": 0.95, "algorithm.gamma": 1.0},
 }
@@ -35,6 +36,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("algos")
+    build_reward_model(str(root / "rm"), seed=3)
     return build_tiny(str(root / "model"), seed=0), make_arith(str(root / "data"), n_train=64, n_val=8, seed=0)
 
 
@@ -50,7 +52,7 @@ def test_algorithm_step(assets, tmp_path, case):
         "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
         "hooks.files": f'["{os.path.join(HERE, "dist_scripts", "dump_hook.py")}"]',
     }
-    o.update(CASES[case])
+    o.update({k: (str(os.path.join(os.path.dirname(model), "rm")) if v == "<rm>" else v) for k, v in CASES[case].items()})
     os.environ["SPMDRL_TEST_DUMP"] = str(tmp_path)
     try:
         run(["spmdrl.train", *[f"{k}={v}" for k, v in o.items()]], nproc=2, module=True)
@@ -77,5 +79,7 @@ def test_algorithm_step(assets, tmp_path, case):
         assert "critic/vf_loss" in m and m["critic/vf_loss"] > 0
     if case == "dapo":
         assert "train/kept_sample_ratio" in m and "reward/overlong_penalty_mean" in m
+    if case == "grpo_reward_model":
+        assert "reward/model_score_mean" in m and m["reward/model_score_mean"] != 0
     if case == "rloo_kl_reward_adaptive":
         assert "actor/kl_coef" in m

@@ -221,7 +221,11 @@ def test_slurm_array_script(tmp_path, monkeypatch):
     path = write_sweep(tmp_path, GRID.replace("seeds = [0, 1]", "seeds = [0]\nnproc = 4").replace(
         'overrides = ["trainer.total_steps=3"]', 'overrides = ["trainer.total_steps=3", "trainer.experiment_name=\\"a b\\"", "data.train_batch_size=8"]'
     ).replace("[axes]", '[slurm]\nnodes = 2\ntime = "04:00:00"\nmax_parallel = 2\nextra = ["--exclusive"]\n[axes]'))
-    sw = sweep.load_sweep(path)
+    sw = sweep.load_sweep(path, slurm=True)
+    # the world is nproc * slurm.nodes under Slurm: 4 prompts do not split over 8 ranks
+    small = write_sweep(tmp_path, open(path).read().replace("data.train_batch_size=8", "data.train_batch_size=4"), name="small.toml")
+    assert cli_run("sweep", "plan", small).exit_code == 0
+    assert_user_error(cli_run("sweep", "plan", "--slurm", small), "small.toml", "rollout data-parallel size 8")
     fake_metrics(sw.runs[0].output_dir, 3)  # finished: left out of the array
     result = cli_run("sweep", "run", "--slurm", path)
     assert result.exit_code == 0, result.output

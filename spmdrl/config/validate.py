@@ -84,6 +84,11 @@ def validate(cfg, world_size: int):
         raise ConfigError("trainer.critic_warmup > 0 needs critic.enable = true")
 
     layout = plan_layout(cfg.placement, world_size)
+    if cfg.reward.model_path and layout["reward"].tp != layout["actor"].tp:
+        raise ConfigError(
+            f"placement.reward_tp = {layout['reward'].tp} must equal actor_tp = {layout['actor'].tp} for now: the reward "
+            "model scores the samples where the actor holds them"
+        )
     bs, n = cfg.data.train_batch_size, cfg.rollout.n
     rollout_dp = layout["rollout"].dp
     if bs % rollout_dp:
