@@ -12,7 +12,8 @@
         .tmp-step_00000006/   a save in progress (or one that crashed): never resumed from
 
 A save writes into `.tmp-step_N`, agrees across ranks that every write succeeded, then rank 0 writes the
-manifest and the marker and renames the directory into place; older checkpoints are deleted only after that.
+manifest, renames the directory into place and writes the marker last; older checkpoints are deleted only
+after that.
 A load checks the marker, the manifest (files, sizes, model, config) and the checksums before reading a
 tensor. Nothing is unpickled except DCP's own `.metadata`, through an allowlist of DCP's metadata classes.
 """
@@ -416,8 +417,7 @@ class CheckpointManager:
             try:
                 manifest = self._manifest(step, engines, tmp)
                 _write_json(os.path.join(tmp, MANIFEST), manifest)
-                _write_json(os.path.join(tmp, MARKER), {"step": step, "time": time.time()})
-                _commit(tmp, final)
+                _commit(tmp, final, {"step": step, "time": time.time()})
             except OSError as e:
                 err = e
         self._raise_if_failed(err, step, tmp, "committing")
@@ -503,8 +503,10 @@ class CheckpointManager:
             if opt is None:
                 set_model_state_dict(engine.module, targets[name]["model"])
                 continue
+            groups = [{k: tuple(v) if isinstance(opt.defaults.get(k), tuple) else v for k, v in g.items()}
+                      for g in meta["param_groups"]]  # JSON made tuples (betas) lists
             set_state_dict(engine.module, opt, model_state_dict=targets[name]["model"],
-                           optim_state_dict={"state": targets[name]["optim"], "param_groups": meta["param_groups"]})
+                           optim_state_dict={"state": targets[name]["optim"], "param_groups": groups})
             sched = getattr(engine, "scheduler", None)
             if sched is not None and "scheduler" in meta:
                 sched.load_state_dict({**sched.state_dict(), **meta["scheduler"]})
@@ -525,15 +527,16 @@ class CheckpointManager:
                                   "failed the checksum (corrupted on disk); use an earlier checkpoint")
 
 
-def _commit(tmp: str, final: str) -> None:
-    """The commit point: before it the checkpoint does not exist, after it it is complete."""
+def _commit(tmp: str, final: str, marker: dict) -> None:
+    """Rename the finished directory into place, then write the marker: the checkpoint exists from then on."""
     if os.path.exists(final):  # a checkpoint of the same step from an earlier attempt
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
+        old = os.path.join(os.path.dirname(final), _TMP_PREFIX + "old-" + os.path.basename(final))
         os.rename(final, old)
         shutil.rmtree(old, ignore_errors=True)
     os.rename(tmp, final)
     _fsync_dir(os.path.dirname(final))
+    _write_json(os.path.join(final, MARKER), marker)
+    _fsync_dir(final)
 
 
 def _sha256(path: str) -> str:

@@ -91,7 +91,7 @@ def build_tiny(out_dir: str, *, seed: int = 0, **model_kwargs) -> str:
 def build_reward_model(out_dir: str, *, seed: int = 0, tokenizer=None, **sizes) -> str:
     """Write a tiny Qwen2ForSequenceClassification reward model (one label) + tokenizer into `out_dir`.
 
-    `tokenizer` defaults to the char-level one of `build_tokenizer`; its pad token becomes the model's
+    `tokenizer` defaults to the byte-level one of `build_tokenizer`; its pad token becomes the model's
     pad_token_id. `sizes` are `build_model`'s size keywords. Returns the path.
     """
     import torch
@@ -101,7 +101,7 @@ def build_reward_model(out_dir: str, *, seed: int = 0, tokenizer=None, **sizes) 
     tok = tokenizer if tokenizer is not None else build_tokenizer()
     tok.save_pretrained(out_dir)
     s = dict(
-        vocab_size=max(128, len(tok)), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        vocab_size=max(320, len(tok)), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
         intermediate_size=384, max_position_embeddings=512, tie_word_embeddings=False,
     )
     unknown = set(sizes) - set(s)

@@ -29,6 +29,7 @@ from spmdrl.reshard.sync import sync_weights
 from spmdrl.rewards import default_compute_score, load_reward_fn
 from spmdrl.rng import rng_state, seed_everything, set_rng_state
 from spmdrl.rewards.custom import GuardedReward, compute_rewards
+from spmdrl.rewards.model import combine_rewards
 from spmdrl.rollout import SamplingSpec, build_engine
 from spmdrl.update import actor_body, critic_body, forward_all, run_updates
 

@@ -149,6 +149,7 @@ class RewardModelScorer:
         tk = self.tokenizer
         self.pad_id = next((i for i in (tk.pad_token_id, tk.eos_token_id) if i is not None), 0)
         self.same_tokenizer = same_tokenizer(policy_tokenizer, tk)
+        self.vocab_size = hf.get_input_embeddings().num_embeddings
         log.info(
             "reward model %s: %s tokens (%s), micro-batch %d",
             model_path, "policy" if self.same_tokenizer else "re-tokenised", type(tk).__name__, micro_batch_size,
@@ -159,7 +160,18 @@ class RewardModelScorer:
         """The reward model's token ids of each sample: the policy's ids when the tokenizers agree, else the
         conversation re-rendered with the reward model's chat template (plain concatenation without one)."""
         if self.same_tokenizer:
-            return [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+            ids = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+            # a policy whose embedding is padded past the tokenizer can sample ids this model lacks:
+            # those samples are re-tokenised from their text
+            bad = [i for i, x in enumerate(ids) if x and max(x) >= self.vocab_size]
+            if bad:
+                redo = self._encode_text([batch_prompt_messages[i] for i in bad], [response_text[i] for i in bad])
+                for i, x in zip(bad, redo):
+                    ids[i] = x
+            return ids
+        return self._encode_text(batch_prompt_messages, response_text)
+
+    def _encode_text(self, batch_prompt_messages, response_text) -> list[list[int]]:
         tk = self.tokenizer
         if getattr(tk, "chat_template", None):
             texts = [

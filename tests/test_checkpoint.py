@@ -1,0 +1,265 @@
+"""CheckpointManager in one process (no process group): exact round trip, atomic commit, retention, crashes and
+a full disk during a save, damaged and mismatched checkpoints, and loading without unpickling arbitrary objects."""
+import errno
+import json
+import os
+import pickle
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from spmdrl import checkpoint as ck
+from spmdrl.checkpoint import CheckpointManager, config_differences, latest_checkpoint, list_checkpoints, resolve_resume
+from spmdrl.config import Config, load_config, to_toml
+from spmdrl.errors import CheckpointError
+from spmdrl.rng import rng_state, seed_everything, set_rng_state
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = to_toml(load_config(None, ["actor.lr=0.01"]))
+
+
+def make_engine(seed=0, hidden=4):
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(3, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 2))
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return types.SimpleNamespace(module=module, optimizer=opt, scheduler=sched)
+
+
+def train(engine, steps, seed=123):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        engine.module(torch.randn(5, 3, generator=g)).pow(2).sum().backward()
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+        engine.scheduler.step()
+
+
+def save(root, step, engine=None, keep_last=2, config=CONFIG, **kw):
+    engine = engine or make_engine()
+    return CheckpointManager(str(root), keep_last=keep_last).save(
+        step, engines={"actor": engine}, trainer_state={"sampler": {"epoch": 0, "step_in_epoch": step}},
+        config_toml=config, rng=rng_state(), **kw)
+
+
+def load(path, engine=None, config=CONFIG):
+    return CheckpointManager(os.path.dirname(path)).load(path, engines={"actor": engine or make_engine(9)}, config_toml=config)
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    eng = make_engine()
+    train(eng, 3)
+    return tmp_path / "ckpt", save(tmp_path / "ckpt", 3, eng), eng
+
+
+def test_round_trip_is_exact_and_training_continues_identically(saved):
+    _, path, eng = saved
+    fresh = make_engine(seed=5)
+    state = load(path, fresh)
+    assert state["step"] == 3 and state["sampler"]["step_in_epoch"] == 3
+    for (name, a), b in zip(eng.module.state_dict().items(), fresh.module.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert fresh.scheduler.state_dict() == eng.scheduler.state_dict()
+    sa, sb = eng.optimizer.state_dict(), fresh.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for i in sa["state"]:
+        for k in sa["state"][i]:
+            assert torch.equal(sa["state"][i][k], sb["state"][i][k]), (i, k)
+    train(eng, 2, seed=5)
+    train(fresh, 2, seed=5)
+    for a, b in zip(eng.module.parameters(), fresh.module.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_rng_state_survives_json():
+    import random
+
+    import numpy as np
+
+    seed_everything(3)
+    torch.rand(3), random.random(), np.random.rand()
+    back = ck.rng_from_json(json.loads(json.dumps(ck.rng_to_json(rng_state()))))
+    expected = (torch.rand(4).tolist(), random.random(), np.random.rand(), random.gauss(0, 1))
+    set_rng_state(back)
+    assert (torch.rand(4).tolist(), random.random(), np.random.rand(), random.gauss(0, 1)) == expected
+
+
+def test_retention_and_auto_resume_skip_incomplete(tmp_path):
+    root = tmp_path / "out" / "checkpoints"
+    for step in (1, 2, 3, 4):
+        save(root, step)
+    assert [s for s, _ in list_checkpoints(str(root))] == [3, 4]
+    os.makedirs(root / "step_00000009" / "state")  # written by hand or half-copied: no marker
+    os.makedirs(root / ".tmp-step_00000010")  # a crashed save
+    assert latest_checkpoint(str(root)).endswith("step_00000004")
+    cfg = Config()
+    cfg.trainer.output_dir = str(tmp_path / "out")
+    assert resolve_resume(cfg).endswith("step_00000004")
+    cfg.checkpoint.resume = "off"
+    assert resolve_resume(cfg) is None
+    cfg.checkpoint.resume = str(root / "step_00000009")
+    with pytest.raises(CheckpointError, match="incomplete"):
+        resolve_resume(cfg)
+    cfg.checkpoint.resume = str(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="no such directory"):
+        resolve_resume(cfg)
+    cfg.checkpoint.resume = str(tmp_path / "out")  # a run directory: its latest
+    assert resolve_resume(cfg).endswith("step_00000004")
+    save(root, 5)  # the next save clears the crashed one's leftovers
+    assert not os.path.exists(root / ".tmp-step_00000010")
+
+
+def test_failure_inside_save_keeps_the_previous_checkpoint(saved, monkeypatch):
+    root, prev, _ = saved
+    real = ck._write_json
+
+    def failing(path, obj):
+        if path.endswith("trainer.json"):  # after DCP and the RNG files are written
+            raise OSError(errno.EIO, "Input/output error")
+        real(path, obj)
+
+    monkeypatch.setattr(ck, "_write_json", failing)
+    with pytest.raises(CheckpointError, match="Input/output error.*previous checkpoint .*step_00000003 is intact"):
+        save(root, 6)
+    assert latest_checkpoint(str(root)) == prev
+    assert sorted(os.listdir(root)) == ["step_00000003"]  # the partial one is gone
+    load(prev)
+
+
+def test_disk_full_during_the_sharded_write(saved, monkeypatch):
+    """ENOSPC simulated by monkeypatching DCP's file writer (no size-limited tmpfs needed)."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    root, prev, _ = saved
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fs, "_write_item", full)
+    with pytest.raises(CheckpointError) as info:
+        save(root, 6)
+    msg = str(info.value)
+    assert "no space left on device" in msg and "step_00000003 is intact" in msg and "\n" not in msg
+    assert latest_checkpoint(str(root)) == prev
+    load(prev)
+
+
+def test_a_killed_save_is_never_resumed_from(tmp_path):
+    """A process that dies between writing every file and the commit (os._exit: no cleanup runs)."""
+    root = tmp_path / "ckpt"
+    code = f"""
+import os, sys
+sys.path.insert(0, {os.path.join(REPO, 'tests')!r})
+from test_checkpoint import save
+from spmdrl import checkpoint as ck
+save({str(root)!r}, 1)
+ck._commit = lambda tmp, final, marker: os._exit(17)
+save({str(root)!r}, 2)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    tmp = root / ".tmp-step_00000002"
+    assert (tmp / "manifest.json").exists() and (tmp / "state" / ".metadata").exists()  # fully written, not committed
+    assert latest_checkpoint(str(root)).endswith("step_00000001")
+    with pytest.raises(CheckpointError, match="incomplete|no complete checkpoint"):
+        ck.find_checkpoint(str(tmp))
+
+
+def _rewrite_manifest(path, rel):
+    m = json.load(open(os.path.join(path, "manifest.json")))
+    p = os.path.join(path, rel)
+    m["files"][rel] = {"size": os.path.getsize(p), "sha256": ck._sha256(p)}
+    json.dump(m, open(os.path.join(path, "manifest.json"), "w"))
+
+
+def _distcp(path):
+    return "state/" + next(n for n in os.listdir(os.path.join(path, "state")) if n.endswith(".distcp"))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("remove_shard", r"file state/__0_0\.distcp is missing"),
+    ("truncate_shard", r"state/__0_0\.distcp has \d+ bytes, the manifest says \d+"),
+    ("flip_byte", r"state/__0_0\.distcp failed the checksum"),
+    ("manifest_garbage", r"manifest\.json is corrupted"),
+    ("no_marker", r"incomplete \(no COMPLETE marker\)"),
+    ("rng_garbage_rehashed", r"RNG state is malformed"),
+    ("metadata_garbage_rehashed", r"DCP metadata is corrupted"),
+])
+def test_damaged_checkpoint_is_a_one_line_error(saved, damage, message):
+    _, path, _ = saved
+    shard = os.path.join(path, _distcp(path))
+    if damage == "remove_shard":
+        os.remove(shard)
+    elif damage == "truncate_shard":
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    elif damage == "flip_byte":
+        data = bytearray(open(shard, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(shard, "wb").write(bytes(data))
+    elif damage == "manifest_garbage":
+        open(os.path.join(path, "manifest.json"), "w").write("{not json")
+    elif damage == "no_marker":
+        os.remove(os.path.join(path, "COMPLETE"))
+    elif damage == "rng_garbage_rehashed":
+        open(os.path.join(path, "rng", "rank_0.json"), "w").write('{"python": 1}')
+        _rewrite_manifest(path, "rng/rank_0.json")
+    elif damage == "metadata_garbage_rehashed":
+        open(os.path.join(path, "state", ".metadata"), "wb").write(b"\x80\x04garbage")
+        _rewrite_manifest(path, "state/.metadata")
+    with pytest.raises(CheckpointError, match=message) as info:
+        load(path)
+    assert "\n" not in str(info.value)
+
+
+def test_other_model_engines_or_config_are_refused_naming_the_difference(saved):
+    _, path, _ = saved
+    with pytest.raises(CheckpointError, match=r"different actor model .*0\.weight: \[4, 3\] float32 in the checkpoint, \[8, 3\]"):
+        load(path, make_engine(hidden=8))
+    with pytest.raises(CheckpointError, match=r"holds engines \['actor'\], this run has \['actor', 'critic'\]"):
+        CheckpointManager(os.path.dirname(path)).load(path, engines={"actor": make_engine(), "critic": make_engine()},
+                                                      config_toml=CONFIG)
+    other = to_toml(load_config(None, ["actor.lr=0.02", "data.train_batch_size=16"]))
+    with pytest.raises(CheckpointError, match=r"different config: actor\.lr = 0\.01 in the checkpoint, 0\.02 here; "
+                                              r"data\.train_batch_size = 8 in the checkpoint, 16 here"):
+        load(path, config=other)
+    longer = to_toml(load_config(None, ["actor.lr=0.01", "trainer.total_steps=50", "placement.rollout_tp=2",
+                                        "checkpoint.save_freq=5", "model.path=/moved/model"]))
+    load(path, config=longer)  # run length, layout, checkpointing and where the model lives may change
+
+
+def test_config_differences_lists_only_what_may_not_change():
+    a = {"actor": {"lr": 1.0, "micro_batch_size": 2}, "trainer": {"total_steps": 3, "seed": 0}, "logging": {"jsonl": True}}
+    b = {"actor": {"lr": 1.0, "micro_batch_size": 4}, "trainer": {"total_steps": 9, "seed": 1}, "logging": {"jsonl": False},
+         "new_section": {"x": 1}}
+    assert config_differences(a, b) == ["trainer.seed = 0 in the checkpoint, 1 here"]
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_loading_never_unpickles_arbitrary_objects(saved, tmp_path, monkeypatch):
+    _, path, _ = saved
+    calls = []
+    real_load = torch.load
+
+    def watched(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", watched)
+    load(path)
+    assert calls and all(w is True for w in calls)  # tensors only through weights_only=True
+    # a tampered checkpoint whose manifest was rewritten to match: DCP's .metadata carries a payload
+    open(os.path.join(path, "state", ".metadata"), "wb").write(pickle.dumps(_Payload()))
+    _rewrite_manifest(path, "state/.metadata")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"refers to posix\.system.*refusing to unpickle"):
+        load(path)
+    assert not (tmp_path / "PWNED").exists()
