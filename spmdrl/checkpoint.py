@@ -292,7 +292,7 @@ def _dcp_error(e: BaseException) -> BaseException:
 def _describe(e: BaseException) -> str:
     e = _dcp_error(e)
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        return f"no space left on device ({e})"
+        return f"no space left on device ({e}); free space or lower checkpoint.keep_last"
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 

@@ -224,8 +224,8 @@ def test_other_model_engines_or_config_are_refused_naming_the_difference(saved):
         CheckpointManager(os.path.dirname(path)).load(path, engines={"actor": make_engine(), "critic": make_engine()},
                                                       config_toml=CONFIG)
     other = to_toml(load_config(None, ["actor.lr=0.02", "data.train_batch_size=16"]))
-    with pytest.raises(CheckpointError, match=r"different config: actor\.lr = 0\.01 in the checkpoint, 0\.02 here; "
-                                              r"data\.train_batch_size = 8 in the checkpoint, 16 here"):
+    with pytest.raises(CheckpointError, match=r"different config: data\.train_batch_size = 8 in the checkpoint, 16 here; "
+                                              r"actor\.lr = 0\.01 in the checkpoint, 0\.02 here"):
         load(path, config=other)
     longer = to_toml(load_config(None, ["actor.lr=0.01", "trainer.total_steps=50", "placement.rollout_tp=2",
                                         "checkpoint.save_freq=5", "model.path=/moved/model"]))

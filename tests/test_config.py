@@ -361,3 +361,17 @@ def test_every_shipped_config_loads():
     assert "base.toml" in configs
     for name in configs:
         load_config(os.path.join(REPO, "configs", name))
+
+
+@pytest.mark.parametrize("name,world", [("ppo.toml", 8), ("ppo_70b.toml", 32)])
+def test_ppo_examples_validate(name, world):
+    cfg = load_config(os.path.join(REPO, "configs", name))
+    assert cfg.critic.enable and cfg.algorithm.adv_estimator == "gae"
+    validate(cfg, world)
+
+
+def test_quickstart_configs_validate():
+    validate(load_config(os.path.join(REPO, "configs", "quickstart", "grpo.toml")), 2)
+    from spmdrl.sft import SFTConfig, validate_sft
+
+    validate_sft(load_config(os.path.join(REPO, "configs", "quickstart", "sft.toml"), root_cls=SFTConfig), 2)

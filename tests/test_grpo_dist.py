@@ -55,6 +55,9 @@ def check_run(out, nranks):
     # step 2 samples with weights synced after step 1: vLLM and the actor agree on those tokens
     assert rows[2]["rollout/logprob_diff_mean"] < 1e-5
     assert os.listdir(out / "tensorboard") and os.path.isfile(out / "config.toml")
+    documented = open(os.path.join(os.path.dirname(HERE), "docs", "metrics.md")).read()
+    undocumented = [k for r in rows for k in r if k != "step" and "/synthetic/" not in k and f"`{k}`" not in documented]
+    assert not undocumented, f"metrics missing from docs/metrics.md: {sorted(set(undocumented))}"
     checks = [json.load(open(out / f"check_rank{r}.json")) for r in range(nranks)]
     for c in checks:
         assert c["param_change"] > 0
