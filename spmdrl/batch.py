@@ -49,6 +49,13 @@ class Batch:
             {k: [v[i] for i in rows] for k, v in self.meta.items()},
         )
 
+    def keep_(self, idx: torch.Tensor | slice | list[int]) -> "Batch":
+        """In place: keep only the rows `idx` (as in `select`) of every tensor and meta list; returns self.
+        For code that shares this Batch object and must see the rows dropped (user hooks)."""
+        kept = self.select(idx)
+        self.tensors, self.meta = kept.tensors, kept.meta
+        return self
+
     def split(self, size: int) -> list["Batch"]:
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
 

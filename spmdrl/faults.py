@@ -73,7 +73,8 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
 def named_failures(step: Callable[[], int], timeout_s: float) -> Iterator[None]:
     """Failures inside name the step and the stage (StageTimer.current) they happened in.
 
-    A collective failing (a peer died or hung) and a SIGTERM from the launcher become one-line SpmdrlErrors;
+    The stage is StageTimer's view of this process: the one the exception escaped from or is in, else the
+    last one finished. A collective failing (a peer died or hung) and a SIGTERM from the launcher become one-line SpmdrlErrors;
     SpmdrlErrors get the step and stage in front; anything else (a bug) keeps its traceback, with a note.
     """
     handlers = {}
@@ -87,7 +88,7 @@ def named_failures(step: Callable[[], int], timeout_s: float) -> Iterator[None]:
     except KeyboardInterrupt:
         raise
     except (Exception, Terminated) as e:
-        stage, last = StageTimer.current, StageTimer.last
+        stage, last = StageTimer.failed or StageTimer.current, StageTimer.last
         where = f"step {step()}, " + (f"stage {stage!r}" if stage else f"after stage {last!r}" if last else "before the first stage")
         if isinstance(e, Terminated):
             raise SpmdrlError(

@@ -10,6 +10,9 @@ decorator below; every rank imports it and runs the same hooks on its own part o
         ctx.batch["scores"] = ctx.batch["scores"] - 0.01 * ctx.batch["response_len"]
         ctx.log("shaping/penalty_mean", 0.01 * ctx.batch["response_len"].float().mean())
 
+Hooks change the batch in place (`ctx.batch[...] = ...`, `ctx.batch.meta[...]`); samples are dropped with
+`ctx.keep(mask)` at after_rollout / after_reward only. After each hook the runner checks the contract (the
+batch object, its tensors' shapes, its row counts) so a violation fails at once with the hook named.
 See docs/hooks.md for what each stage may change.
 """
 from __future__ import annotations
@@ -21,17 +24,21 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from spmdrl.errors import ConfigError, HookError
 
 STAGES = (
-    "after_rollout",    # responses generated; batch has prompts/responses/logprobs; may drop samples (whole groups)
-    "after_reward",     # scores computed; may change batch["scores"] (token_level_scores are rebuilt from them)
+    "after_rollout",    # responses generated; batch has prompts/responses/logprobs; may drop samples (ctx.keep)
+    "after_reward",     # scores computed; may change batch["scores"] (token_level_scores are built from them), ctx.keep
     "after_advantage",  # advantages/returns computed; may change them (same shapes)
     "before_update",    # right before the actor/critic update
     "after_update",     # after the update, before the weight sync
     "after_step",       # metrics of the step are final (may add more)
     "on_validation",    # validation batch scored; may add metrics
 )
+
+FILTER_STAGES = ("after_rollout", "after_reward")  # before the trainer evens out sample counts over ranks
 
 _PENDING: list[tuple[str, Callable]] = []
 
@@ -65,8 +72,25 @@ class HookContext:
     def log(self, name: str, value) -> None:
         self.metrics[name] = float(value)
 
+    def keep(self, mask) -> None:
+        """Drop samples in place: keep the rows where `mask` (bool [B]) is True, or the rows listed (indices),
+        in every tensor and meta list. Only at after_rollout and after_reward (docs/hooks.md, Filtering)."""
+        if self.stage not in FILTER_STAGES:
+            raise ValueError(f"ctx.keep is allowed at {' and '.join(FILTER_STAGES)} only, not at {self.stage} "
+                             "(later stages run after the ranks' sample counts were evened out)")
+        mask = torch.as_tensor(mask)
+        if mask.numel() == 0:
+            mask = mask.long()
+        if mask.dtype.is_floating_point or mask.dtype.is_complex:
+            raise ValueError(f"ctx.keep: mask is {mask.dtype}; give a bool mask (e.g. batch['truncated'] == 0) or row indices")
+        if mask.dtype == torch.bool and tuple(mask.shape) != (len(self.batch),):
+            raise ValueError(f"ctx.keep: mask has shape {list(mask.shape)}, the batch has {len(self.batch)} samples")
+        self.batch.keep_(mask)
+
     def decode(self, key: str = "responses") -> list[str]:
-        """Decoded text of a token tensor in the batch (responses by default), padding removed."""
+        """Decoded text of "responses" (default) or "prompts" in the batch, padding removed."""
+        if key not in ("responses", "prompts"):
+            raise ValueError(f"ctx.decode({key!r}): only 'responses' and 'prompts' hold token ids")
         lens = self.batch["response_len"] if key == "responses" else self.batch["prompt_len"]
         ids = self.batch[key]
         return self.tokenizer.batch_decode([ids[i, : int(lens[i])].tolist() for i in range(len(self.batch))],
@@ -75,7 +99,7 @@ class HookContext:
 
 def _load(spec: str) -> None:
     if spec.endswith(".py") or os.sep in spec:
-        path = os.path.abspath(spec)
+        path = os.path.abspath(os.path.expanduser(spec))
         if not os.path.isfile(path):
             raise ConfigError(f"hooks.files: {spec!r} is not a file; give a .py path or an importable module")
         name = f"spmdrl_user_hooks_{abs(hash(path))}"
@@ -88,7 +112,10 @@ def _load(spec: str) -> None:
             raise ConfigError(f"hooks.files: importing {spec!r} failed: {type(e).__name__}: {e}") from e
     else:
         try:
-            importlib.import_module(spec)
+            if spec in sys.modules:  # imported before (e.g. it also holds the reward fn): run its decorators again
+                importlib.reload(sys.modules[spec])
+            else:
+                importlib.import_module(spec)
         except ImportError as e:
             raise ConfigError(f"hooks.files: cannot import module {spec!r} ({e}); give a .py path or a module on sys.path") from e
 
@@ -98,6 +125,7 @@ class HookRunner:
 
     def __init__(self, files: list[str]):
         self.by_stage: dict[str, list[Callable]] = {s: [] for s in STAGES}
+        self.names: dict[Callable, str] = {}  # fn -> "file-or-module:qualname", for error messages
         for spec in files:
             start = len(_PENDING)
             _load(spec)
@@ -107,15 +135,42 @@ class HookRunner:
                 raise ConfigError(f"hooks.files: {spec!r} registers no hooks; decorate functions with @spmdrl.hooks.hook(stage)")
             for stage, fn in added:
                 self.by_stage[stage].append(fn)
+                self.names[fn] = f"{spec}:{getattr(fn, '__qualname__', fn)}"
 
     def __bool__(self) -> bool:
         return any(self.by_stage.values())
 
     def run(self, stage: str, ctx: HookContext) -> dict[str, float]:
         for fn in self.by_stage[stage]:
+            name = self.names.get(fn) or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+            batch, rows = ctx.batch, len(ctx.batch)
+            shapes = {k: tuple(v.shape) for k, v in batch.tensors.items()}
             try:
                 fn(ctx)
             except Exception as e:
-                name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
-                raise HookError(f"hook {name} failed at stage {stage} (step {ctx.step}): {type(e).__name__}: {e}") from e
+                msg = " ".join(str(e).split())[:500]
+                raise HookError(f"hook {name} failed at stage {stage} (step {ctx.step}): {type(e).__name__}: {msg}") from e
+            problem = _contract_violation(ctx, batch, rows, shapes)
+            if problem:
+                raise HookError(f"hook {name} at stage {stage} (step {ctx.step}) {problem} (see docs/hooks.md)")
         return ctx.metrics
+
+
+def _contract_violation(ctx: HookContext, batch, rows: int, shapes: dict[str, tuple]) -> str | None:
+    """What a hook did to the batch that the trainer cannot follow, or None."""
+    if ctx.batch is not batch:
+        return ("replaced ctx.batch, which the trainer never sees; change its tensors and meta in place, "
+                "or drop samples with ctx.keep(mask)")
+    n = len(batch)
+    if n != rows and ctx.stage not in FILTER_STAGES:
+        return f"changed the number of samples from {rows} to {n}; samples may be dropped at {' and '.join(FILTER_STAGES)} only"
+    for k, shape in shapes.items():
+        if k not in batch.tensors:
+            return f"removed tensor {k!r}; hooks may change values and add tensors, not remove them"
+        now = tuple(batch.tensors[k].shape)
+        if now[1:] != shape[1:]:
+            return f"changed the shape of {k!r} from {list(shape)} to {list(now)}; tensors must keep their shapes"
+    for k, v in [*batch.tensors.items(), *batch.meta.items()]:
+        if len(v) != n:
+            return f"left {k!r} with {len(v)} rows while the batch has {n}; drop samples with ctx.keep(mask) only"
+    return None

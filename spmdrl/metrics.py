@@ -155,10 +155,11 @@ class StageTimer:
     Without a device it synchronizes whenever CUDA is initialized.
     """
 
+    # Where this process is, for failure messages (spmdrl.faults): the innermost stage being timed, the stage an
+    # exception last escaped from (cleared when a stage starts), the stage that last finished.
     current: str | None = None
-    """The stage being timed in this process, or the one an exception escaped from (fault messages name it)."""
+    failed: str | None = None
     last: str | None = None
-    """The stage that last finished in this process."""
 
     def __init__(self, device=None):
         self.device = device
@@ -174,13 +175,17 @@ class StageTimer:
     def __call__(self, name: str) -> Iterator[None]:
         self._sync()
         start = time.perf_counter()
-        outer, StageTimer.current = StageTimer.current, name
+        outer, StageTimer.current, StageTimer.failed = StageTimer.current, name, None
         try:
             yield
+        except BaseException:
+            StageTimer.failed = StageTimer.failed or name  # the innermost
+            raise
         finally:
             self._sync()
             self._totals[name] += time.perf_counter() - start
-        StageTimer.current, StageTimer.last = outer, name  # not reached on an exception: the failed stage stays named
+            StageTimer.current = outer
+        StageTimer.last = name
 
     def as_metrics(self) -> dict[str, float]:
         return {f"timing/{name}_s": t for name, t in self._totals.items()}

@@ -120,6 +120,7 @@ class Trainer:
             else FixedKLController(alg.kl_coef)
         )
         self.hooks = HookRunner(cfg.hooks.files)
+        self.on_policy = a.ppo_epochs == 1 and mini == d.train_batch_size and not cfg.algorithm.use_kl_in_reward
         self.reward_model = None
         if cfg.reward.model_path:
             from spmdrl.rewards.model import RewardModelScorer
@@ -190,7 +191,7 @@ class Trainer:
                         self.logger.log(0, self.validate())
                 while self.global_step < cfg.trainer.total_steps:
                     self.global_step += 1
-                    StageTimer.current = StageTimer.last = None
+                    StageTimer.failed = StageTimer.last = None
                     self.inject_test_fault(self.global_step)
                     metrics = self.step(self.global_step)
                     metrics.update(self.reward_error_metrics())
@@ -215,8 +216,9 @@ class Trainer:
         timer = self.timer = StageTimer(self.device)
         t0 = time.perf_counter()
         batch, metrics = self.collect(step, timer)
-        with timer("old_logprob"):
-            batch["old_log_probs"] = self.forward_logprobs(self.actor, batch)
+        if not self.on_policy:  # on-policy (one epoch, one mini-batch) the update's own log-probs are the old ones
+            with timer("old_logprob"):
+                batch["old_log_probs"] = self.forward_logprobs(self.actor, batch)
         if self.ref is not None:
             with timer("ref_logprob"):
                 batch["ref_log_probs"] = self.forward_logprobs(self.ref, batch)
@@ -433,16 +435,18 @@ class Trainer:
 
     def batch_metrics(self, batch: Batch) -> dict[str, float]:
         mask = batch["response_mask"]
-        lp_diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()
-        return {
+        m = {
             "train/reward_mean": float(batch["scores"].mean()),
             "train/reward_std": float(batch["scores"].std()) if len(batch) > 1 else 0.0,
             "train/response_length_mean": float(batch["response_len"].float().mean()),
             "train/response_clip_ratio": float(batch["truncated"].mean()),
             "train/advantage_mean": float(masked_mean(batch["advantages"], mask)),
-            "rollout/logprob_diff_mean": float(masked_mean(lp_diff, mask)),
-            "rollout/logprob_diff_max": float((lp_diff * mask).max()),
         }
+        if "old_log_probs" in batch:  # else the update measured it (on-policy)
+            lp_diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()
+            m["rollout/logprob_diff_mean"] = float(masked_mean(lp_diff, mask))
+            m["rollout/logprob_diff_max"] = float((lp_diff * mask).max())
+        return m
 
     # ---- validation ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -65,15 +65,20 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
         R = logp.shape[1]
         dev = logp.device
         mask = mb["response_mask"][:, :R].to(dev)
-        old = mb["old_log_probs"][:, :R].to(dev)
+        m = {}
+        if "old_log_probs" in mb:
+            old = mb["old_log_probs"][:, :R].to(dev)
+        else:  # on-policy: the parameters have not moved since the rollout, so these are the old log-probs
+            old = logp.detach()
+            m["rollout/logprob_diff_mean"] = masked_mean((mb["rollout_log_probs"][:, :R].to(dev) - old).abs(), mask)
         pg_loss, pg_m = loss_fn(
             old, logp, mb["advantages"][:, :R].to(dev), mask, clip_ratio_low=a.clip_ratio_low,
             clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
         )
         entropy = agg_loss(ent, mask, a.loss_agg_mode)
         loss = pg_loss - a.entropy_coeff * entropy
-        m = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
-             "actor/clipfrac": pg_m["pg_clipfrac"], "actor/ppo_kl": pg_m["ppo_kl"]}
+        m.update({"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
+                  "actor/clipfrac": pg_m["pg_clipfrac"], "actor/ppo_kl": pg_m["ppo_kl"]})
         if a.use_kl_loss:
             kl = agg_loss(kl_penalty(logp, mb["ref_log_probs"][:, :R].to(dev), a.kl_loss_type), mask, a.loss_agg_mode)
             loss = loss + a.kl_loss_coef * kl

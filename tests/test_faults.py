@@ -1,0 +1,162 @@
+"""Faults and bad input in the loop's helpers: reward functions that raise or run too long (raise / zero),
+bad-step detection, the fault-injection spec, stage-named failures (collective errors, SIGTERM), and a hung
+rank under real torchrun making the other give up after the configured timeout."""
+import math
+import os
+import re
+import signal
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from spmdrl.errors import RewardError, SpmdrlError
+from spmdrl.faults import inject_fault, injected_fault, is_bad_step, named_failures
+from spmdrl.metrics import StageTimer
+from spmdrl.rewards.custom import GuardedReward, RewardTimeout, call_with_timeout, compute_rewards
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def flaky(data_source, solution_str, ground_truth, extra_info):
+    if solution_str == "boom":
+        raise ValueError("cannot parse")
+    if solution_str == "nan":
+        return float("nan")
+    if solution_str == "slow":
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:  # a broad except in user code must not swallow the timeout
+                time.sleep(0.01)
+            except Exception:
+                pass
+    return 1.0
+
+
+def score(fn, texts):
+    n = len(texts)
+    return compute_rewards(fn, ["s"] * n, texts, ["gt"] * n, None)[0].tolist()
+
+
+def test_reward_raise_names_the_sample():
+    with pytest.raises(RewardError, match=r"raised on sample 1 \(data_source 's'\): ValueError: cannot parse"):
+        score(GuardedReward(flaky, on_error="raise"), ["ok", "boom"])
+
+
+def test_reward_zero_scores_failures_zero_and_counts_them():
+    fn = GuardedReward(flaky, on_error="zero")
+    assert score(fn, ["ok", "boom", "nan", "ok"]) == [1.0, 0.0, 0.0, 1.0]
+    assert fn.take_counts() == (2, 0)
+    assert fn.take_counts() == (0, 0)
+
+
+def test_reward_timeout_interrupts_even_a_broad_except():
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=r"sample 1 .*RewardTimeout: took longer than reward\.timeout_s=0\.2s"):
+        score(GuardedReward(flaky, on_error="raise", timeout_s=0.2), ["ok", "slow"])
+    fn = GuardedReward(flaky, on_error="zero", timeout_s=0.2)
+    assert score(fn, ["slow", "ok"]) == [0.0, 1.0]
+    assert fn.take_counts() == (1, 1)
+    assert time.monotonic() - t0 < 5
+    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.default_int_handler, None)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_reward_timeout_outside_the_main_thread_abandons_the_call():
+    out = {}
+
+    def run():
+        try:
+            call_with_timeout(lambda **kw: time.sleep(2), 0.2)
+        except RewardTimeout as e:
+            out["error"] = str(e)
+
+    t = threading.Thread(target=run)
+    t0 = time.monotonic()
+    t.start()
+    t.join()
+    assert "background thread" in out["error"] and time.monotonic() - t0 < 1.5
+
+
+def test_bad_step_detection():
+    assert not is_bad_step({"actor/pg_loss": 0.1, "actor/grad_norm": 2.0, "actor/skipped_step": 0.0})
+    assert is_bad_step({"actor/grad_norm": math.nan})
+    assert is_bad_step({"actor/skipped_step": 0.5})
+    assert is_bad_step({"critic/vf_loss": math.inf})
+    assert not is_bad_step({"train/reward_std": math.nan})  # not a loss or gradient
+
+
+def test_fault_spec():
+    spec = "kill:rank=1:step=3; nan:step=5-6; hang:rank=0:step=9"
+    assert injected_fault(1, 3, spec) == "kill"
+    assert injected_fault(0, 3, spec) is None
+    assert [injected_fault(0, s, spec) for s in (4, 5, 6, 7)] == [None, "nan", "nan", None]
+    assert injected_fault(0, 9, spec) == "hang"
+    assert injected_fault(0, 1, "") is None
+    with pytest.raises(SpmdrlError, match="unknown fault 'explode'"):
+        injected_fault(0, 1, "explode:step=1")
+
+
+def test_nan_injection_poisons_one_real_gradient_norm():
+    class Engine:
+        def __init__(self):
+            self.module = torch.nn.Linear(2, 2)
+
+        def clip_grad_norm(self):
+            return float(torch.nn.utils.clip_grad_norm_(list(self.module.parameters()), 1.0))
+
+    eng = Engine()
+    eng.module(torch.ones(1, 2)).sum().backward()
+    inject_fault("nan", 0, 1, eng)
+    assert math.isnan(eng.clip_grad_norm())
+    eng.module.zero_grad()
+    eng.module(torch.ones(1, 2)).sum().backward()
+    assert math.isfinite(eng.clip_grad_norm())  # once only
+
+
+def test_failures_name_step_and_stage():
+    timer = StageTimer()
+    step = types.SimpleNamespace(n=3)
+    with pytest.raises(RewardError, match=r"^step 3, stage 'reward': bad reward$"):
+        with named_failures(lambda: step.n, 30):
+            with timer("reward"):
+                raise RewardError("bad reward")
+    with pytest.raises(SpmdrlError, match=r"^step 3, after stage 'reward': a collective failed \(RuntimeError: "
+                                          r"\[gloo\] Connection closed by peer\); another rank probably died .*"
+                                          r"trainer\.dist_timeout_s=30s"):
+        with named_failures(lambda: step.n, 30):
+            with timer("reward"):
+                pass
+            raise RuntimeError("[gloo] Connection closed by peer")
+    with pytest.raises(ZeroDivisionError) as info:  # a bug keeps its type and traceback, with a note
+        with named_failures(lambda: step.n, 30):
+            with timer("advantage"):
+                1 / 0
+    assert "spmdrl: raised in step 3, stage 'advantage'" in info.value.__notes__
+
+
+def test_sigterm_becomes_a_stage_named_error():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SpmdrlError, match=r"^step 7, stage 'rollout': stopped by SIGTERM"):
+        with named_failures(lambda: 7, 30):
+            with StageTimer()("rollout"):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.dist
+def test_hung_rank_makes_the_other_give_up_after_the_timeout():
+    from launching import run
+
+    t0 = time.monotonic()
+    proc = run([os.path.join(HERE, "dist_scripts", "ckpt_hang.py"), "3"], nproc=2, timeout=120, check=False)
+    assert proc.returncode != 0
+    m = re.search(r"error \(rank 0\) after ([\d.]+)s: step 3, stage 'update_actor': a collective failed .*"
+                  r"trainer\.dist_timeout_s=3s", proc.stderr)
+    assert m, proc.stderr[-3000:]
+    assert 2.5 <= float(m.group(1)) < 15
+    assert "[fault injection] rank 1 hangs in step 3" in proc.stderr
+    assert time.monotonic() - t0 < 90
