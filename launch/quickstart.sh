@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/quickstart}
 NPROC=${NPROC:-2}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 start=$(date +%s)
 
 echo "== 1/4 tiny model and tokenizer -> $OUT/tiny"
@@ -14,13 +14,18 @@ spmdrl model tiny --out "$OUT/tiny"
 echo "== 2/4 synthetic arithmetic data -> $OUT/data"
 spmdrl data synthetic --out "$OUT/data" --n-sft 4096
 echo "== 3/4 SFT warm start ($NPROC processes)"
+t_sft=$(date +%s)
 spmdrl sft --nproc "$NPROC" --config configs/quickstart/sft.toml \
   model.path="$OUT/tiny" sft.train_files="[\"$OUT/data/sft.parquet\"]" \
   sft.save_dir="$OUT/sft_model" trainer.output_dir="$OUT/sft"
 echo "== 4/4 GRPO ($NPROC processes, in-process vLLM)"
+t_grpo=$(date +%s)
 spmdrl train --nproc "$NPROC" --config configs/quickstart/grpo.toml \
   model.path="$OUT/sft_model" data.train_files="[\"$OUT/data/train.parquet\"]" \
   data.val_files="[\"$OUT/data/val.parquet\"]" trainer.output_dir="$OUT/grpo" "$@"
 
+t_end=$(date +%s)
+
 spmdrl summary "$OUT/grpo"
+echo "SFT $(( t_grpo - t_sft )) s, GRPO $(( t_end - t_grpo )) s"
 echo "quickstart finished in $(( $(date +%s) - start )) s; tensorboard --logdir $OUT/grpo/tensorboard"

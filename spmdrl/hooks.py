@@ -82,7 +82,8 @@ class HookContext:
         if mask.numel() == 0:
             mask = mask.long()
         if mask.dtype.is_floating_point or mask.dtype.is_complex:
-            raise ValueError(f"ctx.keep: mask is {mask.dtype}; give a bool mask (e.g. batch['truncated'] == 0) or row indices")
+            raise ValueError(f"ctx.keep: mask is {mask.dtype}; give a bool mask (e.g. batch['truncated'] == 0) "
+                             "or row indices")
         if mask.dtype == torch.bool and tuple(mask.shape) != (len(self.batch),):
             raise ValueError(f"ctx.keep: mask has shape {list(mask.shape)}, the batch has {len(self.batch)} samples")
         self.batch.keep_(mask)
@@ -118,6 +119,8 @@ def _load(spec: str) -> None:
                 importlib.import_module(spec)
         except ImportError as e:
             raise ConfigError(f"hooks.files: cannot import module {spec!r} ({e}); give a .py path or a module on sys.path") from e
+        except Exception as e:
+            raise ConfigError(f"hooks.files: importing {spec!r} failed: {type(e).__name__}: {e}") from e
 
 
 class HookRunner:
@@ -148,8 +151,10 @@ class HookRunner:
             try:
                 fn(ctx)
             except Exception as e:
-                msg = " ".join(str(e).split())[:500]
-                raise HookError(f"hook {name} failed at stage {stage} (step {ctx.step}): {type(e).__name__}: {msg}") from e
+                msg = " ".join(str(e).split())[:500]  # one line, however the hook's exception reads
+                raise HookError(
+                    f"hook {name} failed at stage {stage} (step {ctx.step}): {type(e).__name__}: {msg}"
+                ) from e
             problem = _contract_violation(ctx, batch, rows, shapes)
             if problem:
                 raise HookError(f"hook {name} at stage {stage} (step {ctx.step}) {problem} (see docs/hooks.md)")
@@ -163,7 +168,8 @@ def _contract_violation(ctx: HookContext, batch, rows: int, shapes: dict[str, tu
                 "or drop samples with ctx.keep(mask)")
     n = len(batch)
     if n != rows and ctx.stage not in FILTER_STAGES:
-        return f"changed the number of samples from {rows} to {n}; samples may be dropped at {' and '.join(FILTER_STAGES)} only"
+        return (f"changed the number of samples from {rows} to {n}; samples may be dropped at "
+                f"{' and '.join(FILTER_STAGES)} only")
     for k, shape in shapes.items():
         if k not in batch.tensors:
             return f"removed tensor {k!r}; hooks may change values and add tensors, not remove them"
@@ -171,6 +177,7 @@ def _contract_violation(ctx: HookContext, batch, rows: int, shapes: dict[str, tu
         if now[1:] != shape[1:]:
             return f"changed the shape of {k!r} from {list(shape)} to {list(now)}; tensors must keep their shapes"
     for k, v in [*batch.tensors.items(), *batch.meta.items()]:
-        if len(v) != n:
-            return f"left {k!r} with {len(v)} rows while the batch has {n}; drop samples with ctx.keep(mask) only"
+        size = len(v) if hasattr(v, "__len__") else None
+        if size != n:
+            return f"left {k!r} with {size} rows while the batch has {n}; drop samples with ctx.keep(mask) only"
     return None

@@ -68,7 +68,7 @@ class Trainer:
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         seed_everything(cfg.trainer.seed)
         self.meshes = RoleMeshes(layout, rank, device.type)
-        log.info(self.meshes.describe())
+        print(f"[rank{rank}] {self.meshes.describe()}", flush=True)  # every rank: its place in every mesh
         self.rollout_mesh, self.actor_mesh = self.meshes["rollout"], self.meshes["actor"]
         tok_path = cfg.model.tokenizer_path or cfg.model.path
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.model.trust_remote_code)

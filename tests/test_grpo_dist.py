@@ -66,10 +66,12 @@ def check_run(out, nranks):
     return rows, checks
 
 
-@pytest.mark.parametrize("rollout_tp", [2, 1], ids=["rollout_tp2", "rollout_dp2"])
-def test_grpo_two_ranks(assets, tmp_path, rollout_tp):
+@pytest.mark.parametrize("rollout_tp,actor_tp", [(2, 1), (1, 1), (1, 2)],
+                         ids=["rollout_tp2", "rollout_dp2", "actor_tp2_rollout_dp2"])
+def test_grpo_two_ranks(assets, tmp_path, rollout_tp, actor_tp):
+    # actor_tp2_rollout_dp2: DTensor TP actor, and the batch is all-gathered from the rollout layout
     run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--out", str(tmp_path),
-         *overrides(assets, tmp_path, **{"placement.rollout_tp": rollout_tp})], nproc=2)
+         *overrides(assets, tmp_path, **{"placement.rollout_tp": rollout_tp, "placement.actor_tp": actor_tp})], nproc=2)
     rows, checks = check_run(tmp_path, 2)
     if rollout_tp == 2:  # one engine across both ranks: both see the same samples
         assert checks[0]["responses"] == checks[1]["responses"]

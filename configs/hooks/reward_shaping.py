@@ -1,6 +1,6 @@
 """Example hook: reward shaping at after_reward (use with `hooks.files = ["configs/hooks/reward_shaping.py"]`).
 
-    score' = score + FORMAT_BONUS * [the response is a bare integer] - LENGTH_PENALTY * response_len / max_response_length
+    score' = score + FORMAT_BONUS * [response is a bare integer] - LENGTH_PENALTY * response_len / max_response_length
 
 `batch["scores"]` [B] holds the reward of each sample (rule/custom score times reward.rule_weight, plus the
 reward model and DAPO overlong terms when configured). The trainer places `scores` on each response's last

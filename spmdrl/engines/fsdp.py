@@ -243,12 +243,23 @@ class FSDPEngine:
         return out
 
     def clip_grad_norm(self) -> float:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm)
+        """Global grad norm over all parameters, then clip. With TP, parameters live on different meshes
+        (dp x tp for sharded layers, dp for the replicated ones), so norms are taken per mesh and combined."""
+        groups: dict = {}
+        for p in self.module.parameters():
+            if p.grad is not None:
+                groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        sq = 0.0
+        for params in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            sq += float(norm) ** 2
+        total = math.sqrt(sq)
+        if self.grad_clip > 0 and math.isfinite(total):
+            for params in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, torch.tensor(total))
+        return total
 
     # ---- weights out --------------------------------------------------------------------------------
     def iter_full_params(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -1,5 +1,6 @@
 """Test hook: save each rank's batch of step 1 before any other hook changes it (after_rollout, listed first in
-hooks.files) and as the update sees it (before_update), tensors and meta, for tests/test_hooks.py."""
+hooks.files), as the update sees it (before_update) and the validation batch, tensors and meta, for
+tests/test_hooks.py."""
 import os
 
 import torch
@@ -24,3 +25,8 @@ def dump_rollout(ctx):
 @hook("before_update")
 def dump_update(ctx):
     _save(ctx, "update")
+
+
+@hook("on_validation")
+def dump_validation(ctx):
+    _save(ctx, "val")

@@ -1,0 +1,153 @@
+"""torch.distributed.checkpoint without arbitrary unpickling, and an engine's state through DCP's state-dict API.
+
+DCP pickles two things: its `.metadata` (read here through an allowlist of DCP's own metadata classes) and
+non-tensor values (which spmdrl never stores, so the load planner refuses them). Tensors are read with
+torch.load(weights_only=True) by DCP itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import json
+import os
+import pickle
+import warnings
+from typing import Any
+
+import torch
+
+from spmdrl.errors import CheckpointError
+
+from .files import jsonable
+
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle; allow only the plain data classes it is made of."""
+
+    def find_class(self, module: str, name: str):
+        ok = (
+            (module, name) in _ALLOWED_GLOBALS
+            or module == "torch.distributed.checkpoint.metadata"
+            or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)))
+        )
+        if not ok:
+            raise CheckpointError(
+                f"DCP metadata refers to {module}.{name}, which checkpoint metadata never contains; refusing to "
+                "unpickle it (the checkpoint was tampered with or is not an spmdrl checkpoint)"
+            )
+        return super().find_class(module, name)
+
+
+def safe_reader(path: str):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            rank = kwargs.get("rank")
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            with open(os.path.join(str(self.path), name), "rb") as f:
+                try:
+                    md = _MetadataUnpickler(io.BytesIO(f.read())).load()
+                except CheckpointError:
+                    raise
+                except Exception as e:
+                    raise CheckpointError(f"checkpoint {path}: DCP metadata is corrupted ({type(e).__name__}: {e})") from None
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return SafeFileSystemReader(path)
+
+
+def tensor_only_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class TensorOnlyLoadPlanner(DefaultLoadPlanner):
+        """Our DCP state holds tensors only; DCP would torch.load (unrestricted) any other object."""
+
+        def load_bytes(self, read_item, value):
+            raise CheckpointError(
+                f"checkpoint holds a pickled object at {read_item.dest_index.fqn!r}; spmdrl checkpoints hold tensors "
+                "only, refusing to unpickle it"
+            )
+
+    return TensorOnlyLoadPlanner()
+
+
+@contextlib.contextmanager
+def single_process_quiet():
+    """DCP warns that it 'assumes the intent' when it runs without a process group; that is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+        yield
+
+
+def dcp_error(e: BaseException) -> BaseException:
+    """The first underlying exception of a DCP CheckpointException (which wraps each rank's failure)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        return inner[0] if isinstance(inner, tuple) else inner
+    return e
+
+
+def describe_error(e: BaseException) -> str:
+    e = dcp_error(e)
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return f"no space left on device ({e}); free space or lower checkpoint.keep_last"
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+# ---- engines' state ------------------------------------------------------------------------------------
+
+def param_spec(module: torch.nn.Module) -> list[list]:
+    """[name, global shape, dtype] of every parameter (DTensor shapes are the unsharded ones)."""
+    return [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in module.named_parameters()]
+
+
+def _spec_hash(spec: list) -> str:
+    return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
+
+
+def _hf_prefix(engine) -> str:
+    hf = getattr(engine, "hf", None)
+    if hf is None or hf is engine.module:
+        return ""
+    for name, mod in engine.module.named_modules():
+        if mod is hf:
+            return name + "."
+    return ""
+
+
+def engine_state(engine) -> tuple[dict, dict]:
+    """(tensors for DCP, JSON: optimizer param groups + LR scheduler) of an engine (`.module`, optional
+    `.optimizer` and `.scheduler`), through DCP's state-dict API so FSDP2 shards save and reshard."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    opt = getattr(engine, "optimizer", None)
+    if opt is None:
+        return {"model": get_model_state_dict(engine.module)}, {}
+    msd, osd = get_state_dict(engine.module, opt)
+    sched = getattr(engine, "scheduler", None)
+    meta = {"param_groups": jsonable(osd["param_groups"])}
+    if sched is not None:
+        meta["scheduler"] = jsonable({k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"})
+    return {"model": msd, "optim": osd["state"]}, meta
+
+
+def engine_manifest(engine) -> dict:
+    spec = param_spec(engine.module)
+    return {"params": spec, "params_hash": _spec_hash(spec), "hf_prefix": _hf_prefix(engine),
+            "optimizer": type(engine.optimizer).__name__ if getattr(engine, "optimizer", None) is not None else None}
+
+

@@ -1,0 +1,229 @@
+"""CheckpointManager: atomic sharded save, verified load, keep-last retention."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from spmdrl.errors import CheckpointError
+
+from .dcp import (
+    dcp_error, describe_error, engine_manifest, engine_state, safe_reader, single_process_quiet, tensor_only_planner,
+)
+from .files import (
+    FORMAT, MANIFEST, MARKER, TMP_PREFIX, fsync_dir, jsonable, latest_checkpoint, list_checkpoints, read_json,
+    rng_from_json, rng_to_json, sha256, step_dir, write_bytes, write_json,
+)
+from .verify import check_compatible, check_files, read_manifest
+
+log = logging.getLogger("spmdrl")
+
+
+class CheckpointManager:
+    """Atomic sharded save, verified load and keep-last retention under one root directory.
+
+    Every rank calls `save` and `load` (they are collective when a process group exists; without one they
+    run in a single process, as `spmdrl export` and the unit tests do).
+    """
+
+    def __init__(self, root: str, *, keep_last: int = 2, device: torch.device | str = "cpu"):
+        self.root = root
+        self.keep_last = keep_last
+        self.device = torch.device(device)
+        self.dist = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.dist else 0
+        self.world_size = dist.get_world_size() if self.dist else 1
+
+    # -- collectives on one small tensor; everyone learns who failed
+    def _first_failure(self, failed: bool) -> int:
+        """-1 when every rank succeeded, else the lowest failing rank."""
+        if not self.dist:
+            return self.rank if failed else -1
+        t = torch.tensor([self.world_size - self.rank if failed else 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        v = int(t.item())
+        return self.world_size - v if v else -1
+
+    def _any(self, flags: list[bool]) -> list[bool]:
+        if not self.dist:
+            return flags
+        t = torch.tensor([int(f) for f in flags] or [0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(x) for x in t.tolist()][: len(flags)]
+
+    # -- save
+    def save(self, step: int, *, engines: dict[str, Any], trainer_state: dict, config_toml: str,
+             rng: dict | None = None, hf_files=None) -> str:
+        """Write checkpoint `step`. engines: name -> engine; trainer_state: JSON-able (rank 0's is kept);
+        rng: this rank's spmdrl.rng.rng_state(); hf_files(dir): rank 0 writes the HF config and tokenizer."""
+        t0 = time.perf_counter()
+        final, tmp = step_dir(self.root, step), os.path.join(self.root, f"{TMP_PREFIX}step_{step:08d}")
+        err: BaseException | None = None
+        if self.rank == 0:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                for name in os.listdir(self.root):  # a crashed save's leftovers
+                    if name.startswith(TMP_PREFIX):
+                        shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                os.makedirs(os.path.join(tmp, "rng"))
+            except OSError as e:
+                err = e
+        self._raise_if_failed(err, step, tmp, "preparing")
+        try:
+            from torch.distributed.checkpoint import FileSystemWriter, save as dcp_save
+
+            tensors, meta = {}, {}
+            for name, engine in engines.items():
+                tensors[name], meta[name] = engine_state(engine)
+            with single_process_quiet():
+                dcp_save(tensors, storage_writer=FileSystemWriter(os.path.join(tmp, "state")), no_dist=not self.dist)
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+            err = dcp_error(e)
+        if err is None:  # DCP already agreed: its failures raise on every rank
+            try:
+                if rng is not None:
+                    write_json(os.path.join(tmp, "rng", f"rank_{self.rank}.json"), rng_to_json(rng))
+                if self.rank == 0:
+                    state = {"step": step, **jsonable(trainer_state), "engines": meta}
+                    write_json(os.path.join(tmp, "trainer.json"), state)
+                    write_bytes(os.path.join(tmp, "config.toml"), config_toml.encode())
+                    if hf_files is not None:
+                        hf_files(os.path.join(tmp, "hf"))
+            except Exception as e:
+                err = e
+        self._raise_if_failed(err, step, tmp, "writing")
+        try:
+            self._write_hashes(tmp)
+        except OSError as e:
+            err = e
+        self._raise_if_failed(err, step, tmp, "checksumming")
+        if self.rank == 0:
+            try:
+                manifest = self._manifest(step, engines, tmp)
+                write_json(os.path.join(tmp, MANIFEST), manifest)
+                commit(tmp, final, {"step": step, "time": time.time()})
+            except OSError as e:
+                err = e
+        self._raise_if_failed(err, step, tmp, "committing")
+        if self.rank == 0:
+            self._retain()
+            log.info("checkpoint step %d saved to %s in %.1fs", step, final, time.perf_counter() - t0)
+        return final
+
+    def _raise_if_failed(self, err: BaseException | None, step: int, tmp: str, what: str) -> None:
+        bad = self._first_failure(err is not None)
+        if bad < 0:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        prev = latest_checkpoint(self.root)
+        keep = f"the previous checkpoint {prev} is intact" if prev else "there is no earlier checkpoint"
+        cause = describe_error(err) if err is not None else f"see rank {bad}'s error"
+        raise CheckpointError(f"saving checkpoint step {step} under {self.root} failed while {what} on rank {bad}: "
+                              f"{cause}; {keep}")
+
+    def _files(self, d: str) -> list[str]:
+        out = []
+        for base, _, names in os.walk(d):
+            for n in names:
+                rel = os.path.relpath(os.path.join(base, n), d)
+                if rel not in (MANIFEST, MARKER) and not rel.startswith(".sha-rank"):
+                    out.append(rel)
+        return sorted(out)
+
+    def _write_hashes(self, tmp: str) -> None:
+        files = self._files(tmp)
+        mine = {rel: sha256(os.path.join(tmp, rel)) for rel in files[self.rank:: self.world_size]}
+        write_json(os.path.join(tmp, f".sha-rank{self.rank}.json"), mine)
+
+    def _manifest(self, step: int, engines: dict, tmp: str) -> dict:
+        hashes = {}
+        for r in range(self.world_size):
+            p = os.path.join(tmp, f".sha-rank{r}.json")
+            hashes.update(read_json(p, "checkpoint save"))
+            os.remove(p)
+        files = {rel: {"size": os.path.getsize(os.path.join(tmp, rel)), "sha256": hashes[rel]} for rel in self._files(tmp)}
+        return {
+            "format": FORMAT, "step": step, "world_size": self.world_size, "torch": torch.__version__,
+            "engines": {name: engine_manifest(e) for name, e in engines.items()},
+            "files": files,
+        }
+
+    def _retain(self) -> None:
+        if self.keep_last <= 0:
+            return
+        for _, path in list_checkpoints(self.root)[: -self.keep_last]:
+            try:
+                os.remove(os.path.join(path, MARKER))  # first: a half-deleted checkpoint is never complete
+                shutil.rmtree(path)
+            except OSError as e:
+                log.warning("could not delete old checkpoint %s: %s", path, e)
+
+    # -- load
+    def load(self, path: str, *, engines: dict[str, Any], config_toml: str | None = None) -> dict:
+        """Verify `path` against these engines and config, then load the engines in place. Returns the
+        trainer state (JSON) with "rng" set to this rank's RNG state when the world size is unchanged."""
+        manifest = read_manifest(path)
+        check_files(path, manifest)
+        check_compatible(path, manifest, engines, config_toml)
+        self._verify_checksums(path, manifest)
+        state = read_json(os.path.join(path, "trainer.json"), f"checkpoint {path}")
+        from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        targets = {name: engine_state(e)[0] for name, e in engines.items()}
+        try:
+            with single_process_quiet():
+                dcp_load(targets, storage_reader=safe_reader(os.path.join(path, "state")), planner=tensor_only_planner(),
+                         no_dist=not self.dist)
+        except (Exception, CheckpointException) as e:
+            inner = dcp_error(e)
+            if isinstance(inner, CheckpointError):
+                raise inner from None
+            raise CheckpointError(f"checkpoint {path}: loading tensors failed ({describe_error(inner)})") from None
+        for name, engine in engines.items():
+            meta = state.get("engines", {}).get(name, {})
+            opt = getattr(engine, "optimizer", None)
+            if opt is None:
+                set_model_state_dict(engine.module, targets[name]["model"])
+                continue
+            groups = [{k: tuple(v) if isinstance(opt.defaults.get(k), tuple) else v for k, v in g.items()}
+                      for g in meta["param_groups"]]  # JSON made tuples (betas) lists
+            set_state_dict(engine.module, opt, model_state_dict=targets[name]["model"],
+                           optim_state_dict={"state": targets[name]["optim"], "param_groups": groups})
+            sched = getattr(engine, "scheduler", None)
+            if sched is not None and "scheduler" in meta:
+                sched.load_state_dict({**sched.state_dict(), **meta["scheduler"]})
+        rng_path = os.path.join(path, "rng", f"rank_{self.rank}.json")
+        if manifest["world_size"] == self.world_size and os.path.isfile(rng_path):
+            state["rng"] = rng_from_json(read_json(rng_path, f"checkpoint {path}"))
+        return state
+
+    def _verify_checksums(self, path: str, manifest: dict) -> None:
+        files = sorted(manifest["files"])
+        bad = [False] * len(files)
+        for i in range(self.rank, len(files), self.world_size):
+            bad[i] = sha256(os.path.join(path, files[i])) != manifest["files"][files[i]]["sha256"]
+        bad = self._any(bad)
+        if any(bad):
+            names = [f for f, b in zip(files, bad) if b]
+            raise CheckpointError(f"checkpoint {path}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
+                                  "failed the checksum (corrupted on disk); use an earlier checkpoint")
+
+
+def commit(tmp: str, final: str, marker: dict) -> None:
+    """Rename the finished directory into place, then write the marker: the checkpoint exists from then on."""
+    if os.path.exists(final):  # a checkpoint of the same step from an earlier attempt
+        old = os.path.join(os.path.dirname(final), TMP_PREFIX + "old-" + os.path.basename(final))
+        os.rename(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_dir(os.path.dirname(final))
+    write_json(os.path.join(final, MARKER), marker)
+    fsync_dir(final)

@@ -1,0 +1,107 @@
+"""Checks before a checkpoint is loaded: the marker, the manifest, every file's size, the model's parameters,
+the engines and the config. Each failure is a one-line CheckpointError saying what does not match."""
+from __future__ import annotations
+
+import fnmatch
+import os
+import tomllib
+
+from spmdrl.errors import CheckpointError
+
+from .dcp import engine_manifest
+from .files import FORMAT, MANIFEST, MARKER, is_complete, read_json
+
+# Config keys that may differ between a checkpoint and the run resuming from it: how long and where the run
+# goes, its layout (DCP reshards), logging and memory knobs. Any other difference changes what the saved
+# state means and is refused.
+MAY_CHANGE_ON_RESUME = (
+    "trainer.total_steps", "trainer.output_dir", "trainer.experiment_name", "trainer.device",
+    "trainer.dist_timeout_s", "trainer.max_bad_steps", "trainer.test_freq", "trainer.val_before_train",
+    "checkpoint.*", "logging.*", "placement.*", "ref.*",
+    "model.path", "model.tokenizer_path", "model.gradient_checkpointing",
+    "actor.micro_batch_size", "actor.logprob_chunk_size", "critic.micro_batch_size",
+    "rollout.gpu_memory_utilization", "rollout.kv_cache_gb", "rollout.max_num_seqs",
+    "rollout.max_num_batched_tokens", "rollout.enforce_eager", "rollout.enable_sleep_mode",
+    "rollout.weight_sync_bucket_mb", "rollout.val_*", "data.val_files", "data.val_batch_size",
+    "reward.timeout_s", "reward.on_error", "reward.model_micro_batch_size",
+)
+
+
+
+def read_manifest(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path}: no such directory")
+    if not is_complete(path):
+        raise CheckpointError(f"checkpoint {path} is incomplete (no {MARKER} marker); use an earlier checkpoint")
+    m = read_json(os.path.join(path, MANIFEST), f"checkpoint {path}")
+    if not isinstance(m, dict) or not isinstance(m.get("files"), dict) or not isinstance(m.get("engines"), dict):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed (needs 'files' and 'engines')")
+    if m.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: format {m.get('format')!r}, this spmdrl reads format {FORMAT}")
+    return m
+
+
+def check_files(path: str, manifest: dict) -> None:
+    """Every file the manifest lists is there with its size (cheap; checksums are checked separately)."""
+    for rel, info in sorted(manifest["files"].items()):
+        p = os.path.join(path, rel)
+        if not os.path.isfile(p):
+            raise CheckpointError(f"checkpoint {path}: file {rel} is missing; the checkpoint is damaged, use an earlier one")
+        size = os.path.getsize(p)
+        if size != info.get("size"):
+            raise CheckpointError(
+                f"checkpoint {path}: file {rel} has {size} bytes, the manifest says {info.get('size')} (truncated or "
+                "overwritten); use an earlier checkpoint"
+            )
+
+
+def check_compatible(path: str, manifest: dict, engines: dict, config_toml: str | None) -> None:
+    """One-line CheckpointError naming what differs between the checkpoint and this run."""
+    saved = manifest["engines"]
+    if set(saved) != set(engines):
+        raise CheckpointError(f"checkpoint {path} holds engines {sorted(saved)}, this run has {sorted(engines)} "
+                              "(e.g. a critic was enabled or disabled since)")
+    for name, engine in engines.items():
+        mine, theirs = engine_manifest(engine), saved[name]
+        if mine["params_hash"] == theirs.get("params_hash"):
+            continue
+        a = {p[0]: p for p in theirs.get("params", [])}
+        b = {p[0]: p for p in mine["params"]}
+        only_ckpt, only_run = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+        diffs = [f"{k}: {a[k][1]} {a[k][2]} in the checkpoint, {b[k][1]} {b[k][2]} here"
+                 for k in a if k in b and a[k] != b[k]]
+        detail = "; ".join(
+            ([f"only in the checkpoint: {', '.join(only_ckpt[:3])}{' ...' if len(only_ckpt) > 3 else ''}"] if only_ckpt else [])
+            + ([f"only in this model: {', '.join(only_run[:3])}{' ...' if len(only_run) > 3 else ''}"] if only_run else [])
+            + diffs[:3]
+        )
+        raise CheckpointError(f"checkpoint {path} is for a different {name} model ({detail}); check model.path")
+    if config_toml is not None:
+        saved_toml = os.path.join(path, "config.toml")
+        try:
+            with open(saved_toml, encoding="utf-8") as f:
+                theirs = tomllib.loads(f.read())
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"checkpoint {path}: config.toml is unreadable ({e})") from None
+        diffs = config_differences(theirs, tomllib.loads(config_toml))
+        if diffs:
+            raise CheckpointError(
+                f"checkpoint {path} was written with a different config: {'; '.join(diffs[:4])}"
+                f"{' ...' if len(diffs) > 4 else ''}; resume with its values (its config.toml) or checkpoint.resume=off"
+            )
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """'key: X in the checkpoint, Y here' for keys set in both that differ and may not change on resume."""
+    out = []
+    for sec, vals in current.items():
+        if not isinstance(vals, dict) or not isinstance(saved.get(sec), dict):
+            continue
+        for key, v in vals.items():
+            full = f"{sec}.{key}"
+            if key not in saved[sec] or saved[sec][key] == v:
+                continue
+            if any(fnmatch.fnmatchcase(full, pat) for pat in MAY_CHANGE_ON_RESUME):
+                continue
+            out.append(f"{full} = {saved[sec][key]!r} in the checkpoint, {v!r} here")
+    return out
