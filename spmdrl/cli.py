@@ -312,9 +312,13 @@ def sweep_report(
 @app.command()
 @user_errors
 def export(
-    checkpoint: str = typer.Option(..., "--checkpoint", help="A checkpoint directory, or a run's output_dir (its latest checkpoint)."),
+    checkpoint: str = typer.Option(
+        ..., "--checkpoint", help="A checkpoint directory, or a run's output_dir (its latest checkpoint)."
+    ),
     out: str = typer.Option(..., "--out", "-o", help="Output HF model directory (safetensors, config, tokenizer)."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (the original model's dtype) | float32 | bfloat16 | float16."),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="auto (the original model's dtype) | float32 | bfloat16 | float16."
+    ),
 ):
     """Write a checkpoint's actor (the policy) as an HF model directory; one plain process, no torchrun."""
     from spmdrl.export import export_hf

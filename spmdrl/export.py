@@ -11,9 +11,9 @@ import os
 
 import torch
 
-from spmdrl.checkpoint import (
-    _dcp_error, _dcp_planner, _dcp_reader, _sha256, _single_process_quiet, check_files, find_checkpoint, read_manifest,
-)
+from spmdrl.checkpoint.dcp import dcp_error, safe_reader, single_process_quiet, tensor_only_planner
+from spmdrl.checkpoint.files import find_checkpoint, sha256
+from spmdrl.checkpoint.verify import check_files, read_manifest
 from spmdrl.errors import CheckpointError
 
 log = logging.getLogger("spmdrl")
@@ -30,12 +30,12 @@ def load_model_tensors(path: str, engine: str = "actor", *, verify: bool = True)
     check_files(path, manifest)
     if verify:
         for rel, info in sorted(manifest["files"].items()):
-            if rel.startswith("state/") and _sha256(os.path.join(path, rel)) != info["sha256"]:
+            if rel.startswith("state/") and sha256(os.path.join(path, rel)) != info["sha256"]:
                 raise CheckpointError(f"checkpoint {path}: {rel} failed the checksum (corrupted on disk)")
     if engine not in manifest["engines"]:
         raise CheckpointError(f"checkpoint {path} has no {engine!r} model (it holds {', '.join(manifest['engines'])})")
     prefix = manifest["engines"][engine].get("hf_prefix", "")
-    reader = _dcp_reader(os.path.join(path, "state"))
+    reader = safe_reader(os.path.join(path, "state"))
     md = reader.read_metadata().state_dict_metadata
     targets = {}
     for name, _, _ in manifest["engines"][engine]["params"]:
@@ -44,10 +44,10 @@ def load_model_tensors(path: str, engine: str = "actor", *, verify: bool = True)
             raise CheckpointError(f"checkpoint {path}: parameter {name!r} is listed in the manifest but not stored")
         targets[key] = torch.empty(tuple(md[key].size), dtype=md[key].properties.dtype)
     try:
-        with _single_process_quiet():
-            dcp_load(targets, storage_reader=reader, planner=_dcp_planner(), no_dist=True)
+        with single_process_quiet():
+            dcp_load(targets, storage_reader=reader, planner=tensor_only_planner(), no_dist=True)
     except (Exception, CheckpointException) as e:
-        inner = _dcp_error(e)
+        inner = dcp_error(e)
         if isinstance(inner, CheckpointError):
             raise inner from None
         raise CheckpointError(f"checkpoint {path}: reading tensors failed ({type(inner).__name__}: {inner})") from None
@@ -68,7 +68,8 @@ def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str
     config = AutoConfig.from_pretrained(hf_dir)
     if dtype == "auto":
         target = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-        target = DTYPES.get(str(target).removeprefix("torch."), torch.float32) if not isinstance(target, torch.dtype) else target
+        if not isinstance(target, torch.dtype):
+            target = DTYPES.get(str(target).removeprefix("torch."), torch.float32)
     elif dtype in DTYPES:
         target = DTYPES[dtype]
     else:

@@ -74,8 +74,9 @@ def named_failures(step: Callable[[], int], timeout_s: float) -> Iterator[None]:
     """Failures inside name the step and the stage (StageTimer.current) they happened in.
 
     The stage is StageTimer's view of this process: the one the exception escaped from or is in, else the
-    last one finished. A collective failing (a peer died or hung) and a SIGTERM from the launcher become one-line SpmdrlErrors;
-    SpmdrlErrors get the step and stage in front; anything else (a bug) keeps its traceback, with a note.
+    last one finished. A collective failing (a peer died or hung) and a SIGTERM from the launcher become
+    one-line SpmdrlErrors; SpmdrlErrors get the step and stage in front; anything else (a bug) keeps its
+    traceback, with a note.
     """
     handlers = {}
     if threading.current_thread() is threading.main_thread():
@@ -89,7 +90,8 @@ def named_failures(step: Callable[[], int], timeout_s: float) -> Iterator[None]:
         raise
     except (Exception, Terminated) as e:
         stage, last = StageTimer.failed or StageTimer.current, StageTimer.last
-        where = f"step {step()}, " + (f"stage {stage!r}" if stage else f"after stage {last!r}" if last else "before the first stage")
+        place = f"stage {stage!r}" if stage else f"after stage {last!r}" if last else "before the first stage"
+        where = f"step {step()}, {place}"
         if isinstance(e, Terminated):
             raise SpmdrlError(
                 f"{where}: stopped by {e} (a launcher stops every rank when one fails; the first failing rank's "

@@ -189,6 +189,9 @@ class Trainer:
                 if self.val_ds is not None and cfg.trainer.val_before_train and not self.resumed_from:
                     with timer("validation"):
                         self.logger.log(0, self.validate())
+                if self.global_step >= cfg.trainer.total_steps:
+                    log.info("at step %d of trainer.total_steps = %d: nothing to train (raise it to go on)",
+                             self.global_step, cfg.trainer.total_steps)
                 while self.global_step < cfg.trainer.total_steps:
                     self.global_step += 1
                     StageTimer.failed = StageTimer.last = None

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from spmdrl import checkpoint as ck
+from spmdrl.checkpoint import files as ck_files, manager as ck_manager
 from spmdrl.checkpoint import CheckpointManager, config_differences, latest_checkpoint, list_checkpoints, resolve_resume
 from spmdrl.config import Config, load_config, to_toml
 from spmdrl.errors import CheckpointError
@@ -115,14 +116,14 @@ def test_retention_and_auto_resume_skip_incomplete(tmp_path):
 
 def test_failure_inside_save_keeps_the_previous_checkpoint(saved, monkeypatch):
     root, prev, _ = saved
-    real = ck._write_json
+    real = ck_manager.write_json
 
     def failing(path, obj):
         if path.endswith("trainer.json"):  # after DCP and the RNG files are written
             raise OSError(errno.EIO, "Input/output error")
         real(path, obj)
 
-    monkeypatch.setattr(ck, "_write_json", failing)
+    monkeypatch.setattr(ck_manager, "write_json", failing)
     with pytest.raises(CheckpointError, match="Input/output error.*previous checkpoint .*step_00000003 is intact"):
         save(root, 6)
     assert latest_checkpoint(str(root)) == prev
@@ -155,9 +156,9 @@ def test_a_killed_save_is_never_resumed_from(tmp_path):
 import os, sys
 sys.path.insert(0, {os.path.join(REPO, 'tests')!r})
 from test_checkpoint import save
-from spmdrl import checkpoint as ck
+from spmdrl.checkpoint import manager
 save({str(root)!r}, 1)
-ck._commit = lambda tmp, final, marker: os._exit(17)
+manager.commit = lambda tmp, final, marker: os._exit(17)
 save({str(root)!r}, 2)
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -173,7 +174,7 @@ save({str(root)!r}, 2)
 def _rewrite_manifest(path, rel):
     m = json.load(open(os.path.join(path, "manifest.json")))
     p = os.path.join(path, rel)
-    m["files"][rel] = {"size": os.path.getsize(p), "sha256": ck._sha256(p)}
+    m["files"][rel] = {"size": os.path.getsize(p), "sha256": ck_files.sha256(p)}
     json.dump(m, open(os.path.join(path, "manifest.json"), "w"))
 
 
@@ -263,3 +264,17 @@ def test_loading_never_unpickles_arbitrary_objects(saved, tmp_path, monkeypatch)
     with pytest.raises(CheckpointError, match=r"refers to posix\.system.*refusing to unpickle"):
         load(path)
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_export_of_bad_input_is_a_one_line_cli_error(saved, tmp_path):
+    from typer.testing import CliRunner
+
+    from spmdrl.cli import app
+
+    _, path, _ = saved
+    for target, message in ((tmp_path / "empty", "no complete checkpoint there"),
+                            (path, "hf/config.json is missing; it cannot be exported")):
+        os.makedirs(target, exist_ok=True)
+        result = CliRunner().invoke(app, ["export", "--checkpoint", str(target), "--out", str(tmp_path / "x")])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert result.output.startswith("error: checkpoint") and result.output.count("\n") == 1

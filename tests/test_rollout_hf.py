@@ -82,7 +82,7 @@ def test_stops_on_eos(engine):
     (eos,) = engine.eos_ids
     prompt = prompts_of(engine)[0]
     greedy = argmax_decode(engine.model, prompt, 12)
-    k = next(i for i in range(1, 12) if greedy[i] not in greedy[:i] and eos not in greedy[: i + 1])
+    k = next(i for i in range(12) if greedy[i] not in greedy[:i] and eos not in greedy[: i + 1])
     w = engine.model.lm_head.weight.detach().clone()
     w[[eos, greedy[k]]] = w[[greedy[k], eos]]
     engine.update_weights([("lm_head.weight", w)])
@@ -94,7 +94,7 @@ def test_stops_on_eos(engine):
 def test_stops_on_stop_token_ids_and_strings(engine):
     prompt = prompts_of(engine)[0]
     greedy = argmax_decode(engine.model, prompt, 12)
-    k = next(i for i in range(1, 12) if greedy[i] not in greedy[:i])
+    k = next(i for i in range(12) if greedy[i] not in greedy[:i])
     by_id = engine.generate([prompt], SamplingSpec(n=1, temperature=0, max_tokens=12, stop_token_ids=[greedy[k]]), [0])
     assert by_id.response_ids[0] == greedy[: k + 1] and by_id.finish_reason == ["stop"]
     stop_text = engine.tokenizer.decode([greedy[k]])  # one character per token in the tiny tokenizer

@@ -29,6 +29,9 @@ _ALLOWED_GLOBALS = {
 }
 
 
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP's `.metadata` is a pickle; allow only the plain data classes it is made of."""
 
@@ -36,7 +39,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         ok = (
             (module, name) in _ALLOWED_GLOBALS
             or module == "torch.distributed.checkpoint.metadata"
-            or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)))
+            or (module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS))
         )
         if not ok:
             raise CheckpointError(
@@ -60,7 +63,9 @@ def safe_reader(path: str):
                 except CheckpointError:
                     raise
                 except Exception as e:
-                    raise CheckpointError(f"checkpoint {path}: DCP metadata is corrupted ({type(e).__name__}: {e})") from None
+                    raise CheckpointError(
+                        f"checkpoint {path}: DCP metadata is corrupted ({type(e).__name__}: {e})"
+                    ) from None
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
@@ -149,5 +154,3 @@ def engine_manifest(engine) -> dict:
     spec = param_spec(engine.module)
     return {"params": spec, "params_hash": _spec_hash(spec), "hf_prefix": _hf_prefix(engine),
             "optimizer": type(engine.optimizer).__name__ if getattr(engine, "optimizer", None) is not None else None}
-
-

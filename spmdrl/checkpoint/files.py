@@ -54,7 +54,9 @@ def find_checkpoint(path: str) -> str:
     """A complete checkpoint directory from `path`: the checkpoint itself, or the latest one under a run's
     output_dir or its checkpoints/ directory."""
     if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path}: no such directory; give a checkpoint (.../checkpoints/step_N) or a run's output_dir")
+        raise CheckpointError(
+            f"checkpoint {path}: no such directory; give a checkpoint (.../checkpoints/step_N) or a run's output_dir"
+        )
     if is_complete(path):
         return path
     for root in (path, checkpoint_root(path)):
@@ -166,5 +168,3 @@ def sha256(path: str) -> str:
         for chunk in iter(lambda: f.read(8 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-

@@ -17,8 +17,8 @@ from .dcp import (
     dcp_error, describe_error, engine_manifest, engine_state, safe_reader, single_process_quiet, tensor_only_planner,
 )
 from .files import (
-    FORMAT, MANIFEST, MARKER, TMP_PREFIX, fsync_dir, jsonable, latest_checkpoint, list_checkpoints, read_json,
-    rng_from_json, rng_to_json, sha256, step_dir, write_bytes, write_json,
+    FORMAT, MANIFEST, MARKER, TMP_PREFIX, fsync_dir, is_complete, jsonable, latest_checkpoint, list_checkpoints,
+    read_json, rng_from_json, rng_to_json, sha256, step_dir, write_bytes, write_json,
 )
 from .verify import check_compatible, check_files, read_manifest
 
@@ -122,6 +122,9 @@ class CheckpointManager:
             return
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+            final = step_dir(self.root, step)
+            if os.path.isdir(final) and not is_complete(final):  # renamed, but the marker was not written
+                shutil.rmtree(final, ignore_errors=True)
         prev = latest_checkpoint(self.root)
         keep = f"the previous checkpoint {prev} is intact" if prev else "there is no earlier checkpoint"
         cause = describe_error(err) if err is not None else f"see rank {bad}'s error"
@@ -148,7 +151,8 @@ class CheckpointManager:
             p = os.path.join(tmp, f".sha-rank{r}.json")
             hashes.update(read_json(p, "checkpoint save"))
             os.remove(p)
-        files = {rel: {"size": os.path.getsize(os.path.join(tmp, rel)), "sha256": hashes[rel]} for rel in self._files(tmp)}
+        files = {rel: {"size": os.path.getsize(os.path.join(tmp, rel)), "sha256": hashes[rel]}
+                 for rel in self._files(tmp)}
         return {
             "format": FORMAT, "step": step, "world_size": self.world_size, "torch": torch.__version__,
             "engines": {name: engine_manifest(e) for name, e in engines.items()},
@@ -174,14 +178,24 @@ class CheckpointManager:
         check_compatible(path, manifest, engines, config_toml)
         self._verify_checksums(path, manifest)
         state = read_json(os.path.join(path, "trainer.json"), f"checkpoint {path}")
+        rng_path = os.path.join(path, "rng", f"rank_{self.rank}.json")
+        err = None
+        if manifest["world_size"] == self.world_size and os.path.isfile(rng_path):
+            try:  # per rank: agree before anyone goes on alone
+                state["rng"] = rng_from_json(read_json(rng_path, f"checkpoint {path}"))
+            except CheckpointError as e:
+                err = e
+        bad = self._first_failure(err is not None)
+        if bad >= 0:
+            raise err or CheckpointError(f"checkpoint {path}: rank {bad}'s RNG state is unreadable (see its error)")
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         targets = {name: engine_state(e)[0] for name, e in engines.items()}
         try:
             with single_process_quiet():
-                dcp_load(targets, storage_reader=safe_reader(os.path.join(path, "state")), planner=tensor_only_planner(),
-                         no_dist=not self.dist)
+                dcp_load(targets, storage_reader=safe_reader(os.path.join(path, "state")),
+                         planner=tensor_only_planner(), no_dist=not self.dist)
         except (Exception, CheckpointException) as e:
             inner = dcp_error(e)
             if isinstance(inner, CheckpointError):
@@ -200,9 +214,6 @@ class CheckpointManager:
             sched = getattr(engine, "scheduler", None)
             if sched is not None and "scheduler" in meta:
                 sched.load_state_dict({**sched.state_dict(), **meta["scheduler"]})
-        rng_path = os.path.join(path, "rng", f"rank_{self.rank}.json")
-        if manifest["world_size"] == self.world_size and os.path.isfile(rng_path):
-            state["rng"] = rng_from_json(read_json(rng_path, f"checkpoint {path}"))
         return state
 
     def _verify_checksums(self, path: str, manifest: dict) -> None:
@@ -219,11 +230,14 @@ class CheckpointManager:
 
 def commit(tmp: str, final: str, marker: dict) -> None:
     """Rename the finished directory into place, then write the marker: the checkpoint exists from then on."""
-    if os.path.exists(final):  # a checkpoint of the same step from an earlier attempt
+    old = None
+    if os.path.exists(final):  # the same step from another attempt (e.g. resumed from an earlier checkpoint)
         old = os.path.join(os.path.dirname(final), TMP_PREFIX + "old-" + os.path.basename(final))
-        os.rename(final, old)
         shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)  # a temporary name: never resumed from, cleared by the next save
     os.rename(tmp, final)
     fsync_dir(os.path.dirname(final))
     write_json(os.path.join(final, MARKER), marker)
     fsync_dir(final)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)

@@ -27,7 +27,6 @@ MAY_CHANGE_ON_RESUME = (
 )
 
 
-
 def read_manifest(path: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path}: no such directory")
@@ -46,7 +45,9 @@ def check_files(path: str, manifest: dict) -> None:
     for rel, info in sorted(manifest["files"].items()):
         p = os.path.join(path, rel)
         if not os.path.isfile(p):
-            raise CheckpointError(f"checkpoint {path}: file {rel} is missing; the checkpoint is damaged, use an earlier one")
+            raise CheckpointError(
+                f"checkpoint {path}: file {rel} is missing; the checkpoint is damaged, use an earlier one"
+            )
         size = os.path.getsize(p)
         if size != info.get("size"):
             raise CheckpointError(
@@ -71,8 +72,8 @@ def check_compatible(path: str, manifest: dict, engines: dict, config_toml: str 
         diffs = [f"{k}: {a[k][1]} {a[k][2]} in the checkpoint, {b[k][1]} {b[k][2]} here"
                  for k in a if k in b and a[k] != b[k]]
         detail = "; ".join(
-            ([f"only in the checkpoint: {', '.join(only_ckpt[:3])}{' ...' if len(only_ckpt) > 3 else ''}"] if only_ckpt else [])
-            + ([f"only in this model: {', '.join(only_run[:3])}{' ...' if len(only_run) > 3 else ''}"] if only_run else [])
+            ([f"only in the checkpoint: {_first(only_ckpt)}"] if only_ckpt else [])
+            + ([f"only in this model: {_first(only_run)}"] if only_run else [])
             + diffs[:3]
         )
         raise CheckpointError(f"checkpoint {path} is for a different {name} model ({detail}); check model.path")
@@ -89,6 +90,10 @@ def check_compatible(path: str, manifest: dict, engines: dict, config_toml: str 
                 f"checkpoint {path} was written with a different config: {'; '.join(diffs[:4])}"
                 f"{' ...' if len(diffs) > 4 else ''}; resume with its values (its config.toml) or checkpoint.resume=off"
             )
+
+
+def _first(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (" ..." if len(names) > n else "")
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
