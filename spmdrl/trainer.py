@@ -472,7 +472,8 @@ class Trainer:
             batch = self.to_batch(prompts, part, out, self.val_spec.n)
             self.attach_meta(batch, ds)
             self.compute_reward(batch, shaping=False)
-            hook_metrics.update(self.run_hooks("on_validation", self.global_step, batch))
+            for k, v in self.run_hooks("on_validation", self.global_step, batch).items():  # mean over chunks
+                hook_metrics[k] = hook_metrics.get(k, 0.0) + v * len(part) / len(rows)
             if r.tp_rank == 0:
                 for s, src in zip(batch["scores"].tolist(), batch.meta["data_source"]):
                     k = sources.index(src)
