@@ -25,6 +25,8 @@ CONSOLE_KEYS = (
     ("reward", "train/reward_mean"),
     ("val_acc", "val/accuracy"),
     ("pg_loss", "actor/pg_loss"),
+    ("vf_loss", "critic/vf_loss"),
+    ("loss", "sft/loss"),
     ("step_s", "timing/step_s"),
     ("tok/s", "perf/tokens_per_s"),
 )
@@ -62,7 +64,8 @@ class MetricsLogger:
         if progress_total and self.console:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=progress_total, desc="steps", unit="step", dynamic_ncols=True, leave=True)
+            # disable=None: a bar on a terminal, plain lines when the output goes to a file or a pipe
+            self._bar = tqdm(total=progress_total, desc="steps", unit="step", dynamic_ncols=True, leave=True, disable=None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step. Values are anything float() accepts (Python, numpy or 0-d torch numbers)."""
@@ -79,7 +82,7 @@ class MetricsLogger:
         if self.console:
             parts = [f"step {step}"] + [f"{label} {_fmt(values[k])}" for label, k in CONSOLE_KEYS if k in values]
             line = " | ".join(parts)
-            if self._bar is not None:
+            if self._bar is not None and not self._bar.disable:
                 self._bar.write(line)
                 if step > self._bar.n:
                     self._bar.update(step - self._bar.n)
