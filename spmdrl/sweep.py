@@ -40,7 +40,7 @@ from spmdrl.errors import ConfigError, DataError
 
 SEED_KEY = "trainer.seed"
 OWNED = ("trainer.output_dir",)  # set per run by the sweep
-TOP_KEYS = ("base", "output_dir", "nproc", "mode", "overrides", "seeds", "axes", "slurm")
+TOP_KEYS = ("base", "output_dir", "nproc", "mode", "overrides", "seeds", "labels", "axes", "slurm")
 SLURM_KEYS = {"nodes": int, "gpus_per_node": int, "cpus_per_task": int, "time": str, "partition": str,
               "account": str, "max_parallel": int, "extra": list}
 # Differences in these keys do not make an existing run directory belong to another run.
@@ -159,10 +159,15 @@ def expand(axes: dict[str, list], mode: str, seeds: list | None = None) -> list[
     return points
 
 
-def _names(points: list[dict[str, Any]]) -> list[str]:
-    """Short, filesystem-safe names from the axis values; a hash of the values keeps colliding names apart."""
+def _names(points: list[dict[str, Any]], labels: list[str] | None = None, seeds: list | None = None) -> list[str]:
+    """Short, filesystem-safe names from the axis values (or the zip points' `labels`, plus the seed); a hash
+    of the values keeps colliding names apart."""
     keys = list(points[0]) if points else []
-    names = [_name(p, keys) or "base" for p in points]
+    if labels:
+        per = len(seeds) if seeds else 1
+        names = [labels[i // per] + (f",seed={p[SEED_KEY]}" if seeds else "") for i, p in enumerate(points)]
+    else:
+        names = [_name(p, keys) or "base" for p in points]
     counts = {n: names.count(n) for n in names}
     return [n if counts[n] == 1 else f"{n},{hashlib.sha1(json.dumps(p, sort_keys=True).encode()).hexdigest()[:6]}"
             for n, p in zip(names, points)]
@@ -228,6 +233,13 @@ def load_sweep(path: str, nproc: int | None = None, slurm: bool = False) -> Swee
             raise _err(path, f"'seeds' must be a non-empty list of integers, found {seeds!r}")
         if SEED_KEY in axes:
             raise _err(path, f"both 'seeds' and axes.\"{SEED_KEY}\" are set; keep one")
+    labels = data.get("labels")
+    if labels is not None:
+        n_points = len(next(iter(axes.values()), []))
+        if mode != "zip" or not isinstance(labels, list) or len(labels) != n_points or not all(
+                isinstance(x, str) and re.fullmatch(r"[A-Za-z0-9._+-]+", x) for x in labels) or len(set(labels)) != len(labels):
+            raise _err(path, f"'labels' names the zip points: mode = \"zip\", one distinct name per point ({n_points}), "
+                             f"letters, digits and ._+- only; found {labels!r}")
     slurm_opts = _check_type(path, "slurm", data.get("slurm", {}), dict, "a table [slurm]")
     for k, v in slurm_opts.items():
         if k not in SLURM_KEYS:
@@ -274,7 +286,7 @@ def load_sweep(path: str, nproc: int | None = None, slurm: bool = False) -> Swee
     points = expand(axes, mode, seeds)
     world = nproc * (slurm_opts.get("nodes", 1) if slurm else 1)
     runs = []
-    for i, (name, point) in enumerate(zip(_names(points), points)):
+    for i, (name, point) in enumerate(zip(_names(points, labels, seeds), points)):
         out = os.path.join(output_dir, name)
         run_overrides = [*overrides, *(f"{k}={override_value(v, path, k)}" for k, v in point.items()),
                          f"trainer.output_dir={out}"]

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -503,7 +504,9 @@ class Trainer:
         }
 
         def hf_files(out_dir: str) -> None:  # what `spmdrl export` needs besides the weights
-            self.actor.hf.config.save_pretrained(out_dir)
+            config = copy.deepcopy(self.actor.hf.config)
+            config.use_cache = True  # the engine turns the KV cache off for training; an exported model wants it
+            config.save_pretrained(out_dir)
             self.tokenizer.save_pretrained(out_dir)
 
         return self.checkpoints.save(self.global_step, engines=self.engines(), trainer_state=state,

@@ -154,6 +154,7 @@ def test_export_gives_the_trainers_logprobs_in_transformers(runs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(os.listdir(exported))
+    assert json.load(open(exported / "config.json"))["use_cache"] is True
     want = json.load(open(run_a / "actor_logprobs.json"))
     model = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
     AutoTokenizer.from_pretrained(str(exported))

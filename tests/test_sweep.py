@@ -284,6 +284,31 @@ def test_example_sweep_plans():
     assert {r.cfg.algorithm.adv_estimator for r in sw.runs} == {"grpo", "rloo", "reinforce_plus_plus_baseline", "drgrpo"}
 
 
+def test_zip_labels_name_the_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    body = """
+base = "base.toml"
+output_dir = "out"
+mode = "zip"
+labels = ["small", "big"]
+seeds = [0, 1]
+[axes]
+"actor.lr" = [1e-6, 1e-4]
+"""
+    sw = sweep.load_sweep(write_sweep(tmp_path, body))
+    assert [r.name for r in sw.runs] == ["small,seed=0", "small,seed=1", "big,seed=0", "big,seed=1"]
+    assert [r.cfg.actor.lr for r in sw.runs] == [1e-6, 1e-6, 1e-4, 1e-4]
+    with pytest.raises(sweep.ConfigError, match="labels"):
+        sweep.load_sweep(write_sweep(tmp_path, body.replace('["small", "big"]', '["small"]')))
+
+
+def test_algorithm_family_sweep_plans():
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sw = sweep.load_sweep(os.path.join(repo, "configs", "ablations", "algorithms.toml"))
+    assert [r.name for r in sw.runs][-1] == "ppo_gae" and sw.runs[-1].cfg.critic.enable
+    assert sw.runs[2].cfg.algorithm.filter_groups and sw.runs[7].cfg.actor.policy_loss == "gspo"
+
+
 @pytest.mark.dist
 def test_real_sweep_run_skip_report(tmp_path):
     from spmdrl.data.synthetic import make_arith
