@@ -133,9 +133,10 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
             logp, _ = eng.logprobs(tb)
             mask = tb.resp_mask.to(logp.device)
             nll = -(logp * mask).sum()
-            return nll / n_tokens * mesh.dp_size, {"sft/loss": nll.detach() / n_tokens * mesh.dp_size}
+            return nll / n_tokens * mesh.dp_size, {"sft/loss": nll.detach() / n_tokens}
 
         out = engine.train_step(micro, loss_fn)
+        # per-token NLL of the whole step: the micro-batches' shares summed over micro-batches and ranks
         m = {"sft/loss": float(reduce_sum(torch.tensor([out["sft/loss"] * len(micro)]), group=dp_group)[0]),
              "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"], "timing/step_s": time.perf_counter() - t0}
         logger.log(step, m)

@@ -21,7 +21,7 @@ from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.errors import SpmdrlError
 from spmdrl.faults import FAULT_ENV, inject_fault, injected_fault, is_bad_step, named_failures, set_collective_timeout
-from spmdrl.dist.collectives import reduce_mean, reduce_sum, redistribute
+from spmdrl.dist.collectives import reduce_mean, reduce_min, reduce_sum, redistribute
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines.fsdp import FSDPEngine
 from spmdrl.hooks import HookContext, HookRunner
@@ -54,12 +54,6 @@ def informative_groups(scores: torch.Tensor, index: torch.Tensor) -> torch.Tenso
 def overlong_penalty(length: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
     """DAPO soft overlong punishment: 0 up to max_len - buffer, then linear down to -factor at max_len."""
     return ((max_len - buffer - length.float()) / buffer).clamp(max=0.0, min=-1.0) * factor
-
-
-def reduce_min(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t[0])
 
 
 class Trainer:

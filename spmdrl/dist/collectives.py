@@ -11,6 +11,13 @@ from spmdrl.batch import Batch
 from .meshes import RoleMesh
 
 
+def comm_device(group=None) -> torch.device:
+    """Where a collective's tensors must live: the current CUDA device under NCCL, else the CPU (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _slice_of(src: RoleMesh, dst: RoleMesh, rank: int, n_local: int) -> tuple[int, int, int, int]:
     """(needed lo, hi, held lo, hi) in global sample positions for `rank`."""
     g = n_local * src.dp_size
@@ -38,16 +45,17 @@ def redistribute(batch: Batch, src: RoleMesh, dst: RoleMesh) -> Batch:
     world = dist.get_world_size()
     # one representative per src dp rank: its tp rank 0
     reps = [grp[0][0] for grp in src.layout.mesh_ranks()]
+    dev = comm_device()
     out = {}
     for k in sorted(batch.tensors):
-        t = batch.tensors[k]
+        t = batch.tensors[k].to(dev)
         if t.dim() == 2:
-            width = torch.tensor([t.shape[1]], dtype=torch.long)
+            width = torch.tensor([t.shape[1]], dtype=torch.long, device=dev)
             dist.all_reduce(width, op=dist.ReduceOp.MAX)
             t = torch.nn.functional.pad(t, (0, int(width) - t.shape[1]))
         parts = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(parts, t.contiguous())
-        out[k] = torch.cat([parts[r] for r in reps])[lo:hi]
+        out[k] = torch.cat([parts[r] for r in reps])[lo:hi].cpu()
     return Batch(out)
 
 
@@ -57,21 +65,32 @@ def reduce_mean(values: dict[str, float], weight: float = 1.0, group=None) -> di
     (e.g. a hook logging on some ranks only), then each key is averaged over the ranks that have it."""
     keys = sorted(values)
     digest = zlib.crc32("\x00".join(keys).encode())
-    check = torch.tensor([digest, -digest], dtype=torch.int64)
+    dev = comm_device(group)
+    check = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
     dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
+    check = check.cpu()
     if not (check[0] == digest and check[1] == -digest):
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, keys, group=group)  # key names only, rare path
         keys = sorted(set().union(*gathered))
     packed = torch.tensor(
-        [values.get(k, 0.0) * weight for k in keys] + [weight if k in values else 0.0 for k in keys], dtype=torch.float64
+        [values.get(k, 0.0) * weight for k in keys] + [weight if k in values else 0.0 for k in keys],
+        dtype=torch.float64, device=dev,
     )
     dist.all_reduce(packed, group=group)
+    packed = packed.cpu()
     n = len(keys)
     return {k: float(packed[i]) / float(packed[n + i]) if float(packed[n + i]) else 0.0 for i, k in enumerate(keys)}
 
 
 def reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
-    values = values.to(torch.float64).clone()
+    """Sum over ranks (float64), returned on the CPU."""
+    values = values.to(comm_device(group), torch.float64).clone()
     dist.all_reduce(values, group=group)
-    return values
+    return values.cpu()
+
+
+def reduce_min(value: int, group=None) -> int:
+    t = torch.tensor([value], dtype=torch.long, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t[0])
