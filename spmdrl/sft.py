@@ -5,7 +5,6 @@ the RL loop uses, and saves an HF model directory that an RL config's model.path
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spmdrl.config.schema import LoggingConfig, ModelConfig, PlacementConfig, TrainerConfig
-from spmdrl.errors import ConfigError, SpmdrlError
+from spmdrl.errors import ConfigError
 
 log = logging.getLogger("spmdrl")
 
@@ -149,32 +148,10 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="spmdrl.sft", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", "-c", default=None)
-    p.add_argument("overrides", nargs="*")
-    args = p.parse_args(argv)
-    from spmdrl.config.loader import load_config
-    from spmdrl.dist.init import destroy_distributed, detect_env, init_distributed
-    from spmdrl.train import setup_logging
+    from spmdrl.train import run_entry
 
-    env = detect_env()
-    setup_logging(env.rank)
-    try:
-        cfg = load_config(args.config, args.overrides, root_cls=SFTConfig)
-        layout = validate_sft(cfg, env.world_size)
-    except SpmdrlError as e:
-        if env.rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    env, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
-    try:
-        run_sft(cfg, layout, env.rank, device)
-    except SpmdrlError as e:
-        print(f"error (rank {env.rank}): {e}", file=sys.stderr)
-        return 2
-    finally:
-        destroy_distributed()
-    return 0
+    return run_entry(argv, prog="spmdrl.sft", description=__doc__.split("\n\n")[0], root_cls=SFTConfig,
+                     validate_fn=validate_sft, run_fn=lambda cfg, layout, env, device: run_sft(cfg, layout, env.rank, device))
 
 
 if __name__ == "__main__":

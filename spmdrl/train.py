@@ -26,44 +26,50 @@ def setup_logging(rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="spmdrl.train", description=__doc__.split("\n\n")[0])
+def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_fn) -> int:
+    """The shared shape of an entry point: parse, load + validate the config (before any process group;
+    only rank 0 prints the error), init dist, run_fn(cfg, layout, env, device), tear down. Exit 2 on a
+    user error."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", "-c", default=None, help="TOML config file")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from spmdrl.dist.init import detect_env
+    args = p.parse_args(argv)
+    from spmdrl.config.loader import load_config
+    from spmdrl.dist.init import destroy_distributed, detect_env, init_distributed
 
     env = detect_env()
     setup_logging(env.rank)
-    log = logging.getLogger("spmdrl")
     try:
-        from spmdrl.config import load_config, validate
-
-        cfg = load_config(args.config, args.overrides)
-        layout = validate(cfg, env.world_size)
+        cfg = load_config(args.config, args.overrides, root_cls=root_cls)
+        layout = validate_fn(cfg, env.world_size)
     except SpmdrlError as e:
         if env.rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-
-    from spmdrl.dist.init import destroy_distributed, init_distributed
-    from spmdrl.trainer import Trainer
-
     env, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
-    log.info("spmdrl: %d rank(s) via %s on %s; output %s", env.world_size, env.launcher, device.type, cfg.trainer.output_dir)
+    logging.getLogger("spmdrl").info(
+        "%s: %d rank(s) via %s on %s; output %s", prog, env.world_size, env.launcher, device.type, cfg.trainer.output_dir
+    )
     try:
-        trainer = Trainer(cfg, layout, env.rank, env.world_size, device)
-        trainer.fit()
+        run_fn(cfg, layout, env, device)
     except SpmdrlError as e:
         print(f"error (rank {env.rank}): {e}", file=sys.stderr)
         return 2
     finally:
         destroy_distributed()
     return 0
+
+
+def main(argv=None) -> int:
+    from spmdrl.config import Config, validate
+
+    def run(cfg, layout, env, device):
+        from spmdrl.trainer import Trainer
+
+        Trainer(cfg, layout, env.rank, env.world_size, device).fit()
+
+    return run_entry(argv, prog="spmdrl.train", description=__doc__.split("\n\n")[0], root_cls=Config,
+                     validate_fn=validate, run_fn=run)
 
 
 if __name__ == "__main__":
