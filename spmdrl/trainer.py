@@ -487,14 +487,12 @@ class Trainer:
     # ---- checkpoints and faults (docs/reliability.md) --------------------------------------------------
     def engines(self) -> dict[str, FSDPEngine]:
         """The trainable engines a checkpoint holds."""
-        critic = getattr(self, "critic", None)
-        return {"actor": self.actor, **({"critic": critic} if critic is not None else {})}
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
     def save_checkpoint(self) -> str:
-        kl_ctrl = getattr(self, "kl_ctrl", None)
         state = {
             "sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps, "bad_steps_total": self.bad_steps_total,
-            "kl_ctrl": kl_ctrl.state_dict() if hasattr(kl_ctrl, "state_dict") else None,
+            "kl_ctrl": self.kl_ctrl.state_dict(),
         }
 
         def hf_files(out_dir: str) -> None:  # what `spmdrl export` needs besides the weights
@@ -512,9 +510,8 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.global_step = int(state["step"])
         self.bad_steps, self.bad_steps_total = int(state.get("bad_steps", 0)), int(state.get("bad_steps_total", 0))
-        kl_ctrl = getattr(self, "kl_ctrl", None)
-        if state.get("kl_ctrl") is not None and hasattr(kl_ctrl, "load_state_dict"):
-            kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if state.get("kl_ctrl") is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         sync_weights(self.actor, self.rollout, bucket_mb=self.cfg.rollout.weight_sync_bucket_mb, dtype=self.rollout_dtype)
         self.rollout.sleep()
         if "rng" in state:
