@@ -18,7 +18,7 @@ from typing import Optional
 
 import typer
 
-from spmdrl.errors import ConfigError, SpmdrlError
+from spmdrl.errors import SpmdrlError
 
 app = typer.Typer(
     name="spmdrl",
@@ -108,10 +108,16 @@ def sft(
     nproc: int = typer.Option(1, "--nproc", "-n", min=1, help="Ranks on this machine; > 1 launches torchrun."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command; run nothing."),
 ):
-    """Supervised warm start (python -m spmdrl.sft) on the same training engines, on --nproc local ranks."""
-    if not os.path.isfile(config):
-        raise ConfigError(f"config file not found: {config}; check the path")
-    _launch(launch_command("spmdrl.sft", config, _overrides(overrides), nproc), dry_run)
+    """Supervised warm start (python -m spmdrl.sft) on the same training engines, on --nproc local ranks.
+
+    The config is validated for --nproc ranks before any process starts.
+    """
+    from spmdrl.config import load_config
+    from spmdrl.sft import SFTConfig, validate_sft
+
+    overrides = _overrides(overrides)
+    validate_sft(load_config(config, overrides, root_cls=SFTConfig), nproc)
+    _launch(launch_command("spmdrl.sft", config, overrides, nproc), dry_run)
 
 
 @config_app.command("show", context_settings=PASS_OVERRIDES)

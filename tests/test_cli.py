@@ -127,8 +127,10 @@ def test_train_runs_the_module_and_returns_its_exit_code(monkeypatch):
     result = run("train", "--config", GRPO, "--nproc", 2, "placement.rollout_tp=1")
     assert result.exit_code == 3
     assert launched == [cli.launch_command("spmdrl.train", GRPO, ["placement.rollout_tp=1"], 2)]
-    result = run("sft", "--config", GRPO)
-    assert result.exit_code == 3 and launched[-1][1:4] == ["-m", "spmdrl.sft", "--config"]
+    sft_cfg = os.path.join(os.path.dirname(GRPO), "quickstart", "sft.toml")
+    result = run("sft", "--config", sft_cfg, "--nproc", 2)
+    assert result.exit_code == 3 and launched[-1][-3:] == ["spmdrl.sft", "--config", sft_cfg]
+    assert_user_error(run("sft", "--config", GRPO), "unknown section")  # validated before launching
     assert_user_error(run("sft", "--config", "missing.toml"), "missing.toml")
 
 
