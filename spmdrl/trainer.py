@@ -454,7 +454,9 @@ class Trainer:
         t0 = time.perf_counter()
         per = -(-len(ds) // r.dp_size)
         rows = list(range(r.dp_rank * per, min(len(ds), (r.dp_rank + 1) * per)))
-        sources = sorted(set(ds.batch(list(range(len(ds)))).data_source))
+        if not hasattr(self, "_val_sources"):  # the same sorted list on every rank: it orders the all-reduce
+            self._val_sources = sorted(set(ds.batch(list(range(len(ds)))).data_source))
+        sources = self._val_sources
         sums = torch.zeros(2 * len(sources), dtype=torch.float64)
         hook_metrics: dict[str, float] = {}
         chunk = max(1, self.cfg.data.val_batch_size // r.dp_size) if self.cfg.data.val_batch_size else max(1, len(rows))
