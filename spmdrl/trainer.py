@@ -75,6 +75,8 @@ class Trainer:
         )
         self.train_ds = PromptDataset(d.train_files, self.tokenizer, **ds_kw)
         self.val_ds = PromptDataset(d.val_files, self.tokenizer, **ds_kw) if d.val_files else None
+        # the same sorted list on every rank: it orders validation's all-reduce
+        self.val_sources = sorted(set(self.val_ds.batch(list(range(len(self.val_ds)))).data_source)) if self.val_ds else []
         self.sampler = DistributedPromptSampler(
             len(self.train_ds), dp_rank=self.rollout_mesh.dp_rank, dp_size=self.rollout_mesh.dp_size,
             batch_size=d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle,
@@ -454,9 +456,7 @@ class Trainer:
         t0 = time.perf_counter()
         per = -(-len(ds) // r.dp_size)
         rows = list(range(r.dp_rank * per, min(len(ds), (r.dp_rank + 1) * per)))
-        if not hasattr(self, "_val_sources"):  # the same sorted list on every rank: it orders the all-reduce
-            self._val_sources = sorted(set(ds.batch(list(range(len(ds)))).data_source))
-        sources = self._val_sources
+        sources = self.val_sources
         sums = torch.zeros(2 * len(sources), dtype=torch.float64)
         hook_metrics: dict[str, float] = {}
         chunk = max(1, self.cfg.data.val_batch_size // r.dp_size) if self.cfg.data.val_batch_size else max(1, len(rows))
