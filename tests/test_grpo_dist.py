@@ -83,3 +83,26 @@ def test_grpo_single_process(assets, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "train/reward_mean" in rows[-1] and rows[-1]["actor/grad_norm"] > 0
     assert "Traceback" not in proc.stderr
+
+
+def test_srun_without_torchrun(assets, tmp_path):
+    """Two plain processes with only Slurm's variables (what `srun python -m spmdrl.train` gives): rank, world
+    size and the master come from SLURM_PROCID / SLURM_NTASKS / the first host of SLURM_JOB_NODELIST."""
+    import subprocess
+    import sys
+
+    from launching import REPO, free_port
+
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    base.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="ERROR", MASTER_PORT=str(free_port()),
+                SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="77")
+    args = overrides(assets, tmp_path, **{"trainer.total_steps": 1, "data.val_files": "[]"})
+    procs = [subprocess.Popen([sys.executable, "-m", "spmdrl.train", *args], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "2 rank(s) via slurm" in outs[0]
+    assert "[rank1] rank 1: actor: dp 1/2" in outs[1]
+    (row,) = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert row["step"] == 1 and row["actor/grad_norm"] > 0
