@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES, kl_penalty, masked_mean
 from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
+from spmdrl.algos.sampling import informative_groups, overlong_penalty
 from spmdrl.batch import Batch
 from spmdrl.checkpoint import CheckpointManager, checkpoint_root, latest_checkpoint, resolve_resume
 from spmdrl.config import Config, to_toml
@@ -41,19 +42,6 @@ def request_seeds(seed: int, step: int, first: int, count: int) -> list[int]:
     """Per-prompt sampling seeds: a function of (run seed, step, global prompt position) only, so every rank
     of a rollout TP group samples identically and a rerun samples the same tokens."""
     return [(seed * 1_000_003 + step * 100_003 + first + i) % (2**31 - 1) for i in range(count)]
-
-
-def informative_groups(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Bool [B]: samples whose group (same index) has scores that are not all equal (DAPO dynamic sampling)."""
-    uniq, inv = torch.unique(index, return_inverse=True)
-    lo = torch.full((len(uniq),), float("inf")).scatter_reduce(0, inv, scores.float(), "amin")
-    hi = torch.full((len(uniq),), float("-inf")).scatter_reduce(0, inv, scores.float(), "amax")
-    return (hi > lo)[inv]
-
-
-def overlong_penalty(length: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
-    """DAPO soft overlong punishment: 0 up to max_len - buffer, then linear down to -factor at max_len."""
-    return ((max_len - buffer - length.float()) / buffer).clamp(max=0.0, min=-1.0) * factor
 
 
 class Trainer:

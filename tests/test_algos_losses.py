@@ -240,3 +240,19 @@ def test_value_loss_all_masked():
     assert loss.item() == 0.0 and m["vf_clipfrac"].item() == 0.0
     loss.backward()
     assert (v.grad == 0).all()
+
+
+def test_informative_groups_keeps_groups_with_differing_scores():
+    from spmdrl.algos.sampling import informative_groups
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0])
+    index = torch.tensor([3, 3, 5, 5, 9, 9, 11])  # group 11 has one sample: all equal
+    assert informative_groups(scores, index).tolist() == [False, False, True, True, False, False, False]
+
+
+def test_overlong_penalty_by_hand():
+    from spmdrl.algos.sampling import overlong_penalty
+
+    # max_len 10, buffer 4: no penalty up to 6, then -(len-6)/4, -1 at 10; times factor 0.5
+    got = overlong_penalty(torch.tensor([0, 6, 7, 8, 10]), 10, 4, 0.5)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5]))
