@@ -79,6 +79,15 @@ def _launch(cmd: list[str], dry_run: bool) -> None:
     raise typer.Exit(rc)
 
 
+def _validate_and_launch(module, config, overrides, nproc, dry_run, root_cls, validate_fn) -> None:
+    """Load and validate the config for `nproc` ranks (errors before any process starts), then launch."""
+    from spmdrl.config import load_config
+
+    overrides = _overrides(overrides)
+    validate_fn(load_config(config, overrides, root_cls=root_cls), nproc)
+    _launch(launch_command(module, config, overrides, nproc), dry_run)
+
+
 @app.command(context_settings=PASS_OVERRIDES)
 @user_errors
 def train(
@@ -93,11 +102,9 @@ def train(
 
     Several nodes: run `torchrun ... -m spmdrl.train --config F` on each.
     """
-    from spmdrl.config import load_config, validate
+    from spmdrl.config import Config, validate
 
-    overrides = _overrides(overrides)
-    validate(load_config(config, overrides), nproc)
-    _launch(launch_command("spmdrl.train", config, overrides, nproc), dry_run)
+    _validate_and_launch("spmdrl.train", config, overrides, nproc, dry_run, Config, validate)
 
 
 @app.command(context_settings=PASS_OVERRIDES)
@@ -112,12 +119,9 @@ def sft(
 
     The config is validated for --nproc ranks before any process starts.
     """
-    from spmdrl.config import load_config
     from spmdrl.sft import SFTConfig, validate_sft
 
-    overrides = _overrides(overrides)
-    validate_sft(load_config(config, overrides, root_cls=SFTConfig), nproc)
-    _launch(launch_command("spmdrl.sft", config, overrides, nproc), dry_run)
+    _validate_and_launch("spmdrl.sft", config, overrides, nproc, dry_run, SFTConfig, validate_sft)
 
 
 @config_app.command("show", context_settings=PASS_OVERRIDES)

@@ -84,10 +84,9 @@ class Trainer:
             gradient_checkpointing=cfg.model.gradient_checkpointing,
             total_steps=cfg.trainer.total_steps * updates_per_step, **common,
         )
-        self.use_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.ref = (
             FSDPEngine(cfg.model.path, self.meshes["ref"], device, trainable=False, offload=cfg.ref.offload, **common)
-            if self.use_ref else None
+            if a.use_kl_loss or cfg.algorithm.use_kl_in_reward else None
         )
         c = cfg.critic
         self.critic = (
@@ -128,7 +127,6 @@ class Trainer:
             kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code,
         )
         seed_everything(cfg.trainer.seed)  # building the engine reseeds the global RNG
-        self.rollout.sleep()
         stop_ids = sorted({self.tokenizer.eos_token_id, *r.stop_token_ids} - {None})
         self.train_spec = SamplingSpec(
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=d.max_response_length,
@@ -201,9 +199,10 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
-        timer = self.timer = StageTimer(self.device)
+        timer = StageTimer(self.device)
         t0 = time.perf_counter()
         batch, metrics = self.collect(step, timer)
+        self.rollout.sleep()  # GPU: free vLLM's weights and KV cache while actor/ref/critic run; the sync wakes it
         if not self.on_policy:  # on-policy (one epoch, one mini-batch) the update's own log-probs are the old ones
             with timer("old_logprob"):
                 batch["old_log_probs"] = self.forward_logprobs(self.actor, batch)
@@ -235,16 +234,17 @@ class Trainer:
         if train_actor:
             with timer("weight_sync"):
                 sync = sync_weights(self.actor, self.rollout, bucket_mb=cfg.rollout.weight_sync_bucket_mb, dtype=self.rollout_dtype)
-                self.rollout.sleep()
             metrics["perf/weight_sync_mb"] = sync["perf/weight_sync_mb"]
         metrics.update(self.batch_metrics(batch))
         metrics.update(self.run_hooks("after_step", step, batch, metrics=dict(metrics)))
+        # the step's token count rides in the same all-reduce: a mean over the actor's dp ranks, times dp
+        metrics["_tokens"] = float(batch["response_mask"].sum() + batch["prompt_len"].sum())
         metrics = reduce_mean(metrics, weight=1.0 if self.actor_mesh.tp_rank == 0 else 0.0)
+        tokens = metrics.pop("_tokens") * self.actor_mesh.dp_size
         step_s = time.perf_counter() - t0
         metrics.update(timer.as_metrics())
         metrics["timing/step_s"] = step_s
-        tokens = reduce_sum(torch.tensor([float(batch["response_mask"].sum() + batch["prompt_len"].sum())]))
-        metrics["perf/tokens_per_s"] = float(tokens[0]) / step_s / max(1, self.actor_mesh.tp_size)
+        metrics["perf/tokens_per_s"] = tokens / step_s
         metrics["perf/peak_memory_gb"] = peak_memory_gb(self.device)
         return metrics
 
@@ -447,12 +447,12 @@ class Trainer:
         sources = self.val_sources
         sums = torch.zeros(2 * len(sources), dtype=torch.float64)
         hook_metrics: dict[str, float] = {}
+        self.rollout.wake_up()  # stays awake: the next step's rollout follows
         chunk = max(1, self.cfg.data.val_batch_size // r.dp_size) if self.cfg.data.val_batch_size else max(1, len(rows))
         for start in range(0, len(rows), chunk):
             part = rows[start: start + chunk]
             prompts = [ds.prompt_ids(i) for i in part]
             seeds = request_seeds(self.cfg.trainer.seed + 1, 0, part[0], len(part))
-            self.rollout.wake_up()
             out = self.rollout.generate(prompts, self.val_spec, seeds)
             batch = self.to_batch(prompts, part, out, self.val_spec.n)
             self.attach_meta(batch, ds)
@@ -464,7 +464,6 @@ class Trainer:
                     k = sources.index(src)
                     sums[k] += s
                     sums[len(sources) + k] += 1
-        self.rollout.sleep()
         sums = reduce_sum(sums)
         acc = {f"val/accuracy/{src}": float(sums[k] / max(sums[len(sources) + k], 1)) for k, src in enumerate(sources)}
         acc["val/accuracy"] = sum(acc.values()) / len(acc)
@@ -503,7 +502,6 @@ class Trainer:
         if state.get("kl_ctrl") is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         sync_weights(self.actor, self.rollout, bucket_mb=self.cfg.rollout.weight_sync_bucket_mb, dtype=self.rollout_dtype)
-        self.rollout.sleep()
         if "rng" in state:
             set_rng_state(state["rng"])
         else:  # another world size: per-rank RNG streams cannot carry over

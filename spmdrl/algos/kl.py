@@ -69,7 +69,7 @@ class FixedKLController:
         self.value = float(kl_coef)
 
     def update(self, current_kl: float | Tensor, n_steps: int) -> None:
-        pass
+        """A fixed coefficient does not move."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"value": self.value}
