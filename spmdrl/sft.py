@@ -96,7 +96,7 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
     from spmdrl.data.sft import SFTDataset
     from spmdrl.dist.collectives import reduce_sum
     from spmdrl.dist.meshes import RoleMeshes
-    from spmdrl.engines.fsdp import FSDPEngine, pack_sequences
+    from spmdrl.engines import build_train_engine, pack_sequences
     from spmdrl.metrics import MetricsLogger
     from spmdrl.rng import seed_everything
 
@@ -107,15 +107,15 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
     ds = SFTDataset(s.train_files, tok, s.max_length, s.prompt_key, s.response_key, s.truncation)
     sampler = DistributedPromptSampler(len(ds), dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, batch_size=s.batch_size, seed=cfg.trainer.seed)
     total = s.max_steps or s.epochs * sampler.steps_per_epoch
-    engine = FSDPEngine(
-        cfg.model.path, mesh, device, trainable=True, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
+    engine = build_train_engine(
+        "fsdp", cfg.model.path, mesh, device, trainable=True, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
         gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=total,
         optim=dict(lr=s.lr, weight_decay=s.weight_decay, warmup_steps=s.warmup_steps, lr_scheduler=s.lr_scheduler, grad_clip=s.grad_clip),
     )
     logger = MetricsLogger(cfg.trainer.output_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
                            console=cfg.logging.console, rank=rank, append=False,
                            progress_total=total if cfg.logging.progress else 0)
-    dp_group = mesh.mesh.get_group("dp")
+    dp_group = mesh.group("dp")
     for step in range(1, total + 1):
         t0 = time.perf_counter()
         rows = next(sampler)
@@ -140,7 +140,7 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
              "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"], "timing/step_s": time.perf_counter() - t0}
         logger.log(step, m)
     save_dir = s.save_dir or os.path.join(cfg.trainer.output_dir, "hf_model")
-    engine.save_hf(save_dir, tokenizer=tok, rank=rank)
+    engine.export_hf(save_dir, tokenizer=tok)
     logger.close()
     if rank == 0:
         log.info("saved the SFT model to %s", save_dir)

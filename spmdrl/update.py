@@ -15,7 +15,7 @@ from spmdrl.algos import agg_loss, kl_penalty, masked_mean
 from spmdrl.algos.losses import value_loss
 from spmdrl.batch import Batch
 from spmdrl.dist.collectives import reduce_sum
-from spmdrl.engines.fsdp import FSDPEngine, TokenBatch, pack_sequences
+from spmdrl.engines import TokenBatch, TrainEngine, pack_sequences
 
 
 def micro_batches(batch: Batch, size: int, pad_id: int) -> list[tuple[Batch, TokenBatch]]:
@@ -28,7 +28,7 @@ def micro_batches(batch: Batch, size: int, pad_id: int) -> list[tuple[Batch, Tok
 
 
 def run_updates(
-    engine: FSDPEngine, batch: Batch, *, epochs: int, mini_size: int, micro_size: int, pad_id: int,
+    engine: TrainEngine, batch: Batch, *, epochs: int, mini_size: int, micro_size: int, pad_id: int,
     agg_mode: str, dp_size: int, dp_group, body: Callable, prefix: str,
 ) -> dict[str, float]:
     """Optimizer steps over `batch`; body(mb, tb, engine) -> (unweighted loss, metrics). Returns mean metrics."""
@@ -60,7 +60,7 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
     """The policy objective for one micro-batch: policy loss - entropy bonus (+ KL to the ref)."""
     a = cfg.actor
 
-    def body(mb: Batch, tb: TokenBatch, engine: FSDPEngine):
+    def body(mb: Batch, tb: TokenBatch, engine: TrainEngine):
         logp, ent = engine.logprobs(tb, temperature=temperature, with_entropy=True, chunk_size=a.logprob_chunk_size)
         R = logp.shape[1]
         dev = logp.device
@@ -96,7 +96,7 @@ def critic_body(cfg) -> Callable:
     """Clipped value loss for one micro-batch."""
     c = cfg.critic
 
-    def body(mb: Batch, tb: TokenBatch, engine: FSDPEngine):
+    def body(mb: Batch, tb: TokenBatch, engine: TrainEngine):
         v = engine.values(tb)
         R = v.shape[1]
         dev = v.device
@@ -112,9 +112,9 @@ def critic_body(cfg) -> Callable:
 
 
 @torch.no_grad()
-def forward_all(engine: FSDPEngine, batch: Batch, micro_size: int, pad_id: int, fn: Callable) -> torch.Tensor:
+def forward_all(engine: TrainEngine, batch: Batch, micro_size: int, pad_id: int, fn: Callable) -> torch.Tensor:
     """fn(engine, tb) -> [b, R'] for each micro-batch, assembled into a [B, R] CPU float tensor."""
-    engine.module.eval()
+    engine.eval()
     out = torch.zeros(len(batch), batch["responses"].shape[1])
     i = 0
     for mb, tb in micro_batches(batch, micro_size, pad_id):

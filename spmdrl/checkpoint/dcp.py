@@ -124,33 +124,41 @@ def _spec_hash(spec: list) -> str:
     return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
 
 
-def _hf_prefix(engine) -> str:
-    hf = getattr(engine, "hf", None)
-    if hf is None or hf is engine.module:
-        return ""
-    for name, mod in engine.module.named_modules():
-        if mod is hf:
-            return name + "."
-    return ""
-
-
-def engine_state(engine) -> tuple[dict, dict]:
-    """(tensors for DCP, JSON: optimizer param groups + LR scheduler) of an engine (`.module`, optional
-    `.optimizer` and `.scheduler`), through DCP's state-dict API so FSDP2 shards save and reshard."""
+def module_state(module, optimizer=None, scheduler=None) -> tuple[dict, dict]:
+    """(tensors for DCP, JSON: optimizer param groups + LR scheduler) of a module and its optimizer, through
+    DCP's state-dict API so FSDP2 shards save and reshard."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    opt = getattr(engine, "optimizer", None)
-    if opt is None:
-        return {"model": get_model_state_dict(engine.module)}, {}
-    msd, osd = get_state_dict(engine.module, opt)
-    sched = getattr(engine, "scheduler", None)
+    if optimizer is None:
+        return {"model": get_model_state_dict(module)}, {}
+    msd, osd = get_state_dict(module, optimizer)
     meta = {"param_groups": jsonable(osd["param_groups"])}
-    if sched is not None:
-        meta["scheduler"] = jsonable({k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"})
+    if scheduler is not None:
+        meta["scheduler"] = jsonable({k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"})
     return {"model": msd, "optim": osd["state"]}, meta
 
 
+def load_module_state(module, optimizer, scheduler, tensors: dict, meta: dict) -> None:
+    """Put DCP-loaded tensors (and the JSON metadata) back into a module, its optimizer and scheduler."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    if optimizer is None:
+        set_model_state_dict(module, tensors["model"])
+        return
+    groups = [{k: tuple(v) if isinstance(optimizer.defaults.get(k), tuple) else v for k, v in g.items()}
+              for g in meta["param_groups"]]  # JSON made tuples (betas) lists
+    set_state_dict(module, optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict={"state": tensors["optim"], "param_groups": groups})
+    if scheduler is not None and "scheduler" in meta:
+        scheduler.load_state_dict({**scheduler.state_dict(), **meta["scheduler"]})
+
+
+def engine_state(engine) -> tuple[dict, dict]:
+    """(tensors for DCP, JSON metadata) of a training engine (engines/base.py)."""
+    return engine.checkpoint_state()
+
+
 def engine_manifest(engine) -> dict:
-    spec = param_spec(engine.module)
-    return {"params": spec, "params_hash": _spec_hash(spec), "hf_prefix": _hf_prefix(engine),
-            "optimizer": type(engine.optimizer).__name__ if getattr(engine, "optimizer", None) is not None else None}
+    spec = engine.param_manifest()
+    return {"params": spec, "params_hash": _spec_hash(spec), "hf_prefix": engine.hf_prefix(),
+            "optimizer": "AdamW" if engine.trainable else None}

@@ -189,7 +189,6 @@ class CheckpointManager:
         if bad >= 0:
             raise err or CheckpointError(f"checkpoint {path}: rank {bad}'s RNG state is unreadable (see its error)")
         from torch.distributed.checkpoint import load as dcp_load
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         targets = {name: engine_state(e)[0] for name, e in engines.items()}
         try:
@@ -202,18 +201,7 @@ class CheckpointManager:
                 raise inner from None
             raise CheckpointError(f"checkpoint {path}: loading tensors failed ({describe_error(inner)})") from None
         for name, engine in engines.items():
-            meta = state.get("engines", {}).get(name, {})
-            opt = getattr(engine, "optimizer", None)
-            if opt is None:
-                set_model_state_dict(engine.module, targets[name]["model"])
-                continue
-            groups = [{k: tuple(v) if isinstance(opt.defaults.get(k), tuple) else v for k, v in g.items()}
-                      for g in meta["param_groups"]]  # JSON made tuples (betas) lists
-            set_state_dict(engine.module, opt, model_state_dict=targets[name]["model"],
-                           optim_state_dict={"state": targets[name]["optim"], "param_groups": groups})
-            sched = getattr(engine, "scheduler", None)
-            if sched is not None and "scheduler" in meta:
-                sched.load_state_dict({**sched.state_dict(), **meta["scheduler"]})
+            engine.load_checkpoint_state(targets[name], state.get("engines", {}).get(name, {}))
         return state
 
     def _verify_checksums(self, path: str, manifest: dict) -> None:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
 
+from .layout import RoleLayout
 from .meshes import RoleMesh
 
 
@@ -18,45 +20,129 @@ def comm_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def _slice_of(src: RoleMesh, dst: RoleMesh, rank: int, n_local: int) -> tuple[int, int, int, int]:
-    """(needed lo, hi, held lo, hi) in global sample positions for `rank`."""
-    g = n_local * src.dp_size
-    d = dst.layout.coords(rank)[0]
-    s = src.layout.coords(rank)[0]
-    return d * g // dst.dp_size, (d + 1) * g // dst.dp_size, s * n_local, (s + 1) * n_local
+@dataclass
+class BatchMovePlan:
+    """Per global rank: what it keeps of its own samples, sends and receives (global sample positions)."""
+
+    keep: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # rank -> (lo, hi, first held)
+    sends: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)  # rank -> peer -> local (lo, hi)
+    recvs: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)  # rank -> peer -> global (lo, hi)
+
+
+def batch_move_plan(src: RoleLayout, dst: RoleLayout, per_src: int) -> BatchMovePlan:
+    """Samples are src dp-rank major: src dp rank i holds [i*per_src, (i+1)*per_src) on each of its ranks;
+    dst dp rank j needs its contiguous share of the total. A dst rank keeps what it holds and receives the rest,
+    each missing range from one replica of the src dp rank holding it (round-robin over the replicas)."""
+    total = per_src * src.dp
+    plan = BatchMovePlan()
+    holders = [[r for pp in src.mesh_ranks()[i] for r in pp] for i in range(src.dp)]
+    for k, rank in enumerate(dst.ranks):
+        j = dst.coords(rank)[0]
+        lo, hi = j * total // dst.dp, (j + 1) * total // dst.dp
+        c = src.coords(rank)
+        if c is not None:
+            hlo = c[0] * per_src
+            klo, khi = max(lo, hlo), min(hi, hlo + per_src)
+            if klo < khi:
+                plan.keep[rank] = (klo, khi, hlo)
+        for i in range(src.dp):
+            glo, ghi = max(lo, i * per_src), min(hi, (i + 1) * per_src)
+            if glo >= ghi or (c is not None and c[0] == i):
+                continue
+            peer = holders[i][k % len(holders[i])]
+            plan.recvs.setdefault(rank, {})[peer] = (glo, ghi)
+            plan.sends.setdefault(peer, {})[rank] = (glo - i * per_src, ghi - i * per_src)
+    return plan
+
+
+def _pack(batch: Batch, keys: list[str], widths: list[int], dev) -> torch.Tensor:
+    """All tensors of a batch as one float64 [B, sum of widths] matrix (token ids and lengths are exact in
+    float64), each 2-D tensor right-padded to the agreed width."""
+    cols = [torch.nn.functional.pad(batch.tensors[k].to(torch.float64).reshape(len(batch), -1), (0, w - 
+            (batch.tensors[k].shape[1] if batch.tensors[k].dim() == 2 else 1))) for k, w in zip(keys, widths)]
+    return torch.cat(cols, dim=1).to(dev)
 
 
 def redistribute(batch: Batch, src: RoleMesh, dst: RoleMesh) -> Batch:
-    """Move a batch laid out by `src`'s data-parallel ranks to `dst`'s (tensors only; meta is dropped).
+    """Move a batch laid out by `src`'s data-parallel ranks to `dst`'s (tensors only; meta is re-derived).
 
-    Global sample order is src dp-rank major. When every rank already holds the slice it needs (the
-    colocated default: rollout tp >= actor tp), this is a local slice with no communication. Otherwise one
-    all-gather per tensor of padded, packed rows.
+    Global sample order is src dp-rank major; every rank of a src tp group holds its dp rank's samples. When
+    every dst rank already holds what it needs (colocated, rollout tp >= actor tp), this is a local slice with
+    no communication. Otherwise one all-reduce agrees on sizes and widths, and one batched point-to-point
+    exchange of packed float64 rows gives each dst rank exactly the samples it lacks, from one replica of the
+    src dp rank that holds them (tp copies are never gathered). Every rank passes a batch with the same keys
+    (a rank outside src passes zero-row tensors of the right dtype and rank).
     """
-    n = len(batch)
-    local = all(
-        hlo <= lo and hi <= hhi
-        for r in src.layout.ranks
-        for lo, hi, hlo, hhi in [_slice_of(src, dst, r, n)]
-    )
-    lo, hi, hlo, _ = _slice_of(src, dst, src.rank, n)
-    if local:
+    me = src.rank
+    probe = batch_move_plan(src.layout, dst.layout, dst.layout.dp)  # structure only: does anything move?
+    if not probe.recvs:
+        plan = batch_move_plan(src.layout, dst.layout, len(batch))
+        if me not in plan.keep:
+            return Batch({k: v[:0] for k, v in batch.tensors.items()})
+        lo, hi, hlo = plan.keep[me]
         return Batch({k: v[lo - hlo: hi - hlo] for k, v in batch.tensors.items()})
-    world = dist.get_world_size()
-    # one representative per src dp rank: its tp rank 0
-    reps = [grp[0][0] for grp in src.layout.mesh_ranks()]
+    keys = sorted(batch.tensors)
     dev = comm_device()
-    out = {}
-    for k in sorted(batch.tensors):
-        t = batch.tensors[k].to(dev)
-        if t.dim() == 2:
-            width = torch.tensor([t.shape[1]], dtype=torch.long, device=dev)
-            dist.all_reduce(width, op=dist.ReduceOp.MAX)
-            t = torch.nn.functional.pad(t, (0, int(width) - t.shape[1]))
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t.contiguous())
-        out[k] = torch.cat([parts[r] for r in reps])[lo:hi].cpu()
+    local_w = [batch.tensors[k].shape[1] if batch.tensors[k].dim() == 2 else 1 for k in keys]
+    agreed = torch.tensor([len(batch) if src.active else 0, *local_w], dtype=torch.long, device=dev)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    per_src, widths = int(agreed[0]), [int(w) for w in agreed[1:]]
+    plan = batch_move_plan(src.layout, dst.layout, per_src)
+    packed = _pack(batch, keys, widths, dev)
+    ops, received = [], []
+    for peer, (lo, hi) in sorted(plan.sends.get(me, {}).items()):
+        ops.append(dist.P2POp(dist.isend, packed[lo:hi].contiguous(), peer))
+    for peer, (glo, ghi) in sorted(plan.recvs.get(me, {}).items()):
+        buf = torch.empty(ghi - glo, sum(widths), dtype=torch.float64, device=dev)
+        received.append((glo, buf))
+        ops.append(dist.P2POp(dist.irecv, buf, peer))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    if me in plan.keep:
+        lo, hi, hlo = plan.keep[me]
+        received.append((lo, packed[lo - hlo: hi - hlo]))
+    rows = torch.cat([p for _, p in sorted(received, key=lambda x: x[0])]) if received else packed[:0]
+    out, off = {}, 0
+    for k, w in zip(keys, widths):
+        t = rows[:, off: off + w].cpu()
+        out[k] = (t if batch.tensors[k].dim() == 2 else t[:, 0]).to(batch.tensors[k].dtype)
+        off += w
     return Batch(out)
+
+
+def gather_tp_slices(part: torch.Tensor, mesh: RoleMesh, n: int) -> torch.Tensor:
+    """Concatenate over the tp group each rank's `tp_range(n)` share of a per-sample tensor (one all-gather)."""
+    sizes = [len(r) for r in mesh.tp_ranges(n)]
+    group = mesh.group("tp")
+    dev = comm_device(group)
+    padded = torch.zeros((max(sizes), *part.shape[1:]), dtype=part.dtype, device=dev)
+    padded[: part.shape[0]] = part.to(dev)
+    chunks = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(chunks, padded, group=group)
+    return torch.cat([c[:k] for c, k in zip(chunks, sizes)]).cpu()
+
+
+def all_gather_strings(texts: list[str], mesh: RoleMesh, n: int) -> list[str]:
+    """Each tp rank's share of n strings (its `tp_range(n)`), shared over the tp group as packed UTF-8 bytes:
+    one all-gather of the byte lengths, one of the bytes."""
+    encoded = [t.encode("utf-8") for t in texts]
+    lens = torch.tensor([len(b) for b in encoded], dtype=torch.long)
+    all_lens = gather_tp_slices(lens, mesh, n)
+    flat = torch.frombuffer(bytearray(b"".join(encoded)), dtype=torch.uint8) if sum(lens) else torch.zeros(0, dtype=torch.uint8)
+    group = mesh.group("tp")
+    dev = comm_device(group)
+    totals = [int(all_lens[r.start: r.stop].sum()) for r in mesh.tp_ranges(n)]
+    padded = torch.zeros(max(totals + [1]), dtype=torch.uint8, device=dev)
+    padded[: flat.numel()] = flat.to(dev)
+    chunks = [torch.empty_like(padded) for _ in totals]
+    dist.all_gather(chunks, padded, group=group)
+    data = b"".join(bytes(c[:k].cpu().numpy().tobytes()) for c, k in zip(chunks, totals))
+    out, off = [], 0
+    for k in all_lens.tolist():
+        out.append(data[off: off + k].decode("utf-8"))
+        off += k
+    return out
 
 
 def reduce_mean(values: dict[str, float], weight: float = 1.0, group=None) -> dict[str, float]:
@@ -94,3 +180,10 @@ def reduce_min(value: int, group=None) -> int:
     t = torch.tensor([value], dtype=torch.long, device=comm_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t[0])
+
+
+def reduce_max(values: torch.Tensor, group=None) -> list[float]:
+    """Element-wise max over ranks of a small vector (float64), as Python floats."""
+    t = values.to(comm_device(group), torch.float64).clone()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.cpu().tolist()

@@ -66,6 +66,11 @@ def detect_env(environ=None) -> DistEnv:
     return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 0)) or _free_port(), "single")
 
 
+def default_local_rank(rank: int) -> int:
+    """LOCAL_RANK for a process group someone else initialised without exporting it: ranks fill nodes in order."""
+    return rank % max(1, torch.cuda.device_count())
+
+
 def resolve_device(spec: str) -> torch.device:
     if spec == "cuda" or (spec == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")

@@ -98,3 +98,13 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = False) -> dic
     if out["actor"].pp != 1:
         raise LayoutError("placement.actor_pp > 1 needs the Megatron backend, which is not available yet; set actor_pp = 1")
     return out
+
+
+def external_launcher_tp_groups(world_size: int, tp: int) -> list[list[int]]:
+    """The TP groups vLLM's external_launcher forms: blocks of tp consecutive ranks over the whole world."""
+    if tp < 1 or world_size % tp:
+        raise LayoutError(
+            f"rollout tp_size={tp} does not divide the world size {world_size}: "
+            "vLLM splits the whole world into TP groups of consecutive ranks; pick a divisor"
+        )
+    return [list(range(k * tp, (k + 1) * tp)) for k in range(world_size // tp)]

@@ -1,7 +1,8 @@
-"""Role meshes: one torch DeviceMesh per role, built once and passed to the components.
+"""Role meshes: one (dp, pp, tp) torch DeviceMesh per role, built once and passed to the components.
 
-Nothing else in spmdrl derives ranks: components ask `RoleMeshes` for their mesh, their data-parallel
-rank/size and their tensor-parallel rank/size.
+This is the one place that turns ranks into coordinates, groups, offsets and shares. Components ask their
+`RoleMesh` (`mesh.group("tp")`, `mesh.dp_rank`, `mesh.dp_share(n)`, `mesh.tp_groups()`, ...) and never
+compute ranks themselves (tests/test_repo.py greps for it).
 """
 from __future__ import annotations
 
@@ -11,42 +12,122 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from spmdrl.errors import LayoutError
+
 from .layout import ROLES, RoleLayout
 
 log = logging.getLogger("spmdrl")
+
+DIMS = ("dp", "pp", "tp")
 
 
 @dataclass
 class RoleMesh:
     layout: RoleLayout
-    mesh: DeviceMesh  # dims ("dp", "tp")
+    mesh: DeviceMesh  # dims ("dp", "pp", "tp")
     rank: int
 
+    # ---- where this rank is ---------------------------------------------------------------------------
     @property
     def active(self) -> bool:
+        """Whether this rank holds the role."""
         return self.rank in self.layout.ranks
+
+    def coords(self) -> tuple[int, int, int]:
+        c = self.layout.coords(self.rank)
+        if c is None:
+            raise LayoutError(f"rank {self.rank} is not in the {self.layout.role} role (ranks {list(self.layout.ranks)})")
+        return c
 
     @property
     def dp_rank(self) -> int:
-        return self.layout.coords(self.rank)[0]
+        return self.coords()[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords()[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords()[2]
 
     @property
     def dp_size(self) -> int:
         return self.layout.dp
 
     @property
-    def tp_rank(self) -> int:
-        return self.layout.coords(self.rank)[2]
+    def pp_size(self) -> int:
+        return self.layout.pp
 
     @property
     def tp_size(self) -> int:
         return self.layout.tp
 
+    @property
+    def is_tp_leader(self) -> bool:
+        """Rank 0 of its tp group: the one that counts a sample the tp group holds in copies."""
+        return self.tp_rank == 0
+
+    def leader_weight(self) -> float:
+        """1.0 on tp leaders, else 0.0: weights a mean over ranks so tp copies count once."""
+        return 1.0 if self.is_tp_leader else 0.0
+
+    # ---- groups -----------------------------------------------------------------------------------------
+    def group(self, dim: str):
+        """The process group of this rank along one mesh dimension ("dp", "pp" or "tp")."""
+        return self.mesh.get_group(dim)
+
+    def submesh(self, dim: str) -> DeviceMesh:
+        return self.mesh[dim]
+
+    def tp_groups(self) -> list[list[int]]:
+        """Every tp group of the role as global ranks in tp order, dp-major then pp."""
+        return [tp for pp in self.layout.mesh_ranks() for tp in pp]
+
+    def my_tp_group(self) -> list[int]:
+        d, p, _ = self.coords()
+        return self.layout.mesh_ranks()[d][p]
+
+    def grid(self) -> list[list[list[int]]]:
+        """Ranks as [dp][pp][tp]."""
+        return self.layout.mesh_ranks()
+
+    # ---- sharing work --------------------------------------------------------------------------------------
+    def dp_share(self, n: int, what: str = "items") -> int:
+        """n / dp, the part of n this dp rank handles; n must divide evenly."""
+        if n % self.dp_size:
+            raise LayoutError(f"{n} {what} cannot be split evenly over the {self.dp_size} {self.layout.role} dp ranks")
+        return n // self.dp_size
+
+    def dp_offset(self, per_rank: int) -> int:
+        """Global position of this dp rank's first item when every dp rank holds per_rank items."""
+        return self.dp_rank * per_rank
+
+    def dp_range(self, n: int) -> range:
+        """This dp rank's contiguous part of n items split like torch.chunk (the last parts shorter)."""
+        per = -(-n // self.dp_size)
+        return range(min(n, self.dp_rank * per), min(n, (self.dp_rank + 1) * per))
+
+    def dp_ceil(self, n: int) -> int:
+        """ceil(n / dp): the largest dp rank's part of n items split like torch.chunk."""
+        return -(-n // self.dp_size)
+
+    def tp_range(self, n: int) -> range:
+        """This tp rank's contiguous part of n items a tp group holds in copies (to do work once per group)."""
+        per = -(-n // self.tp_size)
+        return range(min(n, self.tp_rank * per), min(n, (self.tp_rank + 1) * per))
+
+    def tp_ranges(self, n: int) -> list[range]:
+        """Every tp rank's tp_range(n), in tp order."""
+        per = -(-n // self.tp_size)
+        return [range(min(n, t * per), min(n, (t + 1) * per)) for t in range(self.tp_size)]
+
     def describe(self) -> str:
         c = self.layout.coords(self.rank)
         if c is None:
             return f"{self.layout.role}: -"
-        return f"{self.layout.role}: dp {c[0]}/{self.layout.dp} tp {c[2]}/{self.layout.tp}"
+        pp = f" pp {c[1]}/{self.layout.pp}" if self.layout.pp > 1 else ""
+        return f"{self.layout.role}: dp {c[0]}/{self.layout.dp}{pp} tp {c[2]}/{self.layout.tp}"
 
 
 class RoleMeshes:
@@ -58,10 +139,10 @@ class RoleMeshes:
         cache: dict[tuple, DeviceMesh] = {}
         for role in ROLES:
             lay = layouts[role]
-            key = (lay.ranks, lay.dp, lay.tp)
+            key = (lay.ranks, lay.dp, lay.pp, lay.tp)
             if key not in cache:
-                ranks = torch.tensor(lay.ranks, dtype=torch.int64).view(lay.dp, lay.tp)
-                cache[key] = DeviceMesh(device_type, ranks, mesh_dim_names=("dp", "tp"))
+                ranks = torch.tensor(lay.ranks, dtype=torch.int64).view(lay.dp, lay.pp, lay.tp)
+                cache[key] = DeviceMesh(device_type, ranks, mesh_dim_names=DIMS)
             self.roles[role] = RoleMesh(lay, cache[key], rank)
 
     def __getitem__(self, role: str) -> RoleMesh:

@@ -1,0 +1,22 @@
+"""Training backends behind one protocol (base.py). Everything outside this package builds engines with
+`build_train_engine` and uses only the protocol's methods."""
+from __future__ import annotations
+
+from spmdrl.errors import ConfigError
+
+from .base import TrainEngine
+from .fsdp import TokenBatch, pack_sequences
+
+BACKENDS = ("fsdp",)
+
+
+def build_train_engine(backend: str, model_path: str, mesh, device, **kwargs) -> TrainEngine:
+    """A training engine of `backend` for one role on its mesh; kwargs are the backend's (see FSDPEngine)."""
+    if backend == "fsdp":
+        from .fsdp import FSDPEngine
+
+        return FSDPEngine(model_path, mesh, device, **kwargs)
+    raise ConfigError(f"trainer.backend = {backend!r}: available backends are {', '.join(BACKENDS)}")
+
+
+__all__ = ["BACKENDS", "TokenBatch", "TrainEngine", "build_train_engine", "pack_sequences"]

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from spmdrl.algos.token_stats import logprobs_from_hidden
+from spmdrl.reshard.plan import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import ConfigError
 
@@ -158,6 +159,8 @@ class FSDPEngine:
 
         self.device = device
         self.mesh = mesh
+        if mesh.pp_size > 1:
+            raise ConfigError(f"the FSDP2 backend has no pipeline parallelism: {mesh.layout.role}_pp = {mesh.pp_size}; set it to 1")
         cuda = device.type == "cuda"
         param_dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
         try:
@@ -181,10 +184,10 @@ class FSDPEngine:
             from torch.distributed.tensor.parallel import parallelize_module
 
             backbone = getattr(hf, hf.base_model_prefix)
-            parallelize_module(backbone, mesh.mesh["tp"], _tp_plan())
+            parallelize_module(backbone, mesh.submesh("tp"), _tp_plan())
         self.module = _ValueHead(hf) if value_head else _LogprobHead(hf)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype != torch.float32 else MixedPrecisionPolicy()
-        kw = dict(mesh=mesh.mesh["dp"], mp_policy=mp)
+        kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp)
         if offload and cuda:
             kw["offload_policy"] = CPUOffloadPolicy()
         for block in getattr(hf, hf.base_model_prefix).layers:
@@ -194,6 +197,8 @@ class FSDPEngine:
             self.module.to(device)
         self.hf = hf
         self.trainable = trainable
+        self._shards_checked = False
+        self._my_blocks: dict | None = None
         self.optimizer = self.scheduler = None
         if trainable:
             o = optim or {}
@@ -261,38 +266,90 @@ class FSDPEngine:
                 torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, torch.tensor(total))
         return total
 
-    # ---- weights out --------------------------------------------------------------------------------
-    def iter_full_params(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full (unsharded) parameters in HF names, in buckets of about `bucket_bytes`.
+    # ---- weights out (the engine protocol, engines/base.py) ---------------------------------------------
+    def hf_config(self):
+        return self.hf.config
 
-        Every rank of the mesh must iterate (each `full_tensor` is a collective). Only one bucket of full
-        tensors is alive at a time.
-        """
-        bucket, size = [], 0
+    def eval(self) -> None:
+        self.module.eval()
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(name, tuple(p.shape)) for name, p in self.hf.named_parameters()]
+
+    def source_blocks(self) -> dict[str, list[tuple[int, Block]]]:
+        return fsdp_blocks(self.param_shapes(), self.mesh.grid())
+
+    def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor, Block]]:
+        """This rank's FSDP2 (x TP) shard of every parameter with its block (checked once against DTensor)."""
+        blocks = self._blocks()
         for name, p in self.hf.named_parameters():
-            t = p.full_tensor() if isinstance(p, DTensor) else p
-            t = t.detach()
-            if dtype is not None:
-                t = t.to(dtype)
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if not self._shards_checked:
+                _check_block(name, p, local, blocks[name])
+            local = local.detach()
+            yield name, (local if dtype is None else local.to(dtype)), blocks[name]
+        self._shards_checked = True
+
+    def _blocks(self) -> dict[str, Block]:
+        if self._my_blocks is None:
+            self._my_blocks = {n: dict(bs)[self.mesh.rank] for n, bs in self.source_blocks().items()}
+        return self._my_blocks
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model on CPU on every rank (for HF export of small models and tests)."""
-        out = {}
-        for bucket in self.iter_full_params(1 << 30):
-            out.update({k: v.cpu().clone() for k, v in bucket})
-        return out
+        """The whole model on CPU on every rank, one all-gather per parameter (tests and small exports only)."""
+        return {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for name, p in self.hf.named_parameters()
+        }
 
-    def save_hf(self, out_dir: str, tokenizer=None, rank: int = 0) -> None:
-        """Write an HF model directory (safetensors, config, tokenizer) from rank 0."""
+    def export_hf(self, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+        """Write an HF model directory (safetensors, config, tokenizer) from rank 0 of the mesh."""
         sd = self.full_state_dict()
-        if rank == 0:
+        if dtype is not None:
+            sd = {k: v.to(dtype) for k, v in sd.items()}
+        if self.mesh.rank == self.mesh.layout.ranks[0]:
             self.hf.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        from spmdrl.checkpoint.dcp import module_state
+
+        return module_state(self.module, self.optimizer, self.scheduler)
+
+    def load_checkpoint_state(self, tensors: dict, meta: dict) -> None:
+        from spmdrl.checkpoint.dcp import load_module_state
+
+        load_module_state(self.module, self.optimizer, self.scheduler, tensors, meta)
+
+    def param_manifest(self) -> list:
+        return [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in self.module.named_parameters()]
+
+    def hf_prefix(self) -> str:
+        """Prefix of the HF model's parameter names inside the checkpointed root module."""
+        for name, mod in self.module.named_modules():
+            if mod is self.hf:
+                return name + "."
+        return ""
+
+    # ---- memory -----------------------------------------------------------------------------------------
+    def offload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
+        """No-op today: FSDP2's CPUOffloadPolicy (ref.offload) covers the ref model; the memory lifecycle issue
+        adds per-kind offload of the trainable engines."""
+
+    def onload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
+        """See offload."""
+
+
+def _check_block(name: str, p, local: torch.Tensor, planned: Block) -> None:
+    """The planner's FSDP2 arithmetic must match what DTensor actually holds on this rank."""
+    if isinstance(p, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    else:
+        shape, offset = tuple(p.shape), tuple(0 for _ in p.shape)
+    actual = (tuple(offset), tuple(shape))
+    if tuple(local.shape) != tuple(shape) or (numel(planned) and actual != planned) or (not numel(planned) and local.numel()):
+        raise RuntimeError(f"reshard plan mismatch for {name}: planned block {planned}, DTensor holds {actual}")

@@ -1,19 +1,57 @@
-"""Weight sync, actor -> rollout: full tensors gathered from the FSDP2/TP shards in buckets and streamed into
-the engine's weight loader, which slices them into its own TP layout. At most one bucket is alive."""
+"""Weight sync, actor -> rollout, as a planned resharding.
+
+The plan (reshard/plan.py) is computed once from the actor engine's source blocks and the rollout layout;
+each sync executes it (reshard/transport.py): every rollout rank receives exactly the bytes of its vLLM shard
+it does not already hold, in the rollout dtype, one batched p2p exchange per bucket.
+"""
 from __future__ import annotations
 
-import time
-
 import torch
+import torch.distributed as dist
+
+from spmdrl.dist.collectives import comm_device, reduce_max
+from spmdrl.dist.meshes import RoleMesh
+
+from .plan import ModelDims, SyncPlan, full_block, plan_sync, vllm_blocks
+from .transport import execute
 
 
-def sync_weights(actor, rollout, *, bucket_mb: int, dtype: torch.dtype | None = None) -> dict[str, float]:
-    t0 = time.perf_counter()
-    nbytes = 0
-    rollout.wake_up()
-    for bucket in actor.iter_full_params(bucket_mb << 20, dtype):
-        rollout.update_weights(bucket)
-        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        del bucket
-    rollout.finish_weight_update()  # vLLM: finalize the layerwise reload (repack CPU weights, reset prefix cache)
-    return {"timing/weight_sync_s": time.perf_counter() - t0, "perf/weight_sync_mb": nbytes / 2**20}
+def rollout_targets(params, rollout_mesh: RoleMesh, dims: ModelDims, loads_tp_shards: bool) -> dict:
+    """What each rollout rank needs: its vLLM TP shard, or the whole tensor for engines that hold full weights."""
+    if loads_tp_shards:
+        return vllm_blocks(params, rollout_mesh.tp_groups(), dims)
+    ranks = [r for g in rollout_mesh.tp_groups() for r in g]
+    return {name: [(r, full_block(shape)) for r in ranks] for name, shape in params}
+
+
+class WeightSync:
+    """Planned once, run after every actor update (and after a resume)."""
+
+    def __init__(self, actor, rollout, rollout_mesh: RoleMesh, *, dtype: torch.dtype, bucket_mb: int):
+        self.actor, self.rollout, self.dtype = actor, rollout, dtype
+        self.bucket_bytes = bucket_mb << 20
+        params = actor.param_shapes()
+        dims = ModelDims.from_hf_config(actor.hf_config())
+        targets = rollout_targets(params, rollout_mesh, dims, getattr(rollout, "loads_tp_shards", False))
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.plan: SyncPlan = plan_sync(params, actor.source_blocks(), targets, elem)
+        summary = self.plan.summary(self.bucket_bytes)
+        self.lower_bound = summary["bytes_lower_bound"]
+        self.planned_recv_max = summary["bytes_recv_max"]
+
+    def __call__(self) -> dict[str, float]:
+        self.rollout.wake_up()
+        shards = {name: (t, block) for name, t, block in self.actor.weight_shards()}
+        stats = execute(
+            self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=comm_device(),
+            bucket_bytes=self.bucket_bytes, deliver=self.rollout.update_weights,
+        )
+        self.rollout.finish_weight_update()  # vLLM: finalize the layerwise reload (repack CPU weights, reset prefix cache)
+        recv_max, collectives = reduce_max(torch.tensor([stats.bytes_recv, stats.collectives], dtype=torch.float64))
+        return {
+            "weight_sync/bytes_recv_max": recv_max,
+            "weight_sync/bytes_lower_bound": float(self.lower_bound),
+            "weight_sync/collectives": collectives,
+            "weight_sync/buckets": float(stats.buckets),
+            "weight_sync/transport_s": stats.seconds,
+        }

@@ -134,11 +134,11 @@ class RewardModelScorer:
 
             from spmdrl.engines.fsdp import _tp_plan
 
-            parallelize_module(getattr(hf, hf.base_model_prefix), mesh.mesh["tp"], _tp_plan())
+            parallelize_module(getattr(hf, hf.base_model_prefix), mesh.submesh("tp"), _tp_plan())
         cuda = device.type == "cuda"
         param_dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
         mp = MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype != torch.float32 else MixedPrecisionPolicy()
-        kw = dict(mesh=mesh.mesh["dp"], mp_policy=mp, reshard_after_forward=True)
+        kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp, reshard_after_forward=True)
         self.module = _LastTokenScore(hf, head)
         for block in getattr(getattr(hf, hf.base_model_prefix), "layers", []):
             fully_shard(block, **kw)
@@ -200,7 +200,7 @@ class RewardModelScorer:
         t = torch.tensor([n], dtype=torch.int64, device=self.device)
         for dim, size in (("dp", self.mesh.dp_size), ("tp", self.mesh.tp_size)):
             if size > 1:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.mesh[dim].get_group())
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.group(dim))
         return int(t.item())
 
     # ---- scoring ------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from spmdrl.dist.init import default_local_rank
+from spmdrl.dist.layout import external_launcher_tp_groups
 from spmdrl.errors import ConfigError, LayoutError, SpmdrlError
 from spmdrl.rollout.base import (
     RolloutOutput,
@@ -65,20 +67,21 @@ class VLLMEngine:
         max_num_batched_tokens: int = 8192,
         kv_cache_gb: float = 1.0,
         trust_remote_code: bool = False,
+        tp_group: list[int] | None = None,
     ):
+        """tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
+        checked against it after the build."""
         from vllm import LLM
         from vllm.platforms import current_platform
 
         rank, world_size = _ensure_launcher_env(tp_size)
-        if tp_size < 1 or world_size % tp_size:
-            raise LayoutError(
-                f"rollout tp_size={tp_size} does not divide the world size {world_size}: "
-                "vLLM splits the whole world into TP groups of consecutive ranks; pick a divisor"
-            )
+        groups = external_launcher_tp_groups(world_size, tp_size)  # raises LayoutError unless tp divides the world
         self.tp_size = tp_size
-        self.tp_rank = rank % tp_size
-        self.dp_rank = rank // tp_size
-        self.dp_size = world_size // tp_size
+        self.dp_size = len(groups)
+        self.dp_rank = next(i for i, g in enumerate(groups) if rank in g)
+        self.tp_rank = groups[self.dp_rank].index(rank)
+        self.expected_tp_group = list(tp_group) if tp_group is not None else groups[self.dp_rank]
+        self.loads_tp_shards = True  # its weight loaders take HF-shaped tensors and keep this rank's TP slice
 
         self.on_cpu = current_platform.is_cpu()
         if dtype == "auto":
@@ -126,6 +129,7 @@ class VLLMEngine:
             torch.set_num_threads(num_threads)
         _quiet_reload_warnings()
         _make_shutdown_keep_world(self.llm)
+        self._check_tp_group()
         self.build_seconds = time.perf_counter() - t0
         self.max_model_len = max_model_len
         self._reloading = False
@@ -221,6 +225,17 @@ class VLLMEngine:
             raise SpmdrlError(
                 f"rollout TP group ranks {group.ranks} called generate with different prompts, seeds or sampling "
                 "spec: every rank of a TP group must pass the same request"
+            )
+
+    def _check_tp_group(self) -> None:
+        """vLLM forms its TP groups itself; they must be the ones spmdrl's layout planned the weight sync for."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        ranks = list(get_tp_group().ranks)
+        if ranks != self.expected_tp_group:
+            raise LayoutError(
+                f"vLLM formed the TP group {ranks} but spmdrl's rollout layout expects {self.expected_tp_group}: "
+                "this vLLM version orders ranks differently; pin the vLLM version in pyproject"
             )
 
     def _check_lengths(self, seqs: list[list[int]]) -> None:
@@ -415,7 +430,7 @@ def _ensure_launcher_env(tp_size: int) -> tuple[int, int]:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world_size))
-        os.environ.setdefault("LOCAL_RANK", str(rank % max(1, torch.cuda.device_count())))
+        os.environ.setdefault("LOCAL_RANK", str(default_local_rank(rank)))
         if int(os.environ["RANK"]) != rank:
             raise LayoutError(f"RANK={os.environ['RANK']} in the environment but the process group says {rank}")
         return rank, world_size

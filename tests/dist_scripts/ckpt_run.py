@@ -14,7 +14,7 @@ import torch
 
 
 def logprobs(trainer, prompts, responses):
-    from spmdrl.engines.fsdp import pack_sequences
+    from spmdrl.engines import pack_sequences
 
     tb = pack_sequences([torch.tensor(x) for x in prompts], [torch.tensor(r) for r in responses], trainer.pad_id)
     with torch.no_grad():

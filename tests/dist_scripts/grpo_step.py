@@ -15,7 +15,7 @@ def main():
     args = p.parse_args()
     from spmdrl.config import load_config, validate
     from spmdrl.dist.init import detect_env, init_distributed
-    from spmdrl.engines.fsdp import pack_sequences
+    from spmdrl.engines import pack_sequences
     from spmdrl.rollout import SamplingSpec
     from spmdrl.trainer import Trainer
 

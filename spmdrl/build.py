@@ -1,0 +1,88 @@
+"""Building a run's components from the config: training engines per role, the rollout engine, sampling specs.
+
+Called once by the Trainer; everything here runs before the first step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spmdrl.config import Config
+from spmdrl.dist.meshes import RoleMeshes
+from spmdrl.engines import TrainEngine, build_train_engine
+from spmdrl.rollout import SamplingSpec, build_engine
+
+
+@dataclass
+class Engines:
+    actor: TrainEngine
+    ref: TrainEngine | None
+    critic: TrainEngine | None
+
+
+def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device) -> Engines:
+    a, c, d = cfg.actor, cfg.critic, cfg.data
+    mini = a.ppo_mini_batch_size or d.train_batch_size
+    updates_per_step = a.ppo_epochs * (d.train_batch_size // mini)
+    common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    backend = cfg.trainer.backend
+    actor = build_train_engine(
+        backend, cfg.model.path, meshes["actor"], device, trainable=True,
+        optim=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
+                   lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip),
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        total_steps=cfg.trainer.total_steps * updates_per_step, **common,
+    )
+    ref = None
+    if a.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        ref = build_train_engine(backend, cfg.model.path, meshes["ref"], device, trainable=False,
+                                 offload=cfg.ref.offload, **common)
+    critic = None
+    if c.enable:
+        critic = build_train_engine(
+            backend, c.path or cfg.model.path, meshes["critic"], device, trainable=True, value_head=True,
+            gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=cfg.trainer.total_steps * c.ppo_epochs,
+            optim=dict(lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip=c.grad_clip),
+            **common,
+        )
+    return Engines(actor, ref, critic)
+
+
+def rollout_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    r = cfg.rollout.dtype
+    return torch.bfloat16 if r == "bfloat16" or (r == "auto" and device.type == "cuda") else torch.float32
+
+
+def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokenizer_path: str):
+    r, d = cfg.rollout, cfg.data
+    mesh = meshes["rollout"]
+    return build_engine(
+        r.engine, model_path=cfg.model.path, tokenizer_path=tokenizer_path, tp_size=mesh.tp_size,
+        tp_group=mesh.my_tp_group(),
+        dtype="bfloat16" if rollout_dtype(cfg, device) == torch.bfloat16 else "float32",
+        max_model_len=d.max_prompt_length + d.max_response_length, seed=cfg.trainer.seed,
+        gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.enable_sleep_mode and device.type == "cuda",
+        enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=max(r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length),
+        kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code,
+    )
+
+
+@dataclass
+class Specs:
+    train: SamplingSpec
+    val: SamplingSpec
+    greedy: SamplingSpec
+
+
+def sampling_specs(cfg: Config, eos_token_id: int | None) -> Specs:
+    r, d = cfg.rollout, cfg.data
+    stop_ids = sorted({eos_token_id, *r.stop_token_ids} - {None})
+    common = dict(max_tokens=d.max_response_length, stop=list(r.stop), stop_token_ids=stop_ids)
+    return Specs(
+        train=SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, **common),
+        val=SamplingSpec(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
+                         top_k=-1 if r.val_temperature == 0 else r.top_k, **common),
+        greedy=SamplingSpec(n=1, temperature=0.0, **common),
+    )

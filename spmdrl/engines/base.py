@@ -1,0 +1,76 @@
+"""The contract every training backend implements (FSDP2 today, Megatron-core next).
+
+The trainer, the update, checkpoints, export and the weight sync use only this. Nothing outside
+`spmdrl/engines/` imports a backend's internals (FSDP, DTensor, `.hf`, `.module`).
+
+Loss-scale contract of `train_step`: the engine sums the gradients of the micro-batch losses it is given and
+AVERAGES them over the data-parallel ranks of its mesh (FSDP2's reduce-scatter, Megatron's DDP both do).
+A caller that wants the gradient of a global objective sum_i l_i / N (N = tokens or sequences of the whole
+mini-batch over all dp ranks) therefore passes, for each micro-batch, loss = dp * sum_{i in micro} l_i / N.
+The engine adds no scaling of its own (no division by the number of micro-batches).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Protocol, runtime_checkable
+
+import torch
+
+from spmdrl.reshard.plan import Block
+
+OFFLOAD_KINDS = ("params", "grads", "optimizer")
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """One model of one role, sharded over that role's mesh."""
+
+    trainable: bool
+
+    # ---- forward heads on a token batch (spmdrl.engines.fsdp.TokenBatch) -----------------------------
+    def logprobs(self, tb, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024):
+        """(log p(response token) [B, R], entropy [B, R] or None), temperature applied to the logits first."""
+
+    def values(self, tb) -> torch.Tensor:
+        """Critic values [B, R] at response positions (value-head engines only)."""
+
+    def eval(self) -> None:
+        """Switch to inference mode (dropout off) before forward-only passes."""
+
+    # ---- update -------------------------------------------------------------------------------------
+    def train_step(self, micro_batches: list, loss_fn: Callable) -> dict[str, float]:
+        """One optimizer step; loss_fn(micro, engine) -> (loss, metrics). See the module docstring for how the
+        loss must be scaled. Returns summed-over-micro-batches metrics divided by their count, plus grad_norm,
+        lr and skipped_step (a non-finite grad norm skips the step)."""
+
+    # ---- weights out ----------------------------------------------------------------------------------
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every parameter as (HF name, full shape), in a fixed order shared by all ranks."""
+
+    def source_blocks(self) -> dict[str, list[tuple[int, Block]]]:
+        """For every parameter, the block each global rank of the mesh holds (pure arithmetic, no communication)."""
+
+    def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor, Block]]:
+        """(HF name, local tensor, its block in the full tensor) for what this rank holds; no communication."""
+
+    def hf_config(self):
+        """The HF model config (what export and the rollout need)."""
+
+    def export_hf(self, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+        """Write an HF model directory; every rank of the mesh calls it, one rank writes."""
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """(tensors for torch.distributed.checkpoint, JSON-able metadata: optimizer param groups, scheduler)."""
+
+    def load_checkpoint_state(self, tensors: dict, meta: dict) -> None:
+        """Restore what checkpoint_state returned (tensors already loaded in place by DCP)."""
+
+    def param_manifest(self) -> list:
+        """[name, shape, dtype] per saved parameter (for compatibility checks on resume)."""
+
+    # ---- memory -------------------------------------------------------------------------------------
+    def offload(self, kinds: tuple[str, ...] = OFFLOAD_KINDS) -> None:
+        """Move the named kinds of state (params / grads / optimizer) to host memory (GPU only; no-op on CPU)."""
+
+    def onload(self, kinds: tuple[str, ...] = OFFLOAD_KINDS) -> None:
+        """Bring offloaded state back to the device."""

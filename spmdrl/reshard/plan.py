@@ -1,0 +1,267 @@
+"""Weight resharding as a pure plan: who sends which slice of which parameter to whom.
+
+Inputs are plain data, so the same code runs inside a job and in `spmdrl plan` on a laptop:
+  * the parameters, HF names and full shapes, in the order the engine yields them;
+  * the source layout: for every parameter, the rectangular block of it each training rank holds
+    (FSDP2 dp x DTensor tp today: `fsdp_blocks`; the Megatron backend brings its own);
+  * the target layout: for every rollout rank, the block of each parameter its vLLM TP shard needs
+    (`vllm_blocks`).
+
+A block is (offsets, shape) in the full tensor. The distinct source blocks of a parameter partition it
+(replicas hold identical blocks: tp ranks of a non-TP parameter, DP replicas under Megatron). For each
+rollout rank and each distinct source block overlapping what it needs, the overlap is either already on the
+rank (no bytes move) or sent by one replica (round-robin over replicas, so replicas share the sending).
+Nothing is sent twice and nothing a rank holds moves, so the bytes a rank receives equal the lower bound:
+the bytes of its rollout shard that it does not already hold.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the full tensor
+
+
+def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
+    """(start, size) of part i when n is split like torch.chunk (and DTensor's Shard): ceil-sized parts,
+    the last ones shorter or empty."""
+    c = -(-n // parts) if n else 0
+    lo = min(n, i * c)
+    return lo, min(n, lo + c) - lo
+
+
+def intersect(a: Block, b: Block) -> Block | None:
+    offs, shape = [], []
+    for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        shape.append(hi - lo)
+    return tuple(offs), tuple(shape)
+
+
+def numel(b: Block) -> int:
+    return math.prod(b[1])
+
+
+def full_block(shape: tuple[int, ...]) -> Block:
+    return tuple(0 for _ in shape), tuple(shape)
+
+
+# ---------------------------------------------------------------------------------------- source: FSDP2 (+ tp)
+
+TP_COLWISE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+TP_ROWWISE = re.compile(r"\.(o_proj|down_proj)\.weight$")
+
+
+def fsdp_tp_style(name: str) -> str | None:
+    """How the FSDP engine's DTensor TP plan shards an HF parameter: 'col' (dim 0), 'row' (dim 1) or None."""
+    if TP_COLWISE.search(name):
+        return "col"
+    if TP_ROWWISE.search(name):
+        return "row"
+    return None
+
+
+def fsdp_block(shape: tuple[int, ...], style: str | None, dp: int, tp: int, d: int, t: int) -> Block:
+    """The block rank (dp=d, tp=t) holds: DTensor TP first (dim 0 for 'col', dim 1 for 'row'), then FSDP2
+    shards dim 0 of the TP-local tensor over dp (torch's _StridedShard for 'col')."""
+    offs, size = [0] * len(shape), list(shape)
+    if style == "col" and tp > 1:
+        offs[0], size[0] = chunk(shape[0], tp, t)
+    elif style == "row" and tp > 1:
+        offs[1], size[1] = chunk(shape[1], tp, t)
+    lo, n = chunk(size[0], dp, d)
+    offs[0] += lo
+    size[0] = n
+    return tuple(offs), tuple(size)
+
+
+def fsdp_blocks(params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[int]]]) -> dict[str, list[tuple[int, Block]]]:
+    """Source blocks of an FSDP2 (+ DTensor tp) role. grid is the role's ranks as [dp][pp][tp] (pp must be 1)."""
+    dp, tp = len(grid), len(grid[0][0])
+    out = {}
+    for name, shape in params:
+        style = fsdp_tp_style(name)
+        out[name] = [
+            (grid[d][0][t], fsdp_block(shape, style, dp, tp, d, t)) for d in range(dp) for t in range(tp)
+        ]
+    return out
+
+
+# ------------------------------------------------------------------------------------- target: vLLM tensor parallel
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What vLLM's TP sharding of a Llama/Qwen2/Mistral-family model depends on (from the HF config)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    vocab_pad_to: int = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it over tp
+
+    @staticmethod
+    def from_hf_config(c) -> "ModelDims":
+        heads = c.num_attention_heads
+        return ModelDims(
+            num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
+        )
+
+
+def _kv_heads(dims: ModelDims, tp: int, r: int) -> tuple[int, int]:
+    """(first kv head, count) vLLM's rank r of tp holds: split when kv >= tp, else replicated."""
+    if dims.num_kv_heads >= tp:
+        per = dims.num_kv_heads // tp
+        return r * per, per
+    return r * dims.num_kv_heads // tp, 1
+
+
+def vllm_block(name: str, shape: tuple[int, ...], dims: ModelDims, tp: int, r: int) -> Block:
+    """The block of HF parameter `name` that vLLM's TP rank r of tp loads (Llama/Qwen2/Mistral family:
+    QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding / ParallelLMHead).
+    Norms and anything unknown: the whole tensor (every rank loads it)."""
+    if tp == 1:
+        return full_block(shape)
+    offs, size = [0] * len(shape), list(shape)
+    if re.search(r"\.q_proj\.(weight|bias)$", name):
+        per = dims.num_heads // tp * dims.head_dim
+        offs[0], size[0] = r * per, per
+    elif re.search(r"\.(k_proj|v_proj)\.(weight|bias)$", name):
+        first, count = _kv_heads(dims, tp, r)
+        offs[0], size[0] = first * dims.head_dim, count * dims.head_dim
+    elif re.search(r"\.(gate_proj|up_proj)\.(weight|bias)$", name):
+        per = shape[0] // tp
+        offs[0], size[0] = r * per, per
+    elif re.search(r"\.(o_proj|down_proj)\.weight$", name):
+        per = shape[1] // tp
+        offs[1], size[1] = r * per, per
+    elif re.search(r"(embed_tokens|lm_head)\.weight$", name):
+        padded = -(-dims.vocab_size // dims.vocab_pad_to) * dims.vocab_pad_to
+        per = padded // tp
+        lo = min(shape[0], r * per)
+        offs[0], size[0] = lo, min(shape[0], lo + per) - lo
+    return tuple(offs), tuple(size)
+
+
+def vllm_blocks(params: list[tuple[str, tuple[int, ...]]], groups: list[list[int]], dims: ModelDims) -> dict[str, list[tuple[int, Block]]]:
+    """Target blocks: groups are the rollout TP groups (global ranks, in vLLM TP-rank order)."""
+    return {
+        name: [(rank, vllm_block(name, shape, dims, len(g), r)) for g in groups for r, rank in enumerate(g)]
+        for name, shape in params
+    }
+
+
+# --------------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Transfer:
+    name: str
+    src: int
+    dst: int
+    block: Block  # in full-tensor coordinates
+
+
+@dataclass
+class SyncPlan:
+    """Transfers per parameter plus what each rank holds/needs; byte figures in `elem_bytes` per element."""
+
+    params: list[tuple[str, tuple[int, ...]]]
+    sources: dict[str, list[tuple[int, Block]]]
+    targets: dict[str, list[tuple[int, Block]]]
+    transfers: dict[str, list[Transfer]] = field(default_factory=dict)  # remote only (src != dst)
+    local: dict[str, list[Transfer]] = field(default_factory=dict)  # src == dst: copies, no bytes move
+    elem_bytes: int = 2
+
+    def bytes_recv(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for ts in self.transfers.values():
+            for t in ts:
+                out[t.dst] = out.get(t.dst, 0) + numel(t.block) * self.elem_bytes
+        return out
+
+    def bytes_sent(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for ts in self.transfers.values():
+            for t in ts:
+                out[t.src] = out.get(t.src, 0) + numel(t.block) * self.elem_bytes
+        return out
+
+    def lower_bound(self) -> dict[int, int]:
+        """Per rollout rank: bytes of its shard it does not already hold (independent of the transfers)."""
+        out: dict[int, int] = {}
+        for name, shape in self.params:
+            held: dict[int, list[Block]] = {}
+            for rank, b in self.sources[name]:
+                held.setdefault(rank, []).append(b)
+            for rank, need in self.targets[name]:
+                have = 0
+                for b in held.get(rank, []):
+                    x = intersect(need, b)
+                    have += numel(x) if x else 0
+                out[rank] = out.get(rank, 0) + (numel(need) - have) * self.elem_bytes
+        return out
+
+    def buckets(self, bucket_bytes: int, full_elem_bytes: int | None = None) -> list[list[str]]:
+        """Consecutive parameters grouped so a bucket's full tensors stay under bucket_bytes (at least one
+        parameter each): the receiving side materialises full-shaped tensors one bucket at a time."""
+        eb = full_elem_bytes or self.elem_bytes
+        out, cur, size = [], [], 0
+        for name, shape in self.params:
+            nbytes = math.prod(shape) * eb
+            if cur and size + nbytes > bucket_bytes:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(name)
+            size += nbytes
+        if cur:
+            out.append(cur)
+        return out
+
+    def summary(self, bucket_bytes: int) -> dict:
+        recv, lb = self.bytes_recv(), self.lower_bound()
+        buckets = self.buckets(bucket_bytes)
+        remote = {n for n, ts in self.transfers.items() if ts}
+        return {
+            "bytes_recv_max": max(recv.values(), default=0),
+            "bytes_lower_bound": max(lb.values(), default=0),
+            "bytes_recv_total": sum(recv.values()),
+            "bytes_recv_per_rank": {str(k): v for k, v in sorted(recv.items())},
+            "collectives": sum(1 for b in buckets if any(n in remote for n in b)),
+            "buckets": len(buckets),
+        }
+
+
+def plan_sync(
+    params: list[tuple[str, tuple[int, ...]]],
+    sources: dict[str, list[tuple[int, Block]]],
+    targets: dict[str, list[tuple[int, Block]]],
+    elem_bytes: int,
+) -> SyncPlan:
+    """Every target block covered exactly once: locally where the rank holds it, else by one source replica."""
+    plan = SyncPlan(params, sources, targets, elem_bytes=elem_bytes)
+    for name, shape in params:
+        replicas: dict[Block, list[int]] = {}
+        for rank, b in sources[name]:
+            if numel(b):
+                replicas.setdefault(b, []).append(rank)
+        covered = sum(numel(b) for b in replicas)
+        if covered != math.prod(shape):
+            raise ValueError(f"{name}: source blocks cover {covered} of {math.prod(shape)} elements")
+        remote, local = [], []
+        for k, (dst, need) in enumerate(targets[name]):
+            for b, holders in replicas.items():
+                x = intersect(need, b)
+                if x is None:
+                    continue
+                if dst in holders:
+                    local.append(Transfer(name, dst, dst, x))
+                else:
+                    remote.append(Transfer(name, holders[k % len(holders)], dst, x))
+        plan.transfers[name], plan.local[name] = remote, local
+    return plan

@@ -1,0 +1,114 @@
+"""Executing a SyncPlan: flat per-peer buffers, one batched point-to-point exchange per bucket.
+
+For each bucket of parameters, every rank
+  1. cuts from its local shards the slices the plan says it sends, casts them to the rollout dtype (cast
+     before communicating) and packs them into one flat buffer per destination;
+  2. posts all its sends and receives of the bucket in one `batch_isend_irecv` (NCCL fuses them into one
+     group launch; gloo runs them concurrently);
+  3. as a rollout rank, assembles each parameter of the bucket from its own local slices and what it
+     received, and hands the bucket to the rollout engine.
+
+What the rollout engine is given per parameter is a full-shaped tensor holding this rank's vLLM shard and
+zeros elsewhere: vLLM's weight loaders take HF-shaped tensors and cut the rank's slice themselves (and on CPU
+re-pack the weights after loading), so the shard goes in through the loader unchanged. Only the shard bytes
+cross ranks; the zero padding is local and lives one bucket at a time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .plan import Block, SyncPlan, numel
+
+
+def _slice(t: torch.Tensor, held: Block, want: Block) -> torch.Tensor:
+    """The part `want` (full-tensor coordinates) of a local tensor that holds block `held`."""
+    idx = tuple(slice(w - h, w - h + n) for h, w, n in zip(held[0], want[0], want[1]))
+    return t[idx]
+
+
+def _paste(full: torch.Tensor, want: Block, values: torch.Tensor) -> None:
+    full[tuple(slice(o, o + n) for o, n in zip(want[0], want[1]))] = values.reshape(want[1])
+
+
+@dataclass
+class SyncStats:
+    bytes_recv: int = 0
+    bytes_sent: int = 0
+    collectives: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    per_bucket_peak_bytes: list[int] = field(default_factory=list)
+
+
+def execute(
+    plan: SyncPlan,
+    shards: dict[str, tuple[torch.Tensor, Block]],
+    rank: int,
+    *,
+    dtype: torch.dtype,
+    comm_device: torch.device,
+    bucket_bytes: int,
+    deliver,
+    group=None,
+) -> SyncStats:
+    """Run `plan` on this rank. shards: name -> (local tensor, its block) for what this rank holds.
+    deliver(list of (name, full-shaped tensor)) is called once per bucket on ranks that receive weights."""
+    stats = SyncStats()
+    t0 = time.perf_counter()
+    targets = {name: dict(ts) for name, ts in plan.targets.items()}
+    shapes = dict(plan.params)
+    esize = torch.empty((), dtype=dtype).element_size()
+    for names in plan.buckets(bucket_bytes, full_elem_bytes=esize):
+        stats.buckets += 1
+        send: dict[int, list[torch.Tensor]] = {}
+        recv_layout: dict[int, list[tuple[str, Block]]] = {}
+        for name in names:
+            for t in plan.transfers[name]:
+                if t.src == rank:
+                    local, held = shards[name]
+                    send.setdefault(t.dst, []).append(_slice(local, held, t.block).to(comm_device, dtype).reshape(-1))
+                if t.dst == rank:
+                    recv_layout.setdefault(t.src, []).append((name, t.block))
+        ops, recv_bufs = [], {}
+        for peer in sorted(send):
+            buf = torch.cat(send[peer])
+            stats.bytes_sent += buf.numel() * esize
+            ops.append(dist.P2POp(dist.isend, buf, peer, group=group))
+        for peer in sorted(recv_layout):
+            n = sum(numel(b) for _, b in recv_layout[peer])
+            recv_bufs[peer] = torch.empty(n, dtype=dtype, device=comm_device)
+            stats.bytes_recv += n * esize
+            ops.append(dist.P2POp(dist.irecv, recv_bufs[peer], peer, group=group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            stats.collectives += 1
+        # assemble this rank's rollout tensors for the bucket
+        out = []
+        for name in names:
+            want = targets[name].get(rank)
+            if want is None:
+                continue
+            full = torch.zeros(shapes[name], dtype=dtype, device=comm_device)
+            for t in plan.local[name]:
+                if t.dst == rank:
+                    local, held = shards[name]
+                    _paste(full, t.block, _slice(local, held, t.block).to(comm_device, dtype))
+            out.append((name, full))
+        fulls = dict(out)
+        for peer, layout in recv_layout.items():
+            off, buf = 0, recv_bufs[peer]
+            for name, block in layout:
+                n = numel(block)
+                _paste(fulls[name], block, buf[off: off + n])
+                off += n
+        if out:
+            stats.per_bucket_peak_bytes.append(sum(t.numel() * esize for _, t in out))
+            deliver(out)
+        del out, fulls, recv_bufs, send
+    stats.seconds = time.perf_counter() - t0
+    return stats

@@ -1,0 +1,219 @@
+"""The stages of one RL step, as methods the Trainer mixes in: rollout -> batch -> reward -> forward passes ->
+KL -> updates. Each is called once per step from `Trainer.step` and timed there."""
+from __future__ import annotations
+
+import torch
+
+from spmdrl.algos import kl_penalty, masked_mean
+from spmdrl.algos.sampling import informative_groups, overlong_penalty
+from spmdrl.batch import Batch
+from spmdrl.data.prompts import PromptDataset
+from spmdrl.dist.collectives import all_gather_strings, gather_tp_slices, redistribute, reduce_mean, reduce_min
+from spmdrl.errors import SpmdrlError
+from spmdrl.metrics import StageTimer
+from spmdrl.rewards.custom import compute_rewards
+from spmdrl.rewards.model import combine_rewards
+from spmdrl.update import forward_all, run_updates
+
+
+def request_seeds(seed: int, step: int, first: int, count: int) -> list[int]:
+    """Per-prompt sampling seeds: a function of (run seed, step, global prompt position) only, so every rank
+    of a rollout TP group samples identically and a rerun samples the same tokens."""
+    return [(seed * 1_000_003 + step * 100_003 + first + i) % (2**31 - 1) for i in range(count)]
+
+
+class Stages:
+    # ---- rollout and the batch ------------------------------------------------------------------------
+    def collect(self, step: int, timer: StageTimer) -> tuple[Batch, dict[str, float]]:
+        """Rollout -> reshard -> reward, repeated while dynamic sampling still lacks informative groups.
+
+        With algorithm.filter_groups, groups whose scores are all equal carry no GRPO signal and are
+        dropped; more prompts are generated until every rank holds a full batch (or max_sample_rounds).
+        Ranks end with the same number of samples (the minimum over ranks), so the update stays in lockstep.
+        """
+        cfg = self.cfg
+        n = cfg.rollout.n
+        target = self.actor_mesh.dp_share(cfg.data.train_batch_size * n, "samples")
+        kept, metrics, rounds, generated = None, {}, 0, 0
+        while True:
+            rounds += 1
+            with timer("rollout"):
+                batch = self.generate(next(self.sampler), step, rounds - 1)
+            with timer("reshard_batch"):
+                batch = redistribute(batch, self.rollout_mesh, self.actor_mesh)
+            self.attach_meta(batch)
+            metrics.update(self.run_hooks("after_rollout", step, batch))
+            with timer("reward"):
+                metrics.update(self.compute_reward(batch))
+            metrics.update(self.run_hooks("after_reward", step, batch))
+            self.place_token_scores(batch)
+            generated += len(batch)
+            if cfg.algorithm.filter_groups:
+                batch = batch.select(informative_groups(batch["scores"], batch["index"]))
+            kept = batch if kept is None else Batch.cat([kept, batch])
+            have = int(reduce_min(len(kept)))
+            if not cfg.algorithm.filter_groups or have >= target or rounds >= cfg.algorithm.max_sample_rounds:
+                break
+        keep = min(have, target) if cfg.algorithm.filter_groups else have
+        if cfg.algorithm.filter_groups:
+            keep -= keep % n  # whole groups
+            metrics["train/kept_sample_ratio"] = len(kept) / max(generated, 1)
+            metrics["train/sample_rounds"] = float(rounds)
+        if keep == 0:
+            raise SpmdrlError(
+                f"step {step}: no samples left to train on after {rounds} rollout round(s) (dynamic sampling or a "
+                "hook dropped them all); raise algorithm.max_sample_rounds or check the reward"
+            )
+        return kept.select(slice(0, keep)), metrics
+
+    def generate(self, prompt_idx: list[int], step: int, round_: int = 0) -> Batch:
+        """Rollout on this rank's TP group: same prompts and seeds on every rank of the group."""
+        r = self.rollout_mesh
+        prompts = [self.train_ds.prompt_ids(i) for i in prompt_idx]
+        first = round_ * self.cfg.data.train_batch_size + r.dp_offset(len(prompts))
+        seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompts))
+        self.rollout.wake_up()
+        out = self.rollout.generate(prompts, self.specs.train, seeds)
+        n = self.specs.train.n
+        batch = self.to_batch(prompts, prompt_idx, out, n)
+        if "baseline_rewards" in getattr(self.adv_fn, "requires", ()):  # ReMax: greedy rollout as the baseline
+            greedy = self.rollout.generate(prompts, self.specs.greedy, seeds)
+            gb = self.to_batch(prompts, prompt_idx, greedy, 1)
+            self.attach_meta(gb, mesh=r)
+            self.compute_reward(gb, mesh=r)  # the same shaped reward the samples get
+            batch["baseline_rewards"] = gb["scores"].repeat_interleave(n)
+        return batch
+
+    def to_batch(self, prompts: list[list[int]], prompt_idx: list[int], out, n: int) -> Batch:
+        B = len(prompts) * n
+        P = max(len(p) for p in prompts)
+        R = max(1, max(len(x) for x in out.response_ids))
+        prompt_t = torch.full((B, P), self.pad_id, dtype=torch.long)
+        resp_t = torch.full((B, R), self.pad_id, dtype=torch.long)
+        lp_t = torch.zeros(B, R)
+        plen = torch.zeros(B, dtype=torch.long)
+        rlen = torch.zeros(B, dtype=torch.long)
+        for i in range(B):
+            p, resp = prompts[i // n], out.response_ids[i]
+            prompt_t[i, : len(p)] = torch.tensor(p)
+            resp_t[i, : len(resp)] = torch.tensor(resp, dtype=torch.long)
+            lp_t[i, : len(resp)] = torch.tensor(out.logprobs[i], dtype=torch.float32)
+            plen[i], rlen[i] = len(p), len(resp)
+        idx = torch.tensor(prompt_idx, dtype=torch.long).repeat_interleave(n)
+        return Batch({
+            "prompts": prompt_t, "prompt_len": plen, "responses": resp_t, "response_len": rlen,
+            "response_mask": (torch.arange(R)[None] < rlen[:, None]).float(), "rollout_log_probs": lp_t,
+            "index": idx, "truncated": torch.tensor([f == "length" for f in out.finish_reason], dtype=torch.float32),
+        })
+
+    def attach_meta(self, batch: Batch, ds: PromptDataset | None = None, mesh=None) -> None:
+        """Per-sample metadata, re-derived locally from the dataset row in `index`. Responses are decoded once
+        per sample: each rank of a tp group (which holds the same samples) decodes its share, and the texts are
+        shared over the group as one packed byte tensor."""
+        ds = ds or self.train_ds
+        mesh = mesh or self.actor_mesh
+        rows = batch["index"].tolist()
+        uniq = sorted(set(rows))
+        pb = ds.batch(uniq)
+        pos = {row: i for i, row in enumerate(uniq)}
+        batch.meta["data_source"] = [pb.data_source[pos[r]] for r in rows]
+        batch.meta["ground_truth"] = [pb.ground_truth[pos[r]] for r in rows]
+        batch.meta["extra_info"] = [pb.extra_info[pos[r]] for r in rows]
+        batch.meta["raw_prompt"] = [pb.raw_prompt[pos[r]] for r in rows]
+        mine = mesh.tp_range(len(batch))
+        texts = self.tokenizer.batch_decode(
+            [batch["responses"][i, : int(batch["response_len"][i])].tolist() for i in mine], skip_special_tokens=True,
+        )
+        batch.meta["response_text"] = all_gather_strings(texts, mesh, len(batch)) if mesh.tp_size > 1 else texts
+
+    # ---- reward -----------------------------------------------------------------------------------------
+    def compute_reward(self, batch: Batch, shaping: bool = True, mesh=None) -> dict[str, float]:
+        """batch["scores"] [B]: rule/custom score, weighted, plus DAPO overlong shaping (shaping=False: the raw
+        rule score, which validation reports as accuracy). The rule scorer runs once per sample: each rank of a
+        tp group scores its share and the scores are all-gathered over the group."""
+        r = self.cfg.reward
+        mesh = mesh or self.actor_mesh
+        mine = mesh.tp_range(len(batch))
+        meta = batch.meta
+        scores, _ = compute_rewards(
+            self.reward_fn, *([meta[k][i] for i in mine] for k in ("data_source", "response_text", "ground_truth", "extra_info")),
+        )
+        if mesh.tp_size > 1:
+            scores = gather_tp_slices(scores.float(), mesh, len(batch))
+        metrics = {}
+        if not shaping:
+            batch["scores"] = scores
+            return metrics
+        if self.reward_model is not None:  # a weighted sum with the rule score
+            lens = batch["prompt_len"].tolist(), batch["response_len"].tolist()
+            rm = self.reward_model.score(
+                meta["raw_prompt"], meta["response_text"],
+                [batch["prompts"][i, :p].tolist() for i, p in enumerate(lens[0])],
+                [batch["responses"][i, :n].tolist() for i, n in enumerate(lens[1])],
+            )
+            metrics["reward/model_score_mean"] = float(rm.mean())
+            metrics["reward/rule_score_mean"] = float(scores.mean())
+            scores = combine_rewards(scores, rm, r.rule_weight, r.model_weight)
+        else:
+            scores = r.rule_weight * scores
+        if r.overlong_buffer_len > 0:
+            penalty = overlong_penalty(batch["response_len"], self.cfg.data.max_response_length, r.overlong_buffer_len,
+                                       r.overlong_penalty_factor)
+            scores = scores + penalty
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+        batch["scores"] = scores
+        return metrics
+
+    def place_token_scores(self, batch: Batch) -> None:
+        """Outcome score on the last response token (what token-level estimators consume)."""
+        R = batch["responses"].shape[1]
+        last = (batch["response_len"] - 1).clamp(min=0)
+        token_scores = torch.zeros(len(batch), R)
+        token_scores[torch.arange(len(batch)), last] = batch["scores"] * (batch["response_len"] > 0)
+        batch["token_level_scores"] = token_scores
+
+    def apply_kl_in_reward(self, batch: Batch) -> dict[str, float]:
+        if not self.cfg.algorithm.use_kl_in_reward:
+            batch["token_level_rewards"] = batch["token_level_scores"]
+            return {}
+        mask = batch["response_mask"]
+        kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_penalty) * mask
+        beta = self.kl_ctrl.value
+        batch["token_level_rewards"] = batch["token_level_scores"] - beta * kl
+        current = float(reduce_mean({"kl": float(masked_mean(kl, mask))})["kl"])  # same value on every rank
+        self.kl_ctrl.update(current, self.cfg.data.train_batch_size * self.cfg.rollout.n)
+        return {"actor/reward_kl": current, "actor/kl_coef": beta}
+
+    # ---- forward passes and updates ----------------------------------------------------------------------
+    def forward_logprobs(self, engine, batch: Batch) -> torch.Tensor:
+        a = self.cfg.actor
+        return forward_all(engine, batch, a.micro_batch_size, self.pad_id, lambda eng, tb: eng.logprobs(
+            tb, temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size)[0])
+
+    def forward_values(self, batch: Batch) -> torch.Tensor:
+        return forward_all(self.critic, batch, self.cfg.critic.micro_batch_size, self.pad_id, lambda eng, tb: eng.values(tb))
+
+    def update(self, engine, batch: Batch, body, role: str) -> dict[str, float]:
+        sec = getattr(self.cfg, role)
+        mesh = self.meshes[role]
+        mini = mesh.dp_share((self.cfg.actor.ppo_mini_batch_size or self.cfg.data.train_batch_size) * self.cfg.rollout.n,
+                             "mini-batch samples")
+        return run_updates(
+            engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=sec.micro_batch_size, pad_id=self.pad_id,
+            agg_mode=sec.loss_agg_mode, dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix=role,
+        )
+
+    def batch_metrics(self, batch: Batch) -> dict[str, float]:
+        mask = batch["response_mask"]
+        m = {
+            "train/reward_mean": float(batch["scores"].mean()),
+            "train/reward_std": float(batch["scores"].std()) if len(batch) > 1 else 0.0,
+            "train/response_length_mean": float(batch["response_len"].float().mean()),
+            "train/response_clip_ratio": float(batch["truncated"].mean()),
+            "train/advantage_mean": float(masked_mean(batch["advantages"], mask)),
+        }
+        if "old_log_probs" in batch:  # else the update measured it (on-policy)
+            lp_diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()
+            m["rollout/logprob_diff_mean"] = float(masked_mean(lp_diff, mask))
+            m["rollout/logprob_diff_max"] = float((lp_diff * mask).max())
+        return m
