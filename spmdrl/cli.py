@@ -293,7 +293,8 @@ def sweep_run(
             typer.echo(f"wrote {path}: {len(todo)} of {len(sweep.runs)} runs ({len(sweep.runs) - len(todo)} finished)")
             typer.echo(f"sbatch {path}")
         return
-    failed = run_local(sweep, fail_fast=fail_fast, dry_run=dry_run, stream=stream, echo=typer.echo)
+    failed = run_local(sweep, fail_fast=fail_fast, dry_run=dry_run, stream=stream, echo=typer.echo,
+                       launch_command=launch_command)
     if failed:
         typer.echo(f"{len(failed)} of {len(sweep.runs)} runs failed: "
                    + ", ".join(f"{r.name} (exit {rc}, log {r.output_dir}/launch.log)" for r, rc in failed), err=True)

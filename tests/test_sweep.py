@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from spmdrl import cli, sweep
 from spmdrl.cli import app
+from spmdrl.errors import ConfigError
 
 runner = CliRunner()
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -298,7 +299,7 @@ seeds = [0, 1]
     sw = sweep.load_sweep(write_sweep(tmp_path, body))
     assert [r.name for r in sw.runs] == ["small,seed=0", "small,seed=1", "big,seed=0", "big,seed=1"]
     assert [r.cfg.actor.lr for r in sw.runs] == [1e-6, 1e-6, 1e-4, 1e-4]
-    with pytest.raises(sweep.ConfigError, match="labels"):
+    with pytest.raises(ConfigError, match="labels"):
         sweep.load_sweep(write_sweep(tmp_path, body.replace('["small", "big"]', '["small"]')))
 
 

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from spmdrl.dist.layout import contiguous_share, splits_evenly
 from spmdrl.errors import CheckpointError, ConfigError
 
 
@@ -22,7 +23,7 @@ def epoch_permutation(num_prompts: int, seed: int, epoch: int, shuffle: bool = T
 
 
 class DistributedPromptSampler:
-    """Yields, per step, this rank's prompt indices (a list of batch_size // dp_size ints). Never ends:
+    """Yields, per step, this rank's prompt indices (its contiguous 1/dp_size of the step's batch). Never ends:
     after the last step of an epoch the next epoch starts with a new permutation."""
 
     def __init__(
@@ -38,7 +39,7 @@ class DistributedPromptSampler:
     ):
         if dp_size <= 0 or not 0 <= dp_rank < dp_size:
             raise ConfigError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
-        if batch_size <= 0 or batch_size % dp_size:
+        if batch_size <= 0 or not splits_evenly(batch_size, dp_size):
             raise ConfigError(
                 f"global prompt batch size {batch_size} is not a positive multiple of the data-parallel size "
                 f"{dp_size}; set data.train_batch_size to a multiple of {dp_size}"
@@ -52,7 +53,7 @@ class DistributedPromptSampler:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.batch_size = batch_size
-        self.per_rank = batch_size // dp_size
+        self.per_rank = len(contiguous_share(batch_size, dp_size, dp_rank))
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
@@ -87,7 +88,8 @@ class DistributedPromptSampler:
 
     def __next__(self) -> list[int]:
         batch = self.global_batch()
-        mine = batch[self.dp_rank * self.per_rank:(self.dp_rank + 1) * self.per_rank]
+        share = contiguous_share(len(batch), self.dp_size, self.dp_rank)
+        mine = batch[share.start:share.stop]
         self.step_in_epoch += 1
         if self.step_in_epoch == self.steps_per_epoch:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0

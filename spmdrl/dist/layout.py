@@ -108,3 +108,13 @@ def external_launcher_tp_groups(world_size: int, tp: int) -> list[list[int]]:
             "vLLM splits the whole world into TP groups of consecutive ranks; pick a divisor"
         )
     return [list(range(k * tp, (k + 1) * tp)) for k in range(world_size // tp)]
+
+
+def contiguous_share(n: int, parts: int, i: int) -> range:
+    """Part i of n items split into `parts` equal contiguous parts (n must divide evenly)."""
+    per = n // parts
+    return range(i * per, (i + 1) * per)
+
+
+def splits_evenly(n: int, parts: int) -> bool:
+    return parts > 0 and n % parts == 0
