@@ -54,6 +54,8 @@ def check_run(out, nranks):
     assert rows[1]["actor/grad_norm"] > 0
     # step 2 samples with weights synced after step 1: vLLM and the actor agree on those tokens
     assert rows[2]["rollout/logprob_diff_mean"] < 1e-5
+    # the planned resharding moves no more than the lower bound (bytes of a rank's shard it does not hold)
+    assert rows[2]["weight_sync/bytes_recv_max"] <= 1.1 * rows[2]["weight_sync/bytes_lower_bound"]
     assert os.listdir(out / "tensorboard") and os.path.isfile(out / "config.toml")
     documented = open(os.path.join(os.path.dirname(HERE), "docs", "metrics.md")).read()
     undocumented = [k for r in rows for k in r if k != "step" and "/synthetic/" not in k and f"`{k}`" not in documented]
