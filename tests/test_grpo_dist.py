@@ -70,11 +70,20 @@ def check_run(out, nranks):
 
 @pytest.mark.parametrize("rollout_tp,actor_tp", [(2, 1), (1, 1), (1, 2)],
                          ids=["rollout_tp2", "rollout_dp2", "actor_tp2_rollout_dp2"])
-def test_grpo_two_ranks(assets, tmp_path, rollout_tp, actor_tp):
-    # actor_tp2_rollout_dp2: DTensor TP actor, and the batch is all-gathered from the rollout layout
+def test_grpo_two_ranks(assets, tmp_path, rollout_tp, actor_tp, monkeypatch):
+    # actor_tp2_rollout_dp2: DTensor TP actor, and the batch moves from the rollout layout (p2p exchange)
+    calls = tmp_path / "reward_calls"
+    calls.mkdir()
+    monkeypatch.setenv("REWARD_CALL_LOG", str(calls))
+    reward = os.path.join(HERE, "dist_scripts", "reward_count.py") + ":score"
     run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--out", str(tmp_path),
-         *overrides(assets, tmp_path, **{"placement.rollout_tp": rollout_tp, "placement.actor_tp": actor_tp})], nproc=2)
+         *overrides(assets, tmp_path, **{"placement.rollout_tp": rollout_tp, "placement.actor_tp": actor_tp,
+                                         "reward.custom_fn": reward})], nproc=2)
     rows, checks = check_run(tmp_path, 2)
+    # every sample is scored exactly once, also when both ranks of an actor tp group hold it:
+    # 2 steps x 4 prompts x 4 samples, plus 16 validation prompts x 1 sample before training and after the last step
+    n_calls = sum(len(open(calls / f).read().split()) for f in os.listdir(calls))
+    assert n_calls == 2 * 4 * 4 + 2 * 16, n_calls
     if rollout_tp == 2:  # one engine across both ranks: both see the same samples
         assert checks[0]["responses"] == checks[1]["responses"]
 
