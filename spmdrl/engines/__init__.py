@@ -19,4 +19,13 @@ def build_train_engine(backend: str, model_path: str, mesh, device, **kwargs) ->
     raise ConfigError(f"trainer.backend = {backend!r}: available backends are {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKENDS", "TokenBatch", "TrainEngine", "build_train_engine", "pack_sequences"]
+def build_score_engine(backend: str, model_path: str, mesh, device, **kwargs):
+    """A forward-only sequence-classification scorer (reward model) on a role's mesh."""
+    if backend == "fsdp":
+        from .scorer import FSDPScoreEngine
+
+        return FSDPScoreEngine(model_path, mesh, device, **kwargs)
+    raise ConfigError(f"reward model backend {backend!r}: available backends are {', '.join(BACKENDS)}")
+
+
+__all__ = ["BACKENDS", "TokenBatch", "TrainEngine", "build_score_engine", "build_train_engine", "pack_sequences"]

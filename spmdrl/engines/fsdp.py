@@ -111,7 +111,8 @@ class _ValueHead(nn.Module):
         return head(h).squeeze(-1).float() * b.resp_mask, None
 
 
-def _tp_plan():
+def tp_plan():
+    """DTensor TP plan of a Llama/Qwen2-family backbone (the reshard planner's fsdp_tp_style mirrors it)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     col, row = ColwiseParallel, RowwiseParallel
@@ -184,7 +185,7 @@ class FSDPEngine:
             from torch.distributed.tensor.parallel import parallelize_module
 
             backbone = getattr(hf, hf.base_model_prefix)
-            parallelize_module(backbone, mesh.submesh("tp"), _tp_plan())
+            parallelize_module(backbone, mesh.submesh("tp"), tp_plan())
         self.module = _ValueHead(hf) if value_head else _LogprobHead(hf)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype != torch.float32 else MixedPrecisionPolicy()
         kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp)

@@ -12,9 +12,9 @@ import logging
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from spmdrl.dist.meshes import RoleMesh
+from spmdrl.engines import build_score_engine
 from spmdrl.errors import ConfigError
 
 log = logging.getLogger("spmdrl")
@@ -39,39 +39,6 @@ def same_tokenizer(a, b) -> bool:
     return a.get_vocab() == b.get_vocab() and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
 
 
-class _LastTokenScore(nn.Module):
-    """Root module: backbone + score head at each row's last attended position, inside one FSDP root forward
-    (so the root's embeddings, final norm and head are unsharded while they are used)."""
-
-    def __init__(self, hf_model: nn.Module, head: nn.Module):
-        super().__init__()
-        self.hf = hf_model
-        self.head = head
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        B, L = input_ids.shape
-        backbone = getattr(self.hf, self.hf.base_model_prefix)
-        position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
-        hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-        # rightmost attended position, whatever the padding side: [B]
-        last = (torch.arange(L, device=input_ids.device) * attention_mask).argmax(-1)
-        h = hidden[torch.arange(B, device=hidden.device), last]  # [B, H]
-        return self.head(h)[:, 0].float()
-
-
-def _score_head(hf: nn.Module, model_path: str) -> nn.Module:
-    for name in ("score", "classifier"):
-        head = getattr(hf, name, None)
-        if isinstance(head, nn.Linear):
-            return head
-    raise ConfigError(
-        f"reward.model_path = {model_path!r}: {type(hf).__name__} has no linear 'score' head; "
-        "use a sequence-classification model (e.g. *ForSequenceClassification with num_labels = 1)"
-    )
-
-
 class RewardModelScorer:
     """A sequence-classification reward model sharded over a role mesh.
 
@@ -92,8 +59,7 @@ class RewardModelScorer:
         trust_remote_code: bool = False,
         dtype: str = "auto",
     ):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if micro_batch_size < 1:
             raise ConfigError(f"reward.model_micro_batch_size must be >= 1, found {micro_batch_size}")
@@ -108,48 +74,12 @@ class RewardModelScorer:
             raise ConfigError(
                 f"{key} = {tok_path!r}: cannot load the tokenizer ({e}); give an HF directory or hub id"
             ) from None
-        try:
-            hf, info = AutoModelForSequenceClassification.from_pretrained(
-                model_path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code,
-                attn_implementation="sdpa", output_loading_info=True,
-            )
-        except (OSError, ValueError, RuntimeError) as e:
-            raise ConfigError(
-                f"reward.model_path = {model_path!r}: cannot load a sequence-classification model with one label "
-                f"({e}); give an HF reward-model directory or hub id"
-            ) from None
-        head = _score_head(hf, model_path)
-        head_names = {n for n, m in hf.named_modules() if m is head}
-        missing = sorted(k for k in info.get("missing_keys", []) if k.split(".")[0] in head_names)
-        if missing:
-            raise ConfigError(
-                f"reward.model_path = {model_path!r}: the checkpoint has no trained score head (missing {missing}); "
-                "it is not a reward model, and a randomly initialised head would give meaningless rewards"
-            )
-        hf.config.use_cache = False
-        hf.requires_grad_(False)
-        hf.eval()
-        if mesh.tp_size > 1:
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            from spmdrl.engines.fsdp import _tp_plan
-
-            parallelize_module(getattr(hf, hf.base_model_prefix), mesh.submesh("tp"), _tp_plan())
-        cuda = device.type == "cuda"
-        param_dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype != torch.float32 else MixedPrecisionPolicy()
-        kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp, reshard_after_forward=True)
-        self.module = _LastTokenScore(hf, head)
-        for block in getattr(getattr(hf, hf.base_model_prefix), "layers", []):
-            fully_shard(block, **kw)
-        fully_shard(self.module, **kw)
-        self.module.to(device)
-        self.module.eval()
-        self.hf = hf
+        self.engine = build_score_engine("fsdp", model_path, mesh, device, trust_remote_code=trust_remote_code,
+                                         dtype=dtype)
         tk = self.tokenizer
         self.pad_id = next((i for i in (tk.pad_token_id, tk.eos_token_id) if i is not None), 0)
         self.same_tokenizer = same_tokenizer(policy_tokenizer, tk)
-        self.vocab_size = hf.get_input_embeddings().num_embeddings
+        self.vocab_size = self.engine.vocab_size
         log.info(
             "reward model %s: %s tokens (%s), micro-batch %d",
             model_path, "policy" if self.same_tokenizer else "re-tokenised", type(tk).__name__, micro_batch_size,
@@ -216,9 +146,9 @@ class RewardModelScorer:
         for k in range(n_forwards):
             if k < len(chunks):
                 ids, mask = self._pad([seqs[i] for i in chunks[k]])
-                out[chunks[k]] = self.module(ids, mask).cpu()
+                out[chunks[k]] = self.engine.scores(ids, mask).cpu()
             else:  # this rank ran out of samples; match the other ranks' all-gathers
-                self.module(*self._pad([[self.pad_id]]))
+                self.engine.scores(*self._pad([[self.pad_id]]))
         return out
 
     def score(
