@@ -8,10 +8,11 @@ For each bucket of parameters, every rank
   3. as a rollout rank, assembles each parameter of the bucket from its own local slices and what it
      received, and hands the bucket to the rollout engine.
 
-What the rollout engine is given per parameter is a full-shaped tensor holding this rank's vLLM shard and
-zeros elsewhere: vLLM's weight loaders take HF-shaped tensors and cut the rank's slice themselves (and on CPU
-re-pack the weights after loading), so the shard goes in through the loader unchanged. Only the shard bytes
-cross ranks; the zero padding is local and lives one bucket at a time.
+What the rollout engine is given per parameter is a full-shaped tensor holding this rank's vLLM shard (the
+rest is uninitialised memory that vLLM never reads): vLLM's weight loaders take HF-shaped tensors and cut the
+rank's slice themselves (and on CPU re-pack the weights after loading), so the shard goes in through the
+loader unchanged. Only the shard bytes cross ranks; the full-shaped buffers are local and live one bucket at
+a time.
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def execute(
             want = targets[name].get(rank)
             if want is None:
                 continue
-            full = torch.zeros(shapes[name], dtype=dtype, device=comm_device)
+            full = torch.empty(shapes[name], dtype=dtype, device=comm_device)  # vLLM reads only its slice
             for t in plan.local[name]:
                 if t.dst == rank:
                     local, held = shards[name]
