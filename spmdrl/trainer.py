@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES, kl_penalty, masked_mean
-from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
-from spmdrl.algos.sampling import informative_groups, overlong_penalty
+from spmdrl.algos.kl import AdaptiveKLController, FixedKLController, controller_kl
+from spmdrl.algos.sampling import dynamic_sampling_quota, informative_groups, overlong_penalty
 from spmdrl.batch import Batch
 from spmdrl.checkpoint import CheckpointManager, checkpoint_root, latest_checkpoint, resolve_resume
 from spmdrl.config import Config, to_toml
@@ -22,7 +22,7 @@ from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.errors import SpmdrlError
 from spmdrl.faults import FAULT_ENV, inject_fault, injected_fault, is_bad_step, named_failures, set_collective_timeout
-from spmdrl.dist.collectives import reduce_mean, reduce_min, reduce_sum, redistribute
+from spmdrl.dist.collectives import reduce_mean, reduce_min, reduce_sum, redistribute, take_global_rows
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines.fsdp import FSDPEngine
 from spmdrl.hooks import HookContext, HookRunner
@@ -217,9 +217,10 @@ class Trainer:
             metrics.update(self.apply_kl_in_reward(batch))
             alg = cfg.algorithm
             batch["advantages"], batch["returns"] = self.adv_fn(
-                batch["token_level_rewards"], batch["response_mask"], index=batch["index"],
+                batch["token_level_rewards"], batch["response_mask"], index=batch["uid"],
                 values=batch.tensors.get("values"), baseline_rewards=batch.tensors.get("baseline_rewards"),
                 gamma=alg.gamma, lam=alg.lam, epsilon=alg.epsilon, norm_by_std=alg.norm_adv_by_std,
+                reduce=self.dp_reduce,  # batch statistics (whitening) over the global batch
             )
         metrics.update(self.run_hooks("after_advantage", step, batch))
         metrics.update(self.run_hooks("before_update", step, batch))
@@ -252,14 +253,18 @@ class Trainer:
     def collect(self, step: int, timer: StageTimer) -> tuple[Batch, dict[str, float]]:
         """Rollout -> reshard -> reward, repeated while dynamic sampling still lacks informative groups.
 
-        With algorithm.filter_groups, groups whose scores are all equal carry no GRPO signal and are
-        dropped; more prompts are generated until every rank holds a full batch (or max_sample_rounds).
-        Ranks end with the same number of samples (the minimum over ranks), so the update stays in lockstep.
+        With algorithm.filter_groups, groups (same `uid`: one prompt draw) whose algorithm.filter_metric is
+        all equal carry no GRPO signal and are dropped; rounds go on until the actor ranks together hold
+        train_batch_size * n informative samples, or max_sample_rounds. The step trains on
+        dynamic_sampling_quota samples per rank (whole groups, the same count on every rank), moved between
+        ranks when some hold fewer. If that is 0 (not one informative group per rank), it trains on the last
+        round unfiltered (its all-equal groups have zero advantage) and logs train/filter_fallback = 1.
         """
         cfg = self.cfg
         n = cfg.rollout.n
-        target = cfg.data.train_batch_size * n // self.actor_mesh.dp_size
-        kept, metrics, rounds, generated = None, {}, 0, 0
+        dyn = cfg.algorithm.filter_groups
+        target = cfg.data.train_batch_size * n
+        kept, last, metrics, rounds, generated = None, None, {}, 0, 0
         while True:
             rounds += 1
             with timer("rollout"):
@@ -273,23 +278,38 @@ class Trainer:
             metrics.update(self.run_hooks("after_reward", step, batch))
             self.place_token_scores(batch)
             generated += len(batch)
-            if cfg.algorithm.filter_groups:
-                batch = batch.select(informative_groups(batch["scores"], batch["index"]))
+            if dyn:
+                last = batch
+                signal = batch["rule_scores"] if cfg.algorithm.filter_metric == "rule_score" else batch["scores"]
+                batch = batch.select(informative_groups(signal, batch["uid"]))
             kept = batch if kept is None else Batch.cat([kept, batch])
-            have = int(reduce_min(len(kept)))
-            if not cfg.algorithm.filter_groups or have >= target or rounds >= cfg.algorithm.max_sample_rounds:
+            if not dyn:
                 break
-        keep = min(have, target) if cfg.algorithm.filter_groups else have
-        if cfg.algorithm.filter_groups:
-            keep -= keep % n  # whole groups
-            metrics["train/kept_sample_ratio"] = len(kept) / max(generated, 1)
-            metrics["train/sample_rounds"] = float(rounds)
-        if keep == 0:
-            raise SpmdrlError(
-                f"step {step}: no samples left to train on after {rounds} rollout round(s) (dynamic sampling or a "
-                "hook dropped them all); raise algorithm.max_sample_rounds or check the reward"
-            )
-        return kept.select(slice(0, keep)), metrics
+            counts = self.dp_reduce(torch.tensor([float(len(kept)), float(generated)]))
+            if counts[0] >= target or rounds >= cfg.algorithm.max_sample_rounds:
+                break
+        if not dyn:
+            keep = int(reduce_min(len(kept)))
+            if keep == 0:
+                raise SpmdrlError(f"step {step}: no samples left to train on (a hook dropped them all); check the hooks")
+            return kept.select(slice(0, keep)), metrics
+        dp = self.actor_mesh.dp_size
+        per_rank = dynamic_sampling_quota(int(counts[0]), target, n, dp)
+        metrics["train/kept_sample_ratio"] = float(counts[0] / counts[1])
+        metrics["train/sample_rounds"] = float(rounds)
+        metrics["train/filter_fallback"] = float(per_rank == 0)
+        if per_rank == 0:  # no informative group on some rank: train on the last round as drawn
+            keep = int(reduce_min(len(last)))
+            keep -= keep % n
+            if keep == 0:
+                raise SpmdrlError(f"step {step}: no samples left to train on (a hook dropped them all); check the hooks")
+            return last.select(slice(0, keep)), metrics
+        if int(reduce_min(len(kept))) >= per_rank:  # every rank has enough: no communication
+            return kept.select(slice(0, per_rank)), metrics
+        lo = self.actor_mesh.dp_rank * per_rank
+        kept = take_global_rows(kept, lo, lo + per_rank, group=self.actor_mesh.mesh.get_group("dp"))
+        self.attach_meta(kept)
+        return kept, metrics
 
     def generate(self, prompt_idx: list[int], step: int, round_: int = 0) -> Batch:
         """Rollout on this rank's TP group: same prompts and seeds on every rank of the group."""
@@ -301,6 +321,10 @@ class Trainer:
         out = self.rollout.generate(prompts, self.train_spec, seeds)
         n = self.train_spec.n
         batch = self.to_batch(prompts, prompt_idx, out, n)
+        # the group id: one per prompt draw (step, round, global position), never the dataset row, so two
+        # draws of one prompt in a step (an epoch boundary, a dynamic-sampling round) stay two groups
+        uid = step * self.cfg.algorithm.max_sample_rounds * self.cfg.data.train_batch_size + first
+        batch["uid"] = torch.arange(uid, uid + len(prompts), dtype=torch.long).repeat_interleave(n)
         if "baseline_rewards" in getattr(self.adv_fn, "requires", ()):  # ReMax: greedy rollout as the baseline
             greedy = self.rollout.generate(prompts, self.greedy_spec, seeds)
             gb = self.to_batch(prompts, prompt_idx, greedy, 1)
@@ -356,6 +380,7 @@ class Trainer:
             batch.meta["extra_info"],
         )
         metrics = {}
+        batch["rule_scores"] = scores  # before weighting, reward model and shaping: dynamic sampling's default signal
         if not shaping:
             batch["scores"] = scores
             return metrics
@@ -395,7 +420,7 @@ class Trainer:
         kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_penalty) * mask
         beta = self.kl_ctrl.value
         batch["token_level_rewards"] = batch["token_level_scores"] - beta * kl
-        current = float(reduce_mean({"kl": float(masked_mean(kl, mask))})["kl"])  # same value on every rank
+        current = controller_kl(kl, mask, reduce=self.dp_reduce)  # global mean of per-sequence means
         self.kl_ctrl.update(current, self.cfg.data.train_batch_size * self.cfg.rollout.n)
         return {"actor/reward_kl": current, "actor/kl_coef": beta}
 
@@ -412,6 +437,10 @@ class Trainer:
             engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=sec.micro_batch_size, pad_id=self.pad_id,
             agg_mode=sec.loss_agg_mode, dp_size=mesh.dp_size, dp_group=mesh.mesh.get_group("dp"), body=body, prefix=role,
         )
+
+    def dp_reduce(self, stats: torch.Tensor) -> torch.Tensor:
+        """Sum over the actor's data-parallel ranks (one rank per TP group: TP peers hold the same samples)."""
+        return reduce_sum(stats, group=self.actor_mesh.mesh.get_group("dp"))
 
     def run_hooks(self, stage: str, step: int, batch: Batch, metrics: dict | None = None) -> dict[str, float]:
         if not self.hooks.by_stage[stage]:
