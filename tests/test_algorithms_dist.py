@@ -19,7 +19,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 CASES = {
     "grpo_kl_loss": {"algorithm.adv_estimator": "grpo", "actor.use_kl_loss": "true"},
-    "drgrpo_gspo": {"algorithm.adv_estimator": "drgrpo", "actor.policy_loss": "gspo"},
     "drgrpo_norm": {"algorithm.adv_estimator": "drgrpo", "actor.loss_agg_mode": "seq-mean-token-sum-norm",
                     "actor.entropy_coeff": 0.01},
     "rloo_kl_reward_adaptive": {"algorithm.adv_estimator": "rloo", "algorithm.use_kl_in_reward": "true",
@@ -29,7 +28,11 @@ CASES = {
     "remax": {"algorithm.adv_estimator": "remax", "rollout.n": 2},
     "dapo": {"algorithm.adv_estimator": "grpo", "algorithm.filter_groups": "true", "actor.clip_ratio_high": 0.28,
              "reward.overlong_buffer_len": 4, "algorithm.max_sample_rounds": 3},
-    "grpo_reward_model": {"algorithm.adv_estimator": "grpo", "reward.model_path": "<rm>", "reward.model_weight": 0.5},
+    "dapo_no_informative_group": {"algorithm.adv_estimator": "grpo", "algorithm.filter_groups": "true",
+                                  "algorithm.max_sample_rounds": 2,
+                                  "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_const.py") + ":score"},
+    "grpo_reward_model_gspo": {"algorithm.adv_estimator": "grpo", "reward.model_path": "<rm>", "reward.model_weight": 0.5,
+                               "actor.policy_loss": "gspo"},
     "ppo_gae": {"algorithm.adv_estimator": "gae", "critic.enable": "true", "critic.micro_batch_size": 8,
                 "algorithm.lam": 0.95, "algorithm.gamma": 1.0},
 }
@@ -79,7 +82,12 @@ def test_algorithm_step(assets, tmp_path, case):
     want = {"token-mean": pg.sum() / mask.sum(), "seq-mean-token-mean": (pg.sum(-1) / mask.sum(-1)).mean(),
             "seq-mean-token-sum-norm": (pg.sum(-1) / 8).mean()}[mode]  # data.max_response_length = 8
     assert m["actor/pg_loss"] == pytest.approx(float(want), abs=1e-5)
-    assert m["actor/grad_norm"] > 0 and m["actor/skipped_step"] == 0
+    assert m["actor/skipped_step"] == 0
+    if case == "dapo_no_informative_group":  # the step trains on the last round as drawn; no crash
+        assert m["train/filter_fallback"] == 1 and m["train/sample_rounds"] == 2 and m["train/kept_sample_ratio"] == 0
+        assert len(b["uid"]) == 4 * n and b["advantages"].abs().max() == 0 and m["actor/pg_loss"] == 0
+        return
+    assert m["actor/grad_norm"] > 0
     if case == "ppo_gae":
         assert "critic/vf_loss" in m and m["critic/vf_loss"] > 0
     if case == "dapo":  # every kept group (one prompt draw) is informative on the rule score, and whole
@@ -87,7 +95,7 @@ def test_algorithm_step(assets, tmp_path, case):
         for u in b["uid"].unique():
             g = b["rule_scores"][b["uid"] == u]
             assert len(g) == n and g.max() > g.min()
-    if case == "grpo_reward_model":
+    if case == "grpo_reward_model_gspo":
         assert "reward/model_score_mean" in m and m["reward/model_score_mean"] != 0
     if case == "rloo_kl_reward_adaptive":
         assert "actor/kl_coef" in m

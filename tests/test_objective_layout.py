@@ -162,3 +162,21 @@ def test_adaptive_kl_controller_input_is_global_mean_of_sequence_means(runs):
     assert abs(want - token_mean) > 1e-3  # the two conventions differ on this batch
     assert dp2["controller_kl"] == pytest.approx(want, abs=1e-9)
     assert dp1["controller_kl"] == pytest.approx(want, abs=1e-9)
+
+
+def test_take_global_rows_moves_rows_between_ranks(tmp_path):
+    """Dynamic sampling's rebalance: ranks holding different numbers of kept samples end with equal slices of
+    the rank-ordered concatenation (real gloo all-gathers, ragged widths padded)."""
+    from take_rows import local_rows
+
+    run([os.path.join(HERE, "dist_scripts", "take_rows.py"), str(tmp_path)], nproc=2)
+    parts = [local_rows(r) for r in range(2)]
+    width = max(p["tok"].shape[1] for p in parts)
+    whole = {
+        "uid": torch.cat([p["uid"] for p in parts]), "f": torch.cat([p["f"] for p in parts]),
+        "tok": torch.cat([torch.nn.functional.pad(p["tok"], (0, width - p["tok"].shape[1])) for p in parts]),
+    }
+    for r in range(2):
+        got = torch.load(tmp_path / f"rows_rank{r}.pt", weights_only=True)
+        for k, v in whole.items():
+            assert torch.equal(got[k], v[3 * r: 3 * r + 3]), (r, k)
