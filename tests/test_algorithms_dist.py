@@ -31,8 +31,8 @@ CASES = {
     "dapo_no_informative_group": {"algorithm.adv_estimator": "grpo", "algorithm.filter_groups": "true",
                                   "algorithm.max_sample_rounds": 2,
                                   "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_const.py") + ":score"},
-    "grpo_reward_model_gspo": {"algorithm.adv_estimator": "grpo", "reward.model_path": "<rm>", "reward.model_weight": 0.5,
-                               "actor.policy_loss": "gspo"},
+    "grpo_reward_model_gspo": {"algorithm.adv_estimator": "grpo", "reward.model_path": "<rm>",
+                               "reward.model_weight": 0.5, "actor.policy_loss": "gspo"},
     "ppo_gae": {"algorithm.adv_estimator": "gae", "critic.enable": "true", "critic.micro_batch_size": 8,
                 "algorithm.lam": 0.95, "algorithm.gamma": 1.0},
 }

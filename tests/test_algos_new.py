@@ -203,8 +203,8 @@ def test_controller_kl_is_mean_of_sequence_means():
 
 
 @pytest.mark.parametrize("kept,target,n,dp,want", [
-    (64, 64, 4, 2, 32), (100, 64, 4, 2, 32), (40, 64, 4, 2, 20), (42, 64, 4, 2, 20), (7, 64, 4, 2, 0), (12, 64, 4, 4, 0),
-    (16, 64, 4, 4, 4),
+    (64, 64, 4, 2, 32), (100, 64, 4, 2, 32), (40, 64, 4, 2, 20), (42, 64, 4, 2, 20), (7, 64, 4, 2, 0),
+    (12, 64, 4, 4, 0), (16, 64, 4, 4, 4),
 ])
 def test_dynamic_sampling_quota(kept, target, n, dp, want):
     assert dynamic_sampling_quota(kept, target, n, dp) == want

@@ -124,7 +124,7 @@ def validate(cfg, world_size: int):
 
 def validate_objective(cfg, layout) -> None:
     """Checks that keep the optimised objective independent of the parallel layout (issue 13)."""
-    from spmdrl.algos import ADV_ESTIMATORS, LOSS_AGG
+    from spmdrl.algos import LOSS_AGG
     from spmdrl.algos.losses import resolve_agg_mode
 
     mode = cfg.actor.loss_agg_mode

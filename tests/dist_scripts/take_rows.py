@@ -18,7 +18,7 @@ def main():
     from spmdrl.dist.collectives import take_global_rows
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     b = Batch(local_rows(rank))
     per = 3  # 2 + 5 = 7 rows in all: rank 0 takes rows 0..2 (two of its own, one of rank 1), rank 1 rows 3..5
     out = take_global_rows(b, rank * per, (rank + 1) * per, group=dist.group.WORLD)
