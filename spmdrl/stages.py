@@ -5,10 +5,13 @@ from __future__ import annotations
 import torch
 
 from spmdrl.algos import kl_penalty, masked_mean
-from spmdrl.algos.sampling import informative_groups, overlong_penalty
+from spmdrl.algos.kl import controller_kl
+from spmdrl.algos.sampling import dynamic_sampling_quota, informative_groups, overlong_penalty
 from spmdrl.batch import Batch
 from spmdrl.data.prompts import PromptDataset
-from spmdrl.dist.collectives import all_gather_strings, gather_tp_slices, redistribute, reduce_mean, reduce_min
+from spmdrl.dist.collectives import (
+    all_gather_strings, gather_tp_slices, redistribute, reduce_min, reduce_sum, take_global_rows,
+)
 from spmdrl.errors import SpmdrlError
 from spmdrl.metrics import StageTimer
 from spmdrl.rewards.custom import compute_rewards
@@ -27,14 +30,18 @@ class Stages:
     def collect(self, step: int, timer: StageTimer) -> tuple[Batch, dict[str, float]]:
         """Rollout -> reshard -> reward, repeated while dynamic sampling still lacks informative groups.
 
-        With algorithm.filter_groups, groups whose scores are all equal carry no GRPO signal and are
-        dropped; more prompts are generated until every rank holds a full batch (or max_sample_rounds).
-        Ranks end with the same number of samples (the minimum over ranks), so the update stays in lockstep.
+        With algorithm.filter_groups, groups (same `uid`: one prompt draw) whose algorithm.filter_metric is
+        all equal carry no GRPO signal and are dropped; rounds go on until the actor ranks together hold
+        train_batch_size * n informative samples, or max_sample_rounds. The step trains on
+        dynamic_sampling_quota samples per rank (whole groups, the same count on every rank), moved between
+        ranks when some hold fewer. If that is 0 (not one informative group per rank), it trains on the last
+        round unfiltered (its all-equal groups have zero advantage) and logs train/filter_fallback = 1.
         """
         cfg = self.cfg
         n = cfg.rollout.n
-        target = self.actor_mesh.dp_share(cfg.data.train_batch_size * n, "samples")
-        kept, metrics, rounds, generated = None, {}, 0, 0
+        dyn = cfg.algorithm.filter_groups
+        target = cfg.data.train_batch_size * n
+        kept, last, metrics, rounds, generated = None, None, {}, 0, 0
         while True:
             rounds += 1
             with timer("rollout"):
@@ -48,23 +55,37 @@ class Stages:
             metrics.update(self.run_hooks("after_reward", step, batch))
             self.place_token_scores(batch)
             generated += len(batch)
-            if cfg.algorithm.filter_groups:
-                batch = batch.select(informative_groups(batch["scores"], batch["index"]))
+            if dyn:
+                last = batch
+                signal = batch["rule_scores"] if cfg.algorithm.filter_metric == "rule_score" else batch["scores"]
+                batch = batch.select(informative_groups(signal, batch["uid"]))
             kept = batch if kept is None else Batch.cat([kept, batch])
-            have = int(reduce_min(len(kept)))
-            if not cfg.algorithm.filter_groups or have >= target or rounds >= cfg.algorithm.max_sample_rounds:
+            if not dyn:
                 break
-        keep = min(have, target) if cfg.algorithm.filter_groups else have
-        if cfg.algorithm.filter_groups:
-            keep -= keep % n  # whole groups
-            metrics["train/kept_sample_ratio"] = len(kept) / max(generated, 1)
-            metrics["train/sample_rounds"] = float(rounds)
-        if keep == 0:
-            raise SpmdrlError(
-                f"step {step}: no samples left to train on after {rounds} rollout round(s) (dynamic sampling or a "
-                "hook dropped them all); raise algorithm.max_sample_rounds or check the reward"
-            )
-        return kept.select(slice(0, keep)), metrics
+            counts = self.dp_reduce(torch.tensor([float(len(kept)), float(generated)]))
+            if counts[0] >= target or rounds >= cfg.algorithm.max_sample_rounds:
+                break
+        if not dyn:
+            keep = int(reduce_min(len(kept)))
+            if keep == 0:
+                raise SpmdrlError(f"step {step}: no samples left to train on (a hook dropped them all); check the hooks")
+            return kept.select(slice(0, keep)), metrics
+        per_rank = dynamic_sampling_quota(int(counts[0]), target, n, self.actor_mesh.dp_size)
+        metrics["train/kept_sample_ratio"] = float(counts[0] / counts[1])
+        metrics["train/sample_rounds"] = float(rounds)
+        metrics["train/filter_fallback"] = float(per_rank == 0)
+        if per_rank == 0:  # no informative group on some rank: train on the last round as drawn
+            keep = int(reduce_min(len(last)))
+            keep -= keep % n
+            if keep == 0:
+                raise SpmdrlError(f"step {step}: no samples left to train on (a hook dropped them all); check the hooks")
+            return last.select(slice(0, keep)), metrics
+        if int(reduce_min(len(kept))) >= per_rank:  # every rank has enough: no communication
+            return kept.select(slice(0, per_rank)), metrics
+        lo = self.actor_mesh.dp_offset(per_rank)
+        kept = take_global_rows(kept, lo, lo + per_rank, group=self.actor_mesh.group("dp"))
+        self.attach_meta(kept)
+        return kept, metrics
 
     def generate(self, prompt_idx: list[int], step: int, round_: int = 0) -> Batch:
         """Rollout on this rank's TP group: same prompts and seeds on every rank of the group."""
@@ -76,6 +97,10 @@ class Stages:
         out = self.rollout.generate(prompts, self.specs.train, seeds)
         n = self.specs.train.n
         batch = self.to_batch(prompts, prompt_idx, out, n)
+        # the group id: one per prompt draw (step, round, global position), never the dataset row, so two
+        # draws of one prompt in a step (an epoch boundary, a dynamic-sampling round) stay two groups
+        uid = step * self.cfg.algorithm.max_sample_rounds * self.cfg.data.train_batch_size + first
+        batch["uid"] = torch.arange(uid, uid + len(prompts), dtype=torch.long).repeat_interleave(n)
         if "baseline_rewards" in getattr(self.adv_fn, "requires", ()):  # ReMax: greedy rollout as the baseline
             greedy = self.rollout.generate(prompts, self.specs.greedy, seeds)
             gb = self.to_batch(prompts, prompt_idx, greedy, 1)
@@ -141,6 +166,7 @@ class Stages:
         if mesh.tp_size > 1:
             scores = gather_tp_slices(scores.float(), mesh, len(batch))
         metrics = {}
+        batch["rule_scores"] = scores  # before weighting, reward model and shaping: dynamic sampling's default signal
         if not shaping:
             batch["scores"] = scores
             return metrics
@@ -180,7 +206,7 @@ class Stages:
         kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_penalty) * mask
         beta = self.kl_ctrl.value
         batch["token_level_rewards"] = batch["token_level_scores"] - beta * kl
-        current = float(reduce_mean({"kl": float(masked_mean(kl, mask))})["kl"])  # same value on every rank
+        current = controller_kl(kl, mask, reduce=self.dp_reduce)  # global mean of per-sequence means
         self.kl_ctrl.update(current, self.cfg.data.train_batch_size * self.cfg.rollout.n)
         return {"actor/reward_kl": current, "actor/kl_coef": beta}
 
@@ -200,8 +226,12 @@ class Stages:
                              "mini-batch samples")
         return run_updates(
             engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=sec.micro_batch_size, pad_id=self.pad_id,
-            agg_mode=sec.loss_agg_mode, dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix=role,
+            dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix=role,
         )
+
+    def dp_reduce(self, stats: torch.Tensor) -> torch.Tensor:
+        """Sum over the actor's data-parallel ranks (one rank per TP group: TP peers hold the same samples)."""
+        return reduce_sum(stats, group=self.actor_mesh.group("dp"))
 
     def batch_metrics(self, batch: Batch) -> dict[str, float]:
         mask = batch["response_mask"]

@@ -184,9 +184,10 @@ class Trainer(Stages, Validation, RunState):
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm
         batch["advantages"], batch["returns"] = self.adv_fn(
-            batch["token_level_rewards"], batch["response_mask"], index=batch["index"],
+            batch["token_level_rewards"], batch["response_mask"], index=batch["uid"],
             values=batch.tensors.get("values"), baseline_rewards=batch.tensors.get("baseline_rewards"),
             gamma=alg.gamma, lam=alg.lam, epsilon=alg.epsilon, norm_by_std=alg.norm_adv_by_std,
+            reduce=self.dp_reduce,  # batch statistics (whitening) over the global batch
         )
         return {}
 

@@ -1,9 +1,16 @@
 """Actor and critic updates: epochs x mini-batches x micro-batches, with the loss normalised over the whole
 mini-batch across data-parallel ranks.
 
-FSDP averages gradients over the dp ranks, so a micro-batch's loss is weighted by
-    dp * (its tokens, or sequences for seq-mean modes) / (the mini-batch's total over all ranks),
-which makes the update identical to one computed on the whole mini-batch on a single rank.
+A micro-batch's loss is agg(L, mask, mode) over its own rows. FSDP averages gradients over the dp ranks, so
+each micro-batch's loss is multiplied by
+    dp * units(micro-batch) / units(mini-batch, all ranks)
+with units = valid tokens (token-mean) or non-empty sequences (seq-mean modes; `agg_units`). The sum over
+micro-batches and ranks is then exactly agg over the whole mini-batch on one rank: the same gradient for
+any dp size and micro-batch split. seq-mean-token-sum-norm divides by a constant (actor.loss_agg_norm, default
+data.max_response_length), never by a micro-batch's padded width.
+
+Logged losses are that same weighted sum: the objective that was differentiated (per optimizer step, then
+averaged over the steps of the update); token statistics (clip fractions, ppo_kl) are weighted by tokens.
 """
 from __future__ import annotations
 
@@ -12,7 +19,8 @@ from typing import Callable
 import torch
 
 from spmdrl.algos import agg_loss, kl_penalty, masked_mean
-from spmdrl.algos.losses import value_loss
+from spmdrl.algos.agg import agg_units
+from spmdrl.algos.losses import resolve_agg_mode, value_loss
 from spmdrl.batch import Batch
 from spmdrl.dist.collectives import reduce_sum
 from spmdrl.engines import TokenBatch, TrainEngine, pack_sequences
@@ -29,72 +37,98 @@ def micro_batches(batch: Batch, size: int, pad_id: int) -> list[tuple[Batch, Tok
 
 def run_updates(
     engine: TrainEngine, batch: Batch, *, epochs: int, mini_size: int, micro_size: int, pad_id: int,
-    agg_mode: str, dp_size: int, dp_group, body: Callable, prefix: str,
+    dp_size: int, dp_group, body: Callable, prefix: str, agg_mode: str | None = None,
 ) -> dict[str, float]:
-    """Optimizer steps over `batch`; body(mb, tb, engine) -> (unweighted loss, metrics). Returns mean metrics."""
-    seq_mode = agg_mode != "token-mean"
-    sums: dict[str, float] = {}
-    count = 0
+    """Optimizer steps over `batch`.
+
+    body(mb, tb, engine) -> (loss, terms, stats): `loss` aggregated over the micro-batch with
+    `body.agg_mode`; `terms` the loss's parts aggregated the same way (logged weighted like the loss);
+    `stats` token means (logged weighted by tokens). Returns the mean over optimizer steps of the
+    global (all dp ranks) values, the same on every rank, plus the engine's grad_norm / lr / skipped_step.
+    """
+    mode = getattr(body, "agg_mode", None) or agg_mode or "token-mean"
+    local: dict[str, float] = {}  # this rank's share of each step's global objective, summed over steps
+    engine_sums: dict[str, float] = {}
+    steps = 0
     for _ in range(epochs):
         for mini in batch.split(mini_size):  # fixed order: the same config and seed give the same updates
-            def units(mask):
-                return (mask.sum(-1) > 0).float().sum() if seq_mode else mask.sum()
-
-            total = float(reduce_sum(units(mini["response_mask"]).reshape(1), group=dp_group)[0])
+            m = mini["response_mask"]
+            totals = reduce_sum(torch.stack([agg_units(m, mode), agg_units(m, "token-mean")]), group=dp_group)
+            unit_total, token_total = float(totals[0]), float(totals[1])
 
             def loss_fn(item, eng):
                 mb, tb = item
-                loss, m = body(mb, tb, eng)
-                weight = float(units(mb["response_mask"])) / max(total, 1.0) * dp_size
-                return loss * weight, m
+                loss, terms, stats = body(mb, tb, eng)
+                w = float(agg_units(mb["response_mask"], mode)) / unit_total if unit_total else 0.0
+                w_tok = float(agg_units(mb["response_mask"], "token-mean")) / token_total if token_total else 0.0
+                for k, v in terms.items():
+                    local[k] = local.get(k, 0.0) + float(v) * w
+                for k, v in stats.items():
+                    local[k] = local.get(k, 0.0) + float(v) * w_tok
+                return loss * (w * dp_size), {}
 
             out = engine.train_step(micro_batches(mini, micro_size, pad_id), loss_fn)
             for k, v in out.items():
-                key = k if "/" in k else f"{prefix}/{k}"
-                sums[key] = sums.get(key, 0.0) + v
-            count += 1
-    return {k: v / max(count, 1) for k, v in sums.items()}
+                engine_sums[k] = engine_sums.get(k, 0.0) + v
+            steps += 1
+    keys = sorted(local)  # every rank has the same keys: they depend on the config only
+    summed = reduce_sum(torch.tensor([local[k] for k in keys], dtype=torch.float64), group=dp_group) if keys else []
+    res = {k: float(v) / max(steps, 1) for k, v in zip(keys, summed)}
+    res.update({f"{prefix}/{k}": v / max(steps, 1) for k, v in engine_sums.items()})
+    return res
 
 
 def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
-    """The policy objective for one micro-batch: policy loss - entropy bonus (+ KL to the ref)."""
+    """The policy objective for one micro-batch: policy loss - entropy bonus (+ KL to the ref), every term
+    aggregated with the same mode and constant norm."""
     a = cfg.actor
+    mode = resolve_agg_mode(a.policy_loss, a.loss_agg_mode)
+    norm = a.loss_agg_norm or float(cfg.data.max_response_length)
+    extra = dict(
+        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+        sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg, clip_cov_ratio=a.clip_cov_ratio,
+        clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub, kl_cov_ratio=a.kl_cov_ratio, kl_cov_coef=a.kl_cov_coef,
+    )
+
+    def agg(x, mask):
+        return agg_loss(x, mask, mode, norm=norm)
 
     def body(mb: Batch, tb: TokenBatch, engine: TrainEngine):
         logp, ent = engine.logprobs(tb, temperature=temperature, with_entropy=True, chunk_size=a.logprob_chunk_size)
         R = logp.shape[1]
         dev = logp.device
         mask = mb["response_mask"][:, :R].to(dev)
-        m = {}
+        stats = {}
         if "old_log_probs" in mb:
             old = mb["old_log_probs"][:, :R].to(dev)
         else:  # on-policy: the parameters have not moved since the rollout, so these are the old log-probs
             old = logp.detach()
-            m["rollout/logprob_diff_mean"] = masked_mean((mb["rollout_log_probs"][:, :R].to(dev) - old).abs(), mask)
-        pg_loss, pg_m = loss_fn(
-            old, logp, mb["advantages"][:, :R].to(dev), mask, clip_ratio_low=a.clip_ratio_low,
-            clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
-        )
-        entropy = agg_loss(ent, mask, a.loss_agg_mode)
+            stats["rollout/logprob_diff_mean"] = masked_mean((mb["rollout_log_probs"][:, :R].to(dev) - old).abs(), mask)
+        pg_loss, pg_m = loss_fn(old, logp, mb["advantages"][:, :R].to(dev), mask, loss_agg_mode=mode,
+                                loss_agg_norm=norm, **extra)
+        entropy = agg(ent, mask)
         loss = pg_loss - a.entropy_coeff * entropy
-        m.update({"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
-                  "actor/clipfrac": pg_m["pg_clipfrac"], "actor/ppo_kl": pg_m["ppo_kl"]})
+        terms = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach()}
+        stats.update({"actor/clipfrac": pg_m["pg_clipfrac"], "actor/ppo_kl": pg_m["ppo_kl"]})
         if a.use_kl_loss:
-            kl = agg_loss(kl_penalty(logp, mb["ref_log_probs"][:, :R].to(dev), a.kl_loss_type), mask, a.loss_agg_mode)
+            kl = agg(kl_penalty(logp, mb["ref_log_probs"][:, :R].to(dev), a.kl_loss_type), mask)
             loss = loss + a.kl_loss_coef * kl
-            m["actor/kl"] = kl.detach()
+            terms["actor/kl"] = kl.detach()
         elif "ref_log_probs" in mb:
-            m["actor/kl"] = masked_mean(kl_penalty(logp.detach(), mb["ref_log_probs"][:, :R].to(dev), "kl"), mask)
+            stats["actor/kl"] = masked_mean(kl_penalty(logp.detach(), mb["ref_log_probs"][:, :R].to(dev), "kl"), mask)
         else:  # no ref model: KL to the rollout policy
-            m["actor/kl"] = masked_mean((old - logp).detach(), mask)
-        return loss, m
+            stats["actor/kl"] = masked_mean((old - logp).detach(), mask)
+        terms["actor/loss"] = loss.detach()
+        return loss, terms, stats
 
+    body.agg_mode = mode
     return body
 
 
 def critic_body(cfg) -> Callable:
     """Clipped value loss for one micro-batch."""
     c = cfg.critic
+    norm = c.loss_agg_norm or float(cfg.data.max_response_length)
 
     def body(mb: Batch, tb: TokenBatch, engine: TrainEngine):
         v = engine.values(tb)
@@ -103,11 +137,12 @@ def critic_body(cfg) -> Callable:
         mask = mb["response_mask"][:, :R].to(dev)
         loss, m = value_loss(
             v, mb["values"][:, :R].to(dev), mb["returns"][:, :R].to(dev), mask, c.cliprange_value,
-            loss_agg_mode=c.loss_agg_mode,
+            loss_agg_mode=c.loss_agg_mode, loss_agg_norm=norm,
         )
-        return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": m["vf_clipfrac"],
-                      "critic/values_mean": masked_mean(v.detach(), mask)}
+        return loss, {"critic/vf_loss": loss.detach()}, {"critic/vf_clipfrac": m["vf_clipfrac"],
+                                                          "critic/values_mean": masked_mean(v.detach(), mask)}
 
+    body.agg_mode = c.loss_agg_mode
     return body
 
 

@@ -30,7 +30,7 @@ M = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
         ("token-mean", {}, 7 / 3),  # (1 + 2 + 4) / 3
         ("seq-mean-token-sum", {}, 3.5),  # mean(3, 4); the empty row is skipped
         ("seq-mean-token-mean", {}, 2.75),  # mean(1.5, 4)
-        ("seq-mean-token-sum-norm", {}, 7 / 6),  # mean(3/3, 4/3)
+        ("seq-mean-token-sum-norm", {"norm": 3.0}, 7 / 6),  # mean(3/3, 4/3)
         ("seq-mean-token-sum-norm", {"norm": 2.0}, 1.75),  # mean(3/2, 4/2)
     ],
 )
@@ -47,11 +47,11 @@ def test_agg_loss_hand(mode, kw, want):
 @pytest.mark.parametrize("mode", LOSS_AGG.names())
 def test_agg_loss_all_masked_is_zero(mode):
     x = torch.full((2, 3), NAN, requires_grad=True)
-    out = agg_loss(x, torch.zeros(2, 3), mode)
+    out = agg_loss(x, torch.zeros(2, 3), mode, norm=4.0)
     assert out.item() == 0.0
     out.backward()
     assert (x.grad == 0).all()
-    assert agg_loss(torch.zeros(2, 0), torch.zeros(2, 0), mode).item() == 0.0
+    assert agg_loss(torch.zeros(2, 0), torch.zeros(2, 0), mode, norm=4.0).item() == 0.0
 
 
 def test_agg_loss_errors():
@@ -60,6 +60,9 @@ def test_agg_loss_errors():
     assert "token-mean" in str(e.value) and "seq-mean-token-sum-norm" in str(e.value)
     with pytest.raises(SpmdrlError, match="shape"):
         agg_loss(L, M[:, :2], "token-mean")
+    # Dr. GRPO's divisor must be a constant of the run, never the padded width of whatever rows are given
+    with pytest.raises(SpmdrlError, match="constant norm"):
+        agg_loss(L, M, "seq-mean-token-sum-norm")
 
 
 def test_masked_reductions_hand():

@@ -4,11 +4,16 @@ Every estimator has one signature, so the trainer looks one up by name and calls
 
     fn(token_level_rewards [B, T], response_mask [B, T], *, index [B] int64 | None = None,
        values [B, T] | None = None, baseline_rewards [B] | None = None, gamma=1.0, lam=1.0,
-       epsilon=1e-6, norm_by_std=True, whiten=True, **_) -> (advantages [B, T], returns [B, T])
+       epsilon=1e-6, norm_by_std=True, whiten=True, reduce=None, **_) -> (advantages [B, T], returns [B, T])
 
 ``index[i]`` is the group (prompt) sample i was drawn for; ids need not be contiguous. Advantages and
 returns are 0 on masked tokens; masked rewards/values are ignored (they may be garbage or NaN).
 Estimators run under no_grad: advantages are targets, never differentiated.
+
+Batch-level statistics (the whitening of REINFORCE++ and GAE, GPG's scale) are over the GLOBAL batch: the
+trainer passes ``reduce`` (see ``spmdrl.algos.agg.Reduce``), a sum over the actor's data-parallel ranks, and
+the estimator calls it once. Group statistics need no communication: a group never spans ranks (validation
+rejects layouts that would split one).
 
 Discounting walks valid tokens only: with holes in the mask (multi-turn, tool output masked), the
 return at a token is r_t + gamma * (return at the next *valid* token), so credit flows across holes.
@@ -20,7 +25,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from spmdrl.algos.agg import masked_sum, masked_whiten
+from spmdrl.algos.agg import Reduce, masked_sum, masked_whiten
 from spmdrl.errors import ConfigError, SpmdrlError
 from spmdrl.registry import Registry
 
@@ -171,15 +176,17 @@ def reinforce_plus_plus(
     *,
     gamma: float = 1.0,
     whiten: bool = True,
+    reduce: Reduce | None = None,
     **_,
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++: G_it = r_it + gamma * G_i,next-valid; A = whiten(G) over all valid tokens of the batch.
+    """REINFORCE++: G_it = r_it + gamma * G_i,next-valid; A = whiten(G) over all valid tokens of the global
+    batch (mean and unbiased std over every rank's valid tokens, via ``reduce``).
 
     returns = G (before whitening).
     """
     valid = _check(token_level_rewards, response_mask)
     g = discounted_returns(token_level_rewards, valid, gamma)
-    adv = masked_whiten(g, valid) if whiten else g
+    adv = masked_whiten(g, valid, reduce=reduce) if whiten else g
     return adv, g
 
 
@@ -191,9 +198,11 @@ def reinforce_plus_plus_baseline(
     *,
     index: Tensor | None = None,
     whiten: bool = True,
+    reduce: Reduce | None = None,
     **_,
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++-baseline: A_it = whiten_batch(s_i - mean_g(s)) over all valid tokens of the batch.
+    """REINFORCE++-baseline: A_it = whiten(s_i - mean_g(s)) over all valid tokens of the global batch
+    (every token of response i carries s_i - mean_g(s), so longer responses weigh more in the statistics).
 
     returns = advantages.
     """
@@ -202,7 +211,7 @@ def reinforce_plus_plus_baseline(
     s = _outcome_scores(token_level_rewards.double(), valid)
     mean, _, _ = group_stats(s, index)
     adv = _broadcast(s - mean, valid, torch.float64)
-    adv = (masked_whiten(adv, valid) if whiten else adv).to(token_level_rewards.dtype)
+    adv = (masked_whiten(adv, valid, reduce=reduce) if whiten else adv).to(token_level_rewards.dtype)
     return adv, adv
 
 
@@ -216,12 +225,14 @@ def gae(
     gamma: float = 1.0,
     lam: float = 1.0,
     whiten: bool = True,
+    reduce: Reduce | None = None,
     **_,
 ) -> tuple[Tensor, Tensor]:
     """GAE: delta_t = r_t + gamma V_t' - V_t, A_t = delta_t + gamma lam A_t', t' = next valid token.
 
     V and A beyond the last valid token are 0. returns = A + V (before whitening); advantages are
-    whitened over the batch's valid tokens when ``whiten``. Loop over T, vectorised over B.
+    whitened over the global batch's valid tokens when ``whiten`` (via ``reduce``). Loop over T,
+    vectorised over B.
     """
     valid = _check(token_level_rewards, response_mask, values=values)
     if values is None:
@@ -243,7 +254,7 @@ def gae(
     adv = _zero_masked(adv, valid)
     returns = _zero_masked(adv + v, valid)
     if whiten:
-        adv = masked_whiten(adv, valid)
+        adv = masked_whiten(adv, valid, reduce=reduce)
     return adv, returns
 
 
@@ -269,9 +280,103 @@ def remax(
     return adv, g
 
 
+@ADV_ESTIMATORS.register("grpo_passk")
+@torch.no_grad()
+def grpo_passk(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    index: Tensor | None = None,
+    epsilon: float = 1e-6,
+    norm_by_std: bool = True,
+    **_,
+) -> tuple[Tensor, Tensor]:
+    """Pass@k GRPO (Chen et al. 2025, arXiv 2503.19595): only the best response of a group learns.
+
+    A_i = (s_(1) - s_(2)) / (std_g(s) + epsilon)  for i = the first sample of its group (in batch order)
+          with the group's largest score s_(1); s_(2) is the second largest (equal to s_(1) on a tie, so
+          a tie gives 0);
+    A_i = 0  for every other sample, and for a group of one.
+    std is unbiased; ``norm_by_std=False`` drops the division. returns = advantages.
+    """
+    valid = _check(token_level_rewards, response_mask, index)
+    index = _need_index("grpo_passk", index)
+    s = _outcome_scores(token_level_rewards.double(), valid)
+    _, std, _ = group_stats(s, index)
+    a = torch.zeros_like(s)
+    for g in torch.unique(index):
+        rows = (index == g).nonzero().flatten()
+        if rows.numel() < 2:
+            continue
+        top = torch.topk(s[rows], 2, sorted=True).values
+        best = rows[int(torch.argmax(s[rows]))]  # argmax returns the first maximum
+        gap = top[0] - top[1]
+        if norm_by_std:
+            den = std[best] + epsilon
+            gap = gap / den if den > 0 else torch.zeros_like(gap)
+        a[best] = gap
+    adv = _broadcast(a, valid, token_level_rewards.dtype)
+    return adv, adv
+
+
+@ADV_ESTIMATORS.register("opo")
+@torch.no_grad()
+def opo(
+    token_level_rewards: Tensor, response_mask: Tensor, *, index: Tensor | None = None, **_
+) -> tuple[Tensor, Tensor]:
+    """OPO (Hao et al. 2025, arXiv 2505.23585): the length-weighted optimal baseline.
+
+    b_g = sum_{j in g} |o_j| s_j / sum_{j in g} |o_j|,   A_i = s_i - b_g,   |o_j| = valid tokens of j.
+    A group of one (or of empty responses only) has advantage 0. returns = advantages.
+    """
+    valid = _check(token_level_rewards, response_mask, index)
+    index = _need_index("opo", index)
+    s = _outcome_scores(token_level_rewards.double(), valid)
+    length = valid.sum(-1).double()
+    uniq, inv = torch.unique(index, return_inverse=True)
+    num = s.new_zeros(uniq.numel()).index_add_(0, inv, length * s)
+    den = s.new_zeros(uniq.numel()).index_add_(0, inv, length)
+    n = torch.bincount(inv, minlength=uniq.numel())[inv]
+    ok = (n > 1) & (den[inv] > 0)
+    base = num[inv] / torch.where(ok, den[inv], torch.ones_like(den[inv]))
+    a = torch.where(ok, s - base, torch.zeros_like(s))
+    adv = _broadcast(a, valid, token_level_rewards.dtype)
+    return adv, adv
+
+
+@ADV_ESTIMATORS.register("gpg")
+@torch.no_grad()
+def gpg(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    index: Tensor | None = None,
+    reduce: Reduce | None = None,
+    **_,
+) -> tuple[Tensor, Tensor]:
+    """GPG (Chu et al. 2025, arXiv 2504.02546): group mean baseline, no std, rescaled by the share of
+    samples with a non-zero reward.
+
+    A_i = alpha * (s_i - mean_g(s)),  alpha = B / max(M, 1),  B = samples in the global batch,
+    M = samples whose outcome score s_i != 0 (both counted over every rank via ``reduce``).
+    A group of one has advantage 0. returns = advantages. Pair with ``actor.policy_loss = "gpg"``.
+    """
+    valid = _check(token_level_rewards, response_mask, index)
+    index = _need_index("gpg", index)
+    s = _outcome_scores(token_level_rewards.double(), valid)
+    mean, _, n = group_stats(s, index)
+    counts = torch.stack([s.new_tensor(float(s.numel())), (s != 0).sum().double()])
+    if reduce is not None:
+        counts = reduce(counts).to(device=s.device, dtype=torch.float64)
+    alpha = counts[0] / counts[1].clamp_min(1)
+    a = torch.where(n > 1, alpha * (s - mean), torch.zeros_like(s))
+    adv = _broadcast(a, valid, token_level_rewards.dtype)
+    return adv, adv
+
+
 # What each estimator needs besides rewards and masks; the trainer provides it (and validation checks it)
 # by these declarations, never by estimator name.
-for _fn in (grpo, drgrpo, rloo, reinforce_plus_plus_baseline):
+for _fn in (grpo, drgrpo, rloo, reinforce_plus_plus_baseline, grpo_passk, opo, gpg):
     _fn.requires = ("index",)
 gae.requires = ("values",)
 remax.requires = ("baseline_rewards",)

@@ -62,16 +62,48 @@ def masked_var(x: Tensor, mask: Tensor, dim: int | None = None, unbiased: bool =
     return _safe_div(sq, den.clamp_min(0))
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+Reduce = Callable[[Tensor], Tensor]
+"""Sums a float64 statistics vector over the ranks that share a batch (an all-reduce over the actor's
+data-parallel group, one rank per tensor-parallel group) and returns it; None means this rank holds the
+whole batch."""
+
+
+def masked_moments(x: Tensor, mask: Tensor, reduce: Reduce | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(n, mean, M2) of the valid elements of ``x`` over the whole batch, float64 scalars.
+
+    M2 = sum_j m_j (x_j - mean)^2. Each rank sends [n_r, s_r, M2_r, n_r mu_r^2] (mu_r its local mean, M2_r
+    about mu_r) in ONE ``reduce``; then mean = sum s_r / n and M2 = sum M2_r + (sum n_r mu_r^2 - n mean^2)
+    (Chan et al.'s pairwise combination). With a single rank the second term is exactly 0, so the result
+    equals the plain two-pass computation bit for bit.
+    """
+    xd = x.double()
+    w = _weights(xd, mask)
+    n_r = w.sum()
+    mu_r = masked_mean(xd, w)
+    m2_r = masked_sum((xd - mu_r) ** 2, w)
+    stats = torch.stack([n_r, n_r * mu_r, m2_r, n_r * mu_r * mu_r])
+    if reduce is not None:
+        stats = reduce(stats).to(device=x.device, dtype=torch.float64)
+    n, s, m2, between = stats.unbind()
+    mean = _safe_div(s, n)
+    return n, mean, m2 + (between - n * mean * mean).clamp_min(0)
+
+
+def masked_whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, *, reduce: Reduce | None = None
+) -> Tensor:
     """(x - mu) / sqrt(var + eps) over all valid elements (unbiased var); + mu back if not ``shift_mean``.
 
+    mu and var are the statistics of the whole batch: with ``reduce`` (see ``Reduce``) every rank's valid
+    elements count, through one all-reduce of 4 numbers (``masked_moments``); without it, this rank's.
     Statistics are computed in float64 so that all-equal inputs whiten to exactly 0. Masked positions
     are 0 in the output. Shape of ``x`` is kept; dtype of ``x`` is kept.
     """
     xd = x.double()
     w = _weights(xd, mask)
-    mu = masked_mean(xd, w)
-    out = (xd - mu) * torch.rsqrt(masked_var(xd, w) + eps)
+    n, mu, m2 = masked_moments(xd, w, reduce)
+    var = _safe_div(m2, (n - 1).clamp_min(0))
+    out = (xd - mu) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mu
     return torch.where(w != 0, out, torch.zeros_like(out)).to(x.dtype)
@@ -104,14 +136,23 @@ def seq_mean_token_mean(loss_mat: Tensor, mask: Tensor, **_) -> Tensor:
 def seq_mean_token_sum_norm(loss_mat: Tensor, mask: Tensor, *, norm: float | None = None, **_) -> Tensor:
     """mean_i (sum_t m_it l_it / norm) over non-empty sequences i (Dr. GRPO).
 
-    ``norm`` defaults to mask.shape[-1]; pass a constant (the max response length) so that the scale
-    does not depend on how a batch happens to be padded.
+    ``norm`` is required and must be a constant of the run (the trainer passes ``actor.loss_agg_norm``,
+    default data.max_response_length): a norm taken from the padded width of each micro-batch would
+    weigh micro-batches of short answers more and bring back the length bias Dr. GRPO removes.
     """
     if norm is None:
-        norm = max(mask.shape[-1], 1)
-    elif norm <= 0:
+        raise SpmdrlError("seq-mean-token-sum-norm needs a constant norm (e.g. the max response length); got None")
+    if norm <= 0:
         raise SpmdrlError(f"seq-mean-token-sum-norm needs norm > 0, got {norm}")
     return _seq_mean(masked_sum(loss_mat, mask, dim=-1) / norm, mask)
+
+
+def agg_units(mask: Tensor, mode: str) -> Tensor:
+    """What ``mode`` averages over, counted in ``mask`` [B, T]: valid tokens for token-mean, non-empty
+    sequences for the seq-mean modes (float64 scalar). The update weighs each micro-batch by its share of
+    the mini-batch's global count, so that the sum over micro-batches and ranks is the whole-batch loss."""
+    m = mask != 0
+    return (m.sum() if mode == "token-mean" else m.any(-1).sum()).double()
 
 
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", *, norm: float | None = None) -> Tensor:

@@ -44,6 +44,48 @@ def k3(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
     return (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)
 
 
+def _straight_through(value_fn: KLFn) -> KLFn:
+    def fn(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+        grad = k2(log_prob, ref_log_prob)
+        return value_fn(log_prob, ref_log_prob).detach() + grad - grad.detach()
+
+    return fn
+
+
+@KL_ESTIMATORS.register("k1+", "kl+")
+def k1_plus(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """k1+ = sg[k1] + k2 - sg[k2]: the value of k1, the gradient of k2 (straight-through).
+
+    d/dlogp = logp - logp_ref, whose expectation under pi is the gradient of KL(pi || pi_ref); the
+    gradients of k1 (1, zero in expectation) and k3 (1 - pi_ref/pi) are not. Same convention as verl's
+    "k1+" / "kl+"; as a loss term (actor.kl_loss_type), not a reward penalty.
+    """
+    return _straight_through(k1)(log_prob, ref_log_prob)
+
+
+@KL_ESTIMATORS.register("k3+", "low_var_kl+")
+def k3_plus(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """k3+ = sg[k3] + k2 - sg[k2]: the value of k3 (with its clamps), the gradient of k2 (straight-through)."""
+    return _straight_through(k3)(log_prob, ref_log_prob)
+
+
+def controller_kl(kl: Tensor, response_mask: Tensor, reduce: Callable[[Tensor], Tensor] | None = None) -> float:
+    """The KL the adaptive controller is fed: the mean over sequences of each sequence's token-mean KL.
+
+    KL_ctrl = (1 / N) sum_i (sum_t m_it kl_it / sum_t m_it) over the N sequences with at least one valid
+    token, over the global batch (``reduce`` sums [sum of per-sequence means, N] over the actor's
+    data-parallel ranks). verl's convention; a long response counts as much as a short one. 0 if N == 0.
+    """
+    valid = response_mask != 0
+    has = valid.any(-1)
+    per_seq = torch.where(valid, kl.double(), torch.zeros((), dtype=torch.float64, device=kl.device)).sum(-1)
+    per_seq = per_seq / valid.sum(-1).clamp_min(1)
+    stats = torch.stack([per_seq[has].sum(), has.sum().double()])
+    if reduce is not None:
+        stats = reduce(stats)
+    return float(stats[0] / stats[1]) if float(stats[1]) > 0 else 0.0
+
+
 def kl_penalty(
     log_prob: Tensor, ref_log_prob: Tensor, kind: str = "low_var_kl", *, response_mask: Tensor | None = None
 ) -> Tensor:

@@ -108,10 +108,11 @@ def gspo(
     s_i   = exp(mean_{t valid} (logp_it - logp_old_it))                (sequence importance ratio)
     s_it  = sg[s_i] * exp(logp_it - sg[logp_it])                       (value s_i, gradient per token)
     L_it  = max(-A_it s_it, -A_it clip(s_it, 1 - eps_low, 1 + eps_high))
-    loss  = agg(L, mask, loss_agg_mode)   (default seq-mean-token-mean)
+    loss  = mean over non-empty sequences of mean_t L_it   (always seq-mean-token-mean; the trainer
+            rejects an explicit other actor.loss_agg_mode, and loss_agg_mode here is ignored)
 
-    With A_it = A_i and seq-mean-token-mean this has the same value and gradient as the sequence-level
-    objective mean_i max(-A_i s_i, -A_i clip(s_i)). The paper's clip ranges are ~3e-4 / 4e-4, far below
+    With A_it = A_i this has the same value and gradient as the sequence-level objective
+    mean_i max(-A_i s_i, -A_i clip(s_i)). The paper's clip ranges are ~3e-4 / 4e-4, far below
     PPO's; set them in config. No dual clip: pg_clipfrac_lower is 0.
     """
     _check_clip(clip_ratio_low, clip_ratio_high)
@@ -124,7 +125,7 @@ def gspo(
     l_unclipped = -adv * ratio
     l_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg = torch.maximum(l_unclipped, l_clipped)
-    loss = agg_loss(pg, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    loss = agg_loss(pg, response_mask, "seq-mean-token-mean")
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((l_clipped > l_unclipped).to(log_ratio.dtype), valid),
@@ -170,4 +171,282 @@ def value_loss(
     loss = 0.5 * agg_loss(torch.maximum(l1, l2), response_mask, loss_agg_mode, norm=loss_agg_norm)
     with torch.no_grad():
         metrics = {"vf_clipfrac": masked_mean((l2 > l1).to(v.dtype), valid)}
+    return loss, metrics
+
+
+# GSPO and GMPO are sequence-level objectives: each response counts once whatever its length.
+gspo.agg_mode = "seq-mean-token-mean"
+
+
+def resolve_agg_mode(policy_loss: str, configured: str) -> str:
+    """The loss aggregation the update uses: ``configured`` ("auto": the policy loss's own, else token-mean).
+
+    A loss that fixes its aggregation (``fn.agg_mode``: GSPO, GMPO) rejects an explicit other choice.
+    """
+    fixed = getattr(POLICY_LOSSES.get(policy_loss), "agg_mode", None)
+    if configured == "auto":
+        return fixed or "token-mean"
+    if fixed is not None and configured != fixed:
+        raise ConfigError(
+            f"actor.policy_loss = {policy_loss!r} is a sequence-level objective (loss_agg_mode {fixed!r}); "
+            f"actor.loss_agg_mode = {configured!r} conflicts with it: set actor.loss_agg_mode = \"auto\" or {fixed!r}"
+        )
+    return configured
+
+
+def _ratio(log_ratio: Tensor) -> Tensor:
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _frac(flag: Tensor, valid: Tensor, dtype: torch.dtype) -> Tensor:
+    return masked_mean(flag.to(dtype), valid)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    loss_agg_mode: str = "token-mean",
+    loss_agg_norm: float | None = None,
+    **_,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, never drop a token's gradient.
+
+    r_it  = exp(logp_it - logp_old_it),  r^_it = clip(r_it, 1 - eps_low, 1 + eps_high)
+    L_it  = -A_it * sg[r^_it / r_it] * r_it        (value -A r^, gradient -sg[r^] A grad logp)
+    loss  = agg(L, mask, loss_agg_mode)
+
+    The gradient is the paper's sg(r^) A grad log pi for every token, including those outside the clip
+    range (PPO would zero them). The paper leaves the lower bound open: set clip_ratio_low close to 1.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high)
+    valid, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages, response_mask)
+    ratio = _ratio(log_ratio)
+    clipped = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg = -adv * (clipped / ratio).detach() * ratio
+    loss = agg_loss(pg, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _frac(ratio > 1.0 + clip_ratio_high, valid, log_ratio.dtype),
+            "ppo_kl": masked_mean(-log_ratio, valid),
+            "pg_clipfrac_lower": _frac(ratio < 1.0 - clip_ratio_low, valid, log_ratio.dtype),
+        }
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    loss_agg_mode: str = "token-mean",
+    loss_agg_norm: float | None = None,
+    **_,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft, sign-dependent gate instead of a hard clip.
+
+    r_it = exp(logp_it - logp_old_it),  tau_it = tau_pos if A_it > 0 else tau_neg
+    f(r) = (4 / tau) * sigmoid(tau * (r - 1))      (f'(1) = 1: on-policy it is the plain policy gradient)
+    L_it = -A_it * f(r_it),   loss = agg(L, mask, loss_agg_mode)
+
+    The gradient weight f'(r) = 4 sigmoid(tau (r-1)) (1 - sigmoid(tau (r-1))) decays smoothly as r leaves 1.
+    metrics: pg_clipfrac is 0 (nothing is hard-clipped).
+    """
+    if sapo_tau_pos <= 0 or sapo_tau_neg <= 0:
+        raise ConfigError(f"SAPO needs sapo_tau_pos > 0 and sapo_tau_neg > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
+    valid, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages, response_mask)
+    ratio = _ratio(log_ratio)
+    tau = torch.where(adv > 0, torch.full_like(adv, sapo_tau_pos), torch.full_like(adv, sapo_tau_neg))
+    gate = (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
+    pg = -adv * gate
+    loss = agg_loss(pg, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=log_ratio.dtype, device=log_prob.device)
+        metrics = {"pg_clipfrac": zero, "ppo_kl": masked_mean(-log_ratio, valid), "pg_clipfrac_lower": zero}
+    return loss, metrics
+
+
+def _covariance(adv: Tensor, log_prob: Tensor, valid: Tensor) -> Tensor:
+    """cov_it = (A_it - mean(A)) (logp_it - mean(logp)), means over the valid tokens given (no grad)."""
+    with torch.no_grad():
+        lp = log_prob.detach().to(adv.dtype)
+        return (adv - masked_mean(adv, valid)) * (lp - masked_mean(lp, valid))
+
+
+@POLICY_LOSSES.register("clip_cov")
+def clip_cov(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    loss_agg_mode: str = "token-mean",
+    loss_agg_norm: float | None = None,
+    **_,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617).
+
+    L1_it = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))                    (PPO, no dual clip)
+    cov_it = (A_it - mean A) (logp_it - mean logp)   over the valid tokens of this call's rows
+    C = valid tokens not clipped by L1 with clip_cov_lb < cov_it < clip_cov_ub; of C, the
+        k = max(1, floor(clip_cov_ratio * #valid)) with the largest cov_it get no gradient:
+    L_it = L1_it * (0 if it in the k else 1),   loss = agg(L, mask, loss_agg_mode)
+
+    The paper picks the k at random among C; this picks the k largest, so a step is deterministic.
+    The covariance means are over the rows of one call (one micro-batch), as in the paper's code, so the
+    selected tokens depend on the micro-batch split. metrics: pg_clipfrac = fraction of valid tokens
+    detached by the covariance rule.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high)
+    if clip_cov_ratio <= 0 or clip_cov_lb >= clip_cov_ub:
+        raise ConfigError(f"clip_cov needs clip_cov_ratio > 0 and clip_cov_lb < clip_cov_ub, got "
+                          f"{clip_cov_ratio}, {clip_cov_lb}, {clip_cov_ub}")
+    valid, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages, response_mask)
+    ratio = _ratio(log_ratio)
+    l_unclipped = -adv * ratio
+    l_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    cov = _covariance(adv, log_prob, valid)
+    cand = valid & ~(l_clipped > l_unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+    k = min(max(1, int(clip_cov_ratio * int(valid.sum()))), int(cand.sum()))
+    drop = torch.zeros_like(valid)
+    if k > 0:
+        score = torch.where(cand, cov, torch.full_like(cov, -float("inf"))).flatten()
+        drop.view(-1)[torch.topk(score, k).indices] = True
+    pg = torch.where(drop, torch.zeros_like(ratio), torch.maximum(l_unclipped, l_clipped))
+    loss = agg_loss(pg, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _frac(drop, valid, log_ratio.dtype),
+            "ppo_kl": masked_mean(-log_ratio, valid),
+            "pg_clipfrac_lower": torch.zeros((), dtype=log_ratio.dtype, device=log_prob.device),
+        }
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("kl_cov")
+def kl_cov(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    kl_cov_ratio: float = 2e-3,
+    kl_cov_coef: float = 1.0,
+    loss_agg_mode: str = "token-mean",
+    loss_agg_norm: float | None = None,
+    **_,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """KL-Cov (Cui et al. 2025, arXiv 2505.22617): a KL penalty on the highest-covariance tokens only.
+
+    cov_it = (A_it - mean A) (logp_it - mean logp)  over the valid tokens of this call's rows
+    K = the k = max(1, floor(kl_cov_ratio * #valid)) valid tokens with the largest cov_it
+    L_it = -A_it r_it + (kl_cov_coef * |logp_it - logp_old_it|  if it in K),   r = exp(logp - logp_old)
+    loss = agg(L, mask, loss_agg_mode)
+
+    No ratio clipping. Covariance statistics are per call (micro-batch), as in the paper's code.
+    metrics: pg_clipfrac = fraction of valid tokens in K.
+    """
+    if kl_cov_ratio <= 0 or kl_cov_coef < 0:
+        raise ConfigError(f"kl_cov needs kl_cov_ratio > 0 and kl_cov_coef >= 0, got {kl_cov_ratio}, {kl_cov_coef}")
+    valid, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages, response_mask)
+    ratio = _ratio(log_ratio)
+    cov = _covariance(adv, log_prob, valid)
+    n_valid = int(valid.sum())
+    pick = torch.zeros_like(valid)
+    if n_valid:
+        k = max(1, int(kl_cov_ratio * n_valid))
+        score = torch.where(valid, cov, torch.full_like(cov, -float("inf"))).flatten()
+        pick.view(-1)[torch.topk(score, k).indices] = True
+    pg = -adv * ratio + torch.where(pick, kl_cov_coef * log_ratio.abs(), torch.zeros_like(ratio))
+    loss = agg_loss(pg, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _frac(pick, valid, log_ratio.dtype),
+            "ppo_kl": masked_mean(-log_ratio, valid),
+            "pg_clipfrac_lower": torch.zeros((), dtype=log_ratio.dtype, device=log_prob.device),
+        }
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gmpo", "geo_mean")
+def gmpo(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 0.4,
+    clip_ratio_high: float = 0.4,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    **_,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673): maximise the geometric mean of the token ratios.
+
+    d_it  = logp_it - logp_old_it;  c_it = clip(d_it, -eps_low, eps_high)    (clip in LOG space)
+    d~_it = min(d_it, c_it) if A_it > 0,  max(d_it, c_it) if A_it < 0,  d_it if A_it == 0   (pessimistic)
+    rho_i = exp(mean_t d~_it),  A_i = mean_t A_it,  L_i = -A_i rho_i
+    loss  = mean over non-empty sequences of L_i   (always sequence-level: agg_mode seq-mean-token-mean)
+
+    eps_low / eps_high are actor.clip_ratio_low / clip_ratio_high read as log-ratio bounds (the paper uses
+    0.4, i.e. ratios in (e^-0.4, e^0.4)). pg_clipfrac / pg_clipfrac_lower: fraction of valid tokens whose
+    log-ratio was clipped, with A > 0 / A < 0.
+    """
+    if clip_ratio_low < 0 or clip_ratio_high < 0:
+        raise ConfigError(f"gmpo needs clip_ratio_low, clip_ratio_high >= 0, got {clip_ratio_low}, {clip_ratio_high}")
+    valid, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages, response_mask)
+    c = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
+    d = torch.where(adv > 0, torch.minimum(log_ratio, c), torch.where(adv < 0, torch.maximum(log_ratio, c), log_ratio))
+    rho = torch.exp(masked_mean(d, valid, dim=-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    a_seq = masked_mean(adv, valid, dim=-1, keepdim=True)
+    pg = (-a_seq * rho).expand_as(log_ratio)
+    loss = agg_loss(pg, response_mask, "seq-mean-token-mean")
+    with torch.no_grad():
+        clipped = valid & (c != log_ratio)
+        metrics = {
+            "pg_clipfrac": _frac(clipped & (adv > 0), valid, log_ratio.dtype),
+            "ppo_kl": masked_mean(-log_ratio, valid),
+            "pg_clipfrac_lower": _frac(clipped & (adv < 0), valid, log_ratio.dtype),
+        }
+    return loss, metrics
+
+
+gmpo.agg_mode = "seq-mean-token-mean"
+
+
+@POLICY_LOSSES.register("gpg")
+def gpg_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    loss_agg_norm: float | None = None,
+    **_,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GPG (Chu et al. 2025, arXiv 2504.02546): the plain policy gradient, no ratio, no clip.
+
+    L_it = -A_it logp_it,   loss = agg(L, mask, loss_agg_mode)
+    Pair with ``algorithm.adv_estimator = "gpg"``. metrics: clip fractions are 0.
+    """
+    valid, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages, response_mask)
+    lp = torch.where(valid, log_prob.to(log_ratio.dtype), torch.zeros_like(log_ratio))
+    loss = agg_loss(-adv * lp, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=log_ratio.dtype, device=log_prob.device)
+        metrics = {"pg_clipfrac": zero, "ppo_kl": masked_mean(-log_ratio, valid), "pg_clipfrac_lower": zero}
     return loss, metrics

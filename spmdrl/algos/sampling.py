@@ -27,3 +27,14 @@ def overlong_penalty(length: Tensor, max_len: int, buffer: int, factor: float) -
     times `factor`; a response cut at the limit gets -factor.
     """
     return ((max_len - buffer - length.float()) / buffer).clamp(min=-1.0, max=0.0) * factor
+
+
+def dynamic_sampling_quota(kept: int, target: int, n: int, dp: int) -> int:
+    """Samples each of the dp ranks trains on after dynamic sampling.
+
+    kept: informative samples held over all ranks; target: data.train_batch_size * n. The step trains on
+    min(kept, target) rounded down to whole groups on every rank (a multiple of n * dp), split evenly:
+    every rank runs the same number of micro-batches. 0 means not even one group per rank.
+    """
+    total = min(kept, target)
+    return (total - total % (n * dp)) // dp

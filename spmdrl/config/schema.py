@@ -79,9 +79,11 @@ class ActorConfig:
     micro_batch_size: int = 4
     """Samples per forward/backward on one rank; gradients accumulate over a mini-batch."""
     policy_loss: str = "ppo"
-    """Policy loss from the registry: ppo | gspo | ... (spmdrl.algos.losses)."""
-    loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    """Policy loss from the registry: ppo | gspo | gmpo | cispo | sapo | clip_cov | kl_cov | gpg (spmdrl.algos.losses)."""
+    loss_agg_mode: str = "auto"
+    """auto (the policy loss's own: seq-mean-token-mean for gspo/gmpo, else token-mean) | token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    loss_agg_norm: float = 0.0
+    """Constant divisor of seq-mean-token-sum-norm (Dr. GRPO) for the policy, entropy and KL terms; 0 means data.max_response_length."""
     clip_ratio_low: float = 0.2
     """Lower clip of the importance ratio: 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -95,9 +97,23 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     """Coefficient of the KL loss term."""
     kl_loss_type: str = "low_var_kl"
-    """KL estimator for the loss: kl (k1) | abs | mse (k2) | low_var_kl (k3)."""
+    """KL estimator for the loss: kl (k1) | abs | mse (k2) | low_var_kl (k3) | k1+ | k3+ (value of k1/k3, gradient of k2)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk when computing log-probs and entropy from the LM head (bounds the logits memory)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO: gate temperature for tokens with a positive advantage."""
+    sapo_tau_neg: float = 1.05
+    """SAPO: gate temperature for tokens with a negative (or zero) advantage."""
+    clip_cov_ratio: float = 0.0002
+    """Clip-Cov: fraction of valid tokens whose gradient is detached."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: lower bound of the covariance of the tokens that may be detached."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: upper bound of the covariance of the tokens that may be detached."""
+    kl_cov_ratio: float = 0.002
+    """KL-Cov: fraction of valid tokens (largest covariance) that get the KL penalty."""
+    kl_cov_coef: float = 1.0
+    """KL-Cov: coefficient of the |logp - logp_old| penalty on those tokens."""
 
 
 @dataclass
@@ -134,6 +150,8 @@ class CriticConfig:
     """Clip of the value update around the old values."""
     loss_agg_mode: str = "token-mean"
     """Aggregation of the value loss."""
+    loss_agg_norm: float = 0.0
+    """Constant divisor of seq-mean-token-sum-norm for the value loss; 0 means data.max_response_length."""
 
 
 @dataclass
@@ -209,7 +227,7 @@ class AlgorithmConfig:
     """Advantage estimation and the KL-in-reward controller."""
 
     adv_estimator: str = "grpo"
-    """Advantage estimator from the registry: grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae | remax."""
+    """Advantage estimator from the registry: grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae | remax | grpo_passk | opo | gpg."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (false gives Dr.GRPO)."""
     gamma: float = 1.0
@@ -221,7 +239,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     """Subtract kl_coef * KL(actor || ref) from the token rewards."""
     kl_penalty: str = "kl"
-    """KL estimator for the in-reward penalty: kl | abs | mse | low_var_kl."""
+    """KL estimator for the in-reward penalty: kl | abs | mse | low_var_kl (the '+' variants only change gradients, which a reward has none of)."""
     kl_ctrl: str = "fixed"
     """In-reward KL coefficient controller: fixed | adaptive."""
     kl_coef: float = 0.001
@@ -229,11 +247,13 @@ class AlgorithmConfig:
     kl_target: float = 0.1
     """Adaptive controller: target KL."""
     kl_horizon: int = 10000
-    """Adaptive controller: horizon in samples."""
+    """Adaptive controller: horizon in samples. The controller is fed the global mean over responses of each response's token-mean KL."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more until the batch is full."""
     max_sample_rounds: int = 4
-    """Dynamic sampling: generation rounds per step at most; past it the step trains on what it has."""
+    """Dynamic sampling: generation rounds per step at most; past it the step trains on what it has (on the last round unfiltered if that is not one group per rank)."""
+    filter_metric: str = "rule_score"
+    """Dynamic sampling: the per-sample value whose all-equal groups are dropped: rule_score (the rule / custom score before weighting, reward model and overlong shaping) | score (the final reward)."""
 
 
 @dataclass

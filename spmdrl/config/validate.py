@@ -33,7 +33,6 @@ def validate(cfg, world_size: int):
     for key, reg in (
         ("algorithm.adv_estimator", ADV_ESTIMATORS),
         ("actor.policy_loss", POLICY_LOSSES),
-        ("actor.loss_agg_mode", LOSS_AGG),
         ("critic.loss_agg_mode", LOSS_AGG),
         ("actor.kl_loss_type", KL_ESTIMATORS),
         ("algorithm.kl_penalty", KL_ESTIMATORS),
@@ -119,4 +118,44 @@ def validate(cfg, world_size: int):
             f"reward.overlong_buffer_len = {cfg.reward.overlong_buffer_len} must be < data.max_response_length = "
             f"{cfg.data.max_response_length}"
         )
+    validate_objective(cfg, layout)
     return layout
+
+
+def validate_objective(cfg, layout) -> None:
+    """Checks that keep the optimised objective independent of the parallel layout (issue 13)."""
+    from spmdrl.algos import LOSS_AGG
+    from spmdrl.algos.losses import resolve_agg_mode
+
+    mode = cfg.actor.loss_agg_mode
+    if mode != "auto" and mode not in LOSS_AGG:
+        raise ConfigError(f"actor.loss_agg_mode = {mode!r} is not registered; registered: auto, {', '.join(LOSS_AGG.names())}")
+    resolve_agg_mode(cfg.actor.policy_loss, mode)  # GSPO / GMPO: reject a conflicting explicit choice
+    for key in ("actor.loss_agg_norm", "critic.loss_agg_norm"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0 (0 means data.max_response_length), found {_get(cfg, key)}")
+    if cfg.algorithm.filter_metric not in ("rule_score", "score"):
+        raise ConfigError(f"algorithm.filter_metric = {cfg.algorithm.filter_metric!r} is not one of rule_score, score")
+    check_whole_groups(cfg, layout)
+
+
+def check_whole_groups(cfg, layout) -> None:
+    """A prompt's rollout.n samples must land on one actor data-parallel rank: group statistics (GRPO, RLOO,
+    OPO, ..., and dynamic sampling's filter) are computed where the samples are, without communication.
+
+    Samples are laid out prompt-major and cut into dp equal contiguous slices, so groups stay whole iff
+    each slice holds whole prompts: data.train_batch_size % actor dp == 0.
+    """
+    from spmdrl.algos import ADV_ESTIMATORS
+
+    needs = "index" in getattr(ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator), "requires", ())
+    if not (needs or cfg.algorithm.filter_groups) or cfg.rollout.n < 2:
+        return
+    bs, n, dp = cfg.data.train_batch_size, cfg.rollout.n, layout["actor"].dp
+    if bs % dp:
+        raise ConfigError(
+            f"data.train_batch_size = {bs} prompts x rollout.n = {n} = {bs * n} samples over {dp} actor data-parallel "
+            f"ranks gives {bs * n / dp:g} samples per rank, which splits a prompt's {n} samples across ranks "
+            f"(group statistics and dynamic sampling need whole groups); "
+            f"make data.train_batch_size a multiple of {dp}"
+        )

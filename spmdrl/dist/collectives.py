@@ -145,6 +145,31 @@ def all_gather_strings(texts: list[str], mesh: RoleMesh, n: int) -> list[str]:
     return out
 
 
+def take_global_rows(batch: Batch, lo: int, hi: int, group=None) -> Batch:
+    """Rows [lo, hi) of the concatenation, in `group` rank order, of every rank's `batch` (tensors only;
+    meta is dropped). Ranks may hold different row counts. One all-gather of the counts, then one
+    all-gather (plus a width all-reduce for 2-D tensors) per tensor of rows padded to the largest count."""
+    dev = comm_device(group)
+    size = dist.get_world_size(group)
+    count = torch.tensor([len(batch)], dtype=torch.long, device=dev)
+    counts = [torch.zeros_like(count) for _ in range(size)]
+    dist.all_gather(counts, count, group=group)
+    counts = [int(c) for c in counts]
+    rows = max(counts)
+    out = {}
+    for k in sorted(batch.tensors):
+        t = batch.tensors[k].to(dev)
+        if t.dim() == 2:
+            width = torch.tensor([t.shape[1]], dtype=torch.long, device=dev)
+            dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+            t = torch.nn.functional.pad(t, (0, int(width) - t.shape[1]))
+        t = torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        out[k] = torch.cat([p[:c] for p, c in zip(parts, counts)])[lo:hi].cpu()
+    return Batch(out)
+
+
 def reduce_mean(values: dict[str, float], weight: float = 1.0, group=None) -> dict[str, float]:
     """Weighted mean of scalar metrics over ranks: one all-reduce of a packed vector when every rank has the
     same keys (the common case, checked with a 2-int all-reduce); ranks may also report different keys
