@@ -53,5 +53,5 @@ class WeightSync:
             "weight_sync/bytes_lower_bound": float(self.lower_bound),
             "weight_sync/collectives": collectives,
             "weight_sync/buckets": float(stats.buckets),
-            "weight_sync/transport_s": stats.seconds,
+            "timing/weight_sync_transport_s": stats.seconds,
         }
