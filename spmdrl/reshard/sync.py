@@ -16,11 +16,12 @@ from .plan import ModelDims, SyncPlan, full_block, plan_sync, vllm_blocks
 from .transport import execute
 
 
-def rollout_targets(params, rollout_mesh: RoleMesh, dims: ModelDims, loads_tp_shards: bool) -> dict:
-    """What each rollout rank needs: its vLLM TP shard, or the whole tensor for engines that hold full weights."""
+def rollout_targets(params, tp_groups: list[list[int]], dims: ModelDims, loads_tp_shards: bool) -> dict:
+    """What each rollout rank needs: its vLLM TP shard, or the whole tensor for engines that hold full weights.
+    tp_groups: the rollout role's TP groups (global ranks, vLLM TP order); `spmdrl plan` calls this too."""
     if loads_tp_shards:
-        return vllm_blocks(params, rollout_mesh.tp_groups(), dims)
-    ranks = [r for g in rollout_mesh.tp_groups() for r in g]
+        return vllm_blocks(params, tp_groups, dims)
+    ranks = [r for g in tp_groups for r in g]
     return {name: [(r, full_block(shape)) for r in ranks] for name, shape in params}
 
 
@@ -32,7 +33,7 @@ class WeightSync:
         self.bucket_bytes = bucket_mb << 20
         params = actor.param_shapes()
         dims = ModelDims.from_hf_config(actor.hf_config())
-        targets = rollout_targets(params, rollout_mesh, dims, getattr(rollout, "loads_tp_shards", False))
+        targets = rollout_targets(params, rollout_mesh.tp_groups(), dims, getattr(rollout, "loads_tp_shards", False))
         elem = torch.empty((), dtype=dtype).element_size()
         self.plan: SyncPlan = plan_sync(params, actor.source_blocks(), targets, elem)
         summary = self.plan.summary(self.bucket_bytes)
