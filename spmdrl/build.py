@@ -31,7 +31,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device) -> Engi
         backend, cfg.model.path, meshes["actor"], device, trainable=True,
         optim=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
                    lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip),
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        gradient_checkpointing=cfg.model.gradient_checkpointing, defer_grad_sync=cfg.memory.defer_grad_sync,
         total_steps=cfg.trainer.total_steps * updates_per_step, **common,
     )
     ref = None
@@ -44,7 +44,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device) -> Engi
             backend, c.path or cfg.model.path, meshes["critic"], device, trainable=True, value_head=True,
             gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=cfg.trainer.total_steps * c.ppo_epochs,
             optim=dict(lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip=c.grad_clip),
-            **common,
+            defer_grad_sync=cfg.memory.defer_grad_sync, **common,
         )
     return Engines(actor, ref, critic)
 

@@ -28,8 +28,8 @@ def rollout_targets(params, tp_groups: list[list[int]], dims: ModelDims, loads_t
 class WeightSync:
     """Planned once, run after every actor update (and after a resume)."""
 
-    def __init__(self, actor, rollout, rollout_mesh: RoleMesh, *, dtype: torch.dtype, bucket_mb: int):
-        self.actor, self.rollout, self.dtype = actor, rollout, dtype
+    def __init__(self, actor, rollout, rollout_mesh: RoleMesh, *, dtype: torch.dtype, bucket_mb: int, memory=None):
+        self.actor, self.rollout, self.dtype, self.memory = actor, rollout, dtype, memory
         self.bucket_bytes = bucket_mb << 20
         params = actor.param_shapes()
         dims = ModelDims.from_hf_config(actor.hf_config())
@@ -41,7 +41,10 @@ class WeightSync:
         self.planned_recv_max = summary["bytes_recv_max"]
 
     def __call__(self) -> dict[str, float]:
-        self.rollout.wake_up()
+        if self.memory is not None:
+            self.memory.for_sync()  # training state out, empty_cache, vLLM weights (not KV) awake: spmdrl/memory.py
+        else:
+            self.rollout.wake_up()
         shards = {name: (t, block) for name, t, block in self.actor.weight_shards()}
         stats = execute(
             self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=comm_device(),
