@@ -54,7 +54,16 @@ def rollout_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if r == "bfloat16" or (r == "auto" and device.type == "cuda") else torch.float32
 
 
-def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokenizer_path: str):
+def rollout_load_format(cfg: Config, device: torch.device, resuming: bool) -> str:
+    """vLLM's load format: "dummy" when a weight sync precedes the first rollout (always after a resume; on
+    CUDA the trainer runs one at start), so the checkpoint is read once, by the training engines."""
+    f = cfg.rollout.load_format
+    if f == "auto":
+        return "dummy" if resuming or device.type == "cuda" else "auto"
+    return "auto" if f == "checkpoint" else f
+
+
+def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokenizer_path: str, load_format: str = "auto"):
     r, d = cfg.rollout, cfg.data
     mesh = meshes["rollout"]
     return build_engine(
@@ -65,7 +74,7 @@ def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokeniz
         gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.enable_sleep_mode and device.type == "cuda",
         enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs,
         max_num_batched_tokens=max(r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length),
-        kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code,
+        kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code, load_format=load_format,
     )
 
 

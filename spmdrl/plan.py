@@ -119,6 +119,15 @@ def shard_stats(params, lay) -> dict:
             "layer": max(layers.values(), default=0), "total": sum(math.prod(s) for _, s in params)}
 
 
+def load_bytes_per_rank(params, lay, store_eb: int, ckpt_eb: int) -> int:
+    """Memory a rank's sharded load adds (spmdrl/engines/loading.py): its shard in the storage dtype, plus one
+    block in flight (read in the checkpoint dtype, then cast)."""
+    from spmdrl.reshard.plan import fsdp_block, fsdp_tp_style, numel
+
+    largest = max(numel(fsdp_block(s, fsdp_tp_style(n), lay.dp, lay.tp, 0, 0)) for n, s in params)
+    return shard_stats(params, lay)["shard"] * store_eb + largest * (ckpt_eb + store_eb)
+
+
 # ------------------------------------------------------------------------------------------------ weight sync
 
 

@@ -16,7 +16,7 @@ import torch
 from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES
 from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
-from spmdrl.build import build_engines, build_rollout, rollout_dtype, sampling_specs
+from spmdrl.build import build_engines, build_rollout, rollout_dtype, rollout_load_format, sampling_specs
 from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume
 from spmdrl.config import Config, to_toml
 from spmdrl.data.prompts import PromptDataset
@@ -87,7 +87,9 @@ class Trainer(Stages, Validation, RunState):
                 policy_tokenizer=self.tokenizer, micro_batch_size=cfg.reward.model_micro_batch_size,
                 trust_remote_code=cfg.model.trust_remote_code, dtype=cfg.model.dtype,
             )
-        self.rollout = self.memory.rollout = build_rollout(cfg, self.meshes, device, tok_path)
+        self.resumed_from = resolve_resume(cfg)
+        load_format = rollout_load_format(cfg, device, resuming=self.resumed_from is not None)
+        self.rollout = self.memory.rollout = build_rollout(cfg, self.meshes, device, tok_path, load_format)
         seed_everything(cfg.trainer.seed)  # building the engine reseeds the global RNG
         self.weight_sync = WeightSync(self.actor, self.rollout, self.rollout_mesh, dtype=rollout_dtype(cfg, device),
                                       bucket_mb=cfg.rollout.weight_sync_bucket_mb, memory=self.memory)
@@ -111,9 +113,11 @@ class Trainer(Stages, Validation, RunState):
         if cfg.reward.on_error != "raise" or cfg.reward.timeout_s > 0:
             self.reward_fn = GuardedReward(self.reward_fn, on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
         set_collective_timeout(cfg.trainer.dist_timeout_s)
-        self.resumed_from = resolve_resume(cfg)
         if self.resumed_from:
-            self.load_checkpoint(self.resumed_from)
+            self.load_checkpoint(self.resumed_from)  # ends with a weight sync
+        elif load_format == "dummy":
+            self.weight_sync()  # vLLM holds random weights until the actor's arrive
+
 
     # ---- the loop -----------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:

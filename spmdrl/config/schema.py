@@ -176,6 +176,8 @@ class RolloutConfig:
     """Size of the buckets in which weights stream from the actor to the rollout engine."""
     dtype: str = "auto"
     """Rollout dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."""
+    load_format: str = "auto"
+    """How vLLM gets its first weights: auto (dummy on CUDA and on resume, else the checkpoint) | dummy (random weights; the trainer syncs the actor's before the first rollout, so the checkpoint is read once) | checkpoint."""
 
 
 @dataclass

@@ -68,6 +68,7 @@ class VLLMEngine:
         kv_cache_gb: float = 1.0,
         trust_remote_code: bool = False,
         tp_group: list[int] | None = None,
+        load_format: str = "auto",
     ):
         """tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
         checked against it after the build."""
@@ -119,6 +120,7 @@ class VLLMEngine:
                     trust_remote_code=trust_remote_code,
                     enable_prefix_caching=True,
                     disable_log_stats=True,
+                    load_format=load_format,  # "dummy": random weights, a weight sync follows (spmdrl/build.py)
                     **kwargs,
                 )
         finally:
