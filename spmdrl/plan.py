@@ -86,13 +86,7 @@ def role_table(layout: dict) -> dict:
     """Which global ranks form which dp/pp/tp groups, per role."""
     out = {}
     for role, lay in layout.items():
-        grid = lay.mesh_ranks()
-        out[role] = {
-            "dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "ranks": list(lay.ranks),
-            "tp_groups": [g for pp in grid for g in pp],
-            "dp_groups": [[grid[d][p][t] for d in range(lay.dp)] for p in range(lay.pp) for t in range(lay.tp)],
-            "pp_groups": [[grid[d][p][t] for p in range(lay.pp)] for d in range(lay.dp) for t in range(lay.tp)],
-        }
+        out[role] = {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "ranks": list(lay.ranks), **lay.groups()}
     return out
 
 
@@ -101,13 +95,12 @@ def shard_stats(params, lay) -> dict:
     whole model, the root's (non-layer) parameters and the largest TP-local decoder layer."""
     from spmdrl.reshard.plan import fsdp_block, fsdp_tp_style, numel
 
-    per_rank: dict[int, int] = {}
+    per_rank: dict[tuple[int, int], int] = {}  # by (dp, tp) coordinate
     for name, shape in params:
         style = fsdp_tp_style(name)
         for d in range(lay.dp):
             for t in range(lay.tp):
-                r = lay.mesh_ranks()[d][0][t]
-                per_rank[r] = per_rank.get(r, 0) + numel(fsdp_block(shape, style, lay.dp, lay.tp, d, t))
+                per_rank[d, t] = per_rank.get((d, t), 0) + numel(fsdp_block(shape, style, lay.dp, lay.tp, d, t))
     tp_local = sum(numel(fsdp_block(s, fsdp_tp_style(n), 1, lay.tp, 0, 0)) for n, s in params)
     root = sum(math.prod(s) for n, s in params if ".layers." not in n)
     layers: dict[str, int] = {}
