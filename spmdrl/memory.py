@@ -2,7 +2,8 @@
 
 The trainer only says which phase comes next; this object moves state so the phase fits:
 
-    for_rollout()        training buffers freed (empty_cache); vLLM wakes its KV cache (weights came with the sync)
+    for_rollout()        every role's configured kinds to host, training buffers freed (empty_cache); vLLM wakes
+                         its KV cache (its weights came with the sync)
     for_training(role)   vLLM sleeps at level 2 (weights and KV dropped: the next sync restores the weights);
                          the other roles' configured kinds go to host memory; `role` is onloaded
     for_sync()           every role's configured kinds go to host memory, the actor's params stay; empty_cache so
@@ -20,12 +21,10 @@ The CUDA branches have not run on a GPU (none was available while writing them).
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
-log = logging.getLogger("spmdrl")
 GIB = 2**30
 ALL_KINDS = ("params", "grads", "optimizer")
 
@@ -66,7 +65,6 @@ class MemoryLifecycle:
         self.offload = {role: tuple(k for k in offload.get(role, ()) if k in ALL_KINDS) for role in self.engines}
         self.rollout = rollout
         self.phase: str | None = None
-        self.onloaded: set[str] = set(self.engines)
         self._peaks: dict[str, tuple[float, float]] = {}
 
     # ---- transitions ----------------------------------------------------------------------------------
@@ -82,6 +80,8 @@ class MemoryLifecycle:
         if self.phase == "rollout":
             return
         self._enter("rollout")
+        for role in self.engines:  # the actor's params too, when configured: the sync was their last use
+            self._offload(role, self.offload[role])
         self._empty_cache()  # the sync's buckets and the update's freed blocks go back before vLLM takes its KV
         if self.rollout is not None:
             self.rollout.wake_up(tags=["weights", "kv_cache"])  # weights: already awake after a sync
@@ -150,13 +150,10 @@ class MemoryLifecycle:
     def _offload(self, role: str, kinds: tuple[str, ...]) -> None:
         if self.cuda and kinds:
             self.engines[role].offload(kinds)
-            self.onloaded.discard(role)
 
     def _onload(self, role: str, kinds: tuple[str, ...] = ALL_KINDS) -> None:
         if self.cuda:
             self.engines[role].onload(kinds)
-            if kinds == ALL_KINDS:
-                self.onloaded.add(role)
 
     def _empty_cache(self) -> None:
         if self.cuda:
