@@ -70,3 +70,10 @@ def test_shipped_configs_fit(config):
     assert {"rollout", "sync", "train_actor"} <= set(p["memory"])
     ws = p["weight_sync"]
     assert ws["bytes_recv_max"] <= 1.1 * ws["bytes_lower_bound"]
+    # parameter counts of the published checkpoints (their safetensors totals)
+    published = {"configs/grpo.toml": 7_615_616_512, "configs/ppo_70b.toml": 70_553_706_496}[config]
+    assert p["model"]["params"] == published
+    if config == "configs/grpo.toml":  # actor FSDP2 over 8 ranks, no TP: an eighth each, fp32 master + AdamW
+        train = p["memory"]["train_actor"]["gpu"]
+        assert train["actor_params"] == pytest.approx(published * 4 / 8 / 2**30, rel=1e-3)
+        assert train["actor_optimizer"] == pytest.approx(2 * train["actor_params"], rel=1e-3)
