@@ -31,7 +31,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device) -> Engi
         backend, cfg.model.path, meshes["actor"], device, trainable=True,
         optim=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
                    lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip),
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        gradient_checkpointing=cfg.model.gradient_checkpointing, defer_grad_sync=cfg.memory.defer_grad_sync,
         total_steps=cfg.trainer.total_steps * updates_per_step, **common,
     )
     ref = None
@@ -44,7 +44,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device) -> Engi
             backend, c.path or cfg.model.path, meshes["critic"], device, trainable=True, value_head=True,
             gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=cfg.trainer.total_steps * c.ppo_epochs,
             optim=dict(lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip=c.grad_clip),
-            **common,
+            defer_grad_sync=cfg.memory.defer_grad_sync, **common,
         )
     return Engines(actor, ref, critic)
 
@@ -54,7 +54,16 @@ def rollout_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if r == "bfloat16" or (r == "auto" and device.type == "cuda") else torch.float32
 
 
-def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokenizer_path: str):
+def rollout_load_format(cfg: Config, device: torch.device, resuming: bool) -> str:
+    """vLLM's load format: "dummy" when a weight sync precedes the first rollout (always after a resume; on
+    CUDA the trainer runs one at start), so the checkpoint is read once, by the training engines."""
+    f = cfg.rollout.load_format
+    if f == "auto":
+        return "dummy" if resuming or device.type == "cuda" else "auto"
+    return "auto" if f == "checkpoint" else f
+
+
+def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokenizer_path: str, load_format: str = "auto"):
     r, d = cfg.rollout, cfg.data
     mesh = meshes["rollout"]
     return build_engine(
@@ -65,7 +74,7 @@ def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokeniz
         gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.enable_sleep_mode and device.type == "cuda",
         enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs,
         max_num_batched_tokens=max(r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length),
-        kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code,
+        kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code, load_format=load_format,
     )
 
 

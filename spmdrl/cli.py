@@ -5,6 +5,7 @@
     spmdrl data synthetic --out data/arith
     spmdrl model tiny --out models/tiny
     spmdrl sweep plan|run|report configs/ablations/estimators.toml
+    spmdrl plan --config configs/ppo_70b.toml --json
 
 Every SpmdrlError (bad config, data, path) prints as one line `error: ...` on stderr with exit code 2.
 """
@@ -231,6 +232,32 @@ def bench(
     model_dir, data = prepare(work_dir, model)
     run_dir = launch(work_dir, model_dir, data, nproc, steps, _overrides(overrides))
     typer.echo(format_breakdown(breakdown(run_dir)))
+
+
+@app.command(context_settings=PASS_OVERRIDES)
+@user_errors
+def plan(
+    config: str = typer.Option(..., "--config", "-c", help=CONFIG_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    world_size: Optional[int] = typer.Option(None, "--world-size", "-w", min=1, help="Ranks; default memory.nodes x memory.gpus_per_node."),
+    gpu_gb: Optional[float] = typer.Option(None, "--gpu-gb", help="GPU memory per device in GiB (memory.gpu_memory_gb)."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="memory.gpus_per_node."),
+    host_gb: Optional[float] = typer.Option(None, "--host-gb", help="Host memory per node in GiB (memory.host_memory_gb)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of the table."),
+):
+    """Role meshes, weight-sync bytes and memory per phase for a config; no GPU, no weights (spmdrl/plan.py)."""
+    import json
+
+    from spmdrl.config import load_config, validate
+    from spmdrl.plan import build_plan, render
+
+    extra = [f"memory.{k}={v}" for k, v in (("gpu_memory_gb", gpu_gb), ("gpus_per_node", gpus_per_node),
+                                            ("host_memory_gb", host_gb)) if v is not None]
+    cfg = load_config(config, _overrides(overrides) + extra)
+    world = world_size or cfg.memory.nodes * cfg.memory.gpus_per_node
+    validate(cfg, world)
+    p = build_plan(cfg, world)
+    typer.echo(json.dumps(p, indent=1) if as_json else render(p))
 
 
 @app.command()

@@ -93,7 +93,7 @@ class Stages:
         prompts = [self.train_ds.prompt_ids(i) for i in prompt_idx]
         first = round_ * self.cfg.data.train_batch_size + r.dp_offset(len(prompts))
         seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompts))
-        self.rollout.wake_up()
+        self.memory.for_rollout()  # vLLM's KV cache back (spmdrl/memory.py)
         out = self.rollout.generate(prompts, self.specs.train, seeds)
         n = self.specs.train.n
         batch = self.to_batch(prompts, prompt_idx, out, n)

@@ -16,7 +16,7 @@ import torch
 from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES
 from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
-from spmdrl.build import build_engines, build_rollout, rollout_dtype, sampling_specs
+from spmdrl.build import build_engines, build_rollout, rollout_dtype, rollout_load_format, sampling_specs
 from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume
 from spmdrl.config import Config, to_toml
 from spmdrl.data.prompts import PromptDataset
@@ -25,6 +25,7 @@ from spmdrl.dist.collectives import reduce_mean
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.faults import named_failures, set_collective_timeout
 from spmdrl.hooks import HookContext, HookRunner
+from spmdrl.memory import MemoryLifecycle, offload_kinds
 from spmdrl.metrics import MetricsLogger, StageTimer, peak_memory_gb
 from spmdrl.reshard.sync import WeightSync
 from spmdrl.rewards import default_compute_score, load_reward_fn
@@ -66,6 +67,9 @@ class Trainer(Stages, Validation, RunState):
         self.reward_fn = load_reward_fn(cfg.reward.custom_fn) if cfg.reward.custom_fn else default_compute_score
         engines = build_engines(cfg, self.meshes, device)
         self.actor, self.ref, self.critic = engines.actor, engines.ref, engines.critic
+        self.memory = MemoryLifecycle(device, {"actor": self.actor, "ref": self.ref, "critic": self.critic},
+                                      offload_kinds(cfg))
+        self.memory.settle()  # configured state to host memory before vLLM sizes itself to the free GPU memory
         alg, a = cfg.algorithm, cfg.actor
         self.kl_ctrl = (
             AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon) if alg.kl_ctrl == "adaptive"
@@ -83,10 +87,12 @@ class Trainer(Stages, Validation, RunState):
                 policy_tokenizer=self.tokenizer, micro_batch_size=cfg.reward.model_micro_batch_size,
                 trust_remote_code=cfg.model.trust_remote_code, dtype=cfg.model.dtype,
             )
-        self.rollout = build_rollout(cfg, self.meshes, device, tok_path)
+        self.resumed_from = resolve_resume(cfg)
+        load_format = rollout_load_format(cfg, device, resuming=self.resumed_from is not None)
+        self.rollout = self.memory.rollout = build_rollout(cfg, self.meshes, device, tok_path, load_format)
         seed_everything(cfg.trainer.seed)  # building the engine reseeds the global RNG
         self.weight_sync = WeightSync(self.actor, self.rollout, self.rollout_mesh, dtype=rollout_dtype(cfg, device),
-                                      bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+                                      bucket_mb=cfg.rollout.weight_sync_bucket_mb, memory=self.memory)
         self.specs = sampling_specs(cfg, self.tokenizer.eos_token_id)
         self.adv_fn = ADV_ESTIMATORS.get(alg.adv_estimator)
         self.loss_fn = POLICY_LOSSES.get(a.policy_loss)
@@ -107,9 +113,11 @@ class Trainer(Stages, Validation, RunState):
         if cfg.reward.on_error != "raise" or cfg.reward.timeout_s > 0:
             self.reward_fn = GuardedReward(self.reward_fn, on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
         set_collective_timeout(cfg.trainer.dist_timeout_s)
-        self.resumed_from = resolve_resume(cfg)
         if self.resumed_from:
-            self.load_checkpoint(self.resumed_from)
+            self.load_checkpoint(self.resumed_from)  # ends with a weight sync
+        elif load_format == "dummy":
+            self.weight_sync()  # vLLM holds random weights until the actor's arrive
+
 
     # ---- the loop -----------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -150,15 +158,18 @@ class Trainer(Stages, Validation, RunState):
     def step(self, step: int) -> dict[str, float]:
         """One RL step: every stage is one call, timed."""
         cfg, timer, t0 = self.cfg, StageTimer(self.device), time.perf_counter()
+        train_actor = step > cfg.trainer.critic_warmup
         batch, metrics = self.collect(step, timer)  # rollout -> batch to the actor layout -> reward
-        self.rollout.sleep()  # GPU: free vLLM's weights and KV cache while actor/ref/critic run; the sync wakes it
+        self.memory.for_training("actor", update=False, keep_rollout_weights=not train_actor)  # spmdrl/memory.py
         if not self.on_policy:  # on-policy (one epoch, one mini-batch) the update's own log-probs are the old ones
             with timer("old_logprob"):
                 batch["old_log_probs"] = self.forward_logprobs(self.actor, batch)
         if self.ref is not None:
+            self.memory.for_training("ref", update=False)
             with timer("ref_logprob"):
                 batch["ref_log_probs"] = self.forward_logprobs(self.ref, batch)
         if self.critic is not None:
+            self.memory.for_training("critic", update=False)
             with timer("values"):
                 batch["values"] = self.forward_values(batch)
         with timer("advantage"):
@@ -167,10 +178,11 @@ class Trainer(Stages, Validation, RunState):
         metrics.update(self.run_hooks("after_advantage", step, batch))
         metrics.update(self.run_hooks("before_update", step, batch))
         if self.critic is not None:
+            self.memory.for_training("critic")
             with timer("update_critic"):
                 metrics.update(self.update(self.critic, batch, critic_body(cfg), "critic"))
-        train_actor = step > cfg.trainer.critic_warmup
         if train_actor:
+            self.memory.for_training("actor")
             with timer("update_actor"):
                 metrics.update(self.update(self.actor, batch, actor_body(cfg, self.loss_fn, cfg.rollout.temperature), "actor"))
         metrics.update(self.run_hooks("after_update", step, batch))
@@ -178,6 +190,7 @@ class Trainer(Stages, Validation, RunState):
             with timer("weight_sync"):
                 metrics.update(self.weight_sync())
         metrics.update(self.batch_metrics(batch))
+        metrics.update(self.memory.step_metrics())
         metrics.update(self.run_hooks("after_step", step, batch, metrics=dict(metrics)))
         return self.reduce_step_metrics(batch, metrics, timer, time.perf_counter() - t0)
 

@@ -24,7 +24,7 @@ class Validation:
         sources = self.val_sources
         sums = torch.zeros(2 * len(sources), dtype=torch.float64)
         hook_metrics: dict[str, float] = {}
-        self.rollout.wake_up()  # stays awake: the next step's rollout follows
+        self.memory.for_rollout()  # stays awake: the next step's rollout follows
         vbs = self.cfg.data.val_batch_size
         chunk = max(1, r.dp_ceil(vbs)) if vbs else max(1, len(rows))
         for start in range(0, len(rows), chunk):

@@ -110,7 +110,8 @@ def runs(assets, tmp_path_factory):
 
 
 def comparable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
+    measured = ("timing/", "perf/", "memory/", "weight_sync/transport_s")  # wall times and memory readings
+    return [{k: v for k, v in r.items() if not k.startswith(measured)} for r in rows]
 
 
 def test_checkpoints_are_complete_sharded_and_kept(runs):

@@ -10,6 +10,7 @@ from .schema import (
     DataConfig,
     HooksConfig,
     LoggingConfig,
+    MemoryConfig,
     ModelConfig,
     PlacementConfig,
     RefConfig,
@@ -21,6 +22,6 @@ from .validate import validate
 
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "Config", "CriticConfig", "DataConfig", "HooksConfig",
-    "LoggingConfig", "ModelConfig", "PlacementConfig", "RefConfig", "RewardConfig", "RolloutConfig",
+    "LoggingConfig", "MemoryConfig", "ModelConfig", "PlacementConfig", "RefConfig", "RewardConfig", "RolloutConfig",
     "TrainerConfig", "config_reference", "field_docs", "load_config", "to_toml", "validate",
 ]

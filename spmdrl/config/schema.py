@@ -194,6 +194,8 @@ class RolloutConfig:
     """Size of the buckets in which weights stream from the actor to the rollout engine."""
     dtype: str = "auto"
     """Rollout dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."""
+    load_format: str = "auto"
+    """How vLLM gets its first weights: auto (dummy on CUDA and on resume, else the checkpoint) | dummy (random weights; the trainer syncs the actor's before the first rollout, so the checkpoint is read once) | checkpoint."""
 
 
 @dataclass
@@ -287,6 +289,30 @@ class PlacementConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """GPU/host memory: what goes to host memory between a role's phases, and the hardware `spmdrl plan` checks against."""
+
+    actor_offload: list[str] = field(default_factory=lambda: ["optimizer", "grads"])
+    """Kinds of actor state moved to host memory while the actor is not training (params | grads | optimizer; GPU only)."""
+    critic_offload: list[str] = field(default_factory=lambda: ["optimizer", "grads"])
+    """Kinds of critic state moved to host memory while the critic is not training (GPU only)."""
+    ref_offload: list[str] = field(default_factory=list)
+    """["params"] moves the ref weights to host memory outside its forward (GPU only; ref.offload streams them instead)."""
+    defer_grad_sync: bool = False
+    """Reduce-scatter gradients only on a mini-batch's last micro-batch. Costs an unsharded float32 gradient of the whole (tp-local) model per rank (4 bytes x params / tp) while accumulating; the default reduce-scatters every micro-batch."""
+    gpu_memory_gb: float = 80.0
+    """GPU memory per device in GB (10^9 bytes), for `spmdrl plan`."""
+    gpus_per_node: int = 8
+    """GPUs (ranks) per node, for `spmdrl plan`'s host figures."""
+    nodes: int = 1
+    """Nodes of the run, for `spmdrl plan` (world size = nodes x gpus_per_node unless --world-size is given)."""
+    host_memory_gb: float = 2048.0
+    """Host memory per node in GB, for `spmdrl plan`."""
+    margin: float = 0.9
+    """`spmdrl plan` says a phase fits when it uses at most this fraction of GPU and host memory."""
+
+
+@dataclass
 class TrainerConfig:
     """The loop."""
 
@@ -361,6 +387,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -14,6 +14,7 @@ CHOICES = {
     "trainer.device": ("auto", "cuda", "cpu"),
     "trainer.backend": ("fsdp",),
 }
+MEMORY_KINDS = ("params", "grads", "optimizer")
 
 
 def _get(cfg, key):
@@ -82,6 +83,7 @@ def validate(cfg, world_size: int):
     if cfg.trainer.critic_warmup and not cfg.critic.enable:
         raise ConfigError("trainer.critic_warmup > 0 needs critic.enable = true")
 
+    validate_memory(cfg)
     layout = plan_layout(cfg.placement, world_size)
     if cfg.reward.model_path and layout["reward"].tp != layout["actor"].tp:
         raise ConfigError(
@@ -159,3 +161,19 @@ def check_whole_groups(cfg, layout) -> None:
             f"(group statistics and dynamic sampling need whole groups); "
             f"make data.train_batch_size a multiple of {dp}"
         )
+
+
+def validate_memory(cfg) -> None:
+    """The [memory] section and rollout.load_format (spmdrl/memory.py, spmdrl/plan.py)."""
+    if cfg.rollout.load_format not in ("auto", "dummy", "checkpoint"):
+        raise ConfigError(f"rollout.load_format = {cfg.rollout.load_format!r} is not one of auto, dummy, checkpoint")
+    m = cfg.memory
+    for role in ("actor", "critic", "ref"):
+        bad = [k for k in getattr(m, f"{role}_offload") if k not in MEMORY_KINDS]
+        if bad:
+            raise ConfigError(f"memory.{role}_offload has {bad}: allowed kinds are {', '.join(MEMORY_KINDS)}")
+    for key in ("gpu_memory_gb", "host_memory_gb", "gpus_per_node", "nodes"):
+        if not getattr(m, key) > 0:
+            raise ConfigError(f"memory.{key} must be > 0, found {getattr(m, key)}")
+    if not 0 < m.margin <= 1:
+        raise ConfigError(f"memory.margin must be in (0, 1], found {m.margin}")

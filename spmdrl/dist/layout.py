@@ -35,6 +35,16 @@ class RoleLayout:
         return [[r[d * per_dp + p * self.tp: d * per_dp + (p + 1) * self.tp] for p in range(self.pp)] for d in range(self.dp)]
 
 
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Global ranks of every tp, dp and pp group of the role (what `spmdrl plan` prints)."""
+        g = self.mesh_ranks()
+        return {
+            "tp_groups": [tp for pp in g for tp in pp],
+            "dp_groups": [[g[d][p][t] for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)],
+            "pp_groups": [[g[d][p][t] for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)],
+        }
+
+
 def _ranks(spec: list[int], default: tuple[int, ...], world_size: int, key: str) -> tuple[int, ...]:
     if not spec:
         return default

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from spmdrl.algos.token_stats import logprobs_from_hidden
+from spmdrl.engines.loading import build_meta_model, materialise
 from spmdrl.reshard.plan import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import ConfigError
@@ -154,28 +155,18 @@ class FSDPEngine:
         value_head: bool = False,
         optim: dict | None = None,
         total_steps: int = 1,
+        defer_grad_sync: bool = False,
     ):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
         self.device = device
         self.mesh = mesh
         if mesh.pp_size > 1:
             raise ConfigError(f"the FSDP2 backend has no pipeline parallelism: {mesh.layout.role}_pp = {mesh.pp_size}; set it to 1")
         cuda = device.type == "cuda"
         param_dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
-        try:
-            if value_head:  # the critic: a causal-LM checkpoint gets a fresh one-output head
-                hf = AutoModelForTokenClassification.from_pretrained(
-                    model_path, num_labels=1, torch_dtype=torch.float32, trust_remote_code=trust_remote_code,
-                    attn_implementation="sdpa",
-                )
-            else:
-                hf = AutoModelForCausalLM.from_pretrained(
-                    model_path, torch_dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
-                )
-        except OSError as e:
-            raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
+        # trainable: float32 master shards (bf16 compute under mixed precision); frozen (ref): the compute dtype
+        store_dtype = torch.float32 if trainable else param_dtype
+        hf = build_meta_model(model_path, value_head=value_head, trust_remote_code=trust_remote_code, dtype=store_dtype)
         hf.config.use_cache = False
         if gradient_checkpointing and trainable:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -187,17 +178,20 @@ class FSDPEngine:
             backbone = getattr(hf, hf.base_model_prefix)
             parallelize_module(backbone, mesh.submesh("tp"), tp_plan())
         self.module = _ValueHead(hf) if value_head else _LogprobHead(hf)
+        self.host_offload_policy = offload and cuda
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype != torch.float32 else MixedPrecisionPolicy()
         kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp)
-        if offload and cuda:
+        if self.host_offload_policy:
             kw["offload_policy"] = CPUOffloadPolicy()
         for block in getattr(hf, hf.base_model_prefix).layers:
             fully_shard(block, **kw)
         fully_shard(self.module, **kw)
-        if not (offload and cuda):
-            self.module.to(device)
+        # each rank reads only its blocks of the checkpoint (spmdrl/engines/loading.py)
+        self.load_stats = materialise(self.module, hf, model_path, torch.device("cpu") if self.host_offload_policy else device,
+                                      initializer_range=getattr(hf.config, "initializer_range", 0.02))
         self.hf = hf
         self.trainable = trainable
+        self.defer_grad_sync = defer_grad_sync
         self._shards_checked = False
         self._my_blocks: dict | None = None
         self.optimizer = self.scheduler = None
@@ -225,14 +219,16 @@ class FSDPEngine:
     def train_step(self, micro_batches: list, loss_fn: Callable) -> dict[str, float]:
         """One optimizer step over `micro_batches`; loss_fn(micro, engine) -> (loss, metrics).
 
-        Gradients are reduce-scattered only on the last micro-batch. Returns averaged metrics plus
+        Gradients are reduce-scattered after every micro-batch into the sharded float32 gradient (no unsharded
+        accumulator); with defer_grad_sync only after the last one, which keeps an unsharded float32 gradient of
+        the TP-local model per rank while accumulating. Returns averaged metrics plus
         grad_norm and lr; a non-finite grad norm skips the step (metrics report it).
         """
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for i, mb in enumerate(micro_batches):
-            self.module.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            self.module.set_requires_gradient_sync(not self.defer_grad_sync or i == len(micro_batches) - 1)
             loss, metrics = loss_fn(mb, self)
             loss.backward()
             for k, v in metrics.items():
@@ -336,11 +332,34 @@ class FSDPEngine:
 
     # ---- memory -----------------------------------------------------------------------------------------
     def offload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
-        """No-op today: FSDP2's CPUOffloadPolicy (ref.offload) covers the ref model; the memory lifecycle issue
-        adds per-kind offload of the trainable engines."""
+        """Move this rank's shards of the named kinds to host memory (CUDA only; a no-op on CPU and for an engine
+        built with CPUOffloadPolicy, whose params already live on the host). Gradients are None between
+        train_steps (zero_grad(set_to_none=True)), so "grads" moves nothing. UNRUN on a GPU."""
+        if self.device.type != "cuda" or self.host_offload_policy:
+            return
+        if "optimizer" in kinds and self.optimizer is not None:
+            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+        if "params" in kinds:
+            self.module.to("cpu")  # FSDP2 moves the sharded parameters; they are re-registered on the next forward
+        torch.cuda.synchronize(self.device)
 
     def onload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
-        """See offload."""
+        """Bring offloaded kinds back to the device (see offload). UNRUN on a GPU."""
+        if self.device.type != "cuda" or self.host_offload_policy:
+            return
+        if "params" in kinds:
+            self.module.to(self.device)
+        if "optimizer" in kinds and self.optimizer is not None:
+            _move_optimizer_state(self.optimizer, self.device)
+        torch.cuda.synchronize(self.device)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """AdamW's exp_avg / exp_avg_sq (DTensors under FSDP2) to `device`; the step counters stay on the host."""
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.device != device:
+                state[k] = v.to(device, non_blocking=True)
 
 
 def _check_block(name: str, p, local: torch.Tensor, planned: Block) -> None:

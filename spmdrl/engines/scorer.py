@@ -54,7 +54,8 @@ class FSDPScoreEngine:
 
         try:
             hf, info = AutoModelForSequenceClassification.from_pretrained(
-                model_path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                model_path, num_labels=1, trust_remote_code=trust_remote_code,
+                dtype=torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda") else torch.float32,
                 attn_implementation="sdpa", output_loading_info=True,
             )
         except (OSError, ValueError, RuntimeError) as e:

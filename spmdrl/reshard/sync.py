@@ -16,23 +16,24 @@ from .plan import ModelDims, SyncPlan, full_block, plan_sync, vllm_blocks
 from .transport import execute
 
 
-def rollout_targets(params, rollout_mesh: RoleMesh, dims: ModelDims, loads_tp_shards: bool) -> dict:
-    """What each rollout rank needs: its vLLM TP shard, or the whole tensor for engines that hold full weights."""
+def rollout_targets(params, tp_groups: list[list[int]], dims: ModelDims, loads_tp_shards: bool) -> dict:
+    """What each rollout rank needs: its vLLM TP shard, or the whole tensor for engines that hold full weights.
+    tp_groups: the rollout role's TP groups (global ranks, vLLM TP order); `spmdrl plan` calls this too."""
     if loads_tp_shards:
-        return vllm_blocks(params, rollout_mesh.tp_groups(), dims)
-    ranks = [r for g in rollout_mesh.tp_groups() for r in g]
+        return vllm_blocks(params, tp_groups, dims)
+    ranks = [r for g in tp_groups for r in g]
     return {name: [(r, full_block(shape)) for r in ranks] for name, shape in params}
 
 
 class WeightSync:
     """Planned once, run after every actor update (and after a resume)."""
 
-    def __init__(self, actor, rollout, rollout_mesh: RoleMesh, *, dtype: torch.dtype, bucket_mb: int):
-        self.actor, self.rollout, self.dtype = actor, rollout, dtype
+    def __init__(self, actor, rollout, rollout_mesh: RoleMesh, *, dtype: torch.dtype, bucket_mb: int, memory=None):
+        self.actor, self.rollout, self.dtype, self.memory = actor, rollout, dtype, memory
         self.bucket_bytes = bucket_mb << 20
         params = actor.param_shapes()
         dims = ModelDims.from_hf_config(actor.hf_config())
-        targets = rollout_targets(params, rollout_mesh, dims, getattr(rollout, "loads_tp_shards", False))
+        targets = rollout_targets(params, rollout_mesh.tp_groups(), dims, getattr(rollout, "loads_tp_shards", False))
         elem = torch.empty((), dtype=dtype).element_size()
         self.plan: SyncPlan = plan_sync(params, actor.source_blocks(), targets, elem)
         summary = self.plan.summary(self.bucket_bytes)
@@ -40,7 +41,10 @@ class WeightSync:
         self.planned_recv_max = summary["bytes_recv_max"]
 
     def __call__(self) -> dict[str, float]:
-        self.rollout.wake_up()
+        if self.memory is not None:
+            self.memory.for_sync()  # training state out, empty_cache, vLLM weights (not KV) awake: spmdrl/memory.py
+        else:
+            self.rollout.wake_up()
         shards = {name: (t, block) for name, t, block in self.actor.weight_shards()}
         stats = execute(
             self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=comm_device(),

@@ -83,12 +83,13 @@ class RolloutEngine(Protocol):
         """Apply what update_weights left pending (the next generate does it anyway); no-op when nothing is."""
         ...
 
-    def sleep(self) -> None:
-        """Release weights and KV cache memory until wake_up (no-op where unsupported)."""
+    def sleep(self, level: int = 1) -> None:
+        """Release weights (level 1: kept on host; level 2: dropped) and KV cache memory until wake_up (no-op
+        where unsupported)."""
         ...
 
-    def wake_up(self) -> None:
-        """Undo sleep (no-op where unsupported)."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo sleep for the tagged allocations ("weights", "kv_cache"; None: all; no-op where unsupported)."""
         ...
 
     def close(self) -> None:

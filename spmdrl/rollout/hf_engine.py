@@ -185,15 +185,15 @@ class HFEngine:
 
     # ---------------------------------------------------------------------------------------------- lifecycle
 
-    def sleep(self) -> None:
-        """Move the weights to CPU (CUDA only; a no-op on CPU)."""
+    def sleep(self, level: int = 1) -> None:
+        """Move the weights to CPU (CUDA only; a no-op on CPU); both levels keep them, the engine has no KV pool."""
         if self.device.type == "cuda":
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
-    def wake_up(self) -> None:
-        """Move the weights back after sleep."""
-        if self.device.type == "cuda":
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Move the weights back after sleep (tags other than "weights" have nothing to restore)."""
+        if self.device.type == "cuda" and (tags is None or "weights" in tags):
             self.model.to(self.device)
 
     def close(self) -> None:

@@ -68,6 +68,7 @@ class VLLMEngine:
         kv_cache_gb: float = 1.0,
         trust_remote_code: bool = False,
         tp_group: list[int] | None = None,
+        load_format: str = "auto",
     ):
         """tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
         checked against it after the build."""
@@ -119,6 +120,7 @@ class VLLMEngine:
                     trust_remote_code=trust_remote_code,
                     enable_prefix_caching=True,
                     disable_log_stats=True,
+                    load_format=load_format,  # "dummy": random weights, a weight sync follows (spmdrl/build.py)
                     **kwargs,
                 )
         finally:
@@ -133,7 +135,8 @@ class VLLMEngine:
         self.build_seconds = time.perf_counter() - t0
         self.max_model_len = max_model_len
         self._reloading = False
-        self._asleep = False
+        self._asleep = False  # weights not resident (update_weights refuses)
+        self._sleeping: set[str] = set()  # sleep-mode allocations released: weights, kv_cache
         logger.info(
             "vLLM engine built in %.1fs (tp=%d, rollout dp=%d, dtype=%s, device=%s)",
             self.build_seconds, tp_size, self.dp_size, dtype, "cpu" if self.on_cpu else "cuda",
@@ -267,19 +270,25 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------------------------------------- lifecycle
 
-    def sleep(self) -> None:
-        """Offload weights and drop the KV cache (CUDA with sleep mode only; otherwise a no-op)."""
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: weights to pinned host memory, KV cache dropped; level 2: both dropped (a weight sync must
+        restore the weights). CUDA with sleep mode only; otherwise a no-op."""
         self.finish_weight_update()
-        if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=1)
+        if self.sleep_enabled and not self._sleeping:
+            self.llm.sleep(level=level)
             self._asleep = True
+            self._sleeping = {"weights", "kv_cache"}
 
-    def wake_up(self) -> None:
-        """Bring weights and KV cache back after sleep (no-op when not asleep)."""
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
-            self.llm.reset_prefix_cache()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the tagged allocations ("weights", "kv_cache"; None: both) after sleep (no-op when awake)."""
+        if self._sleeping:
+            want = set(tags or ("weights", "kv_cache")) & self._sleeping
+            if want:
+                self.llm.wake_up(tags=sorted(want))
+                self._sleeping -= want
+            self._asleep = "weights" in self._sleeping  # weights resident: update_weights may run
+            if not self._sleeping:
+                self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Shut vLLM down and destroy its process groups; the world group stays, so another engine can be built."""

@@ -1,0 +1,132 @@
+"""Sharded loading: build the HF model on the meta device, shard it, then fill each rank's shard from the
+safetensors slices it owns, in the storage dtype. No rank ever holds a whole parameter it does not own, and
+none holds a full float32 copy of the model.
+
+    hf = build_meta_model(path, ...)           # parameters on meta; buffers (rotary tables) real, on the host
+    ... TP parallelize_module / fully_shard on the meta model ...
+    materialise(root, hf, path, device, dtype) # to_empty, then per parameter: read my block, cast, copy
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import ExitStack
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from spmdrl.errors import ConfigError
+
+HEAD_PREFIXES = ("score.", "classifier.")  # a critic's fresh value head: not in a causal-LM checkpoint
+
+
+def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bool, dtype: torch.dtype = torch.float32):
+    """The HF model with every parameter on the meta device (no memory), in the storage dtype, and real buffers
+    on the host."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
+    kw = dict(trust_remote_code=trust_remote_code, attn_implementation="sdpa", dtype=dtype)
+    with torch.device("meta"):
+        if value_head:
+            config.num_labels = 1
+            hf = AutoModelForTokenClassification.from_config(config, **kw)
+        else:
+            hf = AutoModelForCausalLM.from_config(config, **kw)
+    _real_buffers(hf)
+    return hf
+
+
+def _real_buffers(hf: nn.Module) -> None:
+    """Buffers computed at construction (rotary inverse frequencies) came out on meta: rebuild the modules
+    that own them on the host. HF rotary embeddings are built from the model config alone."""
+    for name, mod in hf.named_modules():
+        if not any(b.is_meta for b in mod.buffers(recurse=False)):
+            continue
+        try:
+            fresh = type(mod)(hf.config)
+        except TypeError as e:
+            raise ConfigError(f"cannot build {type(mod).__name__} ({name}) off the meta device: {e}") from None
+        for bname, b in fresh.named_buffers(recurse=False):
+            mod._buffers[bname] = b
+        for k, v in vars(fresh).items():  # attention_scaling and the like
+            if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module)):
+                setattr(mod, k, v)
+
+
+def checkpoint_index(model_path: str) -> dict[str, str]:
+    """HF parameter name -> safetensors file of a local directory or a hub id in the HF cache."""
+    path = model_path
+    if not os.path.isdir(path):
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = snapshot_download(model_path, allow_patterns=["*.safetensors", "*.json"])
+        except Exception as e:  # offline and not cached, or no such repo
+            raise ConfigError(f"model.path = {model_path!r}: cannot find its safetensors files ({e})") from None
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise ConfigError(f"model.path = {model_path!r}: no model.safetensors(.index.json); convert the checkpoint to safetensors")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def local_block(p) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, shape) of this rank's shard of parameter p in the full tensor."""
+    if isinstance(p, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return tuple(offset), tuple(shape)
+    return tuple(0 for _ in p.shape), tuple(p.shape)
+
+
+def materialise(root: nn.Module, hf: nn.Module, model_path: str, device: torch.device,
+                initializer_range: float = 0.02) -> dict[str, int]:
+    """Allocate `root`'s (sharded) parameters on `device` (in the dtype they were built in) and fill this rank's blocks from the
+    checkpoint; returns {"bytes_read": ...}. Parameters missing from the checkpoint are allowed only for a
+    value head, initialised like HF's _init_weights (normal(0, initializer_range), zero bias) from the global
+    RNG, which every rank seeds alike."""
+    buffers = {n: b.clone() for n, b in root.named_buffers()}
+    root.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in root.named_buffers():
+            b.copy_(buffers[n])
+    index = checkpoint_index(model_path)
+    prefix = next((n + "." for n, m in root.named_modules() if m is hf), "")
+    bytes_read = 0
+    with ExitStack() as stack, torch.no_grad():
+        from safetensors import safe_open
+
+        files: dict[str, object] = {}
+        for name, p in hf.named_parameters():
+            offs, shape = local_block(p)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            file = index.get(name)
+            if file is None:
+                if not name.startswith(HEAD_PREFIXES):
+                    raise ConfigError(f"model.path = {model_path!r}: the checkpoint has no parameter {name!r} ({prefix}{name})")
+                full = torch.zeros(p.shape) if name.endswith("bias") else torch.empty(p.shape).normal_(0.0, initializer_range)
+                block = full[tuple(slice(o, o + s) for o, s in zip(offs, shape))]
+            else:
+                if file not in files:
+                    files[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                sl = files[file].get_slice(name)
+                if tuple(sl.get_shape()) != tuple(p.shape):
+                    raise ConfigError(f"{name}: checkpoint shape {tuple(sl.get_shape())} != model shape {tuple(p.shape)}")
+                block = sl[tuple(slice(o, o + s) for o, s in zip(offs, shape))] if math.prod(shape) else torch.empty(shape)
+                bytes_read += block.numel() * block.element_size()
+            local.copy_(block.reshape(local.shape).to(local.dtype))
+            del block
+    return {"bytes_read": bytes_read}

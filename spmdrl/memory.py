@@ -1,0 +1,161 @@
+"""One owner of GPU memory: the phases of a colocated RL step and the transitions between them.
+
+The trainer only says which phase comes next; this object moves state so the phase fits:
+
+    for_rollout()        every role's configured kinds to host, training buffers freed (empty_cache); vLLM wakes
+                         its KV cache (its weights came with the sync)
+    for_training(role)   vLLM sleeps at level 2 (weights and KV dropped: the next sync restores the weights);
+                         the other roles' configured kinds go to host memory; `role` is onloaded
+    for_sync()           every role's configured kinds go to host memory, the actor's params stay; empty_cache so
+                         PyTorch's caching allocator gives its freed blocks back before vLLM's cuMem wake; vLLM
+                         wakes its weights only
+
+Offload is per role and per kind (params / grads / optimizer: memory.<role>_offload). Gradients are freed at
+the end of every train_step (zero_grad(set_to_none=True)), so "grads" has nothing to move between phases.
+
+Every transition closes the current phase and opens the next: the phase's peak allocated / reserved bytes
+(torch's allocator, reset at each phase; plus vLLM's cuMem pool where vLLM reports it) become
+memory/<phase>_allocated_gb and memory/<phase>_reserved_gb, maxed over the step; memory/host_rss_gb is this
+rank's resident set. On CPU, sleep and offload are no-ops and allocated/reserved report 0; RSS is real.
+The CUDA branches have not run on a GPU (none was available while writing them).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+GIB = 2**30
+ALL_KINDS = ("params", "grads", "optimizer")
+
+
+def host_rss_bytes() -> int:
+    """This process's current resident set size (Linux /proc; falls back to the peak on other systems)."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def vllm_pool_bytes() -> int:
+    """Bytes vLLM's sleep-mode allocator (CuMemAllocator) holds on this GPU; 0 where vLLM does not report it."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        return int(CuMemAllocator.get_instance().get_current_usage())
+    except Exception:  # no vLLM, no CUDA build of it, or sleep mode off
+        return 0
+
+
+def offload_kinds(cfg) -> dict[str, list[str]]:
+    """memory.<role>_offload per role; ref.offload (FSDP2 CPUOffloadPolicy) already keeps the ref on the host."""
+    m = cfg.memory
+    return {"actor": m.actor_offload, "critic": m.critic_offload, "ref": [] if cfg.ref.offload else m.ref_offload}
+
+
+class MemoryLifecycle:
+    """Phase transitions and per-phase memory metrics for colocated placement."""
+
+    def __init__(self, device: torch.device, engines: dict, offload: dict[str, list[str]], rollout=None):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.engines = {role: e for role, e in engines.items() if e is not None}
+        self.offload = {role: tuple(k for k in offload.get(role, ()) if k in ALL_KINDS) for role in self.engines}
+        self.rollout = rollout
+        self.phase: str | None = None
+        self._peaks: dict[str, tuple[float, float]] = {}
+
+    # ---- transitions ----------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """After building the training engines, before vLLM is built: move every role's configured kinds to host
+        memory, so vLLM finds its share of the GPU free."""
+        self._enter("load")
+        for role in self.engines:
+            self._offload(role, self.offload[role])
+        self._empty_cache()
+
+    def for_rollout(self) -> None:
+        if self.phase == "rollout":
+            return
+        self._enter("rollout")
+        for role in self.engines:  # the actor's params too, when configured: the sync was their last use
+            self._offload(role, self.offload[role])
+        self._empty_cache()  # the sync's buckets and the update's freed blocks go back before vLLM takes its KV
+        if self.rollout is not None:
+            self.rollout.wake_up(tags=["weights", "kv_cache"])  # weights: already awake after a sync
+
+    def for_training(self, role: str, update: bool = True, keep_rollout_weights: bool = False) -> None:
+        """The next phase runs `role`: an update (all its state onloaded) or a forward (params only). vLLM sleeps
+        at level 2, or level 1 (weights kept on the host) when no weight sync follows (critic warmup)."""
+        name = f"train_{role}" if update else f"{role}_forward"
+        if self.phase == name:
+            return
+        self._enter(name)
+        if self.rollout is not None:
+            self.rollout.sleep(level=1 if keep_rollout_weights else 2)
+        for other in self.engines:
+            if other != role:
+                self._offload(other, self.offload[other])
+        self._empty_cache()
+        if role in self.engines:
+            self._onload(role, ALL_KINDS if update else ("params",))
+
+    def for_sync(self) -> None:
+        """Actor params on the GPU, everything else configured out, vLLM's weights (not its KV cache) awake."""
+        self._enter("sync")
+        for role in self.engines:
+            kinds = tuple(k for k in self.offload[role] if not (role == "actor" and k == "params"))
+            self._offload(role, kinds)
+        if "actor" in self.engines and "params" in self.offload["actor"]:
+            self._onload("actor", ("params",))
+        self._empty_cache()  # without it the caching allocator keeps the update's blocks and vLLM's wake fails
+        if self.rollout is not None:
+            self.rollout.wake_up(tags=["weights"])
+
+    # ---- metrics --------------------------------------------------------------------------------------
+    def step_metrics(self) -> dict[str, float]:
+        """Peaks per phase since the last call (each phase's max over the step), and this rank's RSS."""
+        self._close()
+        out = {}
+        for phase, (alloc, reserved) in self._peaks.items():
+            out[f"memory/{phase}_allocated_gb"] = alloc / GIB
+            out[f"memory/{phase}_reserved_gb"] = reserved / GIB
+        out["memory/host_rss_gb"] = host_rss_bytes() / GIB
+        self._peaks = {}
+        if self.phase is not None and self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)  # the open phase counts from here in the next step
+        return out
+
+    # ---- internals ------------------------------------------------------------------------------------
+    def _enter(self, phase: str) -> None:
+        self._close()
+        self.phase = phase
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _close(self) -> None:
+        if self.phase is None:
+            return
+        if self.cuda:
+            pool = vllm_pool_bytes()
+            alloc = torch.cuda.max_memory_allocated(self.device) + pool
+            reserved = torch.cuda.max_memory_reserved(self.device) + pool
+        else:
+            alloc = reserved = 0.0
+        a, r = self._peaks.get(self.phase, (0.0, 0.0))
+        self._peaks[self.phase] = (max(a, alloc), max(r, reserved))
+
+    def _offload(self, role: str, kinds: tuple[str, ...]) -> None:
+        if self.cuda and kinds:
+            self.engines[role].offload(kinds)
+
+    def _onload(self, role: str, kinds: tuple[str, ...] = ALL_KINDS) -> None:
+        if self.cuda:
+            self.engines[role].onload(kinds)
+
+    def _empty_cache(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()

@@ -1,0 +1,338 @@
+"""`spmdrl plan`: role meshes, weight-sync bytes and memory per phase, from the config alone.
+
+No GPU, no weights, no process group: parameter shapes come from the model's config.json (the model is built
+on the meta device), rank sets from `dist.layout.plan_layout`, the weight-sync figures from the same
+`reshard.plan.plan_sync` call that `WeightSync` makes at run time.
+
+Memory is an estimate per rank (GPU) and per node (host), in GiB (2^30 bytes), for the colocated phase order
+that `spmdrl.memory.MemoryLifecycle` runs:
+
+    load -> rollout -> ref_forward -> train_critic -> train_actor -> sync -> rollout ...
+
+A phase's GPU figure is what the active role needs (state onloaded, FSDP2 all-gather buffers, activations)
+plus what the other roles keep resident (the kinds not listed in memory.<role>_offload) plus vLLM's share.
+Assumptions (each is a named constant below): the CUDA context and NCCL buffers cost CUDA_CONTEXT_GIB per
+GPU; a rank's host process (Python, torch, vLLM, tokenizer, data) costs PROCESS_HOST_GIB; activation bytes
+per token per layer follow `layer_activation_bytes` (bf16 tensors saved for backward, fp32 RMSNorm inputs).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+from spmdrl.errors import ConfigError
+
+GIB = 2**30
+CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspaces and NCCL buffers per GPU, outside torch's allocator
+PROCESS_HOST_GIB = 6.0  # one rank's host process: interpreter, torch/CUDA/vLLM libraries, tokenizer, data
+BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs")
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def load_hf_config(path: str, trust_remote_code: bool = False):
+    """The HF config of model.path: a local directory, the HF cache, or a bundled copy of a published config.json
+    for the shipped example models (spmdrl/model_configs), so the plan runs offline."""
+    from transformers import AutoConfig
+
+    bundled = os.path.join(BUNDLED, path.replace("/", "--") + ".json")
+    if not os.path.isdir(path) and os.path.isfile(bundled):
+        with open(bundled) as f:
+            d = json.load(f)
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"model.path = {path!r}: no config.json found ({str(e).splitlines()[0]}); give a local model directory "
+            "(only config.json is read) or a hub id in the HF cache"
+        ) from None
+
+
+def model_param_shapes(hf_config, value_head: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every parameter, in named_parameters order, from a meta-device model: the same list
+    FSDPEngine.param_shapes() returns for a model loaded from that config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    c = copy.deepcopy(hf_config)
+    with torch.device("meta"):
+        if value_head:
+            c.num_labels = 1
+            m = AutoModelForTokenClassification.from_config(c)
+        else:
+            m = AutoModelForCausalLM.from_config(c)
+    return [(n, tuple(p.shape)) for n, p in m.named_parameters()]
+
+
+def layer_activation_bytes(c, tp: int) -> int:
+    """Bytes saved for backward per token in one decoder layer (bf16, RMSNorm inputs kept in fp32):
+    two norms (fp32 input + bf16 output: 6h each), attention input and q/k/v/output (2 bytes each, TP-local),
+    MLP gate/up/act/product (4 x I / tp, 2 bytes each)."""
+    h, heads = c.hidden_size, c.num_attention_heads
+    d = getattr(c, "head_dim", None) or h // heads
+    kv = (getattr(c, "num_key_value_heads", None) or heads) * d
+    q = heads * d
+    return 12 * h + 2 * h + 2 * (2 * q + 2 * kv) // tp + 2 * 4 * c.intermediate_size // tp
+
+
+# ------------------------------------------------------------------------------------------------ roles
+
+
+def role_table(layout: dict) -> dict:
+    """Which global ranks form which dp/pp/tp groups, per role."""
+    out = {}
+    for role, lay in layout.items():
+        out[role] = {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "ranks": list(lay.ranks), **lay.groups()}
+    return out
+
+
+def shard_stats(params, lay) -> dict:
+    """Per-rank element counts of an FSDP2 (x DTensor tp) role: the largest shard, the TP-local size of the
+    whole model, the root's (non-layer) parameters and the largest TP-local decoder layer."""
+    from spmdrl.reshard.plan import fsdp_block, fsdp_tp_style, numel
+
+    per_rank: dict[tuple[int, int], int] = {}  # by (dp, tp) coordinate
+    for name, shape in params:
+        style = fsdp_tp_style(name)
+        for d in range(lay.dp):
+            for t in range(lay.tp):
+                per_rank[d, t] = per_rank.get((d, t), 0) + numel(fsdp_block(shape, style, lay.dp, lay.tp, d, t))
+    tp_local = sum(numel(fsdp_block(s, fsdp_tp_style(n), 1, lay.tp, 0, 0)) for n, s in params)
+    root = sum(math.prod(s) for n, s in params if ".layers." not in n)
+    layers: dict[str, int] = {}
+    for n, s in params:
+        if ".layers." in n:
+            key = n.split(".layers.")[1].split(".")[0]
+            layers[key] = layers.get(key, 0) + numel(fsdp_block(s, fsdp_tp_style(n), 1, lay.tp, 0, 0))
+    return {"shard": max(per_rank.values()), "tp_local": tp_local, "root": root,
+            "layer": max(layers.values(), default=0), "total": sum(math.prod(s) for _, s in params)}
+
+
+def load_bytes_per_rank(params, lay, store_eb: int, ckpt_eb: int) -> int:
+    """Memory a rank's sharded load adds (spmdrl/engines/loading.py): its shard in the storage dtype, plus one
+    block in flight (read in the checkpoint dtype, then cast)."""
+    from spmdrl.reshard.plan import fsdp_block, fsdp_tp_style, numel
+
+    largest = max(numel(fsdp_block(s, fsdp_tp_style(n), lay.dp, lay.tp, 0, 0)) for n, s in params)
+    return shard_stats(params, lay)["shard"] * store_eb + largest * (ckpt_eb + store_eb)
+
+
+# ------------------------------------------------------------------------------------------------ weight sync
+
+
+def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int):
+    """The SyncPlan WeightSync builds at run time: FSDP2 source blocks of the actor, vLLM TP targets."""
+    from spmdrl.reshard.plan import ModelDims, fsdp_blocks, plan_sync
+    from spmdrl.reshard.sync import rollout_targets
+
+    dims = ModelDims.from_hf_config(hf_config)
+    groups = role_table(layout)["rollout"]["tp_groups"]
+    import importlib.util
+
+    vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and importlib.util.find_spec("vllm") is not None)
+    targets = rollout_targets(params, groups, dims, loads_tp_shards=vllm)
+    return plan_sync(params, fsdp_blocks(params, layout["actor"].mesh_ranks()), targets, elem_bytes)
+
+
+def transport_peak_bytes(plan, bucket_bytes: int) -> int:
+    """Largest per-bucket buffer footprint on one rank: the full-shaped tensors it assembles (a bucket holds at
+    least one parameter, so a big embedding makes its own bucket) plus the bytes it receives and sends."""
+    peak = 0
+    for names in plan.buckets(bucket_bytes):
+        full = sum(math.prod(dict(plan.params)[n]) for n in names) * plan.elem_bytes
+        moved: dict[int, int] = {}
+        for n in names:
+            for t in plan.transfers[n]:
+                k = math.prod(t.block[1]) * plan.elem_bytes
+                moved[t.dst] = moved.get(t.dst, 0) + k
+                moved[t.src] = moved.get(t.src, 0) + k
+        peak = max(peak, full + max(moved.values(), default=0))
+    return peak
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+
+def _gib(x: float) -> float:
+    return round(x / GIB, 3)
+
+
+def build_plan(cfg, world_size: int | None = None) -> dict:
+    """Everything `spmdrl plan` prints, as one JSON-able dict."""
+    from spmdrl.dist.layout import plan_layout
+
+    m = cfg.memory
+    on_gpu = cfg.trainer.device != "cpu"
+    world = world_size or m.nodes * m.gpus_per_node
+    layout = plan_layout(cfg.placement, world)
+    hf = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
+    actor_params = model_param_shapes(hf)
+    rollout_eb = 2 if cfg.rollout.dtype == "bfloat16" or (cfg.rollout.dtype == "auto" and on_gpu) else 4
+    compute_eb = 2 if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu) else 4
+    master_eb = 2 if cfg.model.dtype == "bfloat16" else 4  # auto keeps float32 master weights under bf16 compute
+    plan = weight_sync_plan(actor_params, hf, layout, cfg, rollout_eb)
+    bucket = cfg.rollout.weight_sync_bucket_mb << 20
+    sync = plan.summary(bucket)
+
+    d = cfg.data
+    seq = d.max_prompt_length + d.max_response_length
+    roles = {"actor": dict(params=actor_params, trainable=True, micro=cfg.actor.micro_batch_size, lm_head=True)}
+    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        roles["ref"] = dict(params=actor_params, trainable=False, micro=cfg.ref.micro_batch_size, lm_head=True)
+    if cfg.critic.enable:
+        chf = load_hf_config(cfg.critic.path, cfg.model.trust_remote_code) if cfg.critic.path else hf
+        roles["critic"] = dict(params=model_param_shapes(chf, value_head=True), trainable=True,
+                               micro=cfg.critic.micro_batch_size, lm_head=False, hf=chf)
+    if cfg.reward.model_path:
+        rhf = load_hf_config(cfg.reward.model_path, cfg.model.trust_remote_code)
+        roles["reward"] = dict(params=model_param_shapes(rhf, value_head=True), trainable=False,
+                               micro=cfg.reward.model_micro_batch_size, lm_head=False, hf=rhf)
+    offload = {"actor": m.actor_offload, "critic": m.critic_offload, "ref": m.ref_offload, "reward": []}
+    state = {}
+    for role, r in roles.items():
+        st = shard_stats(r["params"], layout[role])
+        c = r.get("hf", hf)
+        eb = master_eb if r["trainable"] else compute_eb
+        kinds = {"params": st["shard"] * eb}
+        if r["trainable"]:
+            kinds["optimizer"] = st["shard"] * 8  # AdamW exp_avg + exp_avg_sq, float32
+        host_always = role == "ref" and cfg.ref.offload  # FSDP2 CPUOffloadPolicy: weights live on the host
+        tokens = r["micro"] * seq
+        tp = layout[role].tp
+        act_layer = tokens * layer_activation_bytes(c, tp)
+        # FSDP2 all-gather buffers in the compute dtype: the root (embeddings, final norm, head: not TP-sharded)
+        # stays gathered through a forward, decoder layers one at a time plus one prefetched
+        gathered = (st["root"] + 2 * st["layer"]) * compute_eb
+        head = (cfg.actor.logprob_chunk_size * hf.vocab_size * 4 * 3) if r["lm_head"] else 0  # fp32 logits chunk
+        ckpt = cfg.model.gradient_checkpointing
+        saved = c.num_hidden_layers * tokens * (2 * c.hidden_size if ckpt else layer_activation_bytes(c, tp))
+        train = {}
+        if r["trainable"]:
+            # backward: the gathered layer's and the root's unsharded gradients (compute dtype + fp32 reduce copy)
+            unsharded_grads = (st["root"] + st["layer"]) * (compute_eb + 4)
+            if m.defer_grad_sync:
+                unsharded_grads = st["tp_local"] * 4 + st["root"] * compute_eb
+            train = {
+                "params": kinds["params"], "grads": st["shard"] * master_eb, "optimizer": kinds["optimizer"],
+                "gathered_params": gathered, "unsharded_grads": unsharded_grads,
+                "activations": saved + (act_layer if ckpt else 0) + head + tokens * c.hidden_size * 4,
+            }
+        forward = {"params": 0 if host_always else kinds["params"], "gathered_params": gathered,
+                   "activations": act_layer + head + tokens * c.hidden_size * 4}
+        resident = {k: v for k, v in kinds.items() if k not in offload[role] and not host_always}
+        host = {k: v for k, v in kinds.items() if k in offload[role] or host_always}
+        state[role] = dict(kinds=kinds, train=train, forward=forward, resident=resident, host_when_idle=host,
+                           host_always=({"params": kinds["params"]} if host_always else {}), stats=st)
+
+    from spmdrl.reshard.plan import numel
+
+    held: dict[int, int] = {}
+    for ts in plan.targets.values():
+        for rank, b in ts:
+            held[rank] = held.get(rank, 0) + numel(b)
+    vllm_w = max(held.values()) * rollout_eb
+    vllm_pool = cfg.rollout.gpu_memory_utilization * m.gpu_memory_gb * GIB
+    rt = layout["rollout"].tp
+    vllm_act = (cfg.rollout.max_num_batched_tokens * (4 * hf.hidden_size + 2 * hf.intermediate_size // rt) * rollout_eb
+                + cfg.rollout.max_num_seqs * hf.vocab_size * 4)
+    kv_cache = vllm_pool - vllm_w - vllm_act
+    transport = transport_peak_bytes(plan, bucket)
+
+    def idle(active: set[str]) -> tuple[dict, dict]:
+        gpu, host = {}, {}
+        for role, s in state.items():
+            if role in active:
+                continue
+            for k, v in s["resident"].items():
+                gpu[f"{role}_{k}"] = v
+            for k, v in {**s["host_when_idle"], **s["host_always"]}.items():
+                host[f"{role}_{k}"] = v
+        return gpu, host
+
+    phases: dict[str, tuple[dict, dict]] = {}
+    g, h = idle(set())
+    phases["load"] = ({**g, "vllm_pool": vllm_pool},
+                      {**h, "load_largest_slice": max(math.prod(s) for _, s in actor_params) * 4 // max(1, layout["actor"].dp)})
+    phases["rollout"] = ({**g, "vllm_weights": vllm_w, "vllm_kv_cache_and_activations": vllm_pool - vllm_w}, h)
+    for role in ("ref", "reward"):
+        if role in state:
+            g, h = idle({role})
+            phases[f"{role}_forward"] = ({**g, **{f"{role}_{k}": v for k, v in state[role]["forward"].items()}}, h)
+    for role in ("critic", "actor"):
+        if role in state:
+            g, h = idle({role})
+            phases[f"train_{role}"] = ({**g, **{f"{role}_{k}": v for k, v in state[role]["train"].items()}}, h)
+    g, h = idle({"actor"})
+    phases["sync"] = ({**g, "actor_params": state["actor"]["kinds"]["params"], "vllm_weights": vllm_w,
+                       "transport_buckets": transport}, {**h, **{f"actor_{k}": v for k, v in state["actor"]["host_when_idle"].items() if k != "params"}})
+
+    gpus_node = min(m.gpus_per_node, world)
+    memory, fits = {}, True
+    for name, (gpu, host) in phases.items():
+        gpu = {**gpu, "cuda_context": CUDA_CONTEXT_GIB * GIB}
+        gpu_total = sum(gpu.values())
+        host_node = gpus_node * (sum(host.values()) + PROCESS_HOST_GIB * GIB)
+        ok = gpu_total <= m.margin * m.gpu_memory_gb * GIB and host_node <= m.margin * m.host_memory_gb * GIB
+        fits &= ok
+        memory[name] = {"gpu_gb": _gib(gpu_total), "host_gb": _gib(host_node), "fits": ok,
+                        "gpu": {k: _gib(v) for k, v in gpu.items() if v},
+                        "host_per_rank": {**{k: _gib(v) for k, v in host.items() if v}, "process": PROCESS_HOST_GIB}}
+    kv_ok = kv_cache >= 2 * hf.num_hidden_layers * _kv_per_token(hf, rt) * seq  # at least one full sequence
+    fits &= kv_ok
+    return {
+        "world_size": world,
+        "hardware": {"gpu_memory_gb": m.gpu_memory_gb, "gpus_per_node": m.gpus_per_node,
+                     "host_memory_gb": m.host_memory_gb, "margin": m.margin, "nodes": -(-world // m.gpus_per_node),
+                     "units": "GiB (2^30 bytes)"},
+        "model": {"path": cfg.model.path, "params": state["actor"]["stats"]["total"],
+                  **({"critic_params": state["critic"]["stats"]["total"]} if "critic" in state else {})},
+        "roles": {k: v for k, v in role_table(layout).items() if k in state or k == "rollout"},
+        "weight_sync": {k: sync[k] for k in ("bytes_recv_max", "bytes_lower_bound", "collectives", "buckets",
+                                             "bytes_recv_total")}
+                       | {"elem_bytes": rollout_eb, "full_gather_bytes_per_rank": state["actor"]["stats"]["total"] * 4},
+        "rollout": {"vllm_weights_gb": _gib(vllm_w), "kv_cache_gb": _gib(kv_cache), "kv_cache_fits_one_sequence": kv_ok},
+        "memory": memory,
+        "fits": bool(fits),
+    }
+
+
+def _kv_per_token(c, tp: int) -> int:
+    """Bytes of K or V per token per layer on one vLLM rank (bf16; kv heads split over tp, at least one)."""
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return max(1, heads // tp) * d * 2
+
+
+# ------------------------------------------------------------------------------------------------ printing
+
+
+def render(p: dict) -> str:
+    """The plan as a readable table."""
+    hw = p["hardware"]
+    lines = [f"model {p['model']['path']}: {p['model']['params'] / 1e9:.2f}B parameters; world {p['world_size']} ranks "
+             f"({hw['nodes']} node(s) x {hw['gpus_per_node']} GPUs of {hw['gpu_memory_gb']} GiB, "
+             f"{hw['host_memory_gb']} GiB host per node; fits means <= {hw['margin']:g} x each)", "", "roles:"]
+    for role, r in p["roles"].items():
+        lines.append(f"  {role:8s} dp={r['dp']} pp={r['pp']} tp={r['tp']}  tp groups {_short(r['tp_groups'])}  "
+                     f"dp groups {_short(r['dp_groups'])}")
+    w = p["weight_sync"]
+    lines += ["", "weight sync per step (rollout dtype, bytes per rank):",
+              f"  received max {w['bytes_recv_max'] / GIB:.3f} GiB  lower bound {w['bytes_lower_bound'] / GIB:.3f} GiB  "
+              f"collectives {w['collectives']}  (every rank gathering every parameter in fp32: "
+              f"{w['full_gather_bytes_per_rank'] / GIB:.1f} GiB)",
+              f"  vLLM weights {p['rollout']['vllm_weights_gb']} GiB, KV cache {p['rollout']['kv_cache_gb']} GiB per GPU",
+              "", f"memory per phase (GiB): {'phase':14s} {'GPU/rank':>9s} {'host/node':>10s}  fits  breakdown (GPU)"]
+    for name, ph in p["memory"].items():
+        parts = ", ".join(f"{k} {v:g}" for k, v in ph["gpu"].items())
+        lines.append(f"  {name:36s} {ph['gpu_gb']:9.2f} {ph['host_gb']:10.1f}  {'yes' if ph['fits'] else 'NO ':4s}  {parts}")
+    lines += ["", f"fits: {str(p['fits']).lower()}"]
+    return "\n".join(lines)
+
+
+def _short(groups: list[list[int]], n: int = 4) -> str:
+    s = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:n])
+    return s + (f" ... ({len(groups)} groups)" if len(groups) > n else "")

@@ -1,0 +1,79 @@
+"""`spmdrl plan`: the planner and the running transport agree, and the shipped GPU configs fit by the plan."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launching import REPO, run
+from spmdrl.config import load_config, to_toml
+from spmdrl.data.synthetic import make_arith
+from spmdrl.metrics import read_jsonl
+from spmdrl.tiny import build_tiny
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def plan_json(config: str, *args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, "-m", "spmdrl", "plan", "--config", config, "--json", *args],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("actor_tp", [1, 2], ids=["actor_dp2", "actor_tp2"])
+def test_plan_equals_real_sync(tmp_path, actor_tp):
+    """A real 2-rank run (FSDP2 actor -> vLLM TP=2) counts the bytes each rank receives in the transport; the
+    planner, from config.json alone, must give the same maximum, lower bound and collective count."""
+    pytest.importorskip("vllm")
+    model = build_tiny(str(tmp_path / "model"), seed=0)
+    data = make_arith(str(tmp_path / "data"), n_train=16, n_val=4, seed=0)
+    out = tmp_path / "run"
+    o = {
+        "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.max_prompt_length": 32,
+        "data.max_response_length": 8, "data.train_batch_size": 2, "rollout.n": 2, "rollout.kv_cache_gb": 0.1,
+        "actor.micro_batch_size": 2, "trainer.total_steps": 1, "trainer.device": "cpu", "trainer.output_dir": str(out),
+        "logging.progress": "false", "placement.rollout_tp": 2, "placement.actor_tp": actor_tp,
+        "rollout.weight_sync_bucket_mb": 1, "memory.gpus_per_node": 2,
+        # dummy: vLLM starts from random weights and the trainer syncs the actor's before the first rollout
+        "rollout.load_format": "dummy" if actor_tp == 2 else "auto",
+    }
+    cfg_file = tmp_path / "run.toml"
+    cfg_file.write_text(to_toml(load_config(None, [f"{k}={v}" for k, v in o.items()])))
+    run(["spmdrl.train", "--config", str(cfg_file)], nproc=2, module=True)
+    (row,) = read_jsonl(str(out / "metrics.jsonl"))
+    plan = plan_json(str(cfg_file))
+    ws = plan["weight_sync"]
+    # actor dp=2 -> rollout tp=2: half of each tp shard comes from the other rank; actor tp=2 = rollout tp=2
+    # (dp=1, so embeddings and norms are whole on both ranks): nothing moves
+    assert (row["weight_sync/bytes_recv_max"] > 0) == (actor_tp == 1)
+    assert ws["bytes_recv_max"] == row["weight_sync/bytes_recv_max"]
+    assert ws["bytes_lower_bound"] == row["weight_sync/bytes_lower_bound"]
+    assert ws["collectives"] == row["weight_sync/collectives"]
+    assert row["rollout/logprob_diff_mean"] < 1e-5  # vLLM samples with the actor's weights (synced at start if dummy)
+    assert row["memory/host_rss_gb"] > 0 and "memory/train_actor_allocated_gb" in row
+    assert plan["roles"]["rollout"]["tp_groups"] == [[0, 1]]
+    assert plan["roles"]["actor"]["tp"] == actor_tp
+
+
+@pytest.mark.parametrize("config", ["configs/grpo.toml", "configs/ppo_70b.toml"])
+def test_shipped_configs_fit(config):
+    """The example GPU configs fit an 80 GB H100 node by the plan: every phase under 0.9 x GPU and host memory."""
+    p = plan_json(os.path.join(REPO, config))
+    assert p["fits"] is True, {k: (v["gpu_gb"], v["host_gb"]) for k, v in p["memory"].items()}
+    for phase, m in p["memory"].items():
+        assert m["gpu_gb"] <= 0.9 * 80, phase
+        assert m["host_gb"] <= 0.9 * p["hardware"]["host_memory_gb"], phase
+    assert {"rollout", "sync", "train_actor"} <= set(p["memory"])
+    ws = p["weight_sync"]
+    assert ws["bytes_recv_max"] <= 1.1 * ws["bytes_lower_bound"]
+    # parameter counts of the published checkpoints (their safetensors totals)
+    published = {"configs/grpo.toml": 7_615_616_512, "configs/ppo_70b.toml": 70_553_706_496}[config]
+    assert p["model"]["params"] == published
+    if config == "configs/grpo.toml":  # actor FSDP2 over 8 ranks, no TP: an eighth each, fp32 master + AdamW
+        train = p["memory"]["train_actor"]["gpu"]
+        assert train["actor_params"] == pytest.approx(published * 4 / 8 / 2**30, rel=1e-3)
+        assert train["actor_optimizer"] == pytest.approx(2 * train["actor_params"], rel=1e-3)
