@@ -52,6 +52,7 @@ def breakdown(run_dir: str, skip: int = 2) -> dict[str, float]:
 
     rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"), last_per_step=True) if "timing/step_s" in r]
     rows = rows[skip:] or rows
+    samples = _samples_per_step(run_dir)
     keys = sorted({k for r in rows for k in r if k.startswith("timing/")} - {"timing/validation_s"})
     med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
     # per-step sums, then the median, so the parts add up to the step they come from
@@ -66,6 +67,10 @@ def breakdown(run_dir: str, skip: int = 2) -> dict[str, float]:
         "weight_sync_s": statistics.median(sync), "overhead_s": statistics.median(over),
         "overhead_pct": 100 * statistics.median(o / s for o, s in zip(over, step)),
         "tokens_per_s": statistics.median(r.get("perf/tokens_per_s", 0.0) for r in rows),
+        # completion tokens only: mean response length (a mean of equal-sized per-rank means) x samples per step
+        "completion_tokens_per_s": statistics.median(
+            r.get("train/response_length_mean", 0.0) * samples / r["timing/step_s"] for r in rows
+        ),
         "steps_measured": float(len(rows)),
     })
     return med
@@ -83,6 +88,33 @@ def format_breakdown(b: dict[str, float]) -> str:
         f"{'fwd/bwd/optimizer':<26} {b['compute_s']:>9.4f}   {100 * b['compute_s'] / step:>8.1f}",
         f"{'weight sync':<26} {b['weight_sync_s']:>9.4f}   {100 * b['weight_sync_s'] / step:>8.1f}",
         f"{'SPMD overhead':<26} {b['overhead_s']:>9.4f}   {b['overhead_pct']:>8.1f}   (target <= 10%)",
-        f"tokens/s {b['tokens_per_s']:.0f} over {int(b['steps_measured'])} measured steps",
+        f"tokens/s {b['tokens_per_s']:.0f} (prompt + completion), completion tokens/s "
+        f"{b['completion_tokens_per_s']:.0f}, over {int(b['steps_measured'])} measured steps",
     ]
     return "\n".join(lines)
+
+
+def _samples_per_step(run_dir: str) -> int:
+    """data.train_batch_size x rollout.n from the run's config.toml (samples generated and trained per step)."""
+    import tomllib
+
+    with open(os.path.join(run_dir, "config.toml"), "rb") as f:
+        cfg = tomllib.load(f)
+    return int(cfg["data"]["train_batch_size"]) * int(cfg["rollout"]["n"])
+
+
+def compare(run_dirs: list[str], skip: int = 2) -> str:
+    """One row per run: median step, stage seconds and completion tokens/s (for side-by-side A/B runs)."""
+    cols = ("timing/step_s", "timing/rollout_s", "timing/old_logprob_s", "timing/update_actor_s",
+            "timing/weight_sync_s", "overhead_s", "completion_tokens_per_s")
+    head = f"{'run':<28}" + "".join(f"{c.split('/')[-1]:>24}" for c in cols)
+    lines = [head, "-" * len(head)]
+    for d in run_dirs:
+        b = breakdown(d, skip)
+        lines.append(f"{os.path.basename(os.path.normpath(os.path.dirname(d))) + '/' + os.path.basename(d):<28}"
+                     + "".join(f"{b.get(c, 0.0):>24.4f}" for c in cols))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m spmdrl.bench RUN_DIR [RUN_DIR ...]
+    print(compare(sys.argv[1:]))

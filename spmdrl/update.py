@@ -59,9 +59,12 @@ def run_updates(
 def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
     """The policy objective for one micro-batch: policy loss - entropy bonus (+ KL to the ref)."""
     a = cfg.actor
+    # the entropy enters the gradient only with a bonus; otherwise it is a metric computed without autograd,
+    # or not computed at all (actor.entropy_metric = false)
+    entropy_mode = True if a.entropy_coeff != 0 else ("detached" if a.entropy_metric else False)
 
     def body(mb: Batch, tb: TokenBatch, engine: FSDPEngine):
-        logp, ent = engine.logprobs(tb, temperature=temperature, with_entropy=True, chunk_size=a.logprob_chunk_size)
+        logp, ent = engine.logprobs(tb, temperature=temperature, with_entropy=entropy_mode, chunk_size=a.logprob_chunk_size)
         R = logp.shape[1]
         dev = logp.device
         mask = mb["response_mask"][:, :R].to(dev)
@@ -75,10 +78,13 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
             old, logp, mb["advantages"][:, :R].to(dev), mask, clip_ratio_low=a.clip_ratio_low,
             clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
         )
-        entropy = agg_loss(ent, mask, a.loss_agg_mode)
-        loss = pg_loss - a.entropy_coeff * entropy
-        m.update({"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
-                  "actor/clipfrac": pg_m["pg_clipfrac"], "actor/ppo_kl": pg_m["ppo_kl"]})
+        loss = pg_loss
+        m.update({"actor/pg_loss": pg_loss.detach(), "actor/clipfrac": pg_m["pg_clipfrac"], "actor/ppo_kl": pg_m["ppo_kl"]})
+        if ent is not None:
+            entropy = agg_loss(ent, mask, a.loss_agg_mode)
+            if a.entropy_coeff != 0:
+                loss = loss - a.entropy_coeff * entropy
+            m["actor/entropy"] = entropy.detach()
         if a.use_kl_loss:
             kl = agg_loss(kl_penalty(logp, mb["ref_log_probs"][:, :R].to(dev), a.kl_loss_type), mask, a.loss_agg_mode)
             loss = loss + a.kl_loss_coef * kl

@@ -90,6 +90,8 @@ class ActorConfig:
     """Dual-clip constant for negative advantages (> 1)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (subtracted from the loss)."""
+    entropy_metric: bool = True
+    """Log actor/entropy; with entropy_coeff = 0 it is computed without autograd, and false skips it."""
     use_kl_loss: bool = False
     """Add a KL(actor || ref) term to the loss (GRPO style)."""
     kl_loss_coef: float = 0.001
@@ -164,10 +166,14 @@ class RolloutConfig:
     """Fraction of GPU memory vLLM may take (CUDA only)."""
     enable_sleep_mode: bool = True
     """Release vLLM weights and KV cache while training (CUDA only; ignored on CPU where vLLM lacks it)."""
-    enforce_eager: bool = True
-    """Disable CUDA graphs in vLLM."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs in vLLM (GPU; the CPU backend always runs eager here)."""
     max_num_seqs: int = 256
-    """vLLM's max concurrent sequences."""
+    """vLLM's max concurrent sequences (the transformers engine's decode batch size)."""
+    per_request_seed: bool = False
+    """One seeded request per sample (sample j of prompt i does not depend on the rest of the batch) instead of
+    one request per prompt with n samples drawn from an engine RNG reseeded per call; slower (vLLM's
+    per-request sampling loop)."""
     max_num_batched_tokens: int = 8192
     """vLLM's token budget per scheduler step."""
     kv_cache_gb: float = 1.0

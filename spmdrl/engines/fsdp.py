@@ -81,8 +81,10 @@ class _LogprobHead(nn.Module):
         weight = self.hf.get_output_embeddings().weight
         if isinstance(weight, DTensor):
             weight = weight.full_tensor()
+        # with_entropy: True (differentiable), "detached" (computed without autograd, for the metric) or False
         logp_flat, ent_flat = logprobs_from_hidden(
-            h[sel], weight, b.resp_ids[sel], temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+            h[sel], weight, b.resp_ids[sel], temperature=temperature, chunk_size=chunk_size,
+            with_entropy=bool(with_entropy), entropy_grad=with_entropy != "detached",
         )
         logp = torch.zeros(B, R, dtype=logp_flat.dtype, device=h.device).masked_scatter(sel, logp_flat)
         ent = None
