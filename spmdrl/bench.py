@@ -116,5 +116,79 @@ def compare(run_dirs: list[str], skip: int = 2) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m spmdrl.bench RUN_DIR [RUN_DIR ...]
-    print(compare(sys.argv[1:]))
+def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response_len: tuple[int, int],
+                 overrides: list[str], reps: int = 5, seed: int = 0) -> dict[str, float]:
+    """Time one actor update (forward + backward + AdamW over `samples` sequences, one mini-batch) and one
+    forward-only log-prob pass on this process alone (a 1-rank gloo world, the real FSDPEngine and
+    run_updates), with prompt and response lengths drawn uniformly from the given ranges. Median seconds."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from spmdrl.algos import POLICY_LOSSES
+    from spmdrl.batch import Batch
+    from spmdrl.config import load_config
+    from spmdrl.dist.layout import plan_layout
+    from spmdrl.dist.meshes import RoleMeshes
+    from spmdrl.engines.fsdp import FSDPEngine
+    from spmdrl.update import actor_body, forward_all, run_updates
+
+    if not dist.is_initialized():
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    repo_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart", "grpo.toml")
+    cfg = load_config(repo_cfg, [f"model.path={model}", *overrides])
+    a = cfg.actor
+    mesh = RoleMeshes(plan_layout(cfg.placement, 1), 0, "cpu")["actor"]
+    torch.manual_seed(seed)
+    eng = FSDPEngine(model, mesh, torch.device("cpu"), trainable=True, optim=dict(lr=1e-6), total_steps=10**6)
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(prompt_len[0], prompt_len[1] + 1, (samples,), generator=g)
+    rlen = torch.randint(response_len[0], response_len[1] + 1, (samples,), generator=g)
+    P, R = int(plen.max()), int(rlen.max())
+    vocab = eng.hf.config.vocab_size
+    mask = (torch.arange(R)[None] < rlen[:, None]).float()
+    batch = Batch({
+        "prompts": torch.randint(3, vocab, (samples, P), generator=g), "prompt_len": plen,
+        "responses": torch.randint(3, vocab, (samples, R), generator=g), "response_len": rlen,
+        "response_mask": mask, "advantages": torch.randn(samples, R, generator=g) * mask,
+        "rollout_log_probs": torch.zeros(samples, R),
+    })
+    body = actor_body(cfg, POLICY_LOSSES.get(a.policy_loss), 1.0)
+    group = mesh.mesh.get_group("dp")
+
+    def update():
+        run_updates(eng, batch, epochs=1, mini_size=samples, micro_size=a.micro_batch_size, pad_id=0,
+                    agg_mode=a.loss_agg_mode, dp_size=1, dp_group=group, body=body, prefix="actor",
+                    max_tokens=a.max_tokens_per_micro_batch, packed=a.use_packing)
+
+    def forward():
+        forward_all(eng, batch, a.forward_micro_batch_size or a.micro_batch_size, 0, lambda e, tb: e.logprobs(tb)[0],
+                    max_tokens=a.forward_max_tokens_per_micro_batch or a.max_tokens_per_micro_batch, packed=a.use_packing)
+
+    out = {"tokens": float((plen + rlen).sum()), "response_tokens": float(rlen.sum())}
+    for name, fn in (("update_s", update), ("forward_s", forward)):
+        fn()  # warm-up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+    return out
+
+
+if __name__ == "__main__":
+    # python -m spmdrl.bench RUN_DIR [RUN_DIR ...]                      compare bench runs
+    # python -m spmdrl.bench update MODEL SAMPLES RMIN RMAX [overrides]  time one actor update alone
+    if sys.argv[1:2] == ["update"]:
+        model_dir, n, rmin, rmax, *extra = sys.argv[2:]
+        res = update_bench(model_dir, int(n), (10, 20), (int(rmin), int(rmax)), extra)
+        print(" ".join(f"{k}={v:.4f}" for k, v in res.items()), "|", " ".join(extra))
+    else:
+        print(compare(sys.argv[1:]))

@@ -212,7 +212,8 @@ class Trainer:
         if self.critic is not None:
             with timer("values"):
                 batch["values"] = forward_all(self.critic, batch, cfg.critic.micro_batch_size, self.pad_id,
-                                              lambda eng, tb: eng.values(tb))
+                                              lambda eng, tb: eng.values(tb), max_tokens=cfg.critic.max_tokens_per_micro_batch,
+                                              packed=cfg.critic.use_packing)
         with timer("advantage"):
             metrics.update(self.apply_kl_in_reward(batch))
             alg = cfg.algorithm
@@ -401,8 +402,9 @@ class Trainer:
 
     def forward_logprobs(self, engine: FSDPEngine, batch: Batch) -> torch.Tensor:
         a = self.cfg.actor
-        return forward_all(engine, batch, a.micro_batch_size, self.pad_id, lambda eng, tb: eng.logprobs(
-            tb, temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size)[0])
+        return forward_all(engine, batch, a.forward_micro_batch_size or a.micro_batch_size, self.pad_id, lambda eng, tb: eng.logprobs(
+            tb, temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size)[0],
+            max_tokens=a.forward_max_tokens_per_micro_batch or a.max_tokens_per_micro_batch, packed=a.use_packing)
 
     def update(self, engine: FSDPEngine, batch: Batch, body, role: str) -> dict[str, float]:
         sec = getattr(self.cfg, role)
@@ -411,6 +413,7 @@ class Trainer:
         return run_updates(
             engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=sec.micro_batch_size, pad_id=self.pad_id,
             agg_mode=sec.loss_agg_mode, dp_size=mesh.dp_size, dp_group=mesh.mesh.get_group("dp"), body=body, prefix=role,
+            max_tokens=sec.max_tokens_per_micro_batch, packed=sec.use_packing,
         )
 
     def run_hooks(self, stage: str, step: int, batch: Batch, metrics: dict | None = None) -> dict[str, float]:

@@ -10,26 +10,53 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from spmdrl.algos import agg_loss, kl_penalty, masked_mean
 from spmdrl.algos.losses import value_loss
 from spmdrl.batch import Batch
-from spmdrl.dist.collectives import reduce_sum
+from spmdrl.dist.collectives import comm_device, reduce_sum
 from spmdrl.engines.fsdp import FSDPEngine, TokenBatch, pack_sequences
+from spmdrl.engines.packing import balanced_partition, micro_batch_count
 
 
-def micro_batches(batch: Batch, size: int, pad_id: int) -> list[tuple[Batch, TokenBatch]]:
+def micro_batches(
+    batch: Batch, size: int, pad_id: int, *, max_tokens: int = 0, packed: bool = False, group=None,
+) -> list[tuple[Batch, TokenBatch]]:
+    """(samples, TokenBatch) pairs covering `batch` once.
+
+    Without a token budget: consecutive chunks of `size` samples. With `max_tokens` > 0: k micro-batches of
+    near-equal token counts (longest first into the lightest), k the smallest count that keeps every
+    micro-batch within max_tokens tokens and `size` samples, maximised over the ranks of `group` (one
+    all-reduce) because every rank must run as many forwards as the others under FSDP. `packed` packs each
+    micro-batch's sequences into rows (spmdrl.engines.packing) instead of padding them. The split never
+    changes the objective: run_updates weights each micro-batch by its share of the mini-batch's tokens.
+    """
+    if max_tokens > 0:
+        lengths = (batch["prompt_len"] + batch["response_len"]).tolist()
+        k = micro_batch_count(lengths, max_tokens, size)
+        if group is not None and dist.is_initialized():
+            k = _max_over(k, group)
+        parts = [batch.select(idx) for idx in balanced_partition(lengths, k, size)] if len(batch) else []
+    else:
+        parts = batch.split(size)
     out = []
-    for mb in batch.split(size):
+    for mb in parts:
         prompts = [mb["prompts"][i, : int(mb["prompt_len"][i])] for i in range(len(mb))]
         resps = [mb["responses"][i, : int(mb["response_len"][i])] for i in range(len(mb))]
-        out.append((mb, pack_sequences(prompts, resps, pad_id)))
+        out.append((mb, pack_sequences(prompts, resps, pad_id, packed=packed)))
     return out
+
+
+def _max_over(value: int, group) -> int:
+    t = torch.tensor([value], dtype=torch.long, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t[0])
 
 
 def run_updates(
     engine: FSDPEngine, batch: Batch, *, epochs: int, mini_size: int, micro_size: int, pad_id: int,
-    agg_mode: str, dp_size: int, dp_group, body: Callable, prefix: str,
+    agg_mode: str, dp_size: int, dp_group, body: Callable, prefix: str, max_tokens: int = 0, packed: bool = False,
 ) -> dict[str, float]:
     """Optimizer steps over `batch`; body(mb, tb, engine) -> (unweighted loss, metrics). Returns mean metrics."""
     seq_mode = agg_mode != "token-mean"
@@ -48,7 +75,8 @@ def run_updates(
                 weight = float(units(mb["response_mask"])) / max(total, 1.0) * dp_size
                 return loss * weight, m
 
-            out = engine.train_step(micro_batches(mini, micro_size, pad_id), loss_fn)
+            mbs = micro_batches(mini, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=dp_group)
+            out = engine.train_step(mbs, loss_fn)
             for k, v in out.items():
                 key = k if "/" in k else f"{prefix}/{k}"
                 sums[key] = sums.get(key, 0.0) + v
@@ -118,13 +146,19 @@ def critic_body(cfg) -> Callable:
 
 
 @torch.no_grad()
-def forward_all(engine: FSDPEngine, batch: Batch, micro_size: int, pad_id: int, fn: Callable) -> torch.Tensor:
-    """fn(engine, tb) -> [b, R'] for each micro-batch, assembled into a [B, R] CPU float tensor."""
+def forward_all(
+    engine: FSDPEngine, batch: Batch, micro_size: int, pad_id: int, fn: Callable, *, max_tokens: int = 0,
+    packed: bool = False,
+) -> torch.Tensor:
+    """fn(engine, tb) -> [b, R'] for each micro-batch, assembled into a [B, R] CPU float tensor in batch order.
+
+    Forward-only passes keep no activations for backward, so they can take larger micro-batches than the
+    update (actor.forward_micro_batch_size / forward_max_tokens_per_micro_batch)."""
     engine.module.eval()
     out = torch.zeros(len(batch), batch["responses"].shape[1])
-    i = 0
-    for mb, tb in micro_batches(batch, micro_size, pad_id):
+    batch = Batch({**batch.tensors, "_row": torch.arange(len(batch))})  # where each sample goes back to
+    group = engine.mesh.mesh.get_group("dp") if max_tokens > 0 else None
+    for mb, tb in micro_batches(batch, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=group):
         vals = fn(engine, tb)
-        out[i: i + len(mb), : vals.shape[1]] = vals.float().cpu()
-        i += len(mb)
+        out[mb["_row"], : vals.shape[1]] = vals.float().cpu()
     return out
