@@ -26,7 +26,7 @@ from spmdrl.dist.collectives import reduce_mean, reduce_min, reduce_sum, redistr
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines.fsdp import FSDPEngine
 from spmdrl.hooks import HookContext, HookRunner
-from spmdrl.metrics import MetricsLogger, StageTimer, peak_memory_gb
+from spmdrl.metrics import MetricsLogger, StageTimer, device_peak_tflops, flops_metrics, peak_memory_gb
 from spmdrl.reshard.sync import sync_weights
 from spmdrl.rewards import default_compute_score, load_reward_fn
 from spmdrl.rng import rng_state, seed_everything, set_rng_state
@@ -240,12 +240,19 @@ class Trainer:
         metrics.update(self.run_hooks("after_step", step, batch, metrics=dict(metrics)))
         # the step's token count rides in the same all-reduce: a mean over the actor's dp ranks, times dp
         metrics["_tokens"] = float(batch["response_mask"].sum() + batch["prompt_len"].sum())
+        metrics["_seq_sq"] = float(((batch["response_mask"].sum(-1) + batch["prompt_len"]).double() ** 2).sum())
         metrics = reduce_mean(metrics, weight=1.0 if self.actor_mesh.tp_rank == 0 else 0.0)
         tokens = metrics.pop("_tokens") * self.actor_mesh.dp_size
+        seq_sq = metrics.pop("_seq_sq") * self.actor_mesh.dp_size
         step_s = time.perf_counter() - t0
         metrics.update(timer.as_metrics())
         metrics["timing/step_s"] = step_s
         metrics["perf/tokens_per_s"] = tokens / step_s
+        metrics.update(flops_metrics(
+            self.actor.hf.config, seq_lens_sum=tokens, seq_sq_sum=seq_sq, update_s=metrics.get("timing/update_actor_s", 0.0),
+            rollout_s=metrics.get("timing/rollout_s", 0.0), devices=self.world_size,
+            peak_tflops=device_peak_tflops(self.device, cfg.trainer.device_peak_tflops), update_passes=cfg.actor.ppo_epochs,
+        ))
         metrics["perf/peak_memory_gb"] = peak_memory_gb(self.device)
         return metrics
 

@@ -294,6 +294,9 @@ class TrainerConfig:
 
     total_steps: int = 10
     """RL steps to run."""
+    device_peak_tflops: float = 0.0
+    """Peak TFLOP/s of one device for perf/mfu_*; 0 uses the bf16 dense peak of a known GPU (H100, H200, A100)
+    and on CPU reports only the achieved perf/*_tflops."""
     seed: int = 0
     """Seed for data order, sampling and init; same config and seed give the same metrics on CPU."""
     output_dir: str = "outputs/run"
