@@ -29,8 +29,10 @@ def prepare(work_dir: str, model: str | None) -> tuple[str, dict[str, str]]:
     return model, data
 
 
-def launch(work_dir: str, model: str, data: dict[str, str], nproc: int, steps: int, overrides: list[str]) -> str:
-    out = os.path.join(work_dir, "run")
+def launch(work_dir: str, model: str, data: dict[str, str], nproc: int, steps: int, overrides: list[str],
+           code_dir: str | None = None, run_name: str = "run") -> str:
+    """Run the trainer; `code_dir` puts another checkout first on the trainer's PYTHONPATH (A/B runs)."""
+    out = os.path.join(work_dir, run_name)
     repo_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart", "grpo.toml")
     args = [
         "--config", repo_cfg, f"model.path={model}", f'data.train_files=["{data["train"]}"]', "data.val_files=[]",
@@ -42,6 +44,8 @@ def launch(work_dir: str, model: str, data: dict[str, str], nproc: int, steps: i
     else:
         cmd = [sys.executable, "-m", "spmdrl.train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if code_dir:
+        env["PYTHONPATH"] = os.pathsep.join([code_dir, env.get("PYTHONPATH", "")])
     subprocess.run(cmd, check=True, env=env)
     return out
 
@@ -120,7 +124,8 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
                  overrides: list[str], reps: int = 5, seed: int = 0) -> dict[str, float]:
     """Time one actor update (forward + backward + AdamW over `samples` sequences, one mini-batch) and one
     forward-only log-prob pass on this process alone (a 1-rank gloo world, the real FSDPEngine and
-    run_updates), with prompt and response lengths drawn uniformly from the given ranges. Median seconds."""
+    run_updates), with prompt and response lengths drawn uniformly from the given ranges. Median wall seconds
+    and median CPU seconds of this process (the better figure on a machine shared with other jobs)."""
     import time
 
     import torch
@@ -174,19 +179,50 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
     out = {"tokens": float((plen + rlen).sum()), "response_tokens": float(rlen.sum())}
     for name, fn in (("update_s", update), ("forward_s", forward)):
         fn()  # warm-up
-        times = []
+        times, cpu = [], []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         out[name] = statistics.median(times)
+        out[name.replace("_s", "_cpu_s")] = statistics.median(cpu)  # robust to other jobs on a shared machine
     return out
+
+
+def cpu_bench(work_dir: str, code_dir: str, nproc: int, overrides: list[str], short: int = 4, long: int = 12) -> dict:
+    """CPU seconds per step, robust to other jobs on a shared machine: the CPU time of the whole run (all ranks)
+    with `long` steps minus that with `short` steps, over long - short; completion tokens of those steps
+    (from metrics.jsonl) per CPU second. `code_dir` is the checkout the trainer runs (e.g. today's main)."""
+    import resource
+
+    model, data = prepare(work_dir, None)
+    cpu = {}
+    for steps in (short, long):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        run = launch(work_dir, model, data, nproc, steps, overrides + ["checkpoint.save_freq=-1"], code_dir, f"run{steps}")
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu[steps] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    from spmdrl.metrics import read_jsonl
+
+    rows = [r for r in read_jsonl(os.path.join(run, "metrics.jsonl"), last_per_step=True) if "timing/step_s" in r]
+    samples = _samples_per_step(run)
+    completion = sum(r.get("train/response_length_mean", 0.0) * samples for r in rows[short:])
+    per_step = (cpu[long] - cpu[short]) / (long - short)
+    b = breakdown(run, skip=short)
+    return {"cpu_s_per_step": per_step, "completion_tokens_per_cpu_s": completion / (cpu[long] - cpu[short]),
+            "wall_step_s": b["timing/step_s"], "wall_completion_tokens_per_s": b["completion_tokens_per_s"]}
 
 
 if __name__ == "__main__":
     # python -m spmdrl.bench RUN_DIR [RUN_DIR ...]                      compare bench runs
     # python -m spmdrl.bench update MODEL SAMPLES RMIN RMAX [overrides]  time one actor update alone
-    if sys.argv[1:2] == ["update"]:
+    # python -m spmdrl.bench cpu WORK_DIR CODE_DIR NPROC [overrides]    CPU seconds per step of a checkout
+    if sys.argv[1:2] == ["cpu"]:
+        work, code, nproc, *extra = sys.argv[2:]
+        res = cpu_bench(work, code, int(nproc), extra)
+        print(" ".join(f"{k}={v:.4f}" for k, v in res.items()), "|", code, " ".join(extra))
+    elif sys.argv[1:2] == ["update"]:
         model_dir, n, rmin, rmax, *extra = sys.argv[2:]
         res = update_bench(model_dir, int(n), (10, 20), (int(rmin), int(rmax)), extra)
         print(" ".join(f"{k}={v:.4f}" for k, v in res.items()), "|", " ".join(extra))
