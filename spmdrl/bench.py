@@ -46,7 +46,8 @@ def launch(work_dir: str, model: str, data: dict[str, str], nproc: int, steps: i
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if code_dir:
         env["PYTHONPATH"] = os.pathsep.join([code_dir, env.get("PYTHONPATH", "")])
-    subprocess.run(cmd, check=True, env=env)
+    # python -m puts the working directory first on sys.path: run from the checkout that is meant to run
+    subprocess.run(cmd, check=True, env=env, cwd=code_dir or None)
     return out
 
 
@@ -76,6 +77,11 @@ def breakdown(run_dir: str, skip: int = 2) -> dict[str, float]:
             r.get("train/response_length_mean", 0.0) * samples / r["timing/step_s"] for r in rows
         ),
         "steps_measured": float(len(rows)),
+        # the least disturbed step: a steadier figure than the median when other jobs share the machine
+        "min_step_s": min(step),
+        "best_completion_tokens_per_s": max(
+            r.get("train/response_length_mean", 0.0) * samples / r["timing/step_s"] for r in rows
+        ),
     })
     return med
 
@@ -109,14 +115,15 @@ def _samples_per_step(run_dir: str) -> int:
 
 def compare(run_dirs: list[str], skip: int = 2) -> str:
     """One row per run: median step, stage seconds and completion tokens/s (for side-by-side A/B runs)."""
-    cols = ("timing/step_s", "timing/rollout_s", "timing/old_logprob_s", "timing/update_actor_s",
-            "timing/weight_sync_s", "overhead_s", "completion_tokens_per_s")
-    head = f"{'run':<28}" + "".join(f"{c.split('/')[-1]:>24}" for c in cols)
+    cols = ("timing/step_s", "min_step_s", "timing/rollout_s", "timing/update_actor_s", "timing/weight_sync_s",
+            "overhead_s", "completion_tokens_per_s", "best_completion_tokens_per_s")
+    labels = ("step s", "min step s", "rollout s", "update s", "sync s", "overhead s", "compl tok/s", "best tok/s")
+    head = f"{'run':<22}" + "".join(f"{c:>14}" for c in labels)
     lines = [head, "-" * len(head)]
     for d in run_dirs:
         b = breakdown(d, skip)
-        lines.append(f"{os.path.basename(os.path.normpath(os.path.dirname(d))) + '/' + os.path.basename(d):<28}"
-                     + "".join(f"{b.get(c, 0.0):>24.4f}" for c in cols))
+        lines.append(f"{os.path.basename(os.path.normpath(os.path.dirname(d))):<22}"
+                     + "".join(f"{b.get(c, 0.0):>14.4f}" for c in cols))
     return "\n".join(lines)
 
 
@@ -214,6 +221,28 @@ def cpu_bench(work_dir: str, code_dir: str, nproc: int, overrides: list[str], sh
             "wall_step_s": b["timing/step_s"], "wall_completion_tokens_per_s": b["completion_tokens_per_s"]}
 
 
+def rollout_bench(model: str, prompts: int, n: int = 8, max_tokens: int = 32, reps: int = 4) -> dict[str, float]:
+    """Median seconds of one vLLM generate (prompts x n samples x max_tokens) on this process, with one
+    request per prompt (n samples) and with one seeded request per sample, alternating the two modes."""
+    import time
+
+    from spmdrl.rollout import SamplingSpec, build_engine
+
+    eng = build_engine("vllm", model_path=model, tp_size=1, max_model_len=128, seed=0, kv_cache_gb=0.25)
+    ids = [eng.tokenizer.encode(f"{i}+{i * 7}=") for i in range(prompts)]
+    spec = SamplingSpec(n=n, temperature=1.0, max_tokens=max_tokens)
+    eng.generate(ids, spec, list(range(prompts)))  # warm-up
+    times: dict[str, list[float]] = {"n_batched_s": [], "per_request_seed_s": []}
+    for rep in range(reps):
+        for key, per_request in (("n_batched_s", False), ("per_request_seed_s", True)):
+            eng.per_request_seed = per_request
+            t0 = time.perf_counter()
+            eng.generate(ids, spec, list(range(rep, rep + prompts)))
+            times[key].append(time.perf_counter() - t0)
+    eng.close()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 if __name__ == "__main__":
     # python -m spmdrl.bench RUN_DIR [RUN_DIR ...]                      compare bench runs
     # python -m spmdrl.bench update MODEL SAMPLES RMIN RMAX [overrides]  time one actor update alone
@@ -222,6 +251,9 @@ if __name__ == "__main__":
         work, code, nproc, *extra = sys.argv[2:]
         res = cpu_bench(work, code, int(nproc), extra)
         print(" ".join(f"{k}={v:.4f}" for k, v in res.items()), "|", code, " ".join(extra))
+    elif sys.argv[1:2] == ["rollout"]:  # python -m spmdrl.bench rollout MODEL PROMPTS
+        res = rollout_bench(sys.argv[2], int(sys.argv[3]))
+        print(" ".join(f"{k}={v:.4f}" for k, v in res.items()))
     elif sys.argv[1:2] == ["update"]:
         model_dir, n, rmin, rmax, *extra = sys.argv[2:]
         res = update_bench(model_dir, int(n), (10, 20), (int(rmin), int(rmax)), extra)
