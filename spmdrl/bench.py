@@ -29,8 +29,10 @@ def prepare(work_dir: str, model: str | None) -> tuple[str, dict[str, str]]:
     return model, data
 
 
-def launch(work_dir: str, model: str, data: dict[str, str], nproc: int, steps: int, overrides: list[str]) -> str:
-    out = os.path.join(work_dir, "run")
+def launch(work_dir: str, model: str, data: dict[str, str], nproc: int, steps: int, overrides: list[str],
+           code_dir: str | None = None, run_name: str = "run") -> str:
+    """Run the trainer; `code_dir` puts another checkout first on the trainer's PYTHONPATH (A/B runs)."""
+    out = os.path.join(work_dir, run_name)
     repo_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart", "grpo.toml")
     args = [
         "--config", repo_cfg, f"model.path={model}", f'data.train_files=["{data["train"]}"]', "data.val_files=[]",
@@ -42,7 +44,10 @@ def launch(work_dir: str, model: str, data: dict[str, str], nproc: int, steps: i
     else:
         cmd = [sys.executable, "-m", "spmdrl.train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run(cmd, check=True, env=env)
+    if code_dir:
+        env["PYTHONPATH"] = os.pathsep.join([code_dir, env.get("PYTHONPATH", "")])
+    # python -m puts the working directory first on sys.path: run from the checkout that is meant to run
+    subprocess.run(cmd, check=True, env=env, cwd=code_dir or None)
     return out
 
 
@@ -52,6 +57,7 @@ def breakdown(run_dir: str, skip: int = 2) -> dict[str, float]:
 
     rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"), last_per_step=True) if "timing/step_s" in r]
     rows = rows[skip:] or rows
+    samples = _samples_per_step(run_dir)
     keys = sorted({k for r in rows for k in r if k.startswith("timing/")} - {"timing/validation_s"})
     med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
     # per-step sums, then the median, so the parts add up to the step they come from
@@ -66,7 +72,16 @@ def breakdown(run_dir: str, skip: int = 2) -> dict[str, float]:
         "weight_sync_s": statistics.median(sync), "overhead_s": statistics.median(over),
         "overhead_pct": 100 * statistics.median(o / s for o, s in zip(over, step)),
         "tokens_per_s": statistics.median(r.get("perf/tokens_per_s", 0.0) for r in rows),
+        # completion tokens only: mean response length (a mean of equal-sized per-rank means) x samples per step
+        "completion_tokens_per_s": statistics.median(
+            r.get("train/response_length_mean", 0.0) * samples / r["timing/step_s"] for r in rows
+        ),
         "steps_measured": float(len(rows)),
+        # the least disturbed step: a steadier figure than the median when other jobs share the machine
+        "min_step_s": min(step),
+        "best_completion_tokens_per_s": max(
+            r.get("train/response_length_mean", 0.0) * samples / r["timing/step_s"] for r in rows
+        ),
     })
     return med
 
@@ -83,6 +98,165 @@ def format_breakdown(b: dict[str, float]) -> str:
         f"{'fwd/bwd/optimizer':<26} {b['compute_s']:>9.4f}   {100 * b['compute_s'] / step:>8.1f}",
         f"{'weight sync':<26} {b['weight_sync_s']:>9.4f}   {100 * b['weight_sync_s'] / step:>8.1f}",
         f"{'SPMD overhead':<26} {b['overhead_s']:>9.4f}   {b['overhead_pct']:>8.1f}   (target <= 10%)",
-        f"tokens/s {b['tokens_per_s']:.0f} over {int(b['steps_measured'])} measured steps",
+        f"tokens/s {b['tokens_per_s']:.0f} (prompt + completion), completion tokens/s "
+        f"{b['completion_tokens_per_s']:.0f}, over {int(b['steps_measured'])} measured steps",
     ]
     return "\n".join(lines)
+
+
+def _samples_per_step(run_dir: str) -> int:
+    """data.train_batch_size x rollout.n from the run's config.toml (samples generated and trained per step)."""
+    import tomllib
+
+    with open(os.path.join(run_dir, "config.toml"), "rb") as f:
+        cfg = tomllib.load(f)
+    return int(cfg["data"]["train_batch_size"]) * int(cfg["rollout"]["n"])
+
+
+def compare(run_dirs: list[str], skip: int = 2) -> str:
+    """One row per run: median step, stage seconds and completion tokens/s (for side-by-side A/B runs)."""
+    cols = ("timing/step_s", "min_step_s", "timing/rollout_s", "timing/update_actor_s", "timing/weight_sync_s",
+            "overhead_s", "completion_tokens_per_s", "best_completion_tokens_per_s")
+    labels = ("step s", "min step s", "rollout s", "update s", "sync s", "overhead s", "compl tok/s", "best tok/s")
+    head = f"{'run':<22}" + "".join(f"{c:>14}" for c in labels)
+    lines = [head, "-" * len(head)]
+    for d in run_dirs:
+        b = breakdown(d, skip)
+        lines.append(f"{os.path.basename(os.path.normpath(os.path.dirname(d))):<22}"
+                     + "".join(f"{b.get(c, 0.0):>14.4f}" for c in cols))
+    return "\n".join(lines)
+
+
+def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response_len: tuple[int, int],
+                 overrides: list[str], reps: int = 5, seed: int = 0) -> dict[str, float]:
+    """Time one actor update (forward + backward + AdamW over `samples` sequences, one mini-batch) and one
+    forward-only log-prob pass on this process alone (a 1-rank gloo world, the real FSDPEngine and
+    run_updates), with prompt and response lengths drawn uniformly from the given ranges. Median wall seconds
+    and median CPU seconds of this process (the better figure on a machine shared with other jobs)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from spmdrl.algos import POLICY_LOSSES
+    from spmdrl.batch import Batch
+    from spmdrl.config import load_config
+    from spmdrl.dist.layout import plan_layout
+    from spmdrl.dist.meshes import RoleMeshes
+    from spmdrl.engines import build_train_engine
+    from spmdrl.update import actor_body, forward_all, run_updates
+
+    if not dist.is_initialized():
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    repo_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart", "grpo.toml")
+    cfg = load_config(repo_cfg, [f"model.path={model}", *overrides])
+    a = cfg.actor
+    mesh = RoleMeshes(plan_layout(cfg.placement, 1), 0, "cpu")["actor"]
+    torch.manual_seed(seed)
+    eng = build_train_engine("fsdp", model, mesh, torch.device("cpu"), trainable=True, optim=dict(lr=1e-6), total_steps=10**6)
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(prompt_len[0], prompt_len[1] + 1, (samples,), generator=g)
+    rlen = torch.randint(response_len[0], response_len[1] + 1, (samples,), generator=g)
+    P, R = int(plen.max()), int(rlen.max())
+    vocab = eng.hf_config().vocab_size
+    mask = (torch.arange(R)[None] < rlen[:, None]).float()
+    batch = Batch({
+        "prompts": torch.randint(3, vocab, (samples, P), generator=g), "prompt_len": plen,
+        "responses": torch.randint(3, vocab, (samples, R), generator=g), "response_len": rlen,
+        "response_mask": mask, "advantages": torch.randn(samples, R, generator=g) * mask,
+        "rollout_log_probs": torch.zeros(samples, R),
+    })
+    body = actor_body(cfg, POLICY_LOSSES.get(a.policy_loss), 1.0)
+    group = mesh.group("dp")
+
+    def update():
+        run_updates(eng, batch, epochs=1, mini_size=samples, micro_size=a.micro_batch_size, pad_id=0,
+                    agg_mode=a.loss_agg_mode, dp_size=1, dp_group=group, body=body, prefix="actor",
+                    max_tokens=a.max_tokens_per_micro_batch, packed=a.use_packing)
+
+    def forward():
+        forward_all(eng, batch, a.forward_micro_batch_size or a.micro_batch_size, 0, lambda e, tb: e.logprobs(tb)[0],
+                    max_tokens=a.forward_max_tokens_per_micro_batch or a.max_tokens_per_micro_batch, packed=a.use_packing)
+
+    out = {"tokens": float((plen + rlen).sum()), "response_tokens": float(rlen.sum())}
+    for name, fn in (("update_s", update), ("forward_s", forward)):
+        fn()  # warm-up
+        times, cpu = [], []
+        for _ in range(reps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        out[name] = statistics.median(times)
+        out[name.replace("_s", "_cpu_s")] = statistics.median(cpu)  # robust to other jobs on a shared machine
+    return out
+
+
+def cpu_bench(work_dir: str, code_dir: str, nproc: int, overrides: list[str], short: int = 4, long: int = 12) -> dict:
+    """CPU seconds per step, robust to other jobs on a shared machine: the CPU time of the whole run (all ranks)
+    with `long` steps minus that with `short` steps, over long - short; completion tokens of those steps
+    (from metrics.jsonl) per CPU second. `code_dir` is the checkout the trainer runs (e.g. today's main)."""
+    import resource
+
+    model, data = prepare(work_dir, None)
+    cpu = {}
+    for steps in (short, long):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        run = launch(work_dir, model, data, nproc, steps, overrides + ["checkpoint.save_freq=-1"], code_dir, f"run{steps}")
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu[steps] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    from spmdrl.metrics import read_jsonl
+
+    rows = [r for r in read_jsonl(os.path.join(run, "metrics.jsonl"), last_per_step=True) if "timing/step_s" in r]
+    samples = _samples_per_step(run)
+    completion = sum(r.get("train/response_length_mean", 0.0) * samples for r in rows[short:])
+    per_step = (cpu[long] - cpu[short]) / (long - short)
+    b = breakdown(run, skip=short)
+    return {"cpu_s_per_step": per_step, "completion_tokens_per_cpu_s": completion / (cpu[long] - cpu[short]),
+            "wall_step_s": b["timing/step_s"], "wall_completion_tokens_per_s": b["completion_tokens_per_s"]}
+
+
+def rollout_bench(model: str, prompts: int, n: int = 8, max_tokens: int = 32, reps: int = 4) -> dict[str, float]:
+    """Median seconds of one vLLM generate (prompts x n samples x max_tokens) on this process, with one
+    request per prompt (n samples) and with one seeded request per sample, alternating the two modes."""
+    import time
+
+    from spmdrl.rollout import SamplingSpec, build_engine
+
+    eng = build_engine("vllm", model_path=model, tp_size=1, max_model_len=128, seed=0, kv_cache_gb=0.25)
+    ids = [eng.tokenizer.encode(f"{i}+{i * 7}=") for i in range(prompts)]
+    spec = SamplingSpec(n=n, temperature=1.0, max_tokens=max_tokens)
+    eng.generate(ids, spec, list(range(prompts)))  # warm-up
+    times: dict[str, list[float]] = {"n_batched_s": [], "per_request_seed_s": []}
+    for rep in range(reps):
+        for key, per_request in (("n_batched_s", False), ("per_request_seed_s", True)):
+            eng.per_request_seed = per_request
+            t0 = time.perf_counter()
+            eng.generate(ids, spec, list(range(rep, rep + prompts)))
+            times[key].append(time.perf_counter() - t0)
+    eng.close()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+if __name__ == "__main__":
+    # python -m spmdrl.bench RUN_DIR [RUN_DIR ...]                      compare bench runs
+    # python -m spmdrl.bench update MODEL SAMPLES RMIN RMAX [overrides]  time one actor update alone
+    # python -m spmdrl.bench cpu WORK_DIR CODE_DIR NPROC [overrides]    CPU seconds per step of a checkout
+    if sys.argv[1:2] == ["cpu"]:
+        work, code, nproc, *extra = sys.argv[2:]
+        res = cpu_bench(work, code, int(nproc), extra)
+        print(" ".join(f"{k}={v:.4f}" for k, v in res.items()), "|", code, " ".join(extra))
+    elif sys.argv[1:2] == ["rollout"]:  # python -m spmdrl.bench rollout MODEL PROMPTS
+        res = rollout_bench(sys.argv[2], int(sys.argv[3]))
+        print(" ".join(f"{k}={v:.4f}" for k, v in res.items()))
+    elif sys.argv[1:2] == ["update"]:
+        model_dir, n, rmin, rmax, *extra = sys.argv[2:]
+        res = update_bench(model_dir, int(n), (10, 20), (int(rmin), int(rmax)), extra)
+        print(" ".join(f"{k}={v:.4f}" for k, v in res.items()), "|", " ".join(extra))
+    else:
+        print(compare(sys.argv[1:]))

@@ -72,7 +72,7 @@ def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokeniz
         dtype="bfloat16" if rollout_dtype(cfg, device) == torch.bfloat16 else "float32",
         max_model_len=d.max_prompt_length + d.max_response_length, seed=cfg.trainer.seed,
         gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.enable_sleep_mode and device.type == "cuda",
-        enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs,
+        enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs, per_request_seed=r.per_request_seed,
         max_num_batched_tokens=max(r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length),
         kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code, load_format=load_format,
     )

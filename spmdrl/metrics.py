@@ -234,3 +234,60 @@ def format_table(rows: list[tuple[str, dict[str, float]]]) -> str:
         cells = [(_fmt(d[k]) if k in d else "-").rjust(c) for (_, d), c in zip(rows, cols)]
         lines.append(k.ljust(width) + " | " + " | ".join(cells))
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------- model FLOPs
+
+# Dense bf16 peak of one device in TFLOP/s (vendor datasheets, without sparsity), by a substring of its name.
+_PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
+
+
+def forward_flops_per_token(hf_config, context: float) -> float:
+    """Forward FLOPs of one token of a decoder-only transformer (Qwen2/Llama layout) that attends to `context`
+    earlier tokens on average: 2 x (q, k, v, o, gate, up, down and lm_head weights) + 2 x 2 x hidden x context
+    per layer for QK^T and AV. Embedding lookups, norms and activations are not counted."""
+    h = hf_config.hidden_size
+    layers = hf_config.num_hidden_layers
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    kv = getattr(hf_config, "num_key_value_heads", heads) * head_dim
+    q = heads * head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * hf_config.intermediate_size
+    matmul_params = layers * per_layer + hf_config.vocab_size * h
+    return 2.0 * matmul_params + 4.0 * layers * q * context
+
+
+def device_peak_tflops(device, configured: float = 0.0) -> float:
+    """Peak of one device for MFU: `configured` when > 0, else the bf16 dense peak of a known CUDA device,
+    else 0 (CPU and unknown devices: only achieved TFLOP/s are reported)."""
+    if configured > 0:
+        return configured
+    if getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device)
+        for key, peak in _PEAK_BF16_TFLOPS:
+            if key in name:
+                return peak
+    return 0.0
+
+
+def flops_metrics(hf_config, *, seq_lens_sum: float, seq_sq_sum: float, update_s: float, rollout_s: float,
+                  devices: int, peak_tflops: float, update_passes: int = 1) -> dict[str, float]:
+    """perf/actor_tflops and perf/rollout_tflops (achieved, per device) and, with a known peak, perf/mfu_actor
+    and perf/mfu_rollout = achieved / peak.
+
+    Actor update: 3 x forward (forward + backward) over every prompt + response token, update_passes times
+    (ppo_epochs); the attention context of the token at position t is t, so the summed context is
+    sum_s len_s^2 / 2 (seq_sq_sum / 2). Rollout: one forward per prompt and response token (prefill + decode,
+    the same count with a KV cache). Figures over all `devices` ranks; divided per device.
+    """
+    dense = forward_flops_per_token(hf_config, 0.0)
+    attn_per_ctx = forward_flops_per_token(hf_config, 1.0) - dense
+    fwd = dense * seq_lens_sum + attn_per_ctx * seq_sq_sum / 2
+    out = {}
+    for name, flops, secs in (("actor", 3.0 * fwd * update_passes, update_s), ("rollout", fwd, rollout_s)):
+        if secs > 0:
+            achieved = flops / secs / max(devices, 1) / 1e12
+            out[f"perf/{name}_tflops"] = achieved
+            if peak_tflops > 0:
+                out[f"perf/mfu_{name}"] = achieved / peak_tflops
+    return out

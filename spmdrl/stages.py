@@ -213,11 +213,16 @@ class Stages:
     # ---- forward passes and updates ----------------------------------------------------------------------
     def forward_logprobs(self, engine, batch: Batch) -> torch.Tensor:
         a = self.cfg.actor
-        return forward_all(engine, batch, a.micro_batch_size, self.pad_id, lambda eng, tb: eng.logprobs(
-            tb, temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size)[0])
+        return forward_all(
+            engine, batch, a.forward_micro_batch_size or a.micro_batch_size, self.pad_id,
+            lambda eng, tb: eng.logprobs(tb, temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size)[0],
+            max_tokens=a.forward_max_tokens_per_micro_batch or a.max_tokens_per_micro_batch, packed=a.use_packing,
+        )
 
     def forward_values(self, batch: Batch) -> torch.Tensor:
-        return forward_all(self.critic, batch, self.cfg.critic.micro_batch_size, self.pad_id, lambda eng, tb: eng.values(tb))
+        c = self.cfg.critic
+        return forward_all(self.critic, batch, c.micro_batch_size, self.pad_id, lambda eng, tb: eng.values(tb),
+                           max_tokens=c.max_tokens_per_micro_batch, packed=c.use_packing)
 
     def update(self, engine, batch: Batch, body, role: str) -> dict[str, float]:
         sec = getattr(self.cfg, role)
@@ -227,6 +232,7 @@ class Stages:
         return run_updates(
             engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=sec.micro_batch_size, pad_id=self.pad_id,
             dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix=role,
+            max_tokens=sec.max_tokens_per_micro_batch, packed=sec.use_packing,
         )
 
     def dp_reduce(self, stats: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.faults import named_failures, set_collective_timeout
 from spmdrl.hooks import HookContext, HookRunner
 from spmdrl.memory import MemoryLifecycle, offload_kinds
-from spmdrl.metrics import MetricsLogger, StageTimer, peak_memory_gb
+from spmdrl.metrics import MetricsLogger, StageTimer, device_peak_tflops, flops_metrics, peak_memory_gb
 from spmdrl.reshard.sync import WeightSync
 from spmdrl.rewards import default_compute_score, load_reward_fn
 from spmdrl.rewards.custom import GuardedReward
@@ -207,13 +207,21 @@ class Trainer(Stages, Validation, RunState):
     def reduce_step_metrics(self, batch: Batch, metrics: dict, timer: StageTimer, step_s: float) -> dict[str, float]:
         """One all-reduce of every metric (tp copies weighted out); the token count rides along."""
         metrics["_tokens"] = float(batch["response_mask"].sum() + batch["prompt_len"].sum())
+        metrics["_seq_sq"] = float(((batch["response_mask"].sum(-1) + batch["prompt_len"]).double() ** 2).sum())
         sync_keys = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("weight_sync/")]}
         metrics = reduce_mean(metrics, weight=self.actor_mesh.leader_weight())
         metrics.update(sync_keys)  # already the same on every rank (max over ranks, plan figures)
         tokens = metrics.pop("_tokens") * self.actor_mesh.dp_size
+        seq_sq = metrics.pop("_seq_sq") * self.actor_mesh.dp_size
         metrics.update(timer.as_metrics())
         metrics["timing/step_s"] = step_s
         metrics["perf/tokens_per_s"] = tokens / step_s
+        metrics.update(flops_metrics(
+            self.actor.hf_config(), seq_lens_sum=tokens, seq_sq_sum=seq_sq,
+            update_s=metrics.get("timing/update_actor_s", 0.0), rollout_s=metrics.get("timing/rollout_s", 0.0),
+            devices=self.world_size, peak_tflops=device_peak_tflops(self.device, self.cfg.trainer.device_peak_tflops),
+            update_passes=self.cfg.actor.ppo_epochs,
+        ))
         metrics["perf/peak_memory_gb"] = peak_memory_gb(self.device)
         return metrics
 

@@ -17,27 +17,55 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from spmdrl.algos import agg_loss, kl_penalty, masked_mean
 from spmdrl.algos.agg import agg_units
 from spmdrl.algos.losses import resolve_agg_mode, value_loss
 from spmdrl.batch import Batch
-from spmdrl.dist.collectives import reduce_sum
+from spmdrl.dist.collectives import comm_device, reduce_sum
 from spmdrl.engines import TokenBatch, TrainEngine, pack_sequences
+from spmdrl.engines.packing import balanced_partition, micro_batch_count
 
 
-def micro_batches(batch: Batch, size: int, pad_id: int) -> list[tuple[Batch, TokenBatch]]:
+def micro_batches(
+    batch: Batch, size: int, pad_id: int, *, max_tokens: int = 0, packed: bool = False, group=None,
+) -> list[tuple[Batch, TokenBatch]]:
+    """(samples, TokenBatch) pairs covering `batch` once.
+
+    Without a token budget: consecutive chunks of `size` samples. With `max_tokens` > 0: k micro-batches of
+    near-equal token counts (longest first into the lightest), k the smallest count that keeps every
+    micro-batch within max_tokens tokens and `size` samples, maximised over the ranks of `group` (one
+    all-reduce) because every rank must run as many forwards as the others under FSDP. `packed` packs each
+    micro-batch's sequences into rows (spmdrl.engines.packing) instead of padding them. The split never
+    changes the objective: run_updates weights each micro-batch by its share of the mini-batch's tokens.
+    """
+    if max_tokens > 0:
+        lengths = (batch["prompt_len"] + batch["response_len"]).tolist()
+        k = micro_batch_count(lengths, max_tokens, size)
+        if group is not None and dist.is_initialized():
+            k = _max_over(k, group)
+        parts = [batch.select(idx) for idx in balanced_partition(lengths, k, size)] if len(batch) else []
+    else:
+        parts = batch.split(size)
     out = []
-    for mb in batch.split(size):
+    for mb in parts:
         prompts = [mb["prompts"][i, : int(mb["prompt_len"][i])] for i in range(len(mb))]
         resps = [mb["responses"][i, : int(mb["response_len"][i])] for i in range(len(mb))]
-        out.append((mb, pack_sequences(prompts, resps, pad_id)))
+        out.append((mb, pack_sequences(prompts, resps, pad_id, packed=packed)))
     return out
+
+
+def _max_over(value: int, group) -> int:
+    t = torch.tensor([value], dtype=torch.long, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t[0])
 
 
 def run_updates(
     engine: TrainEngine, batch: Batch, *, epochs: int, mini_size: int, micro_size: int, pad_id: int,
-    dp_size: int, dp_group, body: Callable, prefix: str, agg_mode: str | None = None,
+    dp_size: int, dp_group, body: Callable, prefix: str, agg_mode: str | None = None, max_tokens: int = 0,
+    packed: bool = False,
 ) -> dict[str, float]:
     """Optimizer steps over `batch`.
 
@@ -67,7 +95,8 @@ def run_updates(
                     local[k] = local.get(k, 0.0) + float(v) * w_tok
                 return loss * (w * dp_size), {}
 
-            out = engine.train_step(micro_batches(mini, micro_size, pad_id), loss_fn)
+            mbs = micro_batches(mini, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=dp_group)
+            out = engine.train_step(mbs, loss_fn)
             for k, v in out.items():
                 engine_sums[k] = engine_sums.get(k, 0.0) + v
             steps += 1
@@ -93,8 +122,12 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
     def agg(x, mask):
         return agg_loss(x, mask, mode, norm=norm)
 
+    # the entropy enters the gradient only with a bonus; otherwise it is a metric computed without autograd,
+    # or not computed at all (actor.entropy_metric = false)
+    entropy_mode = True if a.entropy_coeff != 0 else ("detached" if a.entropy_metric else False)
+
     def body(mb: Batch, tb: TokenBatch, engine: TrainEngine):
-        logp, ent = engine.logprobs(tb, temperature=temperature, with_entropy=True, chunk_size=a.logprob_chunk_size)
+        logp, ent = engine.logprobs(tb, temperature=temperature, with_entropy=entropy_mode, chunk_size=a.logprob_chunk_size)
         R = logp.shape[1]
         dev = logp.device
         mask = mb["response_mask"][:, :R].to(dev)
@@ -106,9 +139,13 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
             stats["rollout/logprob_diff_mean"] = masked_mean((mb["rollout_log_probs"][:, :R].to(dev) - old).abs(), mask)
         pg_loss, pg_m = loss_fn(old, logp, mb["advantages"][:, :R].to(dev), mask, loss_agg_mode=mode,
                                 loss_agg_norm=norm, **extra)
-        entropy = agg(ent, mask)
-        loss = pg_loss - a.entropy_coeff * entropy
-        terms = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach()}
+        loss = pg_loss
+        terms = {"actor/pg_loss": pg_loss.detach()}
+        if ent is not None:
+            entropy = agg(ent, mask)
+            if a.entropy_coeff != 0:
+                loss = loss - a.entropy_coeff * entropy
+            terms["actor/entropy"] = entropy.detach()
         stats.update({"actor/clipfrac": pg_m["pg_clipfrac"], "actor/ppo_kl": pg_m["ppo_kl"]})
         if a.use_kl_loss:
             kl = agg(kl_penalty(logp, mb["ref_log_probs"][:, :R].to(dev), a.kl_loss_type), mask)
@@ -147,13 +184,19 @@ def critic_body(cfg) -> Callable:
 
 
 @torch.no_grad()
-def forward_all(engine: TrainEngine, batch: Batch, micro_size: int, pad_id: int, fn: Callable) -> torch.Tensor:
-    """fn(engine, tb) -> [b, R'] for each micro-batch, assembled into a [B, R] CPU float tensor."""
+def forward_all(
+    engine: TrainEngine, batch: Batch, micro_size: int, pad_id: int, fn: Callable, *, max_tokens: int = 0,
+    packed: bool = False,
+) -> torch.Tensor:
+    """fn(engine, tb) -> [b, R'] for each micro-batch, assembled into a [B, R] CPU float tensor in batch order.
+
+    Forward-only passes keep no activations for backward, so they can take larger micro-batches than the
+    update (actor.forward_micro_batch_size / forward_max_tokens_per_micro_batch)."""
     engine.eval()
     out = torch.zeros(len(batch), batch["responses"].shape[1])
-    i = 0
-    for mb, tb in micro_batches(batch, micro_size, pad_id):
+    batch = Batch({**batch.tensors, "_row": torch.arange(len(batch))})  # where each sample goes back to
+    group = engine.mesh.group("dp") if max_tokens > 0 else None
+    for mb, tb in micro_batches(batch, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=group):
         vals = fn(engine, tb)
-        out[i: i + len(mb), : vals.shape[1]] = vals.float().cpu()
-        i += len(mb)
+        out[mb["_row"], : vals.shape[1]] = vals.float().cpu()
     return out

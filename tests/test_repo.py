@@ -35,7 +35,7 @@ RANK_ARITHMETIC = [
     r"\b(tp|dp|pp)_rank\s*[*+]", r"[*+]\s*[\w.]*\b(tp|dp|pp)_rank\b", r"device_count\(\)", r"\btp_rank\s*==\s*0",
     r"environ(\.get)?\(\s*['\"]LOCAL_RANK", r"mesh\.mesh\b", r"get_rank\(\)\s*[%/]",
 ]
-FSDP_INTERNALS = [r"\bfully_shard\b", r"torch\.distributed\.fsdp", r"\.hf\.", r"\.module\b\.(parameters|eval|train)"]
+FSDP_INTERNALS = [r"\bfully_shard\b", r"engines\.fsdp import", r"torch\.distributed\.fsdp", r"\.hf\.", r"\.module\b\.(parameters|eval|train)"]
 
 
 def _py_files(outside: str):

@@ -18,7 +18,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture()
 def engine(model_dir):
-    return HFEngine(model_dir, max_model_len=256, batch_size=4)
+    return HFEngine(model_dir, max_model_len=256, max_num_seqs=4)
 
 
 def prompts_of(engine):
@@ -66,15 +66,52 @@ def test_logprobs_are_raw_and_match_forward(engine, temperature):
 def test_n_samples_are_prompt_major_and_seeded_per_sample(engine):
     prompts = prompts_of(engine)
     spec = SamplingSpec(n=3, temperature=1.0, max_tokens=10)
+    engine.per_request_seed = True
     out = engine.generate(prompts, spec, [11, 12, 13])
     assert len(out) == 9
     # prompt 1's samples are slots 3..5 and do not depend on what else is in the batch
     alone = engine.generate([prompts[1]], spec, [12])
     assert out.response_ids[3:6] == alone.response_ids
-    # the n samples of one prompt differ; the same seeds give the same samples
     assert len({tuple(r) for r in out.response_ids[0:3]}) == 3
     assert engine.generate(prompts, spec, [11, 12, 13]).response_ids == out.response_ids
-    assert engine.generate(prompts, spec, [21, 12, 13]).response_ids[0:3] != out.response_ids[0:3]
+
+
+def test_default_sampling_is_batched_and_seeded_per_call(engine):
+    """One generator per call seeded with call_seed(seeds), one multinomial draw for all rows of a batch of
+    max_num_seqs: checked against a plain re-implementation (full forward per token, no KV cache, no padding)."""
+    from spmdrl.rollout.base import call_seed
+
+    prompts = prompts_of(engine)
+    spec = SamplingSpec(n=3, temperature=0.7, max_tokens=6)
+    calls = []
+    hook = engine.model.register_forward_hook(lambda m, args, kw, out: calls.append(kw["input_ids"].shape[0]),
+                                              with_kwargs=True)
+    try:
+        out = engine.generate(prompts, spec, [11, 12, 13])
+    finally:
+        hook.remove()
+    assert sorted(set(calls)) == [1, 4]  # 9 samples in batches of max_num_seqs=4: 4, 4, 1
+    rows = [p for p in prompts for _ in range(3)]
+    gen = torch.Generator().manual_seed(call_seed([11, 12, 13]))
+    expected = []
+    for start in range(0, 9, 4):  # the engine's batches; every row draws each step until all rows stop
+        batch = [list(p) for p in rows[start : start + 4]]
+        resp, done = [[] for _ in batch], [False] * len(batch)
+        for _ in range(spec.max_tokens):
+            with torch.no_grad():
+                logits = torch.stack([engine.model(input_ids=torch.tensor([p + r])).logits[0, -1]
+                                      for p, r in zip(batch, resp)]).float()
+            draw = torch.multinomial(torch.softmax(logits / spec.temperature, -1), 1, generator=gen)[:, 0]
+            for i, t in enumerate(draw.tolist()):
+                if not done[i]:
+                    resp[i].append(t)
+                    done[i] = t in engine.eos_ids
+            if all(done):
+                break
+        expected += resp
+    assert out.response_ids == expected
+    assert engine.generate(prompts, spec, [11, 12, 13]).response_ids == out.response_ids
+    assert engine.generate(prompts, spec, [21, 12, 13]).response_ids != out.response_ids
 
 
 def test_stops_on_eos(engine):

@@ -95,7 +95,7 @@ def test_tp2_ranks_get_identical_outputs(tp2):
     r0, r1 = tp2
     assert (r0["tp_rank"], r1["tp_rank"], r0["dp_size"]) == (0, 1, 1)
     assert r0["prompts"] == r1["prompts"] and r0["seeds"] == r1["seeds"]
-    for key in ("first", "greedy", "updated"):
+    for key in ("first", "greedy", "updated", "other_seeds", "per_request"):
         assert r0[key] == r1[key], key
 
 
@@ -133,6 +133,16 @@ def test_tp2_same_seeds_same_samples(tp2):
         assert res["first"]["response_ids"] == res["again"]["response_ids"]
         assert torch.allclose(torch.tensor(sum(res["first"]["logprobs"], [])),
                               torch.tensor(sum(res["again"]["logprobs"], [])), atol=1e-6)
+
+
+def test_tp2_seeds_drive_the_samples(tp2, models):
+    """Default mode (one request per prompt, n samples, engine reseeded from the seeds): other seeds give other
+    samples; per-request seeding gives valid samples whose values do not depend on the rest of the batch."""
+    res = tp2[0]
+    assert res["other_seeds"]["response_ids"] != res["first"]["response_ids"]
+    assert_logprobs_match(models[0], res, "per_request")
+    assert res["per_request"]["response_ids"][2:4] == res["per_request_alone"]["response_ids"]
+    assert res["per_request"]["response_ids"][0] != res["per_request"]["response_ids"][1]
 
 
 def test_tp2_mismatched_requests_are_caught(tp2):

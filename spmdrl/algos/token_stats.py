@@ -45,13 +45,18 @@ def _gather_logp(logp_all: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
 
 
 def _chunk(h: Tensor, w: Tensor, b: Tensor | None, labels: Tensor, inv_temp: float, ignore_index: int,
-           with_entropy: bool) -> tuple[Tensor, ...]:
+           with_entropy: bool, entropy_grad: bool) -> tuple[Tensor, ...]:
     logits = F.linear(h, w, b).float()  # matmul in the model dtype, softmax math in float32
     if inv_temp != 1.0:
         logits = logits * inv_temp
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = _gather_logp(logp_all, labels, ignore_index)
-    return (logp, _entropy_from_logprobs(logp_all)) if with_entropy else (logp,)
+    if not with_entropy:
+        return (logp,)
+    if entropy_grad:
+        return logp, _entropy_from_logprobs(logp_all)
+    with torch.no_grad():  # a metric only: no [N, V] tensors kept for a backward that will never come
+        return logp, _entropy_from_logprobs(logp_all.detach())
 
 
 def logprobs_from_hidden(
@@ -62,6 +67,7 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = True,
+    entropy_grad: bool = True,
     lm_head_bias: Tensor | None = None,
     ignore_index: int = -100,
     checkpoint: bool = True,
@@ -70,7 +76,8 @@ def logprobs_from_hidden(
 
     hidden [N, H] (or [..., H]), lm_head_weight [V, H], labels [N] (or [...]) -> (logp [N], entropy [N]
     or None), float32, shaped like ``labels``. logp is 0 where labels == ignore_index. Differentiable in
-    hidden, weight and bias; with ``checkpoint`` each chunk's logits are recomputed in backward instead
+    hidden, weight and bias (the entropy too unless ``entropy_grad`` is False: then it is computed under
+    no_grad, for logging); with ``checkpoint`` each chunk's logits are recomputed in backward instead
     of being kept.
     """
     if temperature <= 0:
@@ -90,7 +97,7 @@ def logprobs_from_hidden(
     )
 
     def run(hc: Tensor, yc: Tensor) -> tuple[Tensor, ...]:
-        return _chunk(hc, lm_head_weight, lm_head_bias, yc, 1.0 / temperature, ignore_index, with_entropy)
+        return _chunk(hc, lm_head_weight, lm_head_bias, yc, 1.0 / temperature, ignore_index, with_entropy, entropy_grad)
 
     logps, ents = [], []
     for s in range(0, h2.shape[0], chunk_size):

@@ -78,6 +78,18 @@ class ActorConfig:
     """Prompts per optimizer step over all ranks (times rollout.n samples); 0 means data.train_batch_size."""
     micro_batch_size: int = 4
     """Samples per forward/backward on one rank; gradients accumulate over a mini-batch."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget per forward/backward on one rank (prompt + response tokens); > 0 splits each mini-batch
+    into the fewest micro-batches of near-equal token counts within this budget and micro_batch_size samples
+    (the same count on every rank); 0 splits by micro_batch_size samples only."""
+    forward_micro_batch_size: int = 0
+    """Samples per forward-only pass (old and ref log-probs), which keep no activations; 0 means micro_batch_size."""
+    forward_max_tokens_per_micro_batch: int = 0
+    """Token budget of forward-only passes; 0 means max_tokens_per_micro_batch."""
+    use_packing: bool = False
+    """Pack whole sequences into rows (per-sequence position ids, block-diagonal causal mask) instead of
+    right-padding each to the longest of its micro-batch; same numbers, fewer padding tokens (actor, ref and
+    old log-prob passes)."""
     policy_loss: str = "ppo"
     """Policy loss from the registry: ppo | gspo | gmpo | cispo | sapo | clip_cov | kl_cov | gpg (spmdrl.algos.losses)."""
     loss_agg_mode: str = "auto"
@@ -92,6 +104,8 @@ class ActorConfig:
     """Dual-clip constant for negative advantages (> 1)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (subtracted from the loss)."""
+    entropy_metric: bool = True
+    """Log actor/entropy; with entropy_coeff = 0 it is computed without autograd, and false skips it."""
     use_kl_loss: bool = False
     """Add a KL(actor || ref) term to the loss (GRPO style)."""
     kl_loss_coef: float = 0.001
@@ -146,6 +160,10 @@ class CriticConfig:
     """Critic passes over each batch."""
     micro_batch_size: int = 4
     """Samples per critic forward/backward on one rank."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget per critic forward/backward on one rank; 0 splits by micro_batch_size only."""
+    use_packing: bool = False
+    """Pack sequences into rows instead of padding them (see actor.use_packing)."""
     cliprange_value: float = 0.5
     """Clip of the value update around the old values."""
     loss_agg_mode: str = "token-mean"
@@ -182,10 +200,14 @@ class RolloutConfig:
     """Fraction of GPU memory vLLM may take (CUDA only)."""
     enable_sleep_mode: bool = True
     """Release vLLM weights and KV cache while training (CUDA only; ignored on CPU where vLLM lacks it)."""
-    enforce_eager: bool = True
-    """Disable CUDA graphs in vLLM."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs in vLLM (GPU; the CPU backend always runs eager here)."""
     max_num_seqs: int = 256
-    """vLLM's max concurrent sequences."""
+    """vLLM's max concurrent sequences (the transformers engine's decode batch size)."""
+    per_request_seed: bool = False
+    """One seeded request per sample (sample j of prompt i does not depend on the rest of the batch) instead of
+    one request per prompt with n samples drawn from an engine RNG reseeded per call; slower (vLLM's
+    per-request sampling loop)."""
     max_num_batched_tokens: int = 8192
     """vLLM's token budget per scheduler step."""
     kv_cache_gb: float = 1.0
@@ -318,6 +340,9 @@ class TrainerConfig:
 
     total_steps: int = 10
     """RL steps to run."""
+    device_peak_tflops: float = 0.0
+    """Peak TFLOP/s of one device for perf/mfu_*; 0 uses the bf16 dense peak of a known GPU (H100, H200, A100)
+    and on CPU reports only the achieved perf/*_tflops."""
     seed: int = 0
     """Seed for data order, sampling and init; same config and seed give the same metrics on CPU."""
     output_dir: str = "outputs/run"

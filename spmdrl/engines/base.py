@@ -11,11 +11,14 @@ The engine adds no scaling of its own (no division by the number of micro-batche
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 
 from spmdrl.reshard.plan import Block
+
+if TYPE_CHECKING:
+    from spmdrl.dist.meshes import RoleMesh
 
 OFFLOAD_KINDS = ("params", "grads", "optimizer")
 
@@ -25,6 +28,7 @@ class TrainEngine(Protocol):
     """One model of one role, sharded over that role's mesh."""
 
     trainable: bool
+    mesh: "RoleMesh"  # the role's (dp, pp, tp) mesh (spmdrl.dist.meshes)
 
     # ---- forward heads on a token batch (spmdrl.engines.fsdp.TokenBatch) -----------------------------
     def logprobs(self, tb, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024):

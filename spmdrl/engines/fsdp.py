@@ -25,10 +25,12 @@ log = logging.getLogger("spmdrl")
 
 @dataclass
 class TokenBatch:
-    """Packed sequences for one forward: prompt + response, right-padded to the longest in the batch.
+    """Prompt + response token sequences for one forward, padded or packed (spmdrl.engines.packing).
 
-    input_ids [B, L]; attention_mask [B, L]; position_ids [B, L]; resp_pos [B, R] = index in L of the hidden
-    state that predicts response token j (prompt_len - 1 + j); resp_ids [B, R]; resp_mask [B, R].
+    input_ids [N, L]; position_ids [N, L]; attention_mask [N, L] (padded: one sequence per row, right-padded
+    to the longest) or [N, 1, L, L] bool (packed: block-diagonal causal, several sequences per row);
+    resp_row [B] = the row holding sequence b; resp_pos [B, R] = index in L of the hidden state that predicts
+    response token j of sequence b (its start + prompt_len - 1 + j); resp_ids [B, R]; resp_mask [B, R].
     """
 
     input_ids: torch.Tensor
@@ -37,31 +39,61 @@ class TokenBatch:
     resp_pos: torch.Tensor
     resp_ids: torch.Tensor
     resp_mask: torch.Tensor
+    resp_row: torch.Tensor | None = None  # None: row b holds sequence b
 
     def to(self, device) -> "TokenBatch":
-        return TokenBatch(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
+        return TokenBatch(*(
+            None if getattr(self, f) is None else getattr(self, f).to(device, non_blocking=True)
+            for f in self.__dataclass_fields__
+        ))
+
+    def rows(self) -> torch.Tensor:
+        """[B, 1] row index of each sequence, for indexing hidden states [N, L, H] with resp_pos."""
+        if self.resp_row is None:
+            return torch.arange(self.resp_ids.shape[0], device=self.resp_pos.device)[:, None]
+        return self.resp_row[:, None]
 
 
-def pack_sequences(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int) -> TokenBatch:
-    """Build a TokenBatch from ragged prompt and response token tensors (1-D int64 each)."""
+def pack_sequences(
+    prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int, *, packed: bool = False, row_len: int = 0,
+) -> TokenBatch:
+    """Build a TokenBatch from ragged prompt and response token tensors (1-D int64 each): one right-padded
+    sequence per row, or with `packed` whole sequences first-fit into rows of `row_len` tokens (0: the longest
+    sequence) with per-sequence position ids and a block-diagonal causal mask."""
     B = len(prompts)
     plen = torch.tensor([len(p) for p in prompts])
     rlen = torch.tensor([len(r) for r in responses])
-    L = int((plen + rlen).max())
     R = max(int(rlen.max()), 1)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     resp_ids = torch.full((B, R), pad_id, dtype=torch.long)
+    for i, r in enumerate(responses):
+        resp_ids[i, : len(r)] = r
+    ar_R = torch.arange(R)
+    resp_mask = (ar_R[None, :] < rlen[:, None]).long()
+    if packed:
+        from spmdrl.engines.packing import pack_rows
+
+        input_ids, mask, position_ids, resp_pos, row_of = pack_rows(prompts, responses, pad_id, R, row_len)
+        return TokenBatch(input_ids, mask, position_ids, resp_pos, resp_ids, resp_mask, row_of)
+    L = int((plen + rlen).max())
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         input_ids[i, : len(p)] = p
         input_ids[i, len(p): len(p) + len(r)] = r
-        resp_ids[i, : len(r)] = r
     ar_L = torch.arange(L)
     attention_mask = (ar_L[None, :] < (plen + rlen)[:, None]).long()
-    ar_R = torch.arange(R)
-    resp_mask = (ar_R[None, :] < rlen[:, None]).long()
     resp_pos = (plen[:, None] - 1 + ar_R[None, :]).clamp(max=L - 1)
     position_ids = ar_L.expand(B, L).contiguous()
     return TokenBatch(input_ids, attention_mask, position_ids, resp_pos, resp_ids, resp_mask)
+
+
+def _backbone_hidden(hf: nn.Module, b: TokenBatch) -> torch.Tensor:
+    """Last hidden states [N, L, H]. A packed batch's 4-D mask goes to SDPA/eager attention as is; flash-attention
+    implementations get none and find the sequence boundaries from the position ids (never run here: no GPU)."""
+    mask = b.attention_mask
+    if mask.dim() == 4 and "flash" in str(getattr(hf.config, "_attn_implementation", "")):
+        mask = None
+    backbone = getattr(hf, hf.base_model_prefix)
+    return backbone(input_ids=b.input_ids, attention_mask=mask, position_ids=b.position_ids, use_cache=False).last_hidden_state
 
 
 class _LogprobHead(nn.Module):
@@ -73,18 +105,17 @@ class _LogprobHead(nn.Module):
         self.hf = hf_model
 
     def forward(self, b: TokenBatch, temperature: float, with_entropy: bool, chunk_size: int):
-        backbone = getattr(self.hf, self.hf.base_model_prefix)
-        hidden = backbone(
-            input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids, use_cache=False
-        ).last_hidden_state
+        hidden = _backbone_hidden(self.hf, b)
         B, R = b.resp_ids.shape
-        h = hidden[torch.arange(B, device=hidden.device)[:, None], b.resp_pos]  # [B, R, H]
+        h = hidden[b.rows(), b.resp_pos]  # [B, R, H]
         sel = b.resp_mask.bool()
         weight = self.hf.get_output_embeddings().weight
         if isinstance(weight, DTensor):
             weight = weight.full_tensor()
+        # with_entropy: True (differentiable), "detached" (computed without autograd, for the metric) or False
         logp_flat, ent_flat = logprobs_from_hidden(
-            h[sel], weight, b.resp_ids[sel], temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+            h[sel], weight, b.resp_ids[sel], temperature=temperature, chunk_size=chunk_size,
+            with_entropy=bool(with_entropy), entropy_grad=with_entropy != "detached",
         )
         logp = torch.zeros(B, R, dtype=logp_flat.dtype, device=h.device).masked_scatter(sel, logp_flat)
         ent = None
@@ -102,12 +133,8 @@ class _ValueHead(nn.Module):
         self.hf = hf_model
 
     def forward(self, b: TokenBatch, *_):
-        backbone = getattr(self.hf, self.hf.base_model_prefix)
-        hidden = backbone(
-            input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids, use_cache=False
-        ).last_hidden_state
-        B = b.resp_ids.shape[0]
-        h = hidden[torch.arange(B, device=hidden.device)[:, None], b.resp_pos]
+        hidden = _backbone_hidden(self.hf, b)
+        h = hidden[b.rows(), b.resp_pos]
         head = self.hf.score if hasattr(self.hf, "score") else self.hf.classifier
         return head(h).squeeze(-1).float() * b.resp_mask, None
 

@@ -2,7 +2,8 @@
 
 An engine turns token-id prompts into sampled responses plus the log-prob of each sampled token. Engines run
 SPMD: every rank of a rollout tensor-parallel group calls `generate` with the same prompts and seeds and gets
-the same answer, so sampling is seeded per sample from the caller's per-prompt seed (`sample_seed`).
+the same answer: by default the engine seeds one random stream per call from all the per-prompt seeds
+(`call_seed`); with per-request seeding each sample has its own stream (`sample_seed`).
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class RolloutEngine(Protocol):
     """A generator living in this process; one per rollout tensor-parallel group, called on all its ranks."""
 
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> RolloutOutput:
-        """Sample spec.n responses per prompt; sample j of prompt i is seeded by sample_seed(seeds[i], j)."""
+        """Sample spec.n responses per prompt, prompt-major; the draws are a function of the seeds only."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -110,6 +111,16 @@ def sample_seed(prompt_seed: int, j: int) -> int:
     Hashing (rather than prompt_seed + j) keeps prompts with neighbouring seeds from sharing samples.
     """
     return _splitmix64(_splitmix64(prompt_seed & _MASK64) ^ j) >> 1
+
+
+def call_seed(seeds: list[int]) -> int:
+    """One 63-bit seed for a whole generate call: a hash of the per-prompt seeds in order, the same on every rank
+    that passes the same seeds (the ranks of a TP group), different between steps and rollout dp ranks because
+    the per-prompt seeds are."""
+    h = _splitmix64(len(seeds))
+    for s in seeds:
+        h = _splitmix64(h ^ (s & _MASK64))
+    return h >> 1
 
 
 def check_generate_args(prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> None:

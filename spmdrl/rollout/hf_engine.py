@@ -1,8 +1,10 @@
 """A transformers fallback for machines without vLLM: same interface, plain batched decoding with a KV cache.
 
 Slow (no continuous batching, no paged attention); meant for tests, debugging and tiny models. Every rank holds
-the whole model, so in a "TP group" each rank simply computes the same samples; per-sample seeds make that
-consistent.
+the whole model, so in a "TP group" each rank simply computes the same samples. Samples decode in batches of
+`max_num_seqs`; by default one generator per call, seeded with `call_seed(seeds)`, samples every row at once
+(the same on every rank passing the same seeds); with `per_request_seed` each sample has its own generator
+seeded by `sample_seed(seeds[i], j)` and rows are sampled one by one.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from spmdrl.errors import ConfigError, SpmdrlError
 from spmdrl.rollout.base import (
     RolloutOutput,
     SamplingSpec,
+    call_seed,
     check_generate_args,
     preserved_rng_state,
     sample_seed,
@@ -45,7 +48,8 @@ class HFEngine:
         dtype: str = "auto",
         device: str | torch.device | None = None,
         max_model_len: int | None = None,
-        batch_size: int = 64,
+        max_num_seqs: int = 256,
+        per_request_seed: bool = False,
         trust_remote_code: bool = False,
         seed: int = 0,
     ):
@@ -59,8 +63,8 @@ class HFEngine:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"rollout dtype={dtype!r}: use auto, float32, bfloat16 or float16")
-        if batch_size < 1:
-            raise ConfigError(f"HFEngine batch_size={batch_size}: must be >= 1")
+        if max_num_seqs < 1:
+            raise ConfigError(f"rollout.max_num_seqs={max_num_seqs}: must be >= 1")
         with preserved_rng_state():
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
@@ -70,8 +74,9 @@ class HFEngine:
             tokenizer_path or model_path, trust_remote_code=trust_remote_code
         )
         self.max_model_len = max_model_len
-        self.batch_size = batch_size
-        self.seed = seed  # unused: every sample is seeded from the caller's per-prompt seeds
+        self.batch_size = max_num_seqs
+        self.per_request_seed = bool(per_request_seed)
+        self.seed = seed  # unused: sampling is seeded from the caller's per-prompt seeds
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else next(iter(self.eos_ids), 0)
@@ -80,7 +85,8 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> RolloutOutput:
-        """spec.n samples per prompt, prompt-major; sample j of prompt i is seeded by sample_seed(seeds[i], j)."""
+        """spec.n samples per prompt, prompt-major; draws seeded by call_seed(seeds) (one generator for the
+        call), or with per_request_seed sample j of prompt i by sample_seed(seeds[i], j)."""
         check_generate_args(prompt_ids, spec, seeds)
         if self.max_model_len is not None:
             for i, p in enumerate(prompt_ids):
@@ -88,15 +94,19 @@ class HFEngine:
                     raise ConfigError(f"prompt {i} has {len(p)} tokens, max_model_len is {self.max_model_len}")
         samples = [(list(p), sample_seed(s, j)) for p, s in zip(prompt_ids, seeds) for j in range(spec.n)]
         out = RolloutOutput([], [], [])
+        shared = None if self.per_request_seed else torch.Generator(device=self.device).manual_seed(call_seed(seeds))
         for start in range(0, len(samples), self.batch_size):
             chunk = samples[start : start + self.batch_size]
-            ids, lps, reasons = self._generate_batch([p for p, _ in chunk], [s for _, s in chunk], spec)
+            gens = [shared] if shared is not None else [
+                torch.Generator(device=self.device).manual_seed(s) for _, s in chunk
+            ]
+            ids, lps, reasons = self._generate_batch([p for p, _ in chunk], gens, spec)
             out.response_ids += ids
             out.logprobs += lps if spec.logprobs else [[] for _ in ids]
             out.finish_reason += reasons
         return out
 
-    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], spec: SamplingSpec):
+    def _generate_batch(self, prompts: list[list[int]], generators: list[torch.Generator], spec: SamplingSpec):
         dev = self.device
         b = len(prompts)
         width = max(len(p) for p in prompts)
@@ -105,18 +115,19 @@ class HFEngine:
         for r, p in enumerate(prompts):  # left padding keeps every row's next token in the last column
             input_ids[r, width - len(p) :] = torch.tensor(p, device=dev)
             mask[r, width - len(p) :] = 1
-        generators = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
         max_new = spec.max_tokens
         if self.max_model_len is not None:
             max_new = min(max_new, self.max_model_len - width)
-        stop_ids = self.eos_ids | set(spec.stop_token_ids)
+        stop_t = torch.tensor(sorted(self.eos_ids | set(spec.stop_token_ids)), dtype=torch.long, device=dev)
 
-        responses: list[list[int]] = [[] for _ in range(b)]
-        logprobs: list[list[float]] = [[] for _ in range(b)]
-        reasons: list[str | None] = [None] * b
+        tokens_out = torch.full((b, max(max_new, 0)), self.pad_id, dtype=torch.long, device=dev)
+        logp_out = torch.zeros((b, max(max_new, 0)), dtype=torch.float32, device=dev)
+        length = torch.zeros(b, dtype=torch.long, device=dev)  # tokens generated per row so far
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+        stopped = torch.zeros(b, dtype=torch.bool, device=dev)
         past = None
         step_ids = input_ids
-        for _ in range(max_new):
+        for t in range(max_new):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
             res = self.model(
                 input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True
@@ -125,22 +136,26 @@ class HFEngine:
             logits = res.logits[:, -1, :].float()
             tokens = _sample(logits, spec, generators)
             raw = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
-            for r in range(b):
-                if reasons[r] is not None:
-                    continue
-                t = int(tokens[r])
-                responses[r].append(t)
-                logprobs[r].append(float(raw[r]))
-                if t in stop_ids or (spec.stop and self._hit_stop_string(responses[r], spec.stop)):
-                    reasons[r] = "stop"
-            if all(x is not None for x in reasons):
+            live = ~done
+            tokens_out[:, t] = torch.where(live, tokens, tokens_out[:, t])
+            logp_out[:, t] = torch.where(live, raw, logp_out[:, t])
+            length += live.long()
+            hit = live & torch.isin(tokens, stop_t)
+            if spec.stop:  # stop strings need the decoded text: row by row, only for rows still running
+                for r in live.nonzero()[:, 0].tolist():
+                    if not hit[r] and self._hit_stop_string(tokens_out[r, : t + 1].tolist(), spec.stop):
+                        hit[r] = True
+            stopped |= hit
+            done |= hit
+            if bool(done.all()):
                 break
-            tokens = torch.where(
-                torch.tensor([x is None for x in reasons], device=dev), tokens, torch.full_like(tokens, self.pad_id)
-            )
-            step_ids = tokens[:, None]
+            step_ids = torch.where(done, torch.full_like(tokens, self.pad_id), tokens)[:, None]
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
-        return responses, logprobs, [x or "length" for x in reasons]
+        lengths = length.tolist()
+        toks, lps = tokens_out.tolist(), logp_out.tolist()
+        responses = [row[:n] for row, n in zip(toks, lengths)]
+        logprobs = [row[:n] for row, n in zip(lps, lengths)]
+        return responses, logprobs, ["stop" if s else "length" for s in stopped.tolist()]
 
     def _hit_stop_string(self, response: list[int], stops: list[str]) -> bool:
         text = self.tokenizer.decode(response, skip_special_tokens=True)
@@ -204,7 +219,8 @@ class HFEngine:
 
 
 def _sample(logits: torch.Tensor, spec: SamplingSpec, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row: greedy at temperature 0, else temperature, top-k, top-p and a per-row generator."""
+    """One token per row: greedy at temperature 0, else temperature, top-k, top-p, then one multinomial draw
+    for all rows from a single generator, or row by row when there is one generator per row."""
     if spec.temperature == 0:
         return logits.argmax(dim=-1)
     scaled = logits / spec.temperature
@@ -218,6 +234,8 @@ def _sample(logits: torch.Tensor, spec: SamplingSpec, generators: list[torch.Gen
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
+    if len(generators) == 1:
+        return torch.multinomial(probs, 1, generator=generators[0])[:, 0]
     return torch.stack([torch.multinomial(probs[r], 1, generator=g)[0] for r, g in enumerate(generators)])
 
 

@@ -9,6 +9,15 @@ training collectives keep working on it afterwards.
 Every rank of a TP group must call `generate` with the same prompts and seeds: external_launcher runs one
 scheduler per rank and relies on all of them making the same decisions.
 
+Sampling. By default each prompt is one request with `SamplingParams(n=...)` and no per-request seed, and the
+global torch RNG is reseeded right before `generate` with `call_seed(seeds)`, a hash of the caller's per-prompt
+seeds (which are a pure function of run seed, step and global prompt position): vLLM then draws its sampling
+noise from that RNG (on CPU, one `torch.randint` of one seed per running sequence per decode step feeding a
+fused Gumbel-max kernel), identically on every rank of the TP group, and a rerun or a resumed run draws the same
+tokens. With `per_request_seed=True` each sample is its own request seeded by `sample_seed(seeds[i], j)`:
+sample j of prompt i then no longer depends on what else is in the batch, at the price of vLLM's per-request
+sampling loop (one generator call per request per token; on GPU it also skips the fast sampler).
+
 Weights stream in with vLLM's layerwise reload: the first `update_weights` after a generate opens a reload
 session (layers go back to checkpoint format), each bucket goes through the model's own `load_weights`
 (HF names, full tensors; each rank takes its TP shard), a layer is re-processed as soon as all of its tensors
@@ -39,6 +48,7 @@ from spmdrl.rollout.base import (
     RolloutOutput,
     SamplingSpec,
     check_generate_args,
+    call_seed,
     preserved_rng_state,
     sample_seed,
 )
@@ -62,7 +72,8 @@ class VLLMEngine:
         seed: int,
         gpu_memory_utilization: float = 0.5,
         enable_sleep_mode: bool = False,
-        enforce_eager: bool = True,
+        enforce_eager: bool = False,
+        per_request_seed: bool = False,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         kv_cache_gb: float = 1.0,
@@ -85,6 +96,7 @@ class VLLMEngine:
         self.loads_tp_shards = True  # its weight loaders take HF-shaped tensors and keep this rank's TP slice
 
         self.on_cpu = current_platform.is_cpu()
+        self.per_request_seed = bool(per_request_seed)
         if dtype == "auto":
             dtype = "float32" if self.on_cpu else "bfloat16"
         self.sleep_enabled = bool(enable_sleep_mode) and current_platform.is_cuda_alike()
@@ -114,7 +126,7 @@ class VLLMEngine:
                     seed=seed,
                     gpu_memory_utilization=gpu_memory_utilization,
                     enable_sleep_mode=self.sleep_enabled,
-                    enforce_eager=enforce_eager,
+                    enforce_eager=bool(enforce_eager) or self.on_cpu,  # CUDA graphs on GPU unless disabled
                     max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens,
                     trust_remote_code=trust_remote_code,
@@ -150,7 +162,8 @@ class VLLMEngine:
         return self.llm.get_tokenizer()
 
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> RolloutOutput:
-        """spec.n samples per prompt, prompt-major; sample j of prompt i is seeded by sample_seed(seeds[i], j)."""
+        """spec.n samples per prompt, prompt-major; random draws seeded by call_seed(seeds), or, with
+        per_request_seed, sample j of prompt i by sample_seed(seeds[i], j)."""
         from vllm.inputs import TokensPrompt
 
         check_generate_args(prompt_ids, spec, seeds)
@@ -159,20 +172,22 @@ class VLLMEngine:
         self.finish_weight_update()
         if not prompt_ids:
             return RolloutOutput([], [], [])
-        prompts, params = [], []
-        for ids, seed in zip(prompt_ids, seeds):
-            for j in range(spec.n):
-                prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
-                params.append(self._sampling_params(spec, sample_seed(seed, j)))
-        with preserved_rng_state():  # vLLM draws from the global RNGs even for seeded requests; keep training's
+        if self.per_request_seed:  # one request per sample, each with its own generator
+            prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids for _ in range(spec.n)]
+            params = [self._sampling_params(spec, 1, sample_seed(seed, j)) for seed in seeds for j in range(spec.n)]
+        else:  # one request per prompt with n samples; the noise comes from the reseeded global RNG
+            prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+            params = self._sampling_params(spec, spec.n, None)
+        with preserved_rng_state():  # vLLM draws from the global RNGs; keep training's
+            torch.manual_seed(call_seed(seeds))  # same on every TP rank: their draws must agree
             outs = self.llm.generate(prompts, params, use_tqdm=False)
+        completions = [(out.request_id, c) for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
 
         response_ids, logprobs, finish_reason = [], [], []
-        for out in outs:
-            c = out.outputs[0]
+        for request_id, c in completions:  # prompt-major, sample-minor
             ids = list(c.token_ids)
             if c.finish_reason not in ("stop", "length"):
-                raise SpmdrlError(f"vLLM request {out.request_id} ended with finish_reason={c.finish_reason!r}")
+                raise SpmdrlError(f"vLLM request {request_id} ended with finish_reason={c.finish_reason!r}")
             response_ids.append(ids)
             finish_reason.append(c.finish_reason)
             logprobs.append([float(c.logprobs[k][t].logprob) for k, t in enumerate(ids)] if spec.logprobs else [])
@@ -197,11 +212,11 @@ class VLLMEngine:
             result.append([float(lps[len(p) + k][t].logprob) for k, t in enumerate(r)])
         return result
 
-    def _sampling_params(self, spec: SamplingSpec, seed: int):
+    def _sampling_params(self, spec: SamplingSpec, n: int, seed: int | None):
         from vllm import SamplingParams
 
         return SamplingParams(
-            n=1,
+            n=n,
             temperature=spec.temperature,
             top_p=spec.top_p,
             top_k=spec.top_k if spec.top_k > 0 else 0,

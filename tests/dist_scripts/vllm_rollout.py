@@ -51,8 +51,8 @@ def main():
     spec = SamplingSpec(n=2, temperature=1.0, max_tokens=24)
     result["prompts"], result["seeds"] = prompts, seeds
 
-    # Ranks start generate from different global RNG states (as training leaves them); per-sample seeds make
-    # that irrelevant, and generate leaves the global RNG where it was.
+    # Ranks start generate from different global RNG states (as training leaves them); generate reseeds from
+    # the request seeds, which makes that irrelevant, and leaves the global RNG where it was.
     torch.manual_seed(1000 + rank)
     before = torch.get_rng_state()
     t0 = time.perf_counter()
@@ -65,6 +65,11 @@ def main():
     result["first"], result["again"] = vars(first), vars(again)
     result["greedy"] = vars(eng.generate(prompts, SamplingSpec(n=1, temperature=0.0, max_tokens=16), seeds))
     result["compute_logprobs"] = eng.compute_logprobs([prompts[0]], [first.response_ids[0]])
+    result["other_seeds"] = vars(eng.generate(prompts, spec, [s + 7 for s in seeds]))
+    eng.per_request_seed = True  # the opt-in mode: one seeded request per sample
+    result["per_request"] = vars(eng.generate(prompts, spec, seeds))
+    result["per_request_alone"] = vars(eng.generate(prompts[1:2], spec, seeds[1:2]))
+    eng.per_request_seed = False
 
     if distributed:  # the training world still works after vLLM joined it
         x = torch.tensor([float(rank + 1)])

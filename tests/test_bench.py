@@ -1,0 +1,20 @@
+"""spmdrl.bench's reading of a run: completion tokens/s from the response length and the config's batch shape."""
+import json
+
+from spmdrl.bench import breakdown, compare
+
+
+def test_breakdown_counts_completion_tokens(tmp_path):
+    (tmp_path / "config.toml").write_text("[data]\ntrain_batch_size = 4\n[rollout]\nn = 8\n")
+    steps = [(2.0, 30.0), (2.0, 30.0), (1.0, 20.0), (2.0, 32.0), (4.0, 16.0)]  # (step_s, response_length_mean)
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for i, (s, r) in enumerate(steps, 1):
+            f.write(json.dumps({"step": i, "timing/step_s": s, "timing/rollout_s": s / 4, "timing/update_actor_s": s / 2,
+                                "train/response_length_mean": r, "perf/tokens_per_s": 1.0}) + "\n")
+    b = breakdown(str(tmp_path), skip=2)
+    per_step = sorted(r * 32 / s for s, r in steps[2:])  # 32 samples per step
+    assert b["completion_tokens_per_s"] == per_step[1]
+    assert b["best_completion_tokens_per_s"] == per_step[-1] and b["min_step_s"] == 1.0
+    assert abs(b["overhead_s"] - 0.5) < 1e-12  # median of step - rollout - update: 0.25, 0.5, 1.0
+    table = compare([str(tmp_path)], skip=2)
+    assert "compl tok/s" in table and f"{per_step[1]:.4f}" in table
