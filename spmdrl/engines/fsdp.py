@@ -327,12 +327,21 @@ class FSDPEngine:
         }
 
     def export_hf(self, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None) -> None:
-        """Write an HF model directory (safetensors, config, tokenizer) from rank 0 of the mesh."""
-        sd = self.full_state_dict()
-        if dtype is not None:
-            sd = {k: v.to(dtype) for k, v in sd.items()}
-        if self.mesh.rank == self.mesh.layout.ranks[0]:
-            self.hf.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
+        """Write an HF model directory (sharded safetensors + index, config, tokenizer) from the mesh's first
+        rank, streamed bucket by bucket: no rank gathers the whole model (engines/hf_writer.py)."""
+        import copy
+
+        from spmdrl.dist.collectives import comm_device
+
+        from .hf_writer import write_hf_weights
+
+        writer = self.mesh.layout.ranks[0]
+        dtype = dtype or next(self.hf.parameters()).dtype
+        write_hf_weights(self, out_dir, writer, self.mesh.rank, dtype=dtype, comm_device=comm_device())
+        if self.mesh.rank == writer:
+            config = copy.deepcopy(self.hf.config)
+            config.use_cache = True  # training turns the KV cache off; an exported model wants it
+            config.save_pretrained(out_dir)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
 
