@@ -1,8 +1,9 @@
 """`spmdrl export`: a checkpoint's model as an HF model directory (safetensors, config, tokenizer).
 
 Runs in one plain process, no torchrun: DCP reads the sharded tensors without a process group and reshards
-them into full tensors. The checkpoint's manifest, sizes and checksums are verified first. Peak memory is one
-copy of the model in the export dtype (plus the fp32 copy while casting), on CPU.
+them into full tensors, one bucket of parameters at a time, each written as one safetensors file (with the
+index `from_pretrained` reads). The checkpoint's manifest, sizes and checksums are verified first. Peak memory
+is one bucket (`bucket_bytes`, 1 GiB by default) in the stored dtype plus its cast, on CPU.
 """
 from __future__ import annotations
 
@@ -21,11 +22,8 @@ log = logging.getLogger("spmdrl")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model_tensors(path: str, engine: str = "actor", *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters of `engine` from checkpoint `path`, in HF names, on CPU."""
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.api import CheckpointException
-
+def _stored(path: str, engine: str, verify: bool):
+    """(reader, [(HF name, DCP key, shape, dtype)]) of `engine`'s parameters in checkpoint `path`, checked."""
     manifest = read_manifest(path)
     check_files(path, manifest)
     if verify:
@@ -37,12 +35,22 @@ def load_model_tensors(path: str, engine: str = "actor", *, verify: bool = True)
     prefix = manifest["engines"][engine].get("hf_prefix", "")
     reader = safe_reader(os.path.join(path, "state"))
     md = reader.read_metadata().state_dict_metadata
-    targets = {}
+    head = f"{engine}.model.{prefix}"
+    out = []
     for name, _, _ in manifest["engines"][engine]["params"]:
         key = f"{engine}.model.{name}"
         if key not in md or not hasattr(md[key], "chunks"):
             raise CheckpointError(f"checkpoint {path}: parameter {name!r} is listed in the manifest but not stored")
-        targets[key] = torch.empty(tuple(md[key].size), dtype=md[key].properties.dtype)
+        out.append((key[len(head):], key, tuple(md[key].size), md[key].properties.dtype))
+    return reader, out
+
+
+def _read(path: str, reader, entries) -> dict[str, torch.Tensor]:
+    """Full tensors of some parameters (DCP reads only the chunks they need)."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    targets = {key: torch.empty(shape, dtype=dtype) for _, key, shape, dtype in entries}
     try:
         with single_process_quiet():
             dcp_load(targets, storage_reader=reader, planner=tensor_only_planner(), no_dist=True)
@@ -51,20 +59,30 @@ def load_model_tensors(path: str, engine: str = "actor", *, verify: bool = True)
         if isinstance(inner, CheckpointError):
             raise inner from None
         raise CheckpointError(f"checkpoint {path}: reading tensors failed ({type(inner).__name__}: {inner})") from None
-    head = f"{engine}.model.{prefix}"
-    return {k[len(head):]: v for k, v in targets.items()}
+    return {name: targets[key] for name, key, _, _ in entries}
 
 
-def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str = "actor", verify: bool = True) -> str:
+def load_model_tensors(path: str, engine: str = "actor", *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters of `engine` from checkpoint `path`, in HF names, on CPU (the whole model)."""
+    reader, entries = _stored(path, engine, verify)
+    return _read(path, reader, entries)
+
+
+def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str = "actor", verify: bool = True,
+              bucket_bytes: int = 1 << 30) -> str:
     """Write `engine`'s weights from `checkpoint` (a checkpoint dir, or a run's output_dir: its latest) as an
-    HF model directory `out_dir`. dtype auto keeps the original model's dtype (config.json)."""
+    HF model directory `out_dir`, streamed: DCP reads one bucket of parameters (about bucket_bytes in the export
+    dtype) at a time, which is cast and written as one safetensors file (engines/hf_writer.py). dtype auto keeps
+    the original model's dtype (config.json)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from spmdrl.engines.hf_writer import ShardWriter
 
     path = find_checkpoint(checkpoint)
     hf_dir = os.path.join(path, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise CheckpointError(f"checkpoint {path}: hf/config.json is missing; it cannot be exported")
-    tensors = load_model_tensors(path, engine, verify=verify)
+    reader, entries = _stored(path, engine, verify)
     config = AutoConfig.from_pretrained(hf_dir)
     if dtype == "auto":
         target = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
@@ -74,22 +92,37 @@ def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str
         target = DTYPES[dtype]
     else:
         raise CheckpointError(f"export dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
-    tensors = {k: v.to(target) for k, v in tensors.items()}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=target)
-    result = model.load_state_dict(tensors, assign=True, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or ())
-    missing = [k for k in result.missing_keys if k not in tied]
-    if missing or result.unexpected_keys:
+    with torch.device("meta"):  # the names and shapes the model in hf/config.json expects: nothing allocated
+        expected = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(config, dtype=target).named_parameters()}
+    stored = {name: shape for name, _, shape, _ in entries}
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    wrong = sorted(n for n in set(expected) & set(stored) if expected[n] != stored[n])
+    if missing or unexpected or wrong:
         raise CheckpointError(
             f"checkpoint {path}: its {engine} weights do not fit the model in hf/config.json "
-            f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes {wrong[:3]})"
         )
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, state_dict=dict(tensors), safe_serialization=True)  # it consumes the dict
+    esize = torch.empty((), dtype=target).element_size()
+    buckets, cur, size = [], [], 0
+    for e in entries:
+        nbytes = torch.Size(e[2]).numel() * esize
+        if cur and size + nbytes > bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append(e)
+        size += nbytes
+    buckets += [cur] if cur else []
+    writer = ShardWriter(out_dir, len(buckets))
+    for bucket in buckets:
+        writer.write([(n, t.to(target)) for n, t in _read(path, reader, bucket).items()])
+    writer.finish()
+    config.use_cache = True
+    config.save_pretrained(out_dir)
     try:
         AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
     except (OSError, ValueError) as e:
         log.warning("checkpoint %s: no tokenizer exported (%s)", path, e)
-    log.info("exported %s (%s) from %s to %s", engine, str(target).removeprefix("torch."), path, out_dir)
+    log.info("exported %s (%s) from %s to %s in %d file(s)", engine, str(target).removeprefix("torch."), path, out_dir,
+             len(buckets))
     return out_dir
