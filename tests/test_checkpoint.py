@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import types
@@ -264,6 +265,69 @@ def test_loading_never_unpickles_arbitrary_objects(saved, tmp_path, monkeypatch)
     with pytest.raises(CheckpointError, match=r"refers to posix\.system.*refusing to unpickle"):
         load(path)
     assert not (tmp_path / "PWNED").exists()
+
+
+def _ops(*parts):
+    """A raw pickle from opcodes and (text) arguments: the payloads an attacker would write by hand."""
+    out = b""
+    for part in parts:
+        if isinstance(part, str):  # SHORT_BINUNICODE
+            raw = part.encode()
+            out += b"\x8c" + bytes([len(raw)]) + raw
+        else:
+            out += part
+    return out
+
+
+_M = "torch.distributed.checkpoint.metadata"
+_CMD = "touch PWNED"
+PAYLOADS = {  # name: (pickle bytes, what the refusal names)
+    # the reported hole: an allowed module, a dotted name walking to os.system (protocol 4)
+    "dotted_stack_global": (_ops(b"\x80\x04", _M, "os.system", b"\x93", _CMD, b"\x85R."), r"refers to torch\.distributed\.checkpoint\.metadata\.os\.system"),
+    "dotted_text_global": (b"\x80\x04c" + _M.encode() + b"\nos.system\n" + _ops(_CMD, b"\x85R."), r"metadata\.os\.system"),
+    "module_attribute": (_ops(b"\x80\x04", _M, "os", b"\x93."), r"refers to torch\.distributed\.checkpoint\.metadata\.os,"),
+    "allowed_module_other_name": (_ops(b"\x80\x04", "torch", "load", b"\x93", "x", b"\x85R."), r"refers to torch\.load"),
+    "dotted_dtype": (_ops(b"\x80\x04", "torch", "float32.__class__", b"\x93."), r"refers to torch\.float32\.__class__"),
+    "nested_reduce": (_ops(b"\x80\x04", "builtins", "getattr", b"\x93", _M, "os", b"\x86R", _CMD, b"\x85R."), r"refers to builtins\.getattr"),
+    "inside_allowed_reduce": (_ops(b"\x80\x04", "torch", "Size", b"\x93", "posix", "system", b"\x93", _CMD, b"\x85R\x85R."), r"refers to posix\.system"),
+    "old_style_inst": (b"(S'touch PWNED'\nios\nsystem\n.", r"opcode INST"),
+    "extension_registry": (b"\x80\x02\x82\x01.", r"opcode EXT1"),
+    "persistent_id": (b"\x80\x02X\x01\x00\x00\x00xQ.", r"opcode BINPERSID"),
+    "build_on_an_allowed_class": (_ops(b"\x80\x04", _M, "Metadata", b"\x93N}", "__eq__", "x", b"s\x86b."), r"sets attributes of the class Metadata"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAYLOADS))
+def test_crafted_metadata_is_refused_on_resume_and_export(saved, tmp_path, monkeypatch, name):
+    from typer.testing import CliRunner
+
+    from spmdrl.cli import app
+
+    data, message = PAYLOADS[name]
+    _, path, _ = saved
+    open(os.path.join(path, "state", ".metadata"), "wb").write(data)
+    _rewrite_manifest(path, "state/.metadata")  # whoever can write the file can update size and sha256
+    os.makedirs(os.path.join(path, "hf"), exist_ok=True)
+    open(os.path.join(path, "hf", "config.json"), "w").write("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=message):  # resume
+        load(path)
+    result = CliRunner().invoke(app, ["export", "--checkpoint", str(path), "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert re.search(message, result.output) and "refusing to unpickle" in result.output, result.output
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_the_payloads_do_run_code_under_the_standard_unpickler(tmp_path, monkeypatch):
+    """The reference: plain pickle runs these payloads' command, so refusing them closes a real hole."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("dotted_stack_global", "dotted_text_global", "inside_allowed_reduce", "old_style_inst"):
+        try:
+            pickle.loads(PAYLOADS[name][0])
+        except TypeError:  # torch.Size(0) after the command ran
+            pass
+        assert (tmp_path / "PWNED").exists(), name
+        os.remove(tmp_path / "PWNED")
 
 
 def test_export_of_bad_input_is_a_one_line_cli_error(saved, tmp_path):
