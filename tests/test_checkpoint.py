@@ -40,9 +40,9 @@ def train(engine, steps, seed=123):
         engine.scheduler.step()
 
 
-def save(root, step, engine=None, keep_last=2, config=CONFIG, **kw):
+def save(root, step, engine=None, keep_last=2, config=CONFIG, manager=None, **kw):
     engine = engine or make_engine()
-    return CheckpointManager(str(root), keep_last=keep_last).save(
+    return (manager or CheckpointManager(str(root), keep_last=keep_last)).save(
         step, engines={"actor": engine}, trainer_state={"sampler": {"epoch": 0, "step_in_epoch": step}},
         config_toml=config, rng=rng_state(), **kw)
 
@@ -92,8 +92,9 @@ def test_rng_state_survives_json():
 
 def test_retention_and_auto_resume_skip_incomplete(tmp_path):
     root = tmp_path / "out" / "checkpoints"
+    run = CheckpointManager(str(root), keep_last=2)
     for step in (1, 2, 3, 4):
-        save(root, step)
+        save(root, step, manager=run)
     assert [s for s, _ in list_checkpoints(str(root))] == [3, 4]
     os.makedirs(root / "step_00000009" / "state")  # written by hand or half-copied: no marker
     os.makedirs(root / ".tmp-step_00000010")  # a crashed save
@@ -111,8 +112,26 @@ def test_retention_and_auto_resume_skip_incomplete(tmp_path):
         resolve_resume(cfg)
     cfg.checkpoint.resume = str(tmp_path / "out")  # a run directory: its latest
     assert resolve_resume(cfg).endswith("step_00000004")
-    save(root, 5)  # the next save clears the crashed one's leftovers
+    save(root, 5, manager=run)  # the next save clears the crashed one's leftovers
     assert not os.path.exists(root / ".tmp-step_00000010")
+
+
+def test_retention_deletes_only_this_runs_checkpoints(tmp_path):
+    """An older run left steps 7 and 8; this run's saves at 1..3 keep its own newest two and all of the other's
+    (retention once sorted by step and deleted this run's just-saved checkpoints)."""
+    root = tmp_path / "checkpoints"
+    older = CheckpointManager(str(root), keep_last=2)
+    for step in (7, 8):
+        save(root, step, manager=older)
+    run = CheckpointManager(str(root), keep_last=2)
+    for step in (1, 2, 3):
+        save(root, step, manager=run)
+    assert [s for s, _ in list_checkpoints(str(root))] == [2, 3, 7, 8]
+    resumed = CheckpointManager(str(root), keep_last=2)
+    load(str(root / "step_00000003"))
+    resumed.load(str(root / "step_00000003"), engines={"actor": make_engine()}, config_toml=CONFIG)
+    save(root, 4, manager=resumed)  # a resumed run is the same run: its step 2 goes
+    assert [s for s, _ in list_checkpoints(str(root))] == [3, 4, 7, 8]
 
 
 def test_failure_inside_save_keeps_the_previous_checkpoint(saved, monkeypatch):
