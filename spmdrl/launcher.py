@@ -77,8 +77,9 @@ def _first_to_fail() -> bool:
         return True
 
 
-def report_error(message: str, rank: int) -> None:
-    """A user error: one line on stderr from the first failing rank; the line in torchrun's error file."""
+def report_error(message, rank: int, *, show: bool = True) -> None:
+    """A user error: the line in torchrun's error file (every rank), and on stderr once: from the first
+    failing rank (show=False: not from this rank, e.g. a config error every rank finds and rank 0 prints)."""
     line = " ".join(str(message).split())
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
@@ -87,7 +88,7 @@ def report_error(message: str, rank: int) -> None:
                 json.dump({"message": f"error (rank {rank}): {line}", "timestamp": int(time.time())}, f)
         except OSError:
             pass
-    if _first_to_fail():
+    if show and _first_to_fail():
         print(f"error (rank {rank}): {line}", file=sys.stderr, flush=True)
 
 
@@ -129,13 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
+        ours = [f for f in e.failures.values() if isinstance(f.message, str) and f.message.startswith("error (rank")]
+        if ours:  # a rank printed it
+            return 2 if any(f.exitcode == 2 for f in ours) else 1
         rank, failure = e.get_first_failure()
-        if not isinstance(failure.message, str) or not failure.message.startswith("error (rank"):
-            how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
-                   else f"exited with code {failure.exitcode}")
-            print(f"error: rank {rank} (pid {failure.pid}) {how}; its output above has the cause", file=sys.stderr,
-                  flush=True)
-        return 2 if failure.exitcode == 2 else 1
+        how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+        print(f"error: rank {rank} (pid {failure.pid}) {how}; its output above has the cause", file=sys.stderr, flush=True)
+        return 1
     except SignalException as e:  # the agent has stopped the ranks; the first one printed where
         return 128 + int(e.sigval)
     return 0

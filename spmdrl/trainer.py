@@ -152,7 +152,7 @@ class Trainer:
         self.global_step = 0
         # reliability (docs/reliability.md): checkpoints, bounded collectives, reward guard, resume
         self.checkpoints = CheckpointManager(checkpoint_root(cfg.trainer.output_dir), keep_last=cfg.checkpoint.keep_last,
-                                             device=device)
+                                             device=device, fallback=cfg.checkpoint.resume == "auto")
         self.bad_steps = self.bad_steps_total = 0
         if cfg.reward.on_error != "raise" or cfg.reward.timeout_s > 0:
             self.reward_fn = GuardedReward(self.reward_fn, on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
@@ -507,7 +507,7 @@ class Trainer:
         else:  # another world size: per-rank RNG streams cannot carry over
             seed_everything(self.cfg.trainer.seed + self.global_step)
             log.warning("resumed on a different world size: RNG states reseeded, not restored")
-        log.info("resumed from %s at step %d", path, self.global_step)
+        log.info("resumed from %s at step %d", state.get("path", path), self.global_step)
 
     def inject_test_fault(self, step: int) -> None:
         """Test-only: the fault env SPMDRL_FAULT_INJECT asks of this rank at this step (spmdrl.faults)."""

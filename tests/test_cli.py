@@ -104,26 +104,24 @@ def test_config_docs_writes_and_checks(tmp_path):
 def test_train_dry_run_validates_and_builds_the_command():
     result = run("train", "--config", GRPO, "--nproc", 8, "--dry-run", "--actor.lr=3e-6", "rollout.n=8")
     assert result.exit_code == 0, result.output
-    assert "-m torch.distributed.run --standalone --nproc-per-node 8 -m spmdrl.train" in result.stderr
+    assert "-P -m spmdrl.launcher --standalone --nproc-per-node 8 -m spmdrl.train" in result.stderr
     assert f"--config {GRPO} actor.lr=3e-6 rollout.n=8" in result.stderr
     # 256 prompts over 4 rollout engines is fine; over 3 ranks it is not, and nothing is launched.
     assert_user_error(run("train", "--config", GRPO, "--nproc", 3, "--dry-run"), "world size 3")
     assert cli.launch_command("spmdrl.train", "c.toml", ["a.b=1"], 1) == [
-        sys.executable, "-m", "spmdrl.train", "--config", "c.toml", "a.b=1"
+        sys.executable, "-P", "-m", "spmdrl.train", "--config", "c.toml", "a.b=1"
     ]
 
 
 def test_train_runs_the_module_and_returns_its_exit_code(monkeypatch):
     launched = []
 
-    class FakePopen:
-        def __init__(self, cmd):
-            launched.append(cmd)
+    def fake_exec(path, cmd, env):  # the CLI becomes the launcher: exec, in safe-path mode
+        launched.append(cmd)
+        assert path == cmd[0] and env["PYTHONSAFEPATH"] == "1"
+        raise typer.Exit(3)
 
-        def wait(self):
-            return 3
-
-    monkeypatch.setattr(cli.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(cli, "_exec", fake_exec)
     result = run("train", "--config", GRPO, "--nproc", 2, "placement.rollout_tp=1")
     assert result.exit_code == 3
     assert launched == [cli.launch_command("spmdrl.train", GRPO, ["placement.rollout_tp=1"], 2)]

@@ -22,7 +22,7 @@ from .files import (
     FORMAT, MANIFEST, MARKER, TMP_PREFIX, fsync_dir, is_complete, jsonable, latest_checkpoint, list_checkpoints,
     read_json, rng_from_json, rng_to_json, sha256, step_dir, write_bytes, write_json,
 )
-from .verify import check_compatible, check_files, read_manifest
+from .verify import check_compatible, check_files, intact, read_manifest
 
 log = logging.getLogger("spmdrl")
 
@@ -34,8 +34,9 @@ class CheckpointManager:
     run in a single process, as `spmdrl export` and the unit tests do).
     """
 
-    def __init__(self, root: str, *, keep_last: int = 2, device: torch.device | str = "cpu"):
+    def __init__(self, root: str, *, keep_last: int = 2, device: torch.device | str = "cpu", fallback: bool = False):
         self.root = root
+        self.fallback = fallback  # checkpoint.resume = auto: a checksum failure falls back to an older checkpoint
         self.keep_last = keep_last
         self.device = torch.device(device)
         self.dist = dist.is_available() and dist.is_initialized()
@@ -195,8 +196,15 @@ class CheckpointManager:
         manifest = read_manifest(path)
         check_files(path, manifest)
         check_compatible(path, manifest, engines, config_toml)
+        try:
+            self._verify_checksums(path, manifest)
+        except CheckpointError as e:
+            older = self._older_intact(path) if self.fallback else None
+            if older is None:
+                raise
+            log.warning("checkpoint.resume = auto: %s; resuming from %s instead", e, older)
+            return self.load(older, engines=engines, config_toml=config_toml)
         self.run_id = manifest.get("run_id") or self.run_id
-        self._verify_checksums(path, manifest)
         state = read_json(os.path.join(path, "trainer.json"), f"checkpoint {path}")
         rng_path = os.path.join(path, "rng", f"rank_{self.rank}.json")
         err = None
@@ -234,7 +242,13 @@ class CheckpointManager:
             sched = getattr(engine, "scheduler", None)
             if sched is not None and "scheduler" in meta:
                 sched.load_state_dict({**sched.state_dict(), **meta["scheduler"]})
+        state["path"] = path
         return state
+
+    def _older_intact(self, path: str) -> str | None:
+        """The newest complete, intact checkpoint under this root older than `path` (same on every rank)."""
+        older = [p for _, p in list_checkpoints(self.root) if os.path.basename(p) < os.path.basename(path)]
+        return next((p for p in reversed(older) if intact(p) is None), None)
 
     def _verify_checksums(self, path: str, manifest: dict) -> None:
         files = sorted(manifest["files"])
