@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ["PYTHONSAFEPATH"] = "1"
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     args = parse_args(argv)
     try:
         run(args)
