@@ -60,8 +60,30 @@ class Terminated(BaseException):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+_stop = {"signum": 0, "handled": False}
+REPEAT_S = 2.0
+
+
 def _raise_terminated(signum, frame):
+    if not _stop["signum"]:
+        _stop["signum"] = signum
+        threading.Thread(target=_repeat_until_handled, daemon=True, name="spmdrl-stop").start()
     raise Terminated(signum)
+
+
+def _repeat_until_handled() -> None:
+    """An exception raised where Python ignores it (a __del__, a callback) would lose the stop: deliver the
+    signal again every REPEAT_S seconds until the loop or the entry point has taken it (`stop_handled`)."""
+    while True:
+        time.sleep(REPEAT_S)
+        if _stop["handled"]:
+            return
+        os.kill(os.getpid(), _stop["signum"])
+
+
+def stop_handled() -> None:
+    """The stop became an error on its way out: no more repeats."""
+    _stop["handled"] = True
 
 
 def _install(handler) -> dict:
@@ -138,6 +160,8 @@ def named_failures(step: Callable[[], int], timeout_s: float) -> Iterator[None]:
     try:
         yield
     except (Exception, Terminated) as e:
+        if isinstance(e, Terminated):
+            stop_handled()
         stage, last = StageTimer.failed or StageTimer.current, StageTimer.last
         place = f"stage {stage!r}" if stage else f"after stage {last!r}" if last else "before the first stage"
         where = f"step {step()}, {place}"
@@ -237,5 +261,8 @@ def slow_save_if_injected(rank: int, step: int) -> None:
             time.sleep(0.1)
 
 
-__all__ = ["FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Terminated", "slow_save_if_injected", "stop_signals", "inject_fault", "injected_fault", "is_bad_step", "is_collective_failure",
-           "named_failures", "set_collective_timeout"]
+__all__ = [
+    "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Terminated", "inject_fault", "injected_fault", "is_bad_step",
+    "is_collective_failure", "named_failures", "set_collective_timeout", "slow_save_if_injected", "stop_handled",
+    "stop_signals",
+]

@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ["PYTHONSAFEPATH"] = "1"
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):  # each sets its own level; the ranks say what happened
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     args = parse_args(argv)
     try:
         run(args)

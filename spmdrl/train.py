@@ -37,7 +37,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
     any process group; only rank 0 prints those errors), init dist, run_fn(cfg, layout, env, device, plan),
     tear down. SIGTERM/SIGINT stop it with one line; the rank leaves when its launcher dies. Exit 2 on a
     user error or a stop."""
-    from spmdrl.faults import Terminated, stop_signals
+    from spmdrl.faults import Terminated, stop_handled, stop_signals
     from spmdrl.launcher import record_bug, report_error, watch_parent
 
     p = argparse.ArgumentParser(prog=prog, description=description)
@@ -59,6 +59,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
             report_error(e, env.rank, show=env.rank == 0)
             return 2
         except Terminated as e:
+            stop_handled()
             report_error(_stopped(e, "before start-up"), env.rank)
             return 2
         if plan is False:  # nothing to do (said so)
@@ -75,6 +76,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
             report_error(e, env.rank)
             return 2
         except Terminated as e:
+            stop_handled()
             report_error(_stopped(e, "while starting (loading models, building engines)"), env.rank)
             return 2
         except BaseException as e:

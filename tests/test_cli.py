@@ -174,3 +174,60 @@ def test_python_dash_m_spmdrl():
 def test_missing_required_options_are_usage_errors(args):
     result = run(*args)
     assert result.exit_code == 2 and "Missing option" in result.output
+
+
+# ----- checks on disk before anything launches (spmdrl.preflight) -----
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from spmdrl.tiny import build_tiny
+
+    return build_tiny(str(tmp_path_factory.mktemp("tiny") / "model"), seed=0)
+
+
+def dry(tiny, out, *overrides):
+    return run("train", "--config", GRPO, "--dry-run", "--nproc", 8, f"model.path={tiny}", f"trainer.output_dir={out}",
+               "data.max_prompt_length=256", "data.max_response_length=256", *overrides)
+
+
+def test_model_tokenizer_and_context_are_checked_before_launch(tiny, tmp_path):
+    out = tmp_path / "run"
+    assert dry(tiny, out).exit_code == 0
+    assert not out.exists()  # a dry run creates nothing
+    assert_user_error(dry(tiny, out, f"model.path={tmp_path}/missing"), "model.path", "missing': no such directory")
+    os.makedirs(tmp_path / "empty")
+    assert_user_error(dry(tiny, out, f"model.path={tmp_path}/empty"), "has no config.json")
+    assert_user_error(dry(tiny, out, f"model.tokenizer_path={tmp_path}/empty"), "model.tokenizer_path",
+                      "the tokenizer does not load")
+    assert_user_error(dry(tiny, out, "data.max_prompt_length=400", "data.max_response_length=200"),
+                      "400 + 200 = 600 exceeds the model's context of 512 tokens")
+    open(tmp_path / "file", "w").close()
+    assert_user_error(dry(tiny, tmp_path / "file" / "run"), "trainer.output_dir", "cannot be created or written")
+
+
+def _used_dir(out):
+    from spmdrl.checkpoint import MARKER
+
+    step = out / "checkpoints" / "step_00000007"
+    os.makedirs(step)
+    (step / MARKER).write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 7}\n')
+
+
+def test_a_fresh_run_into_another_runs_directory_is_refused(tiny, tmp_path):
+    out = tmp_path / "run"
+    _used_dir(out)
+    for resume in ("off", "auto"):  # auto: the only checkpoint there is damaged (no manifest), so it starts fresh
+        result = dry(tiny, out, f"checkpoint.resume={resume}")
+        assert_user_error(result, f"trainer.output_dir = '{out}' holds another run", "trainer.overwrite=true",
+                          "a new trainer.output_dir")
+    assert "checkpoint.resume=auto to continue it" in dry(tiny, out, "checkpoint.resume=off").stderr
+    assert dry(tiny, out, "checkpoint.resume=off", "trainer.overwrite=true").exit_code == 0
+    assert (out / "metrics.jsonl").exists()  # the CLI only checks; rank 0 deletes when the run starts
+
+
+def test_resume_target_is_checked_before_launch(tiny, tmp_path):
+    out = tmp_path / "run"
+    assert_user_error(dry(tiny, out, f"checkpoint.resume={tmp_path}/nowhere"), "checkpoint.resume", "no such directory")
+    _used_dir(out)
+    assert_user_error(dry(tiny, out, f"checkpoint.resume={out}/checkpoints/step_00000007"), "manifest.json is missing")
