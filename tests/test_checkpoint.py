@@ -361,3 +361,29 @@ def test_export_of_bad_input_is_a_one_line_cli_error(saved, tmp_path):
         result = CliRunner().invoke(app, ["export", "--checkpoint", str(target), "--out", str(tmp_path / "x")])
         assert result.exit_code == 2 and message in result.output, result.output
         assert result.output.startswith("error: checkpoint") and result.output.count("\n") == 1
+
+
+def test_auto_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplog):
+    import logging
+
+    root = tmp_path / "out" / "checkpoints"
+    run = CheckpointManager(str(root), keep_last=0)
+    for step in (1, 2, 3):
+        save(root, step, manager=run)
+    step3, step2 = root / "step_00000003", root / "step_00000002"
+    os.truncate(os.path.join(step3, _distcp(step3)), 10)  # the newest is truncated
+    cfg = Config()
+    cfg.trainer.output_dir = str(tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="spmdrl"):
+        assert resolve_resume(cfg) == str(step2)
+    assert f"skipping damaged checkpoint {step3}" in caplog.text and "has 10 bytes" in caplog.text
+    shard = os.path.join(step2, _distcp(step2))  # the next one is corrupted in place: only its checksum tells
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+    state = CheckpointManager(str(root), fallback=True).load(str(step2), engines={"actor": make_engine(9)},
+                                                             config_toml=CONFIG)
+    assert state["step"] == 1 and state["path"] == str(root / "step_00000001")
+    assert "failed the checksum" in caplog.text and "resuming from" in caplog.text
+    with pytest.raises(CheckpointError, match=r"step_00000002: state/__0_0\.distcp failed the checksum"):
+        load(str(step2))  # an explicit path: no fallback

@@ -231,3 +231,25 @@ def test_resume_target_is_checked_before_launch(tiny, tmp_path):
     assert_user_error(dry(tiny, out, f"checkpoint.resume={tmp_path}/nowhere"), "checkpoint.resume", "no such directory")
     _used_dir(out)
     assert_user_error(dry(tiny, out, f"checkpoint.resume={out}/checkpoints/step_00000007"), "manifest.json is missing")
+
+
+def test_a_run_already_at_total_steps_says_so_before_loading_anything(tiny, tmp_path, monkeypatch):
+    import types
+
+    import torch
+
+    from spmdrl.checkpoint import CheckpointManager
+    from spmdrl.config import to_toml
+
+    out = tmp_path / "run"
+    overrides = [f"model.path={tiny}", f"trainer.output_dir={out}", "data.max_prompt_length=256",
+                 "data.max_response_length=256", "trainer.total_steps=4"]
+    module = torch.nn.Linear(2, 2)
+    CheckpointManager(str(out / "checkpoints")).save(
+        4, engines={"actor": types.SimpleNamespace(module=module, optimizer=torch.optim.AdamW(module.parameters()))},
+        trainer_state={}, config_toml=to_toml(load_config(GRPO, overrides)))
+    monkeypatch.setattr(cli, "_exec", lambda *a: pytest.fail("launched"))
+    result = run("train", "--config", GRPO, "--nproc", 8, *overrides)  # not a dry run: nothing may launch
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (f"{out}/checkpoints/step_00000004 is at step 4 and trainer.total_steps = 4: nothing to "
+                             "train (raise trainer.total_steps to go on)\n")
