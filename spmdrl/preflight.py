@@ -3,7 +3,10 @@ launches, and by every rank before it initialises): the model and tokenizer, the
 directory, and what `checkpoint.resume` will load. Each failure is one ConfigError/CheckpointError line.
 
 A run never mixes with another: a fresh run (resume=off, or auto finding no checkpoint) into an output_dir
-that holds another run's checkpoints or metrics is refused unless trainer.overwrite clears them.
+that holds another run's checkpoints or metrics is refused unless trainer.overwrite clears them. One case
+starts over without asking: resume=auto, no checkpoint directory at all, and output_dir/config.toml equal to
+this run's config (up to the keys that may change on resume): the same run relaunched before its first
+checkpoint; its partial metrics and events are cleared.
 """
 from __future__ import annotations
 
@@ -123,6 +126,14 @@ def _used_by_another_run(out: str) -> list[str]:
     return found
 
 
+def _same_config(path: str, config_toml: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return not config_differences(tomllib.loads(f.read()), tomllib.loads(config_toml))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return False
+
+
 def check_resume(cfg, config_toml: str) -> Plan:
     """What checkpoint.resume loads, checked (complete, intact, same config); and no mixing of two runs."""
     out, mode = cfg.trainer.output_dir, cfg.checkpoint.resume
@@ -138,9 +149,13 @@ def check_resume(cfg, config_toml: str) -> Plan:
         why = intact(path)
         if why:
             raise CheckpointError(f"checkpoint.resume = {mode!r}: {why}")
+    restart = False
     if path is None or os.path.dirname(os.path.abspath(path)) != own_root:
         used = _used_by_another_run(out)
-        if used and not cfg.trainer.overwrite:
+        # the same run relaunched before its first checkpoint: same config, nothing to resume, no checkpoints
+        restart = mode == "auto" and path is None and not any("checkpoints" in u for u in used) and \
+            _same_config(os.path.join(out, "config.toml"), config_toml)
+        if used and not cfg.trainer.overwrite and not restart:
             start = "starts fresh" if path is None else f"resumes from {path}, outside it,"
             hint = "checkpoint.resume=auto to continue it, " if mode == "off" and list_checkpoints(checkpoint_root(out)) else ""
             raise ConfigError(
@@ -149,7 +164,7 @@ def check_resume(cfg, config_toml: str) -> Plan:
             )
     if path is None:
         clear = tuple(p for p in (checkpoint_root(out), *(os.path.join(out, f) for f in RUN_FILES))
-                      if cfg.trainer.overwrite and os.path.exists(p))
+                      if (cfg.trainer.overwrite or restart) and os.path.exists(p))
         return Plan(None, clear=clear)
     manifest = read_manifest(path)
     saved = os.path.join(path, "config.toml")

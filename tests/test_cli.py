@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from spmdrl import cli
 from spmdrl.cli import app
 from spmdrl.config import config_reference, load_config
+from spmdrl.errors import SpmdrlError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(REPO, "configs", "grpo.toml")
@@ -224,6 +225,28 @@ def test_a_fresh_run_into_another_runs_directory_is_refused(tiny, tmp_path):
     assert "checkpoint.resume=auto to continue it" in dry(tiny, out, "checkpoint.resume=off").stderr
     assert dry(tiny, out, "checkpoint.resume=off", "trainer.overwrite=true").exit_code == 0
     assert (out / "metrics.jsonl").exists()  # the CLI only checks; rank 0 deletes when the run starts
+
+
+def test_overwrite_and_restart_before_the_first_checkpoint(tiny, tmp_path):
+    from spmdrl.config import to_toml
+    from spmdrl.train import train_preflight
+
+    out = tmp_path / "run"
+    _used_dir(out)
+    overrides = [f"model.path={tiny}", f"trainer.output_dir={out}", "data.max_prompt_length=256",
+                 "data.max_response_length=256"]
+    cfg = load_config(GRPO, [*overrides, "checkpoint.resume=off", "trainer.overwrite=true"])
+    assert train_preflight(cfg, rank=0).resume is None  # rank 0 deletes the other run's files
+    assert sorted(os.listdir(out)) == []
+    # the same run relaunched (auto) after a crash before its first checkpoint starts over, clearing its metrics
+    cfg = load_config(GRPO, overrides)
+    (out / "config.toml").write_text(to_toml(cfg))
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert train_preflight(cfg, rank=0).resume is None and not (out / "metrics.jsonl").exists()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    other = load_config(GRPO, [*overrides, "actor.lr=1e-3"])  # another config: another run
+    with pytest.raises(SpmdrlError, match="holds another run"):
+        train_preflight(other, rank=0)
 
 
 def test_resume_target_is_checked_before_launch(tiny, tmp_path):
