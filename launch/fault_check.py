@@ -27,6 +27,7 @@ import sys
 import time
 
 TERM_LIMIT_S = 30.0
+CHECKS = ("launcher-kill", "launcher-term", "rank-kill", "resume")
 
 
 def children_of() -> dict[int, list[int]]:
@@ -153,8 +154,14 @@ def main(argv=None) -> int:
     p.add_argument("--start-s", type=float, default=1800, help="longest wait for a launch to reach a checkpoint/step")
     p.add_argument("--wait-save-s", type=float, default=600, help="longest wait for a save to be in progress")
     p.add_argument("--rank-kill-s", type=float, default=120, help="longest the job may take to end after a rank dies")
+    p.add_argument("--checks", default=",".join(CHECKS),
+                   help=f"comma-separated subset of {','.join(CHECKS)} (the order is fixed)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = p.parse_args(argv)
+    todo = set(args.checks.split(","))
+    if not todo <= set(CHECKS) or "resume" in todo and len(todo) == 1:
+        print(f"error: --checks {args.checks!r}: choose from {','.join(CHECKS)} (resume needs an earlier check)", file=sys.stderr)
+        return 2
     if os.path.exists(args.out) and os.listdir(args.out):
         print(f"error: --out {args.out} is not empty; give a new directory", file=sys.stderr)
         return 2
@@ -168,11 +175,23 @@ def main(argv=None) -> int:
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
 
     # 1. kill -9 of the launcher
+    if "launcher-kill" in todo:
+        launcher_kill(args, run, ov, check)
+    if "launcher-term" in todo:
+        launcher_term(args, run, ov, check)
+    if "rank-kill" in todo:
+        rank_kill(args, run, ov, check)
+    if "resume" in todo:
+        resume(args, run, ov, check)
+    return 0 if results and all(ok for _, ok, _ in results) else 1
+
+
+def launcher_kill(args, run, ov, check) -> None:
     job = Job(1, args, ov)
     if not wait_for(lambda: checkpoints(run), job, args.start_s, poll=0.5):
         check("kill -9 launcher", False, f"no checkpoint within {args.start_s:g}s (see {job.log}.err)")
         job.kill_all()
-        return 1
+        return
     job.snapshot()
     os.kill(job.proc.pid, signal.SIGKILL)
     took = job.wait_gone(TERM_LIMIT_S)
@@ -181,7 +200,9 @@ def main(argv=None) -> int:
           f"all {len(job.pids) + 1} processes gone after {took:.1f}s" if took is not None else f"still alive after {TERM_LIMIT_S:g}s: {left}")
     job.kill_all()
 
-    # 2. SIGTERM to the launcher during a save
+
+def launcher_term(args, run, ov, check) -> None:
+    """SIGTERM to the launcher during a save."""
     before = checkpoints(run)
     rows = len(metric_rows(run))
     job = Job(2, args, ov)
@@ -203,7 +224,8 @@ def main(argv=None) -> int:
     check("SIGTERM: no torn checkpoint", not torn, f"complete checkpoints {checkpoints(run)}")
     job.kill_all()
 
-    # 3. kill -9 of one rank
+
+def rank_kill(args, run, ov, check) -> None:
     rows = len(metric_rows(run))
     job = Job(3, args, ov)
     if wait_for(lambda: len(metric_rows(run)) > rows, job, args.start_s, poll=0.2):
@@ -218,7 +240,8 @@ def main(argv=None) -> int:
         check("kill -9 rank", False, f"no new step within {args.start_s:g}s (see {job.log}.err)")
     job.kill_all()
 
-    # 4. resume to the end
+
+def resume(args, run, ov, check) -> None:
     job = Job(4, args, ov)
     job.proc.wait()
     out = job.text("out")
@@ -226,7 +249,6 @@ def main(argv=None) -> int:
     last = steps[-1] if steps else -1
     check("resume", job.proc.returncode == 0 and "resumed from" in out and steps == list(range(steps[0], last + 1)),
           f"exit {job.proc.returncode}, {'resumed' if 'resumed from' in out else 'did not resume'}, steps {steps[:1]}..{last}")
-    return 0 if all(ok for _, ok, _ in results) else 1
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ if __name__ == "__main__" and not sys.flags.safe_path:
     _cwd = os.getcwd()
     sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != _cwd]
 
-import argparse  # noqa: E402
-import logging  # noqa: E402
+import argparse
+import logging
 
-from spmdrl.errors import SpmdrlError  # noqa: E402
+from spmdrl.errors import SpmdrlError
 
 
 def setup_logging(rank: int) -> None:

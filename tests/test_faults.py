@@ -235,8 +235,8 @@ def test_the_launch_directory_cannot_shadow_an_import(tmp_path):
 def test_fault_script_kill_and_sigterm_of_the_launcher_and_resume(tmp_path):
     """launch/fault_check.py on the tiny model (2 ranks): kill -9 of `spmdrl train` and SIGTERM to it during
     a checkpoint save slowed on purpose (rank 0 sleeps 6 s inside the save) leave no process of the job after
-    30 s, the SIGTERM gives one error line and no torn checkpoint, kill -9 of a rank ends the job, and a
-    relaunch resumes and finishes."""
+    30 s, the SIGTERM gives one error line and no torn checkpoint, and a relaunch resumes and finishes. (Its
+    kill -9 of a rank is test_checkpoint_dist's killed run; skipped here to save a launch.)"""
     from spmdrl.data.synthetic import make_arith
     from spmdrl.tiny import build_tiny
 
@@ -251,10 +251,11 @@ def test_fault_script_kill_and_sigterm_of_the_launcher_and_resume(tmp_path):
            "SPMDRL_FAULT_INJECT": "slow_save:rank=0:step=2"}
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "launch", "fault_check.py"),
                            "--config", str(tmp_path / "run.toml"), "--nproc", "2", "--out", str(tmp_path / "check"),
-                           *ov], env=env, capture_output=True, text=True, timeout=1200)
+                           "--checks", "launcher-kill,launcher-term,resume", *ov], check=False, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert [ln.split(":")[0] for ln in lines] == [
         "PASS  kill -9 launcher", "PASS  SIGTERM launcher during a save", "PASS  SIGTERM", "PASS  SIGTERM",
-        "PASS  kill -9 rank", "PASS  resume"], proc.stdout
+        "PASS  resume"], proc.stdout
     assert "stage 'checkpoint': stopped by SIGTERM" in proc.stdout
+    print(proc.stdout)  # the measured times, with -s

@@ -204,8 +204,8 @@ class PromptDataset:
         if text.count(marker) != 1:
             return None
         head, tail = text.split(marker)
-        enc = lambda t: self.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
-        head_ids, tail_ids, body = enc(head), enc(tail), enc(conv[-1]["content"])
+        head_ids, tail_ids, body = (self.tokenizer(t, add_special_tokens=False)["input_ids"]
+                                    for t in (head, tail, conv[-1]["content"]))
         room = limit - len(head_ids) - len(tail_ids)
         if room <= 0:
             return None
