@@ -75,61 +75,66 @@ class CheckpointManager:
         # SIGTERM/SIGINT wait for the next agreement point: a rank leaving mid-save would leave the others in
         # a collective it never joins (DCP's or ours)
         with DeferredStop() as stop:
-            t0 = time.perf_counter()
-            self.run_id = self.run_id or uuid.uuid4().hex
-            final, tmp = step_dir(self.root, step), os.path.join(self.root, f"{TMP_PREFIX}step_{step:08d}")
-            err: BaseException | None = None
-            if self.rank == 0:
-                try:
-                    os.makedirs(self.root, exist_ok=True)
-                    for name in os.listdir(self.root):  # a crashed save's leftovers
-                        if name.startswith(TMP_PREFIX):
-                            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-                    os.makedirs(os.path.join(tmp, "rng"))
-                except OSError as e:
-                    err = e
-            self._raise_if_failed(stop, err, step, tmp, "preparing")
-            try:
-                from torch.distributed.checkpoint import FileSystemWriter, save as dcp_save
+            return self._save(stop, step, engines=engines, trainer_state=trainer_state, config_toml=config_toml,
+                              rng=rng, hf_files=hf_files)
 
-                tensors, meta = {}, {}
-                for name, engine in engines.items():
-                    tensors[name], meta[name] = engine_state(engine)
-                with single_process_quiet():
-                    dcp_save(tensors, storage_writer=FileSystemWriter(os.path.join(tmp, "state")), no_dist=not self.dist)
-                slow_save_if_injected(self.rank, step)
-            except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
-                err = dcp_error(e)
-            if err is None:  # DCP already agreed: its failures raise on every rank
-                try:
-                    if rng is not None:
-                        write_json(os.path.join(tmp, "rng", f"rank_{self.rank}.json"), rng_to_json(rng))
-                    if self.rank == 0:
-                        state = {"step": step, **jsonable(trainer_state), "engines": meta}
-                        write_json(os.path.join(tmp, "trainer.json"), state)
-                        write_bytes(os.path.join(tmp, "config.toml"), config_toml.encode())
-                        if hf_files is not None:
-                            hf_files(os.path.join(tmp, "hf"))
-                except Exception as e:
-                    err = e
-            self._raise_if_failed(stop, err, step, tmp, "writing")
+    def _save(self, stop: DeferredStop, step: int, *, engines: dict[str, Any], trainer_state: dict, config_toml: str,
+              rng: dict | None, hf_files) -> str:
+        t0 = time.perf_counter()
+        self.run_id = self.run_id or uuid.uuid4().hex
+        final, tmp = step_dir(self.root, step), os.path.join(self.root, f"{TMP_PREFIX}step_{step:08d}")
+        err: BaseException | None = None
+        if self.rank == 0:
             try:
-                self._write_hashes(tmp)
+                os.makedirs(self.root, exist_ok=True)
+                for name in os.listdir(self.root):  # a crashed save's leftovers
+                    if name.startswith(TMP_PREFIX):
+                        shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                os.makedirs(os.path.join(tmp, "rng"))
             except OSError as e:
                 err = e
-            self._raise_if_failed(stop, err, step, tmp, "checksumming")
-            if self.rank == 0:
-                try:
-                    manifest = self._manifest(step, engines, tmp)
-                    write_json(os.path.join(tmp, MANIFEST), manifest)
-                    commit(tmp, final, {"step": step, "time": time.time()})
-                except OSError as e:
-                    err = e
-            self._raise_if_failed(stop, err, step, tmp, "committing")
-            if self.rank == 0:
-                self._retain()
-                log.info("checkpoint step %d saved to %s in %.1fs", step, final, time.perf_counter() - t0)
-            return final
+        self._raise_if_failed(stop, err, step, tmp, "preparing")
+        try:
+            from torch.distributed.checkpoint import FileSystemWriter, save as dcp_save
+
+            tensors, meta = {}, {}
+            for name, engine in engines.items():
+                tensors[name], meta[name] = engine_state(engine)
+            with single_process_quiet():
+                dcp_save(tensors, storage_writer=FileSystemWriter(os.path.join(tmp, "state")), no_dist=not self.dist)
+            slow_save_if_injected(self.rank, step)
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+            err = dcp_error(e)
+        if err is None:  # DCP already agreed: its failures raise on every rank
+            try:
+                if rng is not None:
+                    write_json(os.path.join(tmp, "rng", f"rank_{self.rank}.json"), rng_to_json(rng))
+                if self.rank == 0:
+                    state = {"step": step, **jsonable(trainer_state), "engines": meta}
+                    write_json(os.path.join(tmp, "trainer.json"), state)
+                    write_bytes(os.path.join(tmp, "config.toml"), config_toml.encode())
+                    if hf_files is not None:
+                        hf_files(os.path.join(tmp, "hf"))
+            except Exception as e:
+                err = e
+        self._raise_if_failed(stop, err, step, tmp, "writing")
+        try:
+            self._write_hashes(tmp)
+        except OSError as e:
+            err = e
+        self._raise_if_failed(stop, err, step, tmp, "checksumming")
+        if self.rank == 0:
+            try:
+                manifest = self._manifest(step, engines, tmp)
+                write_json(os.path.join(tmp, MANIFEST), manifest)
+                commit(tmp, final, {"step": step, "time": time.time()})
+            except OSError as e:
+                err = e
+        self._raise_if_failed(stop, err, step, tmp, "committing")
+        if self.rank == 0:
+            self._retain()
+            log.info("checkpoint step %d saved to %s in %.1fs", step, final, time.perf_counter() - t0)
+        return final
 
     def _raise_if_failed(self, stop: DeferredStop, err: BaseException | None, step: int, tmp: str, what: str) -> None:
         bad, signum = self._agree(err is not None, stop.signum)
