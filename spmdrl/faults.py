@@ -48,6 +48,9 @@ def set_collective_timeout(seconds: float) -> int:
     return n
 
 
+_stop = {"signum": 0, "handled": False}  # this process's stop request (one per process)
+
+
 class Terminated(BaseException):
     """SIGTERM/SIGINT arrived (torchrun stops the other ranks this way when one fails, and forwards Ctrl-C or
     a kill of the launcher this way)."""
@@ -55,18 +58,15 @@ class Terminated(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        _stop["signum"] = _stop["signum"] or signum
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-_stop = {"signum": 0, "handled": False}
 REPEAT_S = 2.0
 
 
 def _raise_terminated(signum, frame):
     if not _stop["signum"]:
-        _stop["signum"] = signum
         threading.Thread(target=_repeat_until_handled, daemon=True, name="spmdrl-stop").start()
     raise Terminated(signum)
 
@@ -84,6 +84,11 @@ def _repeat_until_handled() -> None:
 def stop_handled() -> None:
     """The stop became an error on its way out: no more repeats."""
     _stop["handled"] = True
+
+
+def stop_requested() -> int:
+    """The signal that asked this process to stop (SIGTERM/SIGINT through the loop's handlers), else 0."""
+    return _stop["signum"]
 
 
 def _install(handler) -> dict:
@@ -264,5 +269,5 @@ def slow_save_if_injected(rank: int, step: int) -> None:
 __all__ = [
     "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Terminated", "inject_fault", "injected_fault", "is_bad_step",
     "is_collective_failure", "named_failures", "set_collective_timeout", "slow_save_if_injected", "stop_handled",
-    "stop_signals",
+    "stop_requested", "stop_signals",
 ]

@@ -68,21 +68,34 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
             env, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
             logging.getLogger("spmdrl").info("%s: %d rank(s) via %s on %s; output %s", prog, env.world_size,
                                              env.launcher, device.type, cfg.trainer.output_dir)
-            try:
-                run_fn(cfg, layout, env, device)
-            finally:
-                destroy_distributed()
+            run_fn(cfg, layout, env, device)
         except SpmdrlError as e:
             report_error(e, env.rank)
+            _exit_now_if_stopped(2)
             return 2
         except Terminated as e:
             stop_handled()
             report_error(_stopped(e, "while starting (loading models, building engines)"), env.rank)
+            _exit_now_if_stopped(2)
             return 2
         except BaseException as e:
             record_bug(e)
             raise
+        finally:
+            destroy_distributed()
     return 0
+
+
+def _exit_now_if_stopped(code: int) -> None:
+    """Stopped by a signal (Ctrl-C, a kill of the launcher, torchrun stopping the job): the metrics are
+    closed, the checkpoints consistent and the line printed, so skip the process-group and interpreter
+    teardown (seconds with vLLM loaded; torchrun SIGKILLs after 30 s) and leave."""
+    from spmdrl.faults import stop_requested
+
+    if stop_requested():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _stopped(e, when: str) -> str:
