@@ -3,18 +3,21 @@
 
     python launch/fault_check.py --config my.toml --nproc 8 --out /scratch/faultcheck [section.key=value ...]
 
-Four launches of `spmdrl train` into a fresh --out directory (trainer.output_dir=<out>/run,
+Five launches of `spmdrl train` into a fresh --out directory (trainer.output_dir=<out>/run,
 checkpoint.resume=auto, checkpoint.save_freq=1 are appended to your overrides), each checked:
 
   1. kill -9 of the launcher once the first checkpoint exists: no process of the job may be alive 30 s later.
   2. SIGTERM to the launcher while a checkpoint save is in progress (a .tmp-step_* directory exists; if no
      save is seen within --wait-save-s, after the next step): the whole job ends within 30 s, stderr has
      exactly one `error` line and no traceback, and no half-written checkpoint is left as complete.
-  3. kill -9 of one rank after a new step: the job ends (within --rank-kill-s), with a non-zero exit.
-  4. a plain relaunch: it resumes from the last complete checkpoint and finishes trainer.total_steps
-     (which must be >= 4); metrics.jsonl then holds every step once (last value per step).
+  3. Ctrl-C (SIGINT to the launcher) after a new step: the job ends within 30 s with exactly one `error`
+     line, no traceback and no KeyboardInterrupt.
+  4. kill -9 of one rank after a new step: the job ends (within --rank-kill-s), with a non-zero exit.
+  5. a plain relaunch: it resumes from the last complete checkpoint and finishes trainer.total_steps
+     (leave room for the interruptions: 6 or more); metrics.jsonl then holds every step once (last value
+     per step).
 
-Prints one line per check and exits 1 if any failed. Logs of each launch are in <out>/<n>.{out,err}.
+--checks picks a subset (resume needs an earlier one). Prints one line per check and exits 1 if any failed. Logs of each launch are in <out>/<n>.{out,err}.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import sys
 import time
 
 TERM_LIMIT_S = 30.0
-CHECKS = ("launcher-kill", "launcher-term", "rank-kill", "resume")
+CHECKS = ("launcher-kill", "launcher-term", "launcher-int", "rank-kill", "resume")
 
 
 def children_of() -> dict[int, list[int]]:
@@ -179,6 +182,8 @@ def main(argv=None) -> int:
         launcher_kill(args, run, ov, check)
     if "launcher-term" in todo:
         launcher_term(args, run, ov, check)
+    if "launcher-int" in todo:
+        launcher_int(args, run, ov, check)
     if "rank-kill" in todo:
         rank_kill(args, run, ov, check)
     if "resume" in todo:
@@ -225,9 +230,28 @@ def launcher_term(args, run, ov, check) -> None:
     job.kill_all()
 
 
-def rank_kill(args, run, ov, check) -> None:
+def launcher_int(args, run, ov, check) -> None:
+    """Ctrl-C: SIGINT to the launcher (what a terminal sends its foreground process group) after a new step."""
     rows = len(metric_rows(run))
     job = Job(3, args, ov)
+    if not wait_for(lambda: len(metric_rows(run)) > rows, job, args.start_s, poll=0.2):
+        check("Ctrl-C", False, f"no new step within {args.start_s:g}s (see {job.log}.err)")
+        job.kill_all()
+        return
+    job.snapshot()
+    os.kill(job.proc.pid, signal.SIGINT)
+    took = job.wait_gone(TERM_LIMIT_S)
+    err = job.text("err")
+    errors = [ln for ln in err.splitlines() if ln.startswith("error")]
+    ok = took is not None and len(errors) == 1 and "Traceback" not in err and "KeyboardInterrupt" not in err
+    check("Ctrl-C", ok, f"gone after {took:.1f}s, exit {job.proc.returncode}: {errors[0][:120] if errors else ''}"
+          if took is not None else f"still alive after {TERM_LIMIT_S:g}s: {job.remaining()}")
+    job.kill_all()
+
+
+def rank_kill(args, run, ov, check) -> None:
+    rows = len(metric_rows(run))
+    job = Job(4, args, ov)
     if wait_for(lambda: len(metric_rows(run)) > rows, job, args.start_s, poll=0.2):
         ranks = [pid for pid in sorted(descendants(job.proc.pid)) if "spmdrl.train" in cmdline(pid)]
         if ranks:
@@ -242,13 +266,16 @@ def rank_kill(args, run, ov, check) -> None:
 
 
 def resume(args, run, ov, check) -> None:
-    job = Job(4, args, ov)
+    had = checkpoints(run)  # none: the relaunch starts over (the same run, before its first checkpoint)
+    job = Job(5, args, ov)
     job.proc.wait()
     out = job.text("out")
     steps = sorted({r["step"] for r in metric_rows(run)})
     last = steps[-1] if steps else -1
-    check("resume", job.proc.returncode == 0 and "resumed from" in out and steps == list(range(steps[0], last + 1)),
-          f"exit {job.proc.returncode}, {'resumed' if 'resumed from' in out else 'did not resume'}, steps {steps[:1]}..{last}")
+    resumed = "resumed from" in out
+    check("resume", job.proc.returncode == 0 and resumed == bool(had) and steps == list(range(steps[0], last + 1)),
+          f"exit {job.proc.returncode}, {'resumed from ' + had[-1] if resumed else 'started over (no checkpoint)'}, "
+          f"steps {steps[:1]}..{last}")
 
 
 if __name__ == "__main__":
