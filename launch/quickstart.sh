@@ -20,11 +20,12 @@ spmdrl sft --nproc "$NPROC" --config configs/quickstart/sft.toml \
   sft.save_dir="$OUT/sft_model" trainer.output_dir="$OUT/sft"
 echo "== 4/4 GRPO ($NPROC processes, in-process vLLM)"
 t_grpo=$(date +%s)
-# a fresh SFT model was just trained, so GRPO starts over too (checkpoint.resume=off; pass
-# checkpoint.resume=auto to continue an interrupted quickstart instead)
+# a fresh SFT model was just trained, so GRPO starts over too: checkpoint.resume=off, and trainer.overwrite=true
+# deletes an earlier quickstart's GRPO checkpoints and metrics (without it a fresh run into a used directory is
+# refused); pass checkpoint.resume=auto trainer.overwrite=false to continue an interrupted quickstart instead
 spmdrl train --nproc "$NPROC" --config configs/quickstart/grpo.toml \
   model.path="$OUT/sft_model" data.train_files="[\"$OUT/data/train.parquet\"]" \
-  data.val_files="[\"$OUT/data/val.parquet\"]" trainer.output_dir="$OUT/grpo" checkpoint.resume=off "$@"
+  data.val_files="[\"$OUT/data/val.parquet\"]" trainer.output_dir="$OUT/grpo" checkpoint.resume=off trainer.overwrite=true "$@"
 
 t_end=$(date +%s)
 

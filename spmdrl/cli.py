@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import sys
 from typing import Optional
 
@@ -60,33 +59,50 @@ def _overrides(items: Optional[list[str]]) -> list[str]:
 
 
 def launch_command(module: str, config: str, overrides: list[str], nproc: int) -> list[str]:
-    """The command that runs `module` on `nproc` local ranks (torchrun when nproc > 1)."""
-    args = ["-m", module, "--config", config, *overrides]
-    if nproc > 1:
-        # --standalone: a local rendezvous on a free port, so two runs on one machine do not collide.
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    return [sys.executable, *args]
+    """The command that runs `module` on `nproc` local ranks (spmdrl.launcher: torchrun, when nproc > 1)."""
+    from spmdrl.launcher import launch_command as command
+
+    return command(module, config, overrides, nproc)
+
+
+_exec = os.execve  # replaced in tests
 
 
 def _launch(cmd: list[str], dry_run: bool) -> None:
+    """Become the launcher (exec, no parent left behind): a signal to this PID reaches torchrun's agent, which
+    stops every rank; safe-path mode (PYTHONSAFEPATH) reaches the ranks through the environment."""
     typer.echo(" ".join(cmd), err=True)
     if dry_run:
         return
-    proc = subprocess.Popen(cmd)
-    try:
-        rc = proc.wait()
-    except KeyboardInterrupt:  # the ranks got the same Ctrl-C; let them shut down
-        rc = proc.wait()
-    raise typer.Exit(rc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _exec(cmd[0], cmd, {**os.environ, "PYTHONSAFEPATH": "1"})
 
 
-def _validate_and_launch(module, config, overrides, nproc, dry_run, root_cls, validate_fn) -> None:
-    """Load and validate the config for `nproc` ranks (errors before any process starts), then launch."""
+def _validate_and_launch(module, config, overrides, nproc, dry_run, root_cls, validate_fn, preflight_fn=None) -> None:
+    """Load and validate the config for `nproc` ranks, run the checks on disk (errors before any process
+    starts), then launch."""
     from spmdrl.config import load_config
 
     overrides = _overrides(overrides)
-    validate_fn(load_config(config, overrides, root_cls=root_cls), nproc)
+    cfg = load_config(config, overrides, root_cls=root_cls)
+    validate_fn(cfg, nproc)
+    if preflight_fn is not None and preflight_fn(cfg) is False:
+        return
     _launch(launch_command(module, config, overrides, nproc), dry_run)
+
+
+def _train_preflight(cfg):
+    """spmdrl.preflight before launching; False (and one line) when the run is already at total_steps."""
+    from spmdrl.config import to_toml
+    from spmdrl.preflight import preflight
+
+    plan = preflight(cfg, to_toml(cfg))
+    if plan.resume and plan.resume_step >= cfg.trainer.total_steps:
+        typer.echo(f"{plan.resume} is at step {plan.resume_step} and trainer.total_steps = {cfg.trainer.total_steps}: "
+                   "nothing to train (raise trainer.total_steps to go on)", err=True)
+        return False
+    return plan
 
 
 @app.command(context_settings=PASS_OVERRIDES)
@@ -105,7 +121,7 @@ def train(
     """
     from spmdrl.config import Config, validate
 
-    _validate_and_launch("spmdrl.train", config, overrides, nproc, dry_run, Config, validate)
+    _validate_and_launch("spmdrl.train", config, overrides, nproc, dry_run, Config, validate, _train_preflight)
 
 
 @app.command(context_settings=PASS_OVERRIDES)

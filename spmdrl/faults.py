@@ -28,6 +28,8 @@ from spmdrl.metrics import StageTimer
 log = logging.getLogger("spmdrl")
 
 FAULT_ENV = "SPMDRL_FAULT_INJECT"
+FAULT_KINDS = ("kill", "hang", "nan", "slow_save")
+SLOW_SAVE_S = 6.0
 
 
 def set_collective_timeout(seconds: float) -> int:
@@ -46,12 +48,93 @@ def set_collective_timeout(seconds: float) -> int:
     return n
 
 
+_stop = {"signum": 0, "handled": False}  # this process's stop request (one per process)
+
+
 class Terminated(BaseException):
-    """SIGTERM/SIGINT arrived (torchrun stops the other ranks this way when one fails)."""
+    """SIGTERM/SIGINT arrived (torchrun stops the other ranks this way when one fails, and forwards Ctrl-C or
+    a kill of the launcher this way)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        _stop["signum"] = _stop["signum"] or signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_S = 2.0
+
+
+def _raise_terminated(signum, frame):
+    if not _stop["signum"]:
+        threading.Thread(target=_repeat_until_handled, daemon=True, name="spmdrl-stop").start()
+    raise Terminated(signum)
+
+
+def _repeat_until_handled() -> None:
+    """An exception raised where Python ignores it (a __del__, a callback) would lose the stop: deliver the
+    signal again every REPEAT_S seconds until the loop or the entry point has taken it (`stop_handled`)."""
+    while True:
+        time.sleep(REPEAT_S)
+        if _stop["handled"]:
+            return
+        os.kill(os.getpid(), _stop["signum"])
+
+
+def stop_handled() -> None:
+    """The stop became an error on its way out: no more repeats."""
+    _stop["handled"] = True
+
+
+def stop_requested() -> int:
+    """The signal that asked this process to stop (SIGTERM/SIGINT through the loop's handlers), else 0."""
+    return _stop["signum"]
+
+
+def _install(handler) -> dict:
+    """handler for STOP_SIGNALS (main thread only: Python delivers signals there); returns the previous ones."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """Within: SIGTERM and SIGINT raise Terminated (one line at the entry point, no KeyboardInterrupt
+    traceback)."""
+    handlers = _install(_raise_terminated)
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+class DeferredStop:
+    """Within `with DeferredStop() as stop:` SIGTERM/SIGINT are recorded (`stop.signum`), not raised: code
+    between collectives (a checkpoint save) finishes its part, and every rank learns of the stop at the
+    next agreement all-reduce, so all leave at the same collective. A signal nobody acted on (`consume`) is
+    delivered again to the previous handler on exit."""
+
+    def __init__(self):
+        self.signum = 0
+        self._handlers: dict = {}
+
+    def __enter__(self) -> "DeferredStop":
+        def record(signum, frame):
+            self.signum = self.signum or signum
+
+        self._handlers = _install(record)
+        return self
+
+    def consume(self) -> None:
+        self.signum = 0
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._handlers.items():
+            signal.signal(s, h)
+        if self.signum and self._handlers:
+            os.kill(os.getpid(), self.signum)
 
 
 _COMM_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "timed out waiting",
@@ -78,24 +161,20 @@ def named_failures(step: Callable[[], int], timeout_s: float) -> Iterator[None]:
     one-line SpmdrlErrors; SpmdrlErrors get the step and stage in front; anything else (a bug) keeps its
     traceback, with a note.
     """
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        def on_signal(signum, frame):
-            raise Terminated(signum)
-
-        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM,)}
+    handlers = _install(_raise_terminated)
     try:
         yield
-    except KeyboardInterrupt:
-        raise
     except (Exception, Terminated) as e:
+        if isinstance(e, Terminated):
+            stop_handled()
         stage, last = StageTimer.failed or StageTimer.current, StageTimer.last
         place = f"stage {stage!r}" if stage else f"after stage {last!r}" if last else "before the first stage"
         where = f"step {step()}, {place}"
         if isinstance(e, Terminated):
             raise SpmdrlError(
-                f"{where}: stopped by {e} (a launcher stops every rank when one fails; the first failing rank's "
-                "log has the cause); relaunch to resume from the last complete checkpoint"
+                f"{where}: stopped by {e} (Ctrl-C, a kill of the launcher, or the launcher stopping every rank "
+                "when one fails: then the first failing rank's line has the cause); relaunch the same command to "
+                "resume from the last complete checkpoint"
             ) from None
         if is_collective_failure(e):
             raise SpmdrlError(
@@ -118,13 +197,17 @@ def named_failures(step: Callable[[], int], timeout_s: float) -> Iterator[None]:
 
 # ---- bad steps ----------------------------------------------------------------------------------------
 
+_SIGNAL_METRICS = ("train/reward_mean", "train/advantage_mean")
+
+
 def is_bad_step(metrics: dict[str, float]) -> bool:
-    """A step with a skipped optimizer update (non-finite grad norm) or a non-finite loss or grad norm."""
+    """A step with a skipped optimizer update (non-finite grad norm), a non-finite loss or grad norm, or no
+    finite learning signal (non-finite reward or advantage mean)."""
     for key, v in metrics.items():
         name = key.rsplit("/", 1)[-1]
         if name == "skipped_step" and v > 0:
             return True
-        if (name == "grad_norm" or name.endswith("loss")) and not math.isfinite(v):
+        if (name == "grad_norm" or name.endswith("loss") or key in _SIGNAL_METRICS) and not math.isfinite(v):
             return True
     return False
 
@@ -132,7 +215,7 @@ def is_bad_step(metrics: dict[str, float]) -> bool:
 # ---- test-only fault injection --------------------------------------------------------------------------
 
 def injected_fault(rank: int, step: int, spec: str | None = None) -> str | None:
-    """The fault SPMDRL_FAULT_INJECT asks of `rank` at `step`: "kill" | "hang" | "nan" | None.
+    """The fault SPMDRL_FAULT_INJECT asks of `rank` at `step`: "kill" | "hang" | "nan" | "slow_save" | None.
 
     Items `kind:rank=R:step=S` or `step=S-E`, separated by ';'; no rank means every rank. For tests only.
     """
@@ -145,15 +228,16 @@ def injected_fault(rank: int, step: int, spec: str | None = None) -> str | None:
             continue
         if lo and not int(lo) <= step <= int(hi or lo):
             continue
-        if kind not in ("kill", "hang", "nan"):
-            raise SpmdrlError(f"{FAULT_ENV}: unknown fault {kind!r} in {item!r}; use kill, hang or nan")
+        if kind not in FAULT_KINDS:
+            raise SpmdrlError(f"{FAULT_ENV}: unknown fault {kind!r} in {item!r}; use {', '.join(FAULT_KINDS)}")
         return kind
     return None
 
 
 def inject_fault(kind: str | None, rank: int, step: int, engine) -> None:
     """kill: exit at once, like a lost node; hang: block forever; nan: a NaN gradient in `engine`'s next
-    optimizer step (the real grad-norm path sees it)."""
+    optimizer step (the real grad-norm path sees it). slow_save acts inside CheckpointManager.save
+    (`slow_save_if_injected`)."""
     if kind == "kill":
         print(f"[fault injection] rank {rank} exits in step {step}", file=sys.stderr, flush=True)
         os._exit(1)
@@ -173,5 +257,17 @@ def inject_fault(kind: str | None, rank: int, step: int, engine) -> None:
         engine.clip_grad_norm = poisoned_clip_grad_norm
 
 
-__all__ = ["FAULT_ENV", "Terminated", "inject_fault", "injected_fault", "is_bad_step", "is_collective_failure",
-           "named_failures", "set_collective_timeout"]
+def slow_save_if_injected(rank: int, step: int) -> None:
+    """Test-only: a checkpoint write slowed down on purpose (a signal during it must not deadlock the save)."""
+    if FAULT_ENV in os.environ and injected_fault(rank, step) == "slow_save":
+        print(f"[fault injection] rank {rank} slows the save of step {step}", file=sys.stderr, flush=True)
+        end = time.monotonic() + SLOW_SAVE_S
+        while time.monotonic() < end:
+            time.sleep(0.1)
+
+
+__all__ = [
+    "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Terminated", "inject_fault", "injected_fault", "is_bad_step",
+    "is_collective_failure", "named_failures", "set_collective_timeout", "slow_save_if_injected", "stop_handled",
+    "stop_requested", "stop_signals",
+]

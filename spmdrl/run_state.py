@@ -52,7 +52,7 @@ class RunState:
         else:  # another world size: per-rank RNG streams cannot carry over
             seed_everything(self.cfg.trainer.seed + self.global_step)
             log.warning("resumed on a different world size: RNG states reseeded, not restored")
-        log.info("resumed from %s at step %d", path, self.global_step)
+        log.info("resumed from %s at step %d", state.get("path", path), self.global_step)
 
     def inject_test_fault(self, step: int) -> None:
         """Test-only: the fault env SPMDRL_FAULT_INJECT asks of this rank at this step (spmdrl.faults)."""

@@ -1,14 +1,20 @@
 """Entry point: `torchrun --nproc-per-node N -m spmdrl.train --config F.toml [section.key=value ...]`.
 
 Also runs as plain `python -m spmdrl.train ...` (a world of one) and under `srun` without torchrun.
-Config errors are raised on every rank before any process group, model or engine exists.
+Config errors and the checks on disk (spmdrl.preflight) are raised on every rank before any process group,
+model or engine exists; every error is one line, printed once (spmdrl.launcher.report_error), exit 2.
 """
-from __future__ import annotations
+import os
+import sys
+
+if __name__ == "__main__" and not sys.flags.safe_path:
+    # `python -m` put the working directory first on sys.path: take it off before any other import, so a
+    # file there (./tomllib.py, ./logging.py) cannot shadow a module (`spmdrl train` runs ranks with -P)
+    _cwd = os.getcwd()
+    sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != _cwd]
 
 import argparse
 import logging
-import os
-import sys
 
 from spmdrl.errors import SpmdrlError
 
@@ -26,10 +32,14 @@ def setup_logging(rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_fn) -> int:
-    """The shared shape of an entry point: parse, load + validate the config (before any process group;
-    only rank 0 prints the error), init dist, run_fn(cfg, layout, env, device), tear down. Exit 2 on a
-    user error."""
+def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_fn, preflight_fn=None) -> int:
+    """The shared shape of an entry point: parse, load + validate the config and preflight_fn(cfg) (before
+    any process group; only rank 0 prints those errors), init dist, run_fn(cfg, layout, env, device, plan),
+    tear down. SIGTERM/SIGINT stop it with one line; the rank leaves when its launcher dies. Exit 2 on a
+    user error or a stop."""
+    from spmdrl.faults import Terminated, stop_handled, stop_signals
+    from spmdrl.launcher import record_bug, report_error, watch_parent
+
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", "-c", default=None, help="TOML config file")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
@@ -39,25 +49,73 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
 
     env = detect_env()
     setup_logging(env.rank)
-    try:
-        cfg = load_config(args.config, args.overrides, root_cls=root_cls)
-        layout = validate_fn(cfg, env.world_size)
-    except SpmdrlError as e:
-        if env.rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    env, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
-    logging.getLogger("spmdrl").info(
-        "%s: %d rank(s) via %s on %s; output %s", prog, env.world_size, env.launcher, device.type, cfg.trainer.output_dir
-    )
-    try:
-        run_fn(cfg, layout, env, device)
-    except SpmdrlError as e:
-        print(f"error (rank {env.rank}): {e}", file=sys.stderr)
-        return 2
-    finally:
-        destroy_distributed()
+    watch_parent()
+    with stop_signals():
+        try:
+            cfg = load_config(args.config, args.overrides, root_cls=root_cls)
+            layout = validate_fn(cfg, env.world_size)
+            plan = preflight_fn(cfg, env.rank) if preflight_fn else None
+        except SpmdrlError as e:  # every rank finds it; rank 0 says it
+            report_error(e, env.rank, show=env.rank == 0)
+            return 2
+        except Terminated as e:
+            stop_handled()
+            report_error(_stopped(e, "before start-up"), env.rank)
+            return 2
+        if plan is False:  # nothing to do (said so)
+            return 0
+        try:
+            env, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+            logging.getLogger("spmdrl").info("%s: %d rank(s) via %s on %s; output %s", prog, env.world_size,
+                                             env.launcher, device.type, cfg.trainer.output_dir)
+            run_fn(cfg, layout, env, device)
+        except SpmdrlError as e:
+            report_error(e, env.rank)
+            _exit_now_if_stopped(2)
+            return 2
+        except Terminated as e:
+            stop_handled()
+            report_error(_stopped(e, "while starting (loading models, building engines)"), env.rank)
+            _exit_now_if_stopped(2)
+            return 2
+        except BaseException as e:
+            record_bug(e)
+            raise
+        finally:
+            destroy_distributed()
     return 0
+
+
+def _exit_now_if_stopped(code: int) -> None:
+    """Stopped by a signal (Ctrl-C, a kill of the launcher, torchrun stopping the job): the metrics are
+    closed, the checkpoints consistent and the line printed, so skip the process-group and interpreter
+    teardown (seconds with vLLM loaded; torchrun SIGKILLs after 30 s) and leave."""
+    from spmdrl.faults import stop_requested
+
+    if stop_requested():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _stopped(e, when: str) -> str:
+    return f"stopped by {e} {when}; nothing was trained yet, relaunch the same command to start"
+
+
+def train_preflight(cfg, rank: int):
+    """spmdrl.preflight on a rank: False when the resumed checkpoint is already at trainer.total_steps."""
+    from spmdrl.config import to_toml
+    from spmdrl.preflight import clear_previous_run, preflight
+
+    plan = preflight(cfg, to_toml(cfg))
+    if plan.resume and plan.resume_step >= cfg.trainer.total_steps:
+        if rank == 0:
+            print(f"{plan.resume} is at step {plan.resume_step} and trainer.total_steps = {cfg.trainer.total_steps}: "
+                  "nothing to train (raise trainer.total_steps to go on)", file=sys.stderr, flush=True)
+        return False
+    if rank == 0:
+        clear_previous_run(plan)
+    return plan
 
 
 def main(argv=None) -> int:
@@ -69,7 +127,7 @@ def main(argv=None) -> int:
         Trainer(cfg, layout, env.rank, env.world_size, device).fit()
 
     return run_entry(argv, prog="spmdrl.train", description=__doc__.split("\n\n")[0], root_cls=Config,
-                     validate_fn=validate, run_fn=run)
+                     validate_fn=validate, run_fn=run, preflight_fn=train_preflight)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ class Trainer(Stages, Validation, RunState):
         self.global_step = 0
         # reliability (docs/reliability.md): checkpoints, bounded collectives, reward guard, resume
         self.checkpoints = CheckpointManager(checkpoint_root(cfg.trainer.output_dir), keep_last=cfg.checkpoint.keep_last,
-                                             device=device)
+                                             device=device, fallback=cfg.checkpoint.resume == "auto")
         self.bad_steps = self.bad_steps_total = 0
         if cfg.reward.on_error != "raise" or cfg.reward.timeout_s > 0:
             self.reward_fn = GuardedReward(self.reward_fn, on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)

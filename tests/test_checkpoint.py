@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import types
@@ -58,9 +59,9 @@ def train(engine, steps, seed=123):
         engine.scheduler.step()
 
 
-def save(root, step, engine=None, keep_last=2, config=CONFIG, **kw):
+def save(root, step, engine=None, keep_last=2, config=CONFIG, manager=None, **kw):
     engine = engine or make_engine()
-    return CheckpointManager(str(root), keep_last=keep_last).save(
+    return (manager or CheckpointManager(str(root), keep_last=keep_last)).save(
         step, engines={"actor": engine}, trainer_state={"sampler": {"epoch": 0, "step_in_epoch": step}},
         config_toml=config, rng=rng_state(), **kw)
 
@@ -110,8 +111,9 @@ def test_rng_state_survives_json():
 
 def test_retention_and_auto_resume_skip_incomplete(tmp_path):
     root = tmp_path / "out" / "checkpoints"
+    run = CheckpointManager(str(root), keep_last=2)
     for step in (1, 2, 3, 4):
-        save(root, step)
+        save(root, step, manager=run)
     assert [s for s, _ in list_checkpoints(str(root))] == [3, 4]
     os.makedirs(root / "step_00000009" / "state")  # written by hand or half-copied: no marker
     os.makedirs(root / ".tmp-step_00000010")  # a crashed save
@@ -129,8 +131,26 @@ def test_retention_and_auto_resume_skip_incomplete(tmp_path):
         resolve_resume(cfg)
     cfg.checkpoint.resume = str(tmp_path / "out")  # a run directory: its latest
     assert resolve_resume(cfg).endswith("step_00000004")
-    save(root, 5)  # the next save clears the crashed one's leftovers
+    save(root, 5, manager=run)  # the next save clears the crashed one's leftovers
     assert not os.path.exists(root / ".tmp-step_00000010")
+
+
+def test_retention_deletes_only_this_runs_checkpoints(tmp_path):
+    """An older run left steps 7 and 8; this run's saves at 1..3 keep its own newest two and all of the other's
+    (retention once sorted by step and deleted this run's just-saved checkpoints)."""
+    root = tmp_path / "checkpoints"
+    older = CheckpointManager(str(root), keep_last=2)
+    for step in (7, 8):
+        save(root, step, manager=older)
+    run = CheckpointManager(str(root), keep_last=2)
+    for step in (1, 2, 3):
+        save(root, step, manager=run)
+    assert [s for s, _ in list_checkpoints(str(root))] == [2, 3, 7, 8]
+    resumed = CheckpointManager(str(root), keep_last=2)
+    load(str(root / "step_00000003"))
+    resumed.load(str(root / "step_00000003"), engines={"actor": make_engine()}, config_toml=CONFIG)
+    save(root, 4, manager=resumed)  # a resumed run is the same run: its step 2 goes
+    assert [s for s, _ in list_checkpoints(str(root))] == [3, 4, 7, 8]
 
 
 def test_failure_inside_save_keeps_the_previous_checkpoint(saved, monkeypatch):
@@ -285,6 +305,69 @@ def test_loading_never_unpickles_arbitrary_objects(saved, tmp_path, monkeypatch)
     assert not (tmp_path / "PWNED").exists()
 
 
+def _ops(*parts):
+    """A raw pickle from opcodes and (text) arguments: the payloads an attacker would write by hand."""
+    out = b""
+    for part in parts:
+        if isinstance(part, str):  # SHORT_BINUNICODE
+            raw = part.encode()
+            out += b"\x8c" + bytes([len(raw)]) + raw
+        else:
+            out += part
+    return out
+
+
+_M = "torch.distributed.checkpoint.metadata"
+_CMD = "touch PWNED"
+PAYLOADS = {  # name: (pickle bytes, what the refusal names)
+    # the reported hole: an allowed module, a dotted name walking to os.system (protocol 4)
+    "dotted_stack_global": (_ops(b"\x80\x04", _M, "os.system", b"\x93", _CMD, b"\x85R."), r"refers to torch\.distributed\.checkpoint\.metadata\.os\.system"),
+    "dotted_text_global": (b"\x80\x04c" + _M.encode() + b"\nos.system\n" + _ops(_CMD, b"\x85R."), r"metadata\.os\.system"),
+    "module_attribute": (_ops(b"\x80\x04", _M, "os", b"\x93."), r"refers to torch\.distributed\.checkpoint\.metadata\.os,"),
+    "allowed_module_other_name": (_ops(b"\x80\x04", "torch", "load", b"\x93", "x", b"\x85R."), r"refers to torch\.load"),
+    "dotted_dtype": (_ops(b"\x80\x04", "torch", "float32.__class__", b"\x93."), r"refers to torch\.float32\.__class__"),
+    "nested_reduce": (_ops(b"\x80\x04", "builtins", "getattr", b"\x93", _M, "os", b"\x86R", _CMD, b"\x85R."), r"refers to builtins\.getattr"),
+    "inside_allowed_reduce": (_ops(b"\x80\x04", "torch", "Size", b"\x93", "posix", "system", b"\x93", _CMD, b"\x85R\x85R."), r"refers to posix\.system"),
+    "old_style_inst": (b"(S'touch PWNED'\nios\nsystem\n.", r"opcode INST"),
+    "extension_registry": (b"\x80\x02\x82\x01.", r"opcode EXT1"),
+    "persistent_id": (b"\x80\x02X\x01\x00\x00\x00xQ.", r"opcode BINPERSID"),
+    "build_on_an_allowed_class": (_ops(b"\x80\x04", _M, "Metadata", b"\x93N}", "__eq__", "x", b"s\x86b."), r"sets attributes of the class Metadata"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAYLOADS))
+def test_crafted_metadata_is_refused_on_resume_and_export(saved, tmp_path, monkeypatch, name):
+    from typer.testing import CliRunner
+
+    from spmdrl.cli import app
+
+    data, message = PAYLOADS[name]
+    _, path, _ = saved
+    open(os.path.join(path, "state", ".metadata"), "wb").write(data)
+    _rewrite_manifest(path, "state/.metadata")  # whoever can write the file can update size and sha256
+    os.makedirs(os.path.join(path, "hf"), exist_ok=True)
+    open(os.path.join(path, "hf", "config.json"), "w").write("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=message):  # resume
+        load(path)
+    result = CliRunner().invoke(app, ["export", "--checkpoint", str(path), "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert re.search(message, result.output) and "refusing to unpickle" in result.output, result.output
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_the_payloads_do_run_code_under_the_standard_unpickler(tmp_path, monkeypatch):
+    """The reference: plain pickle runs these payloads' command, so refusing them closes a real hole."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("dotted_stack_global", "dotted_text_global", "inside_allowed_reduce", "old_style_inst"):
+        try:
+            pickle.loads(PAYLOADS[name][0])
+        except TypeError:  # torch.Size(0) after the command ran
+            pass
+        assert (tmp_path / "PWNED").exists(), name
+        os.remove(tmp_path / "PWNED")
+
+
 def test_export_of_bad_input_is_a_one_line_cli_error(saved, tmp_path):
     from typer.testing import CliRunner
 
@@ -297,3 +380,29 @@ def test_export_of_bad_input_is_a_one_line_cli_error(saved, tmp_path):
         result = CliRunner().invoke(app, ["export", "--checkpoint", str(target), "--out", str(tmp_path / "x")])
         assert result.exit_code == 2 and message in result.output, result.output
         assert result.output.startswith("error: checkpoint") and result.output.count("\n") == 1
+
+
+def test_auto_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplog):
+    import logging
+
+    root = tmp_path / "out" / "checkpoints"
+    run = CheckpointManager(str(root), keep_last=0)
+    for step in (1, 2, 3):
+        save(root, step, manager=run)
+    step3, step2 = root / "step_00000003", root / "step_00000002"
+    os.truncate(os.path.join(step3, _distcp(step3)), 10)  # the newest is truncated
+    cfg = Config()
+    cfg.trainer.output_dir = str(tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="spmdrl"):
+        assert resolve_resume(cfg) == str(step2)
+    assert f"skipping damaged checkpoint {step3}" in caplog.text and "has 10 bytes" in caplog.text
+    shard = os.path.join(step2, _distcp(step2))  # the next one is corrupted in place: only its checksum tells
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+    state = CheckpointManager(str(root), fallback=True).load(str(step2), engines={"actor": make_engine(9)},
+                                                             config_toml=CONFIG)
+    assert state["step"] == 1 and state["path"] == str(root / "step_00000001")
+    assert "failed the checksum" in caplog.text and "resuming from" in caplog.text
+    with pytest.raises(CheckpointError, match=r"step_00000002: state/__0_0\.distcp failed the checksum"):
+        load(str(step2))  # an explicit path: no fallback

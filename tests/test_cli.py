@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from spmdrl import cli
 from spmdrl.cli import app
 from spmdrl.config import config_reference, load_config
+from spmdrl.errors import SpmdrlError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(REPO, "configs", "grpo.toml")
@@ -104,26 +105,24 @@ def test_config_docs_writes_and_checks(tmp_path):
 def test_train_dry_run_validates_and_builds_the_command():
     result = run("train", "--config", GRPO, "--nproc", 8, "--dry-run", "--actor.lr=3e-6", "rollout.n=8")
     assert result.exit_code == 0, result.output
-    assert "-m torch.distributed.run --standalone --nproc-per-node 8 -m spmdrl.train" in result.stderr
+    assert "-P -m spmdrl.launcher --standalone --nproc-per-node 8 -m spmdrl.train" in result.stderr
     assert f"--config {GRPO} actor.lr=3e-6 rollout.n=8" in result.stderr
     # 256 prompts over 4 rollout engines is fine; over 3 ranks it is not, and nothing is launched.
     assert_user_error(run("train", "--config", GRPO, "--nproc", 3, "--dry-run"), "world size 3")
     assert cli.launch_command("spmdrl.train", "c.toml", ["a.b=1"], 1) == [
-        sys.executable, "-m", "spmdrl.train", "--config", "c.toml", "a.b=1"
+        sys.executable, "-P", "-m", "spmdrl.train", "--config", "c.toml", "a.b=1"
     ]
 
 
 def test_train_runs_the_module_and_returns_its_exit_code(monkeypatch):
     launched = []
 
-    class FakePopen:
-        def __init__(self, cmd):
-            launched.append(cmd)
+    def fake_exec(path, cmd, env):  # the CLI becomes the launcher: exec, in safe-path mode
+        launched.append(cmd)
+        assert path == cmd[0] and env["PYTHONSAFEPATH"] == "1"
+        raise typer.Exit(3)
 
-        def wait(self):
-            return 3
-
-    monkeypatch.setattr(cli.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(cli, "_exec", fake_exec)
     result = run("train", "--config", GRPO, "--nproc", 2, "placement.rollout_tp=1")
     assert result.exit_code == 3
     assert launched == [cli.launch_command("spmdrl.train", GRPO, ["placement.rollout_tp=1"], 2)]
@@ -176,3 +175,104 @@ def test_python_dash_m_spmdrl():
 def test_missing_required_options_are_usage_errors(args):
     result = run(*args)
     assert result.exit_code == 2 and "Missing option" in result.output
+
+
+# ----- checks on disk before anything launches (spmdrl.preflight) -----
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from spmdrl.tiny import build_tiny
+
+    return build_tiny(str(tmp_path_factory.mktemp("tiny") / "model"), seed=0)
+
+
+def dry(tiny, out, *overrides):
+    return run("train", "--config", GRPO, "--dry-run", "--nproc", 8, f"model.path={tiny}", f"trainer.output_dir={out}",
+               "data.max_prompt_length=256", "data.max_response_length=256", *overrides)
+
+
+def test_model_tokenizer_and_context_are_checked_before_launch(tiny, tmp_path):
+    out = tmp_path / "run"
+    assert dry(tiny, out).exit_code == 0
+    assert not out.exists()  # a dry run creates nothing
+    assert_user_error(dry(tiny, out, f"model.path={tmp_path}/missing"), "model.path", "missing': no such directory")
+    os.makedirs(tmp_path / "empty")
+    assert_user_error(dry(tiny, out, f"model.path={tmp_path}/empty"), "has no config.json")
+    assert_user_error(dry(tiny, out, f"model.tokenizer_path={tmp_path}/empty"), "model.tokenizer_path",
+                      "the tokenizer does not load")
+    assert_user_error(dry(tiny, out, "data.max_prompt_length=400", "data.max_response_length=200"),
+                      "400 + 200 = 600 exceeds the model's context of 512 tokens")
+    open(tmp_path / "file", "w").close()
+    assert_user_error(dry(tiny, tmp_path / "file" / "run"), "trainer.output_dir", "cannot be created or written")
+
+
+def _used_dir(out):
+    from spmdrl.checkpoint import MARKER
+
+    step = out / "checkpoints" / "step_00000007"
+    os.makedirs(step)
+    (step / MARKER).write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 7}\n')
+
+
+def test_a_fresh_run_into_another_runs_directory_is_refused(tiny, tmp_path):
+    out = tmp_path / "run"
+    _used_dir(out)
+    for resume in ("off", "auto"):  # auto: the only checkpoint there is damaged (no manifest), so it starts fresh
+        result = dry(tiny, out, f"checkpoint.resume={resume}")
+        assert_user_error(result, f"trainer.output_dir = '{out}' holds another run", "trainer.overwrite=true",
+                          "a new trainer.output_dir")
+    assert "checkpoint.resume=auto to continue it" in dry(tiny, out, "checkpoint.resume=off").stderr
+    assert dry(tiny, out, "checkpoint.resume=off", "trainer.overwrite=true").exit_code == 0
+    assert (out / "metrics.jsonl").exists()  # the CLI only checks; rank 0 deletes when the run starts
+
+
+def test_overwrite_and_restart_before_the_first_checkpoint(tiny, tmp_path):
+    from spmdrl.config import to_toml
+    from spmdrl.train import train_preflight
+
+    out = tmp_path / "run"
+    _used_dir(out)
+    overrides = [f"model.path={tiny}", f"trainer.output_dir={out}", "data.max_prompt_length=256",
+                 "data.max_response_length=256"]
+    cfg = load_config(GRPO, [*overrides, "checkpoint.resume=off", "trainer.overwrite=true"])
+    assert train_preflight(cfg, rank=0).resume is None  # rank 0 deletes the other run's files
+    assert sorted(os.listdir(out)) == []
+    # the same run relaunched (auto) after a crash before its first checkpoint starts over, clearing its metrics
+    cfg = load_config(GRPO, overrides)
+    (out / "config.toml").write_text(to_toml(cfg))
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert train_preflight(cfg, rank=0).resume is None and not (out / "metrics.jsonl").exists()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    other = load_config(GRPO, [*overrides, "actor.lr=1e-3"])  # another config: another run
+    with pytest.raises(SpmdrlError, match="holds another run"):
+        train_preflight(other, rank=0)
+
+
+def test_resume_target_is_checked_before_launch(tiny, tmp_path):
+    out = tmp_path / "run"
+    assert_user_error(dry(tiny, out, f"checkpoint.resume={tmp_path}/nowhere"), "checkpoint.resume", "no such directory")
+    _used_dir(out)
+    assert_user_error(dry(tiny, out, f"checkpoint.resume={out}/checkpoints/step_00000007"), "manifest.json is missing")
+
+
+def test_a_run_already_at_total_steps_says_so_before_loading_anything(tiny, tmp_path, monkeypatch):
+    import types
+
+    import torch
+
+    from spmdrl.checkpoint import CheckpointManager
+    from spmdrl.config import to_toml
+
+    out = tmp_path / "run"
+    overrides = [f"model.path={tiny}", f"trainer.output_dir={out}", "data.max_prompt_length=256",
+                 "data.max_response_length=256", "trainer.total_steps=4"]
+    module = torch.nn.Linear(2, 2)
+    CheckpointManager(str(out / "checkpoints")).save(
+        4, engines={"actor": types.SimpleNamespace(module=module, optimizer=torch.optim.AdamW(module.parameters()))},
+        trainer_state={}, config_toml=to_toml(load_config(GRPO, overrides)))
+    monkeypatch.setattr(cli, "_exec", lambda *a: pytest.fail("launched"))
+    result = run("train", "--config", GRPO, "--nproc", 8, *overrides)  # not a dry run: nothing may launch
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (f"{out}/checkpoints/step_00000004 is at step 4 and trainer.total_steps = 4: nothing to "
+                             "train (raise trainer.total_steps to go on)\n")

@@ -375,3 +375,37 @@ def test_quickstart_configs_validate():
     from spmdrl.sft import SFTConfig, validate_sft
 
     validate_sft(load_config(os.path.join(REPO, "configs", "quickstart", "sft.toml"), root_cls=SFTConfig), 2)
+
+
+@pytest.mark.parametrize("override", ["actor.grad_clip=nan", "actor.lr=inf", "algorithm.gamma=-inf", "actor.betas=[0.9, nan]",
+                                      "reward.timeout_s=inf"])
+def test_every_float_must_be_finite(override):
+    """grad_clip = nan once turned clipping off silently."""
+    key = override.split("=")[0]
+    assert f"{key} = " in validate_error(1, override) and "not a finite number" in validate_error(1, override)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("trainer.seed=-1", "trainer.seed must be in [0, 4294967295]"),
+    ("trainer.seed=4294967296", "trainer.seed must be in [0, 4294967295]"),
+    ("actor.betas=[0.9, 1.0]", "actor.betas must be two AdamW betas in [0, 1)"),
+    ("actor.eps=0", "actor.eps must be > 0"),
+    ("algorithm.gamma=1.5", "algorithm.gamma must be in [0, 1]"),
+    ("algorithm.lam=-0.1", "algorithm.lam must be in [0, 1]"),
+    ("actor.clip_ratio_low=1.0", "actor.clip_ratio_low must be < 1"),
+    ("trainer.dist_timeout_s=0", "trainer.dist_timeout_s must be > 0"),
+    ("actor.ppo_mini_batch_size=-4", "actor.ppo_mini_batch_size must be >= 0"),
+    ("rollout.top_k=0", "rollout.top_k must be -1 (disabled) or >= 1"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last must be >= 0"),
+    ('rollout.stop=["a", ""]', "rollout.stop must be non-empty strings"),
+    ('data.prompt_key=" "', "data.prompt_key must be a column name"),
+    ('checkpoint.resume=""', "checkpoint.resume must be auto, off or a checkpoint path"),
+])
+def test_ranges_are_one_line_errors_naming_the_key(override, needle):
+    msg = validate_error(1, override)
+    assert needle in msg and "\n" not in msg, msg
+
+
+def test_reward_timeout_is_bounded_by_default():
+    """A reward function that never returns must end in a named error under the default config."""
+    assert 0 < Config().reward.timeout_s < float("inf")

@@ -111,16 +111,21 @@ def test_custom_prompt_key(tmp_path, tok):
 def test_truncation_modes(tmp_path, tok, mode):
     long_text = "abcdefghijklmnopqrstuvwxyz" * 3
     path = write(tmp_path / "t.parquet", [verl_row("1+2="), verl_row(long_text), verl_row("3+4=")])
-    full = chat_ids(tok, long_text)
+    frame = chat_ids(tok, "")  # the template alone: its start and its generation prompt
     limit = 40
+    room = limit - len(frame)  # characters of content that fit (a character tokenizer)
     ds = PromptDataset(path, tok, max_prompt_length=limit, truncation=mode)
     got = ds.prompt_ids(1)
-    expected = {
-        "left": full[-limit:],
-        "right": full[:limit],
-        "middle": full[:limit // 2] + full[-(limit - limit // 2):],
+    kept = {
+        "left": long_text[-room:],
+        "right": long_text[:room],
+        "middle": long_text[:room // 2] + long_text[-(room - room // 2):],
     }[mode]
-    assert got == expected and len(got) == limit
+    # the content is cut, the template's ends stay (right truncation once cut off `<|im_start|>assistant`)
+    assert got == chat_ids(tok, kept) and len(got) == limit
+    tail = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+    tail = tail[tail.index("x") + 1:]
+    assert tok.decode(got).endswith(tail), tok.decode(got)
     assert ds.prompt_ids(0) == chat_ids(tok, "1+2=") and ds.prompt_ids(2) == chat_ids(tok, "3+4=")
     assert ds.num_truncated == 1
 

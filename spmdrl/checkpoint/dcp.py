@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import importlib
 import io
 import json
 import os
 import pickle
+import pickletools
 import warnings
 from typing import Any
 
@@ -22,31 +24,61 @@ from spmdrl.errors import CheckpointError
 
 from .files import jsonable
 
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+_METADATA = "torch.distributed.checkpoint.metadata"
+# Exact (module, name) pairs DCP's `.metadata` is made of (torch 2.x): its dataclasses, torch.Size, the
+# dtype/layout/memory-format constants and the helpers torch pickles them with. Nothing else resolves: no
+# dotted names (protocol 4 would walk attributes, e.g. metadata -> os -> system), no other member of an
+# allowed module.
+_ALLOWED_GLOBALS = frozenset({
+    *((_METADATA, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                               "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-}
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    *(("torch", n) for n, v in vars(torch).items()
+      if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)) and "." not in n),
+})
+# Opcodes that reach code or state outside the pickle without find_class (persistent ids, the copyreg
+# extension registry, out-of-band buffers) or instantiate classes the old way; DCP never writes them.
+_REFUSED_OPCODES = frozenset({"PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4", "INST", "OBJ", "NEXT_BUFFER",
+                              "READONLY_BUFFER"})
 
 
-_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+def _refuse(what: str) -> CheckpointError:
+    return CheckpointError(
+        f"DCP metadata {what}, which checkpoint metadata never contains; refusing to unpickle it (the checkpoint was "
+        "tampered with or is not an spmdrl checkpoint)"
+    )
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` is a pickle; allow only the plain data classes it is made of."""
+class _MetadataUnpickler(pickle._Unpickler):
+    """DCP's `.metadata` is a pickle; resolve only the exact names in _ALLOWED_GLOBALS.
+
+    The pure-Python unpickler, so BUILD can be checked too: BUILD on a class would set attributes of an
+    allowed class (state applied to a type, not an instance)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str):
-        ok = (
-            (module, name) in _ALLOWED_GLOBALS
-            or module == "torch.distributed.checkpoint.metadata"
-            or (module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS))
-        )
-        if not ok:
-            raise CheckpointError(
-                f"DCP metadata refers to {module}.{name}, which checkpoint metadata never contains; refusing to "
-                "unpickle it (the checkpoint was tampered with or is not an spmdrl checkpoint)"
-            )
-        return super().find_class(module, name)
+        if (module, name) not in _ALLOWED_GLOBALS:
+            raise _refuse(f"refers to {module}.{name}")
+        return getattr(importlib.import_module(module), name)  # a plain attribute: never a dotted walk
+
+    def load_build(self):
+        if isinstance(self.stack[-2], type):
+            raise _refuse(f"sets attributes of the class {self.stack[-2].__qualname__}")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def unpickle_metadata(data: bytes):
+    """The object in DCP metadata bytes `data`, refusing every global outside _ALLOWED_GLOBALS and every
+    opcode in _REFUSED_OPCODES (CheckpointError); pickle errors propagate."""
+    for op, _, _ in pickletools.genops(data):
+        if op.name in _REFUSED_OPCODES:
+            raise _refuse(f"uses the pickle opcode {op.name}")
+    return _MetadataUnpickler(io.BytesIO(data)).load()
 
 
 def safe_reader(path: str):
@@ -59,7 +91,7 @@ def safe_reader(path: str):
             name = ".metadata" if rank is None else f"__{rank}.metadata"
             with open(os.path.join(str(self.path), name), "rb") as f:
                 try:
-                    md = _MetadataUnpickler(io.BytesIO(f.read())).load()
+                    md = unpickle_metadata(f.read())
                 except CheckpointError:
                     raise
                 except Exception as e:

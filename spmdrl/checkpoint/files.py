@@ -76,8 +76,10 @@ def resolve_resume(cfg) -> str | None:
     mode = cfg.checkpoint.resume
     if mode == "off":
         return None
-    if mode == "auto":
-        return latest_checkpoint(checkpoint_root(cfg.trainer.output_dir))
+    if mode == "auto":  # the newest intact one: a damaged newest is skipped with a warning
+        from .verify import newest_intact
+
+        return newest_intact(checkpoint_root(cfg.trainer.output_dir))
     try:
         return find_checkpoint(mode)
     except CheckpointError as e:

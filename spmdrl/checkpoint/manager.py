@@ -5,6 +5,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from spmdrl.errors import CheckpointError
+from spmdrl.faults import DeferredStop, Terminated, slow_save_if_injected
 
 from .dcp import (
     dcp_error, describe_error, engine_manifest, engine_state, safe_reader, single_process_quiet, tensor_only_planner,
@@ -20,7 +22,7 @@ from .files import (
     FORMAT, MANIFEST, MARKER, TMP_PREFIX, fsync_dir, is_complete, jsonable, latest_checkpoint, list_checkpoints,
     read_json, rng_from_json, rng_to_json, sha256, step_dir, write_bytes, write_json,
 )
-from .verify import check_compatible, check_files, read_manifest
+from .verify import check_compatible, check_files, intact, read_manifest
 
 log = logging.getLogger("spmdrl")
 
@@ -32,23 +34,31 @@ class CheckpointManager:
     run in a single process, as `spmdrl export` and the unit tests do).
     """
 
-    def __init__(self, root: str, *, keep_last: int = 2, device: torch.device | str = "cpu"):
+    def __init__(self, root: str, *, keep_last: int = 2, device: torch.device | str = "cpu", fallback: bool = False):
         self.root = root
+        self.fallback = fallback  # checkpoint.resume = auto: a checksum failure falls back to an older checkpoint
         self.keep_last = keep_last
         self.device = torch.device(device)
         self.dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.dist else 0
         self.world_size = dist.get_world_size() if self.dist else 1
+        # which run this is: set by the first save of a fresh run, inherited from the checkpoint on resume;
+        # retention deletes only this run's checkpoints
+        self.run_id: str | None = None
 
     # -- collectives on one small tensor; everyone learns who failed
     def _first_failure(self, failed: bool) -> int:
-        """-1 when every rank succeeded, else the lowest failing rank."""
+        return self._agree(failed, 0)[0]
+
+    def _agree(self, failed: bool, stop: int) -> tuple[int, int]:
+        """(-1 when every rank succeeded, else the lowest failing rank; the signal any rank was asked to stop
+        with, else 0). Every rank calls it at the same points, so all leave a save at the same collective."""
         if not self.dist:
-            return self.rank if failed else -1
-        t = torch.tensor([self.world_size - self.rank if failed else 0], dtype=torch.int64, device=self.device)
+            return (self.rank if failed else -1), stop
+        t = torch.tensor([self.world_size - self.rank if failed else 0, stop], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        v = int(t.item())
-        return self.world_size - v if v else -1
+        v, sig = (int(x) for x in t.tolist())
+        return (self.world_size - v if v else -1), sig
 
     def _any(self, flags: list[bool]) -> list[bool]:
         if not self.dist:
@@ -62,7 +72,16 @@ class CheckpointManager:
              rng: dict | None = None, hf_files=None) -> str:
         """Write checkpoint `step`. engines: name -> engine; trainer_state: JSON-able (rank 0's is kept);
         rng: this rank's spmdrl.rng.rng_state(); hf_files(dir): rank 0 writes the HF config and tokenizer."""
+        # SIGTERM/SIGINT wait for the next agreement point: a rank leaving mid-save would leave the others in
+        # a collective it never joins (DCP's or ours)
+        with DeferredStop() as stop:
+            return self._save(stop, step, engines=engines, trainer_state=trainer_state, config_toml=config_toml,
+                              rng=rng, hf_files=hf_files)
+
+    def _save(self, stop: DeferredStop, step: int, *, engines: dict[str, Any], trainer_state: dict, config_toml: str,
+              rng: dict | None, hf_files) -> str:
         t0 = time.perf_counter()
+        self.run_id = self.run_id or uuid.uuid4().hex
         final, tmp = step_dir(self.root, step), os.path.join(self.root, f"{TMP_PREFIX}step_{step:08d}")
         err: BaseException | None = None
         if self.rank == 0:
@@ -74,7 +93,7 @@ class CheckpointManager:
                 os.makedirs(os.path.join(tmp, "rng"))
             except OSError as e:
                 err = e
-        self._raise_if_failed(err, step, tmp, "preparing")
+        self._raise_if_failed(stop, err, step, tmp, "preparing")
         try:
             from torch.distributed.checkpoint import FileSystemWriter, save as dcp_save
 
@@ -83,6 +102,7 @@ class CheckpointManager:
                 tensors[name], meta[name] = engine_state(engine)
             with single_process_quiet():
                 dcp_save(tensors, storage_writer=FileSystemWriter(os.path.join(tmp, "state")), no_dist=not self.dist)
+            slow_save_if_injected(self.rank, step)
         except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
             err = dcp_error(e)
         if err is None:  # DCP already agreed: its failures raise on every rank
@@ -97,12 +117,12 @@ class CheckpointManager:
                         hf_files(os.path.join(tmp, "hf"))
             except Exception as e:
                 err = e
-        self._raise_if_failed(err, step, tmp, "writing")
+        self._raise_if_failed(stop, err, step, tmp, "writing")
         try:
             self._write_hashes(tmp)
         except OSError as e:
             err = e
-        self._raise_if_failed(err, step, tmp, "checksumming")
+        self._raise_if_failed(stop, err, step, tmp, "checksumming")
         if self.rank == 0:
             try:
                 manifest = self._manifest(step, engines, tmp)
@@ -110,21 +130,24 @@ class CheckpointManager:
                 commit(tmp, final, {"step": step, "time": time.time()})
             except OSError as e:
                 err = e
-        self._raise_if_failed(err, step, tmp, "committing")
+        self._raise_if_failed(stop, err, step, tmp, "committing")
         if self.rank == 0:
             self._retain()
             log.info("checkpoint step %d saved to %s in %.1fs", step, final, time.perf_counter() - t0)
         return final
 
-    def _raise_if_failed(self, err: BaseException | None, step: int, tmp: str, what: str) -> None:
-        bad = self._first_failure(err is not None)
-        if bad < 0:
-            return
+    def _raise_if_failed(self, stop: DeferredStop, err: BaseException | None, step: int, tmp: str, what: str) -> None:
+        bad, signum = self._agree(err is not None, stop.signum)
+        if bad < 0 and (not signum or what == "committing"):
+            return  # committed: the checkpoint stands, and the pending signal is delivered after the save
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             final = step_dir(self.root, step)
             if os.path.isdir(final) and not is_complete(final):  # renamed, but the marker was not written
                 shutil.rmtree(final, ignore_errors=True)
+        if bad < 0:  # a stop request, agreed by every rank; the tmp directory is gone
+            stop.consume()
+            raise Terminated(signum)
         prev = latest_checkpoint(self.root)
         keep = f"the previous checkpoint {prev} is intact" if prev else "there is no earlier checkpoint"
         cause = describe_error(err) if err is not None else f"see rank {bad}'s error"
@@ -154,15 +177,17 @@ class CheckpointManager:
         files = {rel: {"size": os.path.getsize(os.path.join(tmp, rel)), "sha256": hashes[rel]}
                  for rel in self._files(tmp)}
         return {
-            "format": FORMAT, "step": step, "world_size": self.world_size, "torch": torch.__version__,
+            "format": FORMAT, "step": step, "run_id": self.run_id, "world_size": self.world_size, "torch": torch.__version__,
             "engines": {name: engine_manifest(e) for name, e in engines.items()},
             "files": files,
         }
 
     def _retain(self) -> None:
+        """Keep this run's newest keep_last checkpoints; another run's (a different run_id) are never touched."""
         if self.keep_last <= 0:
             return
-        for _, path in list_checkpoints(self.root)[: -self.keep_last]:
+        mine = [p for _, p in list_checkpoints(self.root) if run_id_of(p) == self.run_id]
+        for path in mine[: -self.keep_last]:
             try:
                 os.remove(os.path.join(path, MARKER))  # first: a half-deleted checkpoint is never complete
                 shutil.rmtree(path)
@@ -176,7 +201,15 @@ class CheckpointManager:
         manifest = read_manifest(path)
         check_files(path, manifest)
         check_compatible(path, manifest, engines, config_toml)
-        self._verify_checksums(path, manifest)
+        try:
+            self._verify_checksums(path, manifest)
+        except CheckpointError as e:
+            older = self._older_intact(path) if self.fallback else None
+            if older is None:
+                raise
+            log.warning("checkpoint.resume = auto: %s; resuming from %s instead", e, older)
+            return self.load(older, engines=engines, config_toml=config_toml)
+        self.run_id = manifest.get("run_id") or self.run_id
         state = read_json(os.path.join(path, "trainer.json"), f"checkpoint {path}")
         rng_path = os.path.join(path, "rng", f"rank_{self.rank}.json")
         err = None
@@ -202,7 +235,13 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path}: loading tensors failed ({describe_error(inner)})") from None
         for name, engine in engines.items():
             engine.load_checkpoint_state(targets[name], state.get("engines", {}).get(name, {}))
+        state["path"] = path
         return state
+
+    def _older_intact(self, path: str) -> str | None:
+        """The newest complete, intact checkpoint under this root older than `path` (same on every rank)."""
+        older = [p for _, p in list_checkpoints(self.root) if os.path.basename(p) < os.path.basename(path)]
+        return next((p for p in reversed(older) if intact(p) is None), None)
 
     def _verify_checksums(self, path: str, manifest: dict) -> None:
         files = sorted(manifest["files"])
@@ -214,6 +253,13 @@ class CheckpointManager:
             names = [f for f, b in zip(files, bad) if b]
             raise CheckpointError(f"checkpoint {path}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
                                   "failed the checksum (corrupted on disk); use an earlier checkpoint")
+
+
+def run_id_of(path: str) -> str | None:
+    try:
+        return read_manifest(path).get("run_id")
+    except CheckpointError:
+        return None
 
 
 def commit(tmp: str, final: str, marker: dict) -> None:

@@ -3,13 +3,16 @@ the engines and the config. Each failure is a one-line CheckpointError saying wh
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import tomllib
 
 from spmdrl.errors import CheckpointError
 
 from .dcp import engine_manifest
-from .files import FORMAT, MANIFEST, MARKER, is_complete, read_json
+from .files import FORMAT, MANIFEST, MARKER, is_complete, list_checkpoints, read_json
+
+log = logging.getLogger("spmdrl")
 
 # Config keys that may differ between a checkpoint and the run resuming from it: how long and where the run
 # goes, its layout (DCP reshards), logging and memory knobs. Any other difference changes what the saved
@@ -110,3 +113,23 @@ def config_differences(saved: dict, current: dict) -> list[str]:
                 continue
             out.append(f"{full} = {saved[sec][key]!r} in the checkpoint, {v!r} here")
     return out
+
+
+def intact(path: str) -> str | None:
+    """None when `path` looks loadable without reading tensors (marker, manifest, every file and its size),
+    else why not."""
+    try:
+        check_files(path, read_manifest(path))
+        return None
+    except CheckpointError as e:
+        return str(e)
+
+
+def newest_intact(root: str) -> str | None:
+    """The newest complete checkpoint under `root` that passes `intact`, warning about each newer damaged one."""
+    for _, path in reversed(list_checkpoints(root)):
+        why = intact(path)
+        if why is None:
+            return path
+        log.warning("checkpoint.resume = auto: skipping damaged checkpoint %s (%s); trying an earlier one", path, why)
+    return None

@@ -228,8 +228,8 @@ class RewardConfig:
     """Custom scorer 'path/to/file.py:function' or 'package.module:function', signature (data_source, solution_str, ground_truth, extra_info) -> float | dict."""
     on_error: str = "raise"
     """When a reward function raises: raise (stop, naming the sample) | zero (score 0 and count it)."""
-    timeout_s: float = 0.0
-    """Per-sample time limit for reward functions in seconds; 0 disables."""
+    timeout_s: float = 120.0
+    """Per-sample time limit for reward functions in seconds (a stuck function ends in a named RewardTimeout); 0 disables (a hung function then hangs the job)."""
     overlong_buffer_len: int = 0
     """DAPO overlong shaping: penalise responses within this many tokens of max_response_length; 0 disables."""
     overlong_penalty_factor: float = 1.0
@@ -363,6 +363,8 @@ class TrainerConfig:
     """Steps at the start during which only the critic trains (the actor and rollout weights stay put)."""
     max_bad_steps: int = 3
     """Consecutive steps with a non-finite loss or grad norm (each skipped) before the run aborts."""
+    overwrite: bool = False
+    """A fresh run (checkpoint.resume off, or auto finding no checkpoint) into an output_dir holding another run's checkpoints, metrics.jsonl or tensorboard events deletes them; false refuses to start."""
 
 
 @dataclass
@@ -372,9 +374,9 @@ class CheckpointConfig:
     save_freq: int = 0
     """Save every this many steps (and at the end); 0 saves only at the end; -1 never."""
     keep_last: int = 2
-    """Complete checkpoints to keep."""
+    """This run's complete checkpoints to keep (another run's are never deleted); 0 keeps all."""
     resume: str = "auto"
-    """auto (latest complete checkpoint in output_dir) | off | a checkpoint path."""
+    """auto (newest intact checkpoint in output_dir; damaged newer ones are skipped with a warning) | off | a checkpoint path."""
 
 
 @dataclass

@@ -1,6 +1,9 @@
 """Cross-field checks, run on every rank before any process group, model or engine exists."""
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from spmdrl.errors import ConfigError
 
 CHOICES = {
@@ -22,10 +25,64 @@ def _get(cfg, key):
     return getattr(getattr(cfg, sec), name)
 
 
+SEED_MAX = 2**32 - 1  # numpy's (and so vLLM's) seed range
+
+
+def check_finite(cfg) -> None:
+    """Every float in the config is finite (nan/inf parse as TOML floats; grad_clip = nan once disabled
+    clipping silently)."""
+    for sec in dataclasses.fields(cfg):
+        section = getattr(cfg, sec.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for f in dataclasses.fields(section):
+            v = getattr(section, f.name)
+            for x in v if isinstance(v, list) else [v]:
+                if isinstance(x, float) and not math.isfinite(x):
+                    raise ConfigError(f"{sec.name}.{f.name} = {v} is not a finite number; give a finite value")
+
+
+def check_ranges(cfg) -> None:
+    """Ranges the code relies on, each a one-line ConfigError naming the key."""
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key} must be {what}, found {_get(cfg, key)!r}")
+
+    a, c, r, alg, t = cfg.actor, cfg.critic, cfg.rollout, cfg.algorithm, cfg.trainer
+    need(0 <= t.seed <= SEED_MAX, "trainer.seed", f"in [0, {SEED_MAX}] (vLLM's seed range)")
+    need(len(a.betas) == 2 and all(0 <= b < 1 for b in a.betas), "actor.betas", "two AdamW betas in [0, 1)")
+    need(a.eps > 0, "actor.eps", "> 0")
+    need(0 <= alg.gamma <= 1, "algorithm.gamma", "in [0, 1]")
+    need(0 <= alg.lam <= 1, "algorithm.lam", "in [0, 1]")
+    need(alg.epsilon >= 0, "algorithm.epsilon", ">= 0")
+    need(a.clip_ratio_low < 1, "actor.clip_ratio_low", "< 1 (the ratio is clipped at 1 - clip_ratio_low)")
+    need(t.dist_timeout_s > 0, "trainer.dist_timeout_s", "> 0")
+    need(a.ppo_mini_batch_size >= 0, "actor.ppo_mini_batch_size", ">= 0 (0 means data.train_batch_size)")
+    need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "-1 (disabled) or >= 1")
+    need(0 < r.val_top_p <= 1, "rollout.val_top_p", "in (0, 1]")
+    need(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", ">= 0 (0 keeps every checkpoint)")
+    need(cfg.checkpoint.save_freq >= -1, "checkpoint.save_freq", ">= -1 (-1 never saves)")
+    need(0 <= a.min_lr_ratio <= 1, "actor.min_lr_ratio", "in [0, 1]")
+    need(a.weight_decay >= 0, "actor.weight_decay", ">= 0")
+    need(c.weight_decay >= 0, "critic.weight_decay", ">= 0")
+    need(c.warmup_steps >= 0, "critic.warmup_steps", ">= 0")
+    need(alg.kl_target > 0, "algorithm.kl_target", "> 0")
+    need(alg.kl_horizon > 0, "algorithm.kl_horizon", "> 0")
+    need(cfg.reward.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", ">= 0")
+    need(cfg.reward.overlong_buffer_len >= 0, "reward.overlong_buffer_len", ">= 0")
+    need(r.max_num_batched_tokens > 0, "rollout.max_num_batched_tokens", "> 0")
+    need(bool(cfg.data.prompt_key.strip()), "data.prompt_key", "a column name")
+    need(all(s for s in r.stop), "rollout.stop", "non-empty strings (an empty stop string ends every response)")
+    need(all(i >= 0 for i in r.stop_token_ids), "rollout.stop_token_ids", "token ids >= 0")
+    need(bool(cfg.checkpoint.resume.strip()), "checkpoint.resume", "auto, off or a checkpoint path")
+
+
 def validate(cfg, world_size: int):
     """Raise ConfigError on the first inconsistency; return the per-role layout on success."""
     from spmdrl.algos import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES
     from spmdrl.dist.layout import plan_layout
+
+    check_finite(cfg)
 
     for key, allowed in CHOICES.items():
         v = _get(cfg, key)
@@ -90,6 +147,7 @@ def validate(cfg, world_size: int):
             f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}' compares the samples of a prompt; "
             f"rollout.n = {cfg.rollout.n} gives groups of one (zero advantage); set rollout.n >= 2"
         )
+    check_ranges(cfg)
     if cfg.trainer.critic_warmup and not cfg.critic.enable:
         raise ConfigError("trainer.critic_warmup > 0 needs critic.enable = true")
 

@@ -93,7 +93,7 @@ class PromptDataset:
             schema.validate_table(table, path, prompt_key=prompt_key)
             self._tables.append(self._keep_columns(table))
             flat, lens = self._tokenize_file(table, path)
-            flat, lens, rows = self._fit_lengths(flat, lens, path)
+            flat, lens, rows = self._fit_lengths(flat, lens, path, table)
             flats.append(flat)
             lengths.append(lens)
             file_of.append(np.full(len(rows), f, dtype=np.int32))
@@ -109,6 +109,12 @@ class PromptDataset:
             logger.info(
                 "filtered %d prompts longer than data.max_prompt_length=%d; %d remain",
                 self.num_filtered, max_prompt_length, len(self),
+            )
+        if self.num_truncated:
+            logger.info(
+                "truncated %d of %d prompts to data.max_prompt_length=%d (data.truncation=%s%s)",
+                self.num_truncated, len(self), max_prompt_length, truncation,
+                ", inside the last message: the chat template's ends are kept" if apply_chat_template else "",
             )
         if len(self) == 0:
             raise DataError(
@@ -147,7 +153,8 @@ class PromptDataset:
             return ["\n".join(m["content"] for m in conv) for conv in msgs]
         return render_chat(self.tokenizer, msgs, path=path, start=start, column=self.prompt_key)
 
-    def _fit_lengths(self, flat: np.ndarray, lens: np.ndarray, path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _fit_lengths(self, flat: np.ndarray, lens: np.ndarray, path, table: pa.Table | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Apply data.truncation / data.filter_overlong. Returns (tokens, lengths, kept source rows)."""
         limit = self.max_prompt_length
         over = lens > limit
@@ -170,9 +177,15 @@ class PromptDataset:
             )
         self.num_truncated += int(over.sum())
         pieces, new_lens = [], lens.copy()
+        col = table.column(self.prompt_key) if table is not None and self.apply_chat_template else None
         for r in np.flatnonzero(over):
-            pieces.append((r, truncate(flat[offsets[r]:offsets[r + 1]], limit, self.truncation)))
-            new_lens[r] = limit
+            ids = None
+            if col is not None:
+                ids = self._truncate_inside(as_messages(col[int(r)].as_py()), limit)
+            if ids is None:
+                ids = truncate(flat[offsets[r]:offsets[r + 1]], limit, self.truncation)
+            pieces.append((r, ids))
+            new_lens[r] = len(ids)
         out, prev = [], 0
         for r, ids in pieces:
             out.append(flat[offsets[prev]:offsets[r]])
@@ -180,6 +193,24 @@ class PromptDataset:
             prev = r + 1
         out.append(flat[offsets[prev]:])
         return np.concatenate(out), new_lens, rows
+
+    def _truncate_inside(self, conv: list[dict], limit: int) -> np.ndarray | None:
+        """The rendered prompt with only the last message's content cut (data.truncation's side), so the chat
+        template's start and its generation prompt (e.g. `<|im_start|>assistant`) stay; None when the
+        template's own tokens leave no room."""
+        marker = "\ue000spmdrl-cut\ue000"
+        framed = [*conv[:-1], {**conv[-1], "content": marker}]
+        text = self.tokenizer.apply_chat_template(framed, tokenize=False, add_generation_prompt=True)
+        if text.count(marker) != 1:
+            return None
+        head, tail = text.split(marker)
+        head_ids, tail_ids, body = (self.tokenizer(t, add_special_tokens=False)["input_ids"]
+                                    for t in (head, tail, conv[-1]["content"]))
+        room = limit - len(head_ids) - len(tail_ids)
+        if room <= 0:
+            return None
+        body = truncate(np.asarray(body, dtype=np.int32), room, self.truncation)
+        return np.concatenate([np.asarray(head_ids, dtype=np.int32), body, np.asarray(tail_ids, dtype=np.int32)])
 
     # ----- access -----
 

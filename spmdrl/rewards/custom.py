@@ -121,7 +121,17 @@ def _as_score(value, name: str, i: int) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise RewardError(f"reward function {name} returned {value} for sample {i}; scores must be finite")
+    if not _fits_float32(value):  # 1e40 is a finite Python float but inf in the float32 scores tensor
+        raise RewardError(f"reward function {name} returned {value} for sample {i}, which overflows float32 "
+                          f"(|score| <= {_F32_MAX:.3g}); scores must be finite after conversion")
     return value
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _fits_float32(value: float) -> bool:
+    return math.isfinite(float(torch.tensor(value, dtype=torch.float32)))
 
 
 def compute_rewards(
@@ -233,7 +243,7 @@ def _usable(out) -> bool:
     v = out.get("score") if isinstance(out, dict) else out
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         v = v.item()
-    return isinstance(v, numbers.Real) and math.isfinite(float(v))
+    return isinstance(v, numbers.Real) and math.isfinite(float(v)) and _fits_float32(float(v))
 
 
 class GuardedReward:

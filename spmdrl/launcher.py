@@ -1,0 +1,148 @@
+"""How `spmdrl train` starts ranks, how they stop, and how a rank's error reaches the user once.
+
+    spmdrl train --nproc N  ==exec==>  python -P -m spmdrl.launcher <torchrun args> -m spmdrl.train ...
+                                           (torchrun's agent, in this process: the PID the user started)
+                                           └── N ranks: python -u -m spmdrl.train ... (PYTHONSAFEPATH=1)
+
+- The CLI execs (no extra parent): a signal to the PID the user started reaches torchrun's agent, which
+  stops every rank (SIGTERM, SIGKILL after 30 s) and then exits.
+- SIGKILL of that PID cannot be caught: each rank watches its parent (`watch_parent`) and stops itself when
+  it is gone (SIGTERM to itself, os._exit after a grace period), so no rank outlives the job.
+- Safe-path mode (-P, PYTHONSAFEPATH=1, inherited by the ranks): the working directory is never put on
+  sys.path, so a file such as ./tomllib.py cannot shadow an import.
+- A user error (SpmdrlError) is printed by the first failing rank only (a marker file next to torchrun's
+  per-rank error files) and written to torchrun's error file, so torchrun's summary names it as the root
+  cause; this wrapper then exits with the root cause's exit code (2 for a user error) and prints no
+  traceback of its own.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+_FIRST_MARKER = "spmdrl_first_error"
+
+
+# ---- rank side ---------------------------------------------------------------------------------------------
+
+def drop_cwd_from_path() -> None:
+    """`python -m spmdrl.train` without -P puts the working directory first on sys.path; take it off so no
+    later import (tomllib, a reward module's dependency) resolves to a file there."""
+    if getattr(sys.flags, "safe_path", False):
+        return
+    cwd = os.getcwd()
+    sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != cwd] or sys.path
+
+
+def watch_parent(grace_s: float = 20.0, poll_s: float = 0.5) -> threading.Thread | None:
+    """Stop this rank when its launcher (parent process) dies, even by SIGKILL: SIGTERM to itself (the
+    loop's handler ends the run with a named error), then os._exit after `grace_s` if the main thread is
+    stuck in C code that never returns."""
+    parent = os.getppid()
+    if parent <= 1:
+        return None
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"[spmdrl] launcher (pid {parent}) is gone; stopping rank pid {os.getpid()}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(143)
+
+    t = threading.Thread(target=watch, daemon=True, name="spmdrl-parent-watch")
+    t.start()
+    return t
+
+
+def _first_to_fail() -> bool:
+    """True for the first rank on this node to report an error (torchrun's error files share a directory)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return True
+    marker = os.path.join(os.path.dirname(os.path.dirname(path)), _FIRST_MARKER)
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+
+
+def report_error(message, rank: int, *, show: bool = True) -> None:
+    """A user error: the line in torchrun's error file (every rank), and on stderr once: from the first
+    failing rank (show=False: not from this rank, e.g. a config error every rank finds and rank 0 prints)."""
+    line = " ".join(str(message).split())
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"message": f"error (rank {rank}): {line}", "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
+    if show and _first_to_fail():
+        print(f"error (rank {rank}): {line}", file=sys.stderr, flush=True)
+
+
+def record_bug(e: BaseException) -> None:
+    """Not a user error: torchrun's error file gets the traceback (as torch's @record would write it)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    data = {"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(e)), "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+# ---- launcher side ----------------------------------------------------------------------------------------
+
+def launch_command(module: str, config: str, overrides: list[str], nproc: int) -> list[str]:
+    """The command that runs `module` on `nproc` local ranks: this wrapper around torchrun when nproc > 1."""
+    args = ["-m", module, "--config", config, *overrides]
+    if nproc > 1:
+        # --standalone: a local rendezvous on a free port, so two runs on one machine do not collide.
+        return [sys.executable, "-P", "-m", "spmdrl.launcher", "--standalone", "--nproc-per-node", str(nproc), *args]
+    return [sys.executable, "-P", *args]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun (torch.distributed.run) in this process, with its failure summary reduced to an exit code:
+    the ranks have printed the cause (once); a rank that died without one gets one line here."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ["PYTHONSAFEPATH"] = "1"
+    for name in list(logging.root.manager.loggerDict):  # each sets its own level; the ranks say what happened
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        ours = [f for f in e.failures.values() if isinstance(f.message, str) and f.message.startswith("error (rank")]
+        if ours:  # a rank printed it
+            return 2 if any(f.exitcode == 2 for f in ours) else 1
+        rank, failure = e.get_first_failure()
+        how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+        print(f"error: rank {rank} (pid {failure.pid}) {how}; its output above has the cause", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as e:  # the agent has stopped the ranks; the first one printed where
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

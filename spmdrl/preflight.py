@@ -1,0 +1,200 @@
+"""Checks on disk, run before any process group, model load or engine build (by `spmdrl train` before it
+launches, and by every rank before it initialises): the model and tokenizer, the context length, the output
+directory, and what `checkpoint.resume` will load. Each failure is one ConfigError/CheckpointError line.
+
+A run never mixes with another: a fresh run (resume=off, or auto finding no checkpoint) into an output_dir
+that holds another run's checkpoints or metrics is refused unless trainer.overwrite clears them. One case
+starts over without asking: resume=auto, no checkpoint directory at all, and output_dir/config.toml equal to
+this run's config (up to the keys that may change on resume): the same run relaunched before its first
+checkpoint; its partial metrics and events are cleared.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tomllib
+from dataclasses import dataclass
+
+from spmdrl.checkpoint.files import checkpoint_root, find_checkpoint, list_checkpoints
+from spmdrl.checkpoint.verify import config_differences, intact, newest_intact, read_manifest
+from spmdrl.errors import CheckpointError, ConfigError
+
+log = logging.getLogger("spmdrl")
+
+RUN_FILES = ("metrics.jsonl", "tensorboard")
+
+
+@dataclass
+class Plan:
+    """What the run will do: resume from `resume` (None: start fresh) at `resume_step`."""
+
+    resume: str | None
+    resume_step: int = 0
+    clear: tuple[str, ...] = ()  # another run's files that trainer.overwrite removes (rank 0, before start)
+
+
+def _looks_local(path: str) -> bool:
+    """A path the user means on disk (a hub id is 'org/name' or 'name')."""
+    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+
+
+def check_model_dir(key: str, path: str, *, tokenizer: bool = False, trust_remote_code: bool = False) -> dict | None:
+    """The HF config of a local model directory (None for a hub id); a one-line ConfigError otherwise."""
+    if not path:
+        return None
+    full = os.path.expanduser(path)
+    if not os.path.exists(full):
+        if _looks_local(path):
+            raise ConfigError(f"{key} = {path!r}: no such directory; give an HF model directory or a hub id")
+        return None
+    if not os.path.isdir(full):
+        raise ConfigError(f"{key} = {path!r} is a file; give an HF model directory (with config.json) or a hub id")
+    if tokenizer:
+        try:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(full, trust_remote_code=trust_remote_code)
+        except Exception as e:
+            raise ConfigError(f"{key} = {path!r}: the tokenizer does not load ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]})") from None
+        return None
+    cfg_path = os.path.join(full, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"{key} = {path!r} has no config.json; give an HF model directory or a hub id")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key} = {path!r}: config.json is unreadable ({e})") from None
+
+
+def check_models(cfg) -> None:
+    m = cfg.model
+    hf = check_model_dir("model.path", m.path)
+    check_model_dir("model.tokenizer_path" if m.tokenizer_path else "model.path", m.tokenizer_path or m.path,
+                    tokenizer=True, trust_remote_code=m.trust_remote_code)
+    if cfg.critic.enable and cfg.critic.path:
+        check_model_dir("critic.path", cfg.critic.path)
+    if cfg.reward.model_path:
+        check_model_dir("reward.model_path", cfg.reward.model_path)
+    if cfg.reward.model_tokenizer_path:
+        check_model_dir("reward.model_tokenizer_path", cfg.reward.model_tokenizer_path, tokenizer=True,
+                        trust_remote_code=m.trust_remote_code)
+    context = (hf or {}).get("max_position_embeddings")
+    need = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if isinstance(context, int) and need > context:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length = {cfg.data.max_prompt_length} + "
+            f"{cfg.data.max_response_length} = {need} exceeds the model's context of {context} tokens "
+            f"(max_position_embeddings in {m.path}/config.json); lower them"
+        )
+
+
+def check_writable(out: str) -> None:
+    """output_dir exists and takes a file, or its nearest existing ancestor is a writable directory."""
+    bad = ConfigError(f"trainer.output_dir = {out!r} cannot be created or written; choose a writable directory")
+    if not os.path.isdir(out):
+        parent = os.path.dirname(os.path.abspath(out))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if os.path.exists(out) or not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise bad
+        return
+    try:
+        probe = os.path.join(out, f".spmdrl-write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"trainer.output_dir = {out!r} cannot be written ({e.strerror or e}); choose a writable "
+                          "directory") from None
+
+
+def _used_by_another_run(out: str) -> list[str]:
+    root = checkpoint_root(out)
+    found = []
+    if os.path.isdir(root) and any(n.startswith("step_") for n in os.listdir(root)):
+        found.append(f"checkpoints in {root}")
+    metrics = os.path.join(out, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append(f"metrics in {metrics}")
+    tb = os.path.join(out, "tensorboard")
+    if os.path.isdir(tb) and os.listdir(tb):
+        found.append(f"tensorboard events in {tb}")
+    return found
+
+
+def _same_config(path: str, config_toml: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return not config_differences(tomllib.loads(f.read()), tomllib.loads(config_toml))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return False
+
+
+def check_resume(cfg, config_toml: str) -> Plan:
+    """What checkpoint.resume loads, checked (complete, intact, same config); and no mixing of two runs."""
+    out, mode = cfg.trainer.output_dir, cfg.checkpoint.resume
+    own_root = os.path.abspath(checkpoint_root(out))
+    path = None
+    if mode == "auto":
+        path = newest_intact(checkpoint_root(out))
+    elif mode != "off":
+        try:
+            path = find_checkpoint(mode)
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint.resume = {mode!r}: {e}") from None
+        why = intact(path)
+        if why:
+            raise CheckpointError(f"checkpoint.resume = {mode!r}: {why}")
+    restart = False
+    if path is None or os.path.dirname(os.path.abspath(path)) != own_root:
+        used = _used_by_another_run(out)
+        # the same run relaunched before its first checkpoint: same config, nothing to resume, no checkpoints
+        restart = mode == "auto" and path is None and not any("checkpoints" in u for u in used) and \
+            _same_config(os.path.join(out, "config.toml"), config_toml)
+        if used and not cfg.trainer.overwrite and not restart:
+            start = "starts fresh" if path is None else f"resumes from {path}, outside it,"
+            hint = "checkpoint.resume=auto to continue it, " if mode == "off" and list_checkpoints(checkpoint_root(out)) else ""
+            raise ConfigError(
+                f"trainer.output_dir = {out!r} holds another run ({'; '.join(used)}) and this run {start}; pass "
+                f"{hint}trainer.overwrite=true to delete them, or a new trainer.output_dir"
+            )
+    if path is None:
+        clear = tuple(p for p in (checkpoint_root(out), *(os.path.join(out, f) for f in RUN_FILES))
+                      if (cfg.trainer.overwrite or restart) and os.path.exists(p))
+        return Plan(None, clear=clear)
+    manifest = read_manifest(path)
+    saved = os.path.join(path, "config.toml")
+    if os.path.isfile(saved):
+        try:
+            with open(saved, encoding="utf-8") as f:
+                theirs = tomllib.loads(f.read())
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"checkpoint {path}: config.toml is unreadable ({e})") from None
+        diffs = config_differences(theirs, tomllib.loads(config_toml))
+        if diffs:
+            raise CheckpointError(
+                f"checkpoint {path} was written with a different config: {'; '.join(diffs[:4])}"
+                f"{' ...' if len(diffs) > 4 else ''}; resume with its values (its config.toml) or checkpoint.resume=off"
+            )
+    return Plan(path, int(manifest.get("step", 0)))
+
+
+def preflight(cfg, config_toml: str) -> Plan:
+    """Every disk check, in the order a user would fix them."""
+    check_models(cfg)
+    check_writable(cfg.trainer.output_dir)
+    return check_resume(cfg, config_toml)
+
+
+def clear_previous_run(plan: Plan) -> None:
+    """trainer.overwrite on a fresh run: delete the earlier run's checkpoints, metrics and events (rank 0)."""
+    for p in plan.clear:
+        log.warning("trainer.overwrite = true: deleting %s", p)
+        if os.path.isdir(p):
+            shutil.rmtree(p)
+        else:
+            os.remove(p)
