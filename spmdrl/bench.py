@@ -10,6 +10,7 @@ glue between the stages.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def launch(work_dir: str, model: str, data: dict[str, str], nproc: int, steps: i
            code_dir: str | None = None, run_name: str = "run") -> str:
     """Run the trainer; `code_dir` puts another checkout first on the trainer's PYTHONPATH (A/B runs)."""
     out = os.path.join(work_dir, run_name)
+    shutil.rmtree(out, ignore_errors=True)  # the bench's own run directory: a fresh run every time
     repo_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart", "grpo.toml")
     args = [
         "--config", repo_cfg, f"model.path={model}", f'data.train_files=["{data["train"]}"]', "data.val_files=[]",
