@@ -78,11 +78,15 @@ def run_updates(
     local: dict[str, float] = {}  # this rank's share of each step's global objective, summed over steps
     engine_sums: dict[str, float] = {}
     steps = 0
+    minis = batch.split(mini_size)  # fixed order: the same config and seed give the same updates
+    # every mini-batch's global (unit, token) totals in one all-reduce: the split is the same in every epoch
+    all_totals = reduce_sum(torch.stack([
+        torch.stack([agg_units(mini["response_mask"], mode), agg_units(mini["response_mask"], "token-mean")])
+        for mini in minis
+    ]).float(), group=dp_group) if minis else None
     for _ in range(epochs):
-        for mini in batch.split(mini_size):  # fixed order: the same config and seed give the same updates
-            m = mini["response_mask"]
-            totals = reduce_sum(torch.stack([agg_units(m, mode), agg_units(m, "token-mean")]), group=dp_group)
-            unit_total, token_total = float(totals[0]), float(totals[1])
+        for i, mini in enumerate(minis):
+            unit_total, token_total = float(all_totals[i, 0]), float(all_totals[i, 1])
 
             def loss_fn(item, eng):
                 mb, tb = item
