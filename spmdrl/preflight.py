@@ -18,7 +18,7 @@ import tomllib
 from dataclasses import dataclass
 
 from spmdrl.checkpoint.files import checkpoint_root, find_checkpoint, list_checkpoints
-from spmdrl.checkpoint.verify import config_differences, intact, newest_intact, read_manifest
+from spmdrl.checkpoint.verify import check_saved_config, config_differences, intact, newest_intact, read_manifest
 from spmdrl.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("spmdrl")
@@ -167,19 +167,8 @@ def check_resume(cfg, config_toml: str) -> Plan:
                       if (cfg.trainer.overwrite or restart) and os.path.exists(p))
         return Plan(None, clear=clear)
     manifest = read_manifest(path)
-    saved = os.path.join(path, "config.toml")
-    if os.path.isfile(saved):
-        try:
-            with open(saved, encoding="utf-8") as f:
-                theirs = tomllib.loads(f.read())
-        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"checkpoint {path}: config.toml is unreadable ({e})") from None
-        diffs = config_differences(theirs, tomllib.loads(config_toml))
-        if diffs:
-            raise CheckpointError(
-                f"checkpoint {path} was written with a different config: {'; '.join(diffs[:4])}"
-                f"{' ...' if len(diffs) > 4 else ''}; resume with its values (its config.toml) or checkpoint.resume=off"
-            )
+    if os.path.isfile(os.path.join(path, "config.toml")):
+        check_saved_config(path, config_toml)
     return Plan(path, int(manifest.get("step", 0)))
 
 

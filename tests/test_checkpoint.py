@@ -7,7 +7,6 @@ import pickle
 import re
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 from spmdrl import checkpoint as ck
 from spmdrl.checkpoint import files as ck_files, manager as ck_manager
 from spmdrl.checkpoint import CheckpointManager, config_differences, latest_checkpoint, list_checkpoints, resolve_resume
-from spmdrl.checkpoint.dcp import load_module_state, module_state, param_spec
+from module_engine import ModuleEngine
 from spmdrl.config import Config, load_config, to_toml
 from spmdrl.errors import CheckpointError
 from spmdrl.rng import rng_state, seed_everything, set_rng_state
@@ -24,30 +23,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = to_toml(load_config(None, ["actor.lr=0.01"]))
 
 
-class _Engine(types.SimpleNamespace):
-    """A plain module + AdamW + scheduler behind the checkpoint half of the engine protocol (engines/base.py)."""
-
-    trainable = True
-
-    def checkpoint_state(self):
-        return module_state(self.module, self.optimizer, self.scheduler)
-
-    def load_checkpoint_state(self, tensors, meta):
-        load_module_state(self.module, self.optimizer, self.scheduler, tensors, meta)
-
-    def param_manifest(self):
-        return param_spec(self.module)
-
-    def hf_prefix(self):
-        return ""
-
-
 def make_engine(seed=0, hidden=4):
     torch.manual_seed(seed)
     module = torch.nn.Sequential(torch.nn.Linear(3, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 2))
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    return _Engine(module=module, optimizer=opt, scheduler=sched)
+    return ModuleEngine(module=module, optimizer=opt, scheduler=sched)
 
 
 def train(engine, steps, seed=123):

@@ -154,7 +154,9 @@ def test_export_gives_the_trainers_logprobs_in_transformers(runs):
     run_a, exported = runs.a, runs.exported
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(os.listdir(exported))
+    files = set(os.listdir(exported))
+    assert {"model.safetensors.index.json", "config.json", "tokenizer.json"} <= files  # streamed, sharded
+    assert any(f.startswith("model-00001-of-") and f.endswith(".safetensors") for f in files)
     assert json.load(open(exported / "config.json"))["use_cache"] is True
     want = json.load(open(run_a / "actor_logprobs.json"))
     model = AutoModelForCausalLM.from_pretrained(str(exported)).eval()

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import typer
 from typer.testing import CliRunner
+from module_engine import ModuleEngine
 
 from spmdrl import cli
 from spmdrl.cli import app
@@ -257,7 +258,6 @@ def test_resume_target_is_checked_before_launch(tiny, tmp_path):
 
 
 def test_a_run_already_at_total_steps_says_so_before_loading_anything(tiny, tmp_path, monkeypatch):
-    import types
 
     import torch
 
@@ -269,7 +269,7 @@ def test_a_run_already_at_total_steps_says_so_before_loading_anything(tiny, tmp_
                  "data.max_response_length=256", "trainer.total_steps=4"]
     module = torch.nn.Linear(2, 2)
     CheckpointManager(str(out / "checkpoints")).save(
-        4, engines={"actor": types.SimpleNamespace(module=module, optimizer=torch.optim.AdamW(module.parameters()))},
+        4, engines={"actor": ModuleEngine(module=module, optimizer=torch.optim.AdamW(module.parameters()))},
         trainer_state={}, config_toml=to_toml(load_config(GRPO, overrides)))
     monkeypatch.setattr(cli, "_exec", lambda *a: pytest.fail("launched"))
     result = run("train", "--config", GRPO, "--nproc", 8, *overrides)  # not a dry run: nothing may launch

@@ -81,18 +81,7 @@ def check_compatible(path: str, manifest: dict, engines: dict, config_toml: str 
         )
         raise CheckpointError(f"checkpoint {path} is for a different {name} model ({detail}); check model.path")
     if config_toml is not None:
-        saved_toml = os.path.join(path, "config.toml")
-        try:
-            with open(saved_toml, encoding="utf-8") as f:
-                theirs = tomllib.loads(f.read())
-        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"checkpoint {path}: config.toml is unreadable ({e})") from None
-        diffs = config_differences(theirs, tomllib.loads(config_toml))
-        if diffs:
-            raise CheckpointError(
-                f"checkpoint {path} was written with a different config: {'; '.join(diffs[:4])}"
-                f"{' ...' if len(diffs) > 4 else ''}; resume with its values (its config.toml) or checkpoint.resume=off"
-            )
+        check_saved_config(path, config_toml)
 
 
 def _first(names: list[str], n: int = 3) -> str:
@@ -133,3 +122,18 @@ def newest_intact(root: str) -> str | None:
             return path
         log.warning("checkpoint.resume = auto: skipping damaged checkpoint %s (%s); trying an earlier one", path, why)
     return None
+
+
+def check_saved_config(path: str, config_toml: str) -> None:
+    """Refuse a checkpoint whose config.toml differs from the run's in a key that changes what it means."""
+    try:
+        with open(os.path.join(path, "config.toml"), encoding="utf-8") as f:
+            theirs = tomllib.loads(f.read())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: config.toml is unreadable ({e})") from None
+    diffs = config_differences(theirs, tomllib.loads(config_toml))
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {path} was written with a different config: {'; '.join(diffs[:4])}"
+            f"{' ...' if len(diffs) > 4 else ''}; resume with its values (its config.toml) or checkpoint.resume=off"
+        )
