@@ -77,6 +77,7 @@ def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from spmdrl.engines.hf_writer import ShardWriter
+    from spmdrl.reshard.plan import group_by_bytes
 
     path = find_checkpoint(checkpoint)
     hf_dir = os.path.join(path, "hf")
@@ -104,18 +105,11 @@ def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str
             f"(missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes {wrong[:3]})"
         )
     esize = torch.empty((), dtype=target).element_size()
-    buckets, cur, size = [], [], 0
-    for e in entries:
-        nbytes = torch.Size(e[2]).numel() * esize
-        if cur and size + nbytes > bucket_bytes:
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append(e)
-        size += nbytes
-    buckets += [cur] if cur else []
+    by_name = {e[0]: e for e in entries}
+    buckets = group_by_bytes([(e[0], torch.Size(e[2]).numel() * esize) for e in entries], bucket_bytes)
     writer = ShardWriter(out_dir, len(buckets))
-    for bucket in buckets:
-        writer.write([(n, t.to(target)) for n, t in _read(path, reader, bucket).items()])
+    for names in buckets:
+        writer.write([(n, t.to(target)) for n, t in _read(path, reader, [by_name[n] for n in names]).items()])
     writer.finish()
     config.use_cache = True
     config.save_pretrained(out_dir)

@@ -130,10 +130,10 @@ def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int):
     from spmdrl.reshard.sync import rollout_targets
 
     dims = ModelDims.from_hf_config(hf_config)
-    groups = role_table(layout)["rollout"]["tp_groups"]
-    import importlib.util
+    from spmdrl.rollout import vllm_available
 
-    vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and importlib.util.find_spec("vllm") is not None)
+    groups = role_table(layout)["rollout"]["tp_groups"]
+    vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
     targets = rollout_targets(params, groups, dims, loads_tp_shards=vllm)
     return plan_sync(params, fsdp_blocks(params, layout["actor"].mesh_ranks()), targets, elem_bytes)
 
@@ -143,7 +143,7 @@ def transport_peak_bytes(plan, bucket_bytes: int) -> int:
     least one parameter, so a big embedding makes its own bucket) plus the bytes it receives and sends."""
     peak = 0
     for names in plan.buckets(bucket_bytes):
-        full = sum(math.prod(dict(plan.params)[n]) for n in names) * plan.elem_bytes
+        full = sum(math.prod(plan.shapes[n]) for n in names) * plan.elem_bytes
         moved: dict[int, int] = {}
         for n in names:
             for t in plan.transfers[n]:

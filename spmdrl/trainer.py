@@ -208,9 +208,7 @@ class Trainer(Stages, Validation, RunState):
         """One all-reduce of every metric (tp copies weighted out); the token count rides along."""
         metrics["_tokens"] = float(batch["response_mask"].sum() + batch["prompt_len"].sum())
         metrics["_seq_sq"] = float(((batch["response_mask"].sum(-1) + batch["prompt_len"]).double() ** 2).sum())
-        sync_keys = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("weight_sync/")]}
         metrics = reduce_mean(metrics, weight=self.actor_mesh.leader_weight())
-        metrics.update(sync_keys)  # already the same on every rank (max over ranks, plan figures)
         tokens = metrics.pop("_tokens") * self.actor_mesh.dp_size
         seq_sq = metrics.pop("_seq_sq") * self.actor_mesh.dp_size
         metrics.update(timer.as_metrics())

@@ -23,7 +23,7 @@ from spmdrl.algos import agg_loss, kl_penalty, masked_mean
 from spmdrl.algos.agg import agg_units
 from spmdrl.algos.losses import resolve_agg_mode, value_loss
 from spmdrl.batch import Batch
-from spmdrl.dist.collectives import comm_device, reduce_sum
+from spmdrl.dist.collectives import reduce_max, reduce_sum
 from spmdrl.engines import TokenBatch, TrainEngine, pack_sequences
 from spmdrl.engines.packing import balanced_partition, micro_batch_count
 
@@ -44,7 +44,7 @@ def micro_batches(
         lengths = (batch["prompt_len"] + batch["response_len"]).tolist()
         k = micro_batch_count(lengths, max_tokens, size)
         if group is not None and dist.is_initialized():
-            k = _max_over(k, group)
+            k = int(reduce_max(torch.tensor([k]), group)[0])
         parts = [batch.select(idx) for idx in balanced_partition(lengths, k, size)] if len(batch) else []
     else:
         parts = batch.split(size)
@@ -54,12 +54,6 @@ def micro_batches(
         resps = [mb["responses"][i, : int(mb["response_len"][i])] for i in range(len(mb))]
         out.append((mb, pack_sequences(prompts, resps, pad_id, packed=packed)))
     return out
-
-
-def _max_over(value: int, group) -> int:
-    t = torch.tensor([value], dtype=torch.long, device=comm_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t[0])
 
 
 def run_updates(

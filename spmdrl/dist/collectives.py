@@ -63,6 +63,16 @@ def _pack(batch: Batch, keys: list[str], widths: list[int], dev) -> torch.Tensor
     return torch.cat(cols, dim=1).to(dev)
 
 
+def _unpack(rows: torch.Tensor, keys: list[str], widths: list[int], like: Batch) -> Batch:
+    """The inverse of _pack: columns back into tensors of `like`'s dtypes and ranks, on the CPU."""
+    out, off = {}, 0
+    for k, w in zip(keys, widths):
+        t = rows[:, off: off + w].cpu()
+        out[k] = (t if like.tensors[k].dim() == 2 else t[:, 0]).to(like.tensors[k].dtype)
+        off += w
+    return Batch(out)
+
+
 def redistribute(batch: Batch, src: RoleMesh, dst: RoleMesh) -> Batch:
     """Move a batch laid out by `src`'s data-parallel ranks to `dst`'s (tensors only; meta is re-derived).
 
@@ -103,12 +113,7 @@ def redistribute(batch: Batch, src: RoleMesh, dst: RoleMesh) -> Batch:
         lo, hi, hlo = plan.keep[me]
         received.append((lo, packed[lo - hlo: hi - hlo]))
     rows = torch.cat([p for _, p in sorted(received, key=lambda x: x[0])]) if received else packed[:0]
-    out, off = {}, 0
-    for k, w in zip(keys, widths):
-        t = rows[:, off: off + w].cpu()
-        out[k] = (t if batch.tensors[k].dim() == 2 else t[:, 0]).to(batch.tensors[k].dtype)
-        off += w
-    return Batch(out)
+    return _unpack(rows, keys, widths, batch)
 
 
 def gather_tp_slices(part: torch.Tensor, mesh: RoleMesh, n: int) -> torch.Tensor:
@@ -147,27 +152,23 @@ def all_gather_strings(texts: list[str], mesh: RoleMesh, n: int) -> list[str]:
 
 def take_global_rows(batch: Batch, lo: int, hi: int, group=None) -> Batch:
     """Rows [lo, hi) of the concatenation, in `group` rank order, of every rank's `batch` (tensors only;
-    meta is dropped). Ranks may hold different row counts. One all-gather of the counts, then one
-    all-gather (plus a width all-reduce for 2-D tensors) per tensor of rows padded to the largest count."""
+    meta is dropped). Ranks may hold different row counts but have the same keys. One all-gather agrees on
+    counts and widths, one all-gather moves every tensor packed into float64 rows (as `redistribute` does)."""
+    keys = sorted(batch.tensors)
     dev = comm_device(group)
     size = dist.get_world_size(group)
-    count = torch.tensor([len(batch)], dtype=torch.long, device=dev)
-    counts = [torch.zeros_like(count) for _ in range(size)]
-    dist.all_gather(counts, count, group=group)
-    counts = [int(c) for c in counts]
-    rows = max(counts)
-    out = {}
-    for k in sorted(batch.tensors):
-        t = batch.tensors[k].to(dev)
-        if t.dim() == 2:
-            width = torch.tensor([t.shape[1]], dtype=torch.long, device=dev)
-            dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
-            t = torch.nn.functional.pad(t, (0, int(width) - t.shape[1]))
-        t = torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
-        parts = [torch.empty_like(t) for _ in range(size)]
-        dist.all_gather(parts, t.contiguous(), group=group)
-        out[k] = torch.cat([p[:c] for p, c in zip(parts, counts)])[lo:hi].cpu()
-    return Batch(out)
+    local_w = [batch.tensors[k].shape[1] if batch.tensors[k].dim() == 2 else 1 for k in keys]
+    sizes = torch.tensor([len(batch), *local_w], dtype=torch.long, device=dev)
+    everyone = [torch.empty_like(sizes) for _ in range(size)]
+    dist.all_gather(everyone, sizes, group=group)
+    counts = [int(x[0]) for x in everyone]
+    widths = torch.stack(everyone)[:, 1:].max(0).values.tolist()
+    packed = _pack(batch, keys, widths, dev)
+    packed = torch.cat([packed, packed.new_zeros(max(counts) - len(batch), packed.shape[1])])
+    parts = [torch.empty_like(packed) for _ in range(size)]
+    dist.all_gather(parts, packed, group=group)
+    rows = torch.cat([p[:c] for p, c in zip(parts, counts)])[lo:hi]
+    return _unpack(rows, keys, widths, batch)
 
 
 def reduce_mean(values: dict[str, float], weight: float = 1.0, group=None) -> dict[str, float]:

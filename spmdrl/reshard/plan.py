@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the full tensor
 
@@ -159,6 +160,20 @@ def vllm_blocks(params: list[tuple[str, tuple[int, ...]]], groups: list[list[int
 # --------------------------------------------------------------------------------------------------- the plan
 
 
+def group_by_bytes(items: list[tuple[str, int]], limit: int) -> list[list[str]]:
+    """Consecutive (key, bytes) items grouped so each group stays under `limit` bytes (one item at least)."""
+    out, cur, size = [], [], 0
+    for key, nbytes in items:
+        if cur and size + nbytes > limit:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(key)
+        size += nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
 @dataclass(frozen=True)
 class Transfer:
     name: str
@@ -178,19 +193,28 @@ class SyncPlan:
     local: dict[str, list[Transfer]] = field(default_factory=dict)  # src == dst: copies, no bytes move
     elem_bytes: int = 2
 
-    def bytes_recv(self) -> dict[int, int]:
+    def _bytes_by(self, side: str) -> dict[int, int]:
         out: dict[int, int] = {}
         for ts in self.transfers.values():
             for t in ts:
-                out[t.dst] = out.get(t.dst, 0) + numel(t.block) * self.elem_bytes
+                rank = getattr(t, side)
+                out[rank] = out.get(rank, 0) + numel(t.block) * self.elem_bytes
         return out
 
+    def bytes_recv(self) -> dict[int, int]:
+        return self._bytes_by("dst")
+
     def bytes_sent(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for ts in self.transfers.values():
-            for t in ts:
-                out[t.src] = out.get(t.src, 0) + numel(t.block) * self.elem_bytes
-        return out
+        return self._bytes_by("src")
+
+    @cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.params)
+
+    @cached_property
+    def target_of(self) -> dict[str, dict[int, Block]]:
+        """name -> rollout rank -> the block it needs (looked up on every sync)."""
+        return {name: dict(ts) for name, ts in self.targets.items()}
 
     def lower_bound(self) -> dict[int, int]:
         """Per rollout rank: bytes of its shard it does not already hold (independent of the transfers)."""
@@ -211,17 +235,7 @@ class SyncPlan:
         """Consecutive parameters grouped so a bucket's full tensors stay under bucket_bytes (at least one
         parameter each): the receiving side materialises full-shaped tensors one bucket at a time."""
         eb = full_elem_bytes or self.elem_bytes
-        out, cur, size = [], [], 0
-        for name, shape in self.params:
-            nbytes = math.prod(shape) * eb
-            if cur and size + nbytes > bucket_bytes:
-                out.append(cur)
-                cur, size = [], 0
-            cur.append(name)
-            size += nbytes
-        if cur:
-            out.append(cur)
-        return out
+        return group_by_bytes([(name, math.prod(shape) * eb) for name, shape in self.params], bucket_bytes)
 
     def summary(self, bucket_bytes: int) -> dict:
         recv, lb = self.bytes_recv(), self.lower_bound()

@@ -36,9 +36,7 @@ class WeightSync:
         targets = rollout_targets(params, rollout_mesh.tp_groups(), dims, getattr(rollout, "loads_tp_shards", False))
         elem = torch.empty((), dtype=dtype).element_size()
         self.plan: SyncPlan = plan_sync(params, actor.source_blocks(), targets, elem)
-        summary = self.plan.summary(self.bucket_bytes)
-        self.lower_bound = summary["bytes_lower_bound"]
-        self.planned_recv_max = summary["bytes_recv_max"]
+        self.lower_bound = max(self.plan.lower_bound().values(), default=0)
 
     def __call__(self) -> dict[str, float]:
         if self.memory is not None:

@@ -60,8 +60,6 @@ def execute(
     deliver(list of (name, full-shaped tensor)) is called once per bucket on ranks that receive weights."""
     stats = SyncStats()
     t0 = time.perf_counter()
-    targets = {name: dict(ts) for name, ts in plan.targets.items()}
-    shapes = dict(plan.params)
     esize = torch.empty((), dtype=dtype).element_size()
     for names in plan.buckets(bucket_bytes, full_elem_bytes=esize):
         stats.buckets += 1
@@ -91,10 +89,10 @@ def execute(
         # assemble this rank's rollout tensors for the bucket
         out = []
         for name in names:
-            want = targets[name].get(rank)
+            want = plan.target_of[name].get(rank)
             if want is None:
                 continue
-            full = torch.empty(shapes[name], dtype=dtype, device=comm_device)  # vLLM reads only its slice
+            full = torch.empty(plan.shapes[name], dtype=dtype, device=comm_device)  # vLLM reads only its slice
             for t in plan.local[name]:
                 if t.dst == rank:
                     local, held = shards[name]
