@@ -234,7 +234,7 @@ class Stages:
         mini = mesh.dp_share((self.cfg.actor.ppo_mini_batch_size or self.cfg.data.train_batch_size) * self.cfg.rollout.n,
                              "mini-batch samples")
         extra = {}
-        if role == "actor":  # rollout/trainer mismatch: measured, and corrected by [rollout_correction] (spmdrl/correction.py)
+        if role == "actor":  # the rollout/trainer mismatch, measured and corrected (spmdrl/correction.py)
             batch, extra = prepare_actor_update(self.cfg, engine, batch, self.forward_logprobs, self.dp_reduce,
                                                 lambda t: reduce_max(t, group=mesh.group("dp")))
         out = run_updates(

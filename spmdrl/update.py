@@ -137,7 +137,8 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
         else:  # on-policy: the parameters have not moved since the rollout, so these are the old log-probs
             old = logp.detach()
             if not truncated:  # with a truncating sampler spmdrl/correction.py measures it like with like
-                stats["rollout/logprob_diff_mean"] = masked_mean((mb["rollout_log_probs"][:, :R].to(dev) - old).abs(), mask)
+                diff = (mb["rollout_log_probs"][:, :R].to(dev) - old).abs()
+                stats["rollout/logprob_diff_mean"] = masked_mean(diff, mask)
         kw = extra
         if "rollout_is_weights" in mb:  # [rollout_correction]: truncated importance weights pi_old / pi_rollout
             kw = {**extra, "rollout_is_weights": mb["rollout_is_weights"][:, :R].to(dev)}

@@ -63,14 +63,16 @@ def reference(old, roll, mask, is_level, C, rs_level, U, L, veto):
 
 @pytest.mark.parametrize("is_level,rs_level,veto,U,L", [
     ("token", "none", 0.0, 1.25, 0.85), ("sequence", "none", 0.0, 1.25, 0.85), ("token", "token", 0.0, 1.25, 0.85),
-    ("sequence", "geometric", 0.7, 1.07, 0.97), ("none", "sequence", 0.0, 1.25, 0.85), ("token", "geometric", 0.0, 1.07, 0.97),
+    ("sequence", "geometric", 0.7, 1.07, 0.97), ("none", "sequence", 0.0, 1.25, 0.85),
+    ("token", "geometric", 0.0, 1.07, 0.97),
 ])
 def test_weights_mask_and_metrics_match_float64(is_level, rs_level, veto, U, L):
     old, roll, mask = batch()
     C = 1.3
     got = rollout_correction(old, roll, mask, rollout_is=is_level, rollout_is_threshold=C, rollout_rs=rs_level,
                              rollout_rs_threshold=U, rollout_rs_threshold_lower=L, rollout_token_veto_threshold=veto)
-    w, keep, units, trunc, dropped, seq_dropped, vetoed, tokens = reference(old, roll, mask, is_level, C, rs_level, U, L, veto)
+    ref = reference(old, roll, mask, is_level, C, rs_level, U, L, veto)
+    w, keep, units, trunc, dropped, seq_dropped, vetoed, tokens = ref
     m = got.metrics
     valid = mask.bool()
     seqs = int((mask.sum(-1) > 0).sum())
@@ -83,7 +85,8 @@ def test_weights_mask_and_metrics_match_float64(is_level, rs_level, veto, U, L):
         assert m["rollout_corr/rollout_is_max"] == pytest.approx(max(units), rel=1e-9)
         assert m["rollout_corr/rollout_is_min"] == pytest.approx(min(units), rel=1e-9)
         mean = sum(units) / len(units)
-        assert m["rollout_corr/rollout_is_std"] == pytest.approx(math.sqrt(sum((u - mean) ** 2 for u in units) / len(units)), rel=1e-6)
+        std = math.sqrt(sum((u - mean) ** 2 for u in units) / len(units))
+        assert m["rollout_corr/rollout_is_std"] == pytest.approx(std, rel=1e-6)
         assert m["rollout_corr/rollout_is_truncated_fraction"] == pytest.approx(trunc / len(units))
         assert 0 < trunc < len(units)  # the cap really bites on this batch
     if rs_level != "none" or veto:
@@ -95,8 +98,10 @@ def test_weights_mask_and_metrics_match_float64(is_level, rs_level, veto, U, L):
     assert m["rollout_corr/kl"] == pytest.approx(-sum(lr) / len(lr), rel=1e-9)
     assert m["rollout_corr/k3_kl"] == pytest.approx(sum(math.exp(x) - 1 - x for x in lr) / len(lr), rel=1e-9)
     assert m["rollout_corr/chi2_token"] == pytest.approx(sum(math.exp(2 * x) for x in lr) / len(lr) - 1, rel=1e-9)
-    ppl = lambda lp: sum(math.exp(-sum(float(lp[i, t]) for t in range(int(mask[i].sum()))) / int(mask[i].sum()))  # noqa: E731
-                         for i in range(6) if mask[i].sum() > 0) / seqs
+    def ppl(lp):
+        lens = [int(mask[i].sum()) for i in range(6)]
+        return sum(math.exp(-sum(float(lp[i, t]) for t in range(n)) / n) for i, n in enumerate(lens) if n) / seqs
+
     assert m["rollout_corr/training_ppl"] == pytest.approx(ppl(old), rel=1e-9)
     assert m["rollout_corr/rollout_ppl"] == pytest.approx(ppl(roll), rel=1e-9)
 
@@ -104,7 +109,8 @@ def test_weights_mask_and_metrics_match_float64(is_level, rs_level, veto, U, L):
 def test_lower_bound_defaults_to_reciprocal_and_metrics_are_global():
     old, roll, mask = batch(seed=1)
     a = rollout_correction(old, roll, mask, rollout_rs="token", rollout_rs_threshold=1.2)
-    b = rollout_correction(old, roll, mask, rollout_rs="token", rollout_rs_threshold=1.2, rollout_rs_threshold_lower=1 / 1.2)
+    b = rollout_correction(old, roll, mask, rollout_rs="token", rollout_rs_threshold=1.2,
+                           rollout_rs_threshold_lower=1 / 1.2)
     assert torch.equal(a.response_mask, b.response_mask)
     # two "ranks" holding halves, with reduce / reduce_max over both, give the whole batch's metrics
     whole = rollout_correction(old, roll, mask, rollout_is="sequence", rollout_is_threshold=1.1, rollout_rs="geometric",
@@ -159,8 +165,8 @@ def test_weights_multiply_the_per_token_loss(name):
         want = torch.stack(per_tok).mean()
     else:
         ratio = torch.exp(lp - old)
-        L = {"ppo": lambda: torch.where(adv < 0, torch.minimum(torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)), -3 * adv),
-                                        torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))),
+        clipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+        L = {"ppo": lambda: torch.where(adv < 0, torch.minimum(clipped, -3 * adv), clipped),
              "cispo": lambda: -adv * ratio.clamp(0.8, 1.2),
              "sapo": lambda: -adv * torch.where(adv > 0, 4 / 1.0 * torch.sigmoid(1.0 * (ratio - 1)),
                                                 4 / 1.05 * torch.sigmoid(1.05 * (ratio - 1))),
@@ -196,7 +202,8 @@ def test_truncate_logits_matches_a_float64_nucleus_and_the_actor_path():
         want = torch.log_softmax(torch.where(keep & nuc, z, -torch.inf), -1)
         got_z = truncate_logits(z.float(), top_k, top_p)
         assert torch.equal(torch.isfinite(got_z), keep & nuc)
-        lp, _ = logprobs_from_hidden(h, w, y, temperature=temp, top_k=top_k, top_p=top_p, with_entropy=False, chunk_size=5)
+        lp, _ = logprobs_from_hidden(h, w, y, temperature=temp, top_k=top_k, top_p=top_p, with_entropy=False,
+                                     chunk_size=5)
         ref = want.gather(-1, y[:, None])[:, 0]
         inside = torch.isfinite(ref)
         assert inside.any() and (~inside).any() if top_p < 1 else True

@@ -57,7 +57,9 @@ def processed_logprobs64(logits, temperature, top_k, top_p):
     out = torch.empty_like(z)
     for i in range(z.shape[0]):
         row = z[i]
-        keep = row >= torch.sort(row, descending=True).values[top_k - 1] if top_k > 0 else torch.ones_like(row, dtype=torch.bool)
+        keep = torch.ones_like(row, dtype=torch.bool)
+        if top_k > 0:
+            keep = row >= torch.sort(row, descending=True).values[top_k - 1]
         p = torch.softmax(torch.where(keep, row, -torch.inf), -1)
         order = torch.argsort(p, descending=True)
         before = torch.cumsum(p[order], 0) - p[order]

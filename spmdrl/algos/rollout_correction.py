@@ -145,8 +145,8 @@ def rollout_correction(
     weights = None
     if rollout_is != "none":
         level = LEVELS.get(rollout_is)(log_ratio, valid).clamp(-LOG_BOUND, LOG_BOUND)
-        unit = valid if rollout_is == "token" else (valid & (torch.arange(valid.shape[1], device=valid.device) == 0)[None]
-                                                    & nonempty[:, None])  # one unit per non-empty response
+        first = torch.arange(valid.shape[1], device=valid.device)[None] == 0
+        unit = valid if rollout_is == "token" else valid & first & nonempty[:, None]  # one unit per non-empty response
         uf = unit.to(f64)
         r = torch.exp(level)
         log_c = math.log(rollout_is_threshold)

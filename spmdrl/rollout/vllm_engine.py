@@ -21,8 +21,8 @@ sampling loop (one generator call per request per token; on GPU it also skips th
 Log-probs. The engine is built with `logprobs_mode="processed_logprobs"`: the log-prob returned for a sampled
 token is log_softmax of logits / temperature after top-k and top-p masking (renormalised over the kept tokens;
 vLLM 0.32 `Sampler.sample` -> `apply_top_k_top_p`), the raw logits at temperature 0. On CUDA this mode keeps
-vLLM off FlashInfer's sampling kernels, which cannot return processed log-probs (vLLM's `TopKTopPSampler`). `compute_logprobs`
-(prompt log-probs) stays raw.
+vLLM off FlashInfer's sampling kernels, which cannot return processed log-probs (vLLM's `TopKTopPSampler`).
+`compute_logprobs` (prompt log-probs) stays raw.
 
 Weights stream in with vLLM's layerwise reload: the first `update_weights` after a generate opens a reload
 session (layers go back to checkpoint format), each bucket goes through the model's own `load_weights`

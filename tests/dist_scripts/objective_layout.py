@@ -50,7 +50,8 @@ def global_batch(B: int = 8, n: int = 2, seed: int = 0) -> dict:
 
 def with_rollout_log_probs(b: dict, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
-    b["rollout_log_probs"] = b["old_log_probs"] + 0.15 * torch.randn(b["old_log_probs"].shape, generator=g) * b["response_mask"]
+    noise = torch.randn(b["old_log_probs"].shape, generator=g)
+    b["rollout_log_probs"] = b["old_log_probs"] + 0.15 * noise * b["response_mask"]
     return b
 
 
