@@ -145,7 +145,7 @@ def test_weights_multiply_the_per_token_loss(name):
     fn = POLICY_LOSSES.get(name)
     base, _ = fn(old, lp, adv, mask)
     same, _ = fn(old, lp, adv, mask, rollout_is_weights=torch.ones(B, T, dtype=torch.float64))
-    assert float(same) == pytest.approx(float(base), rel=1e-12)
+    assert float(same.detach()) == pytest.approx(float(base.detach()), rel=1e-12)
     got, _ = fn(old, lp, adv, mask, rollout_is_weights=w)
     if name in ("gspo", "gmpo"):
         # sequence-level objectives: the per-sequence loss is weighted by the mean of its tokens' weights
@@ -172,7 +172,7 @@ def test_weights_multiply_the_per_token_loss(name):
                                                 4 / 1.05 * torch.sigmoid(1.05 * (ratio - 1))),
              "gpg": lambda: -adv * lp}[name]()
         want = (w * L * mask).sum() / mask.sum()
-    assert float(got) == pytest.approx(float(want), rel=1e-9)
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-9)
     zero = w.clone()
     zero[0, 1] = 0.0
     lp.grad = None
