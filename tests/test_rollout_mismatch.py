@@ -1,5 +1,7 @@
 """The rollout/trainer mismatch end to end: a real GRPO run (in-process vLLM, FSDP2 actor, one plain process,
-colocated) sampling at temperature 0.7 with top_p 0.9 and [rollout_correction] on.
+colocated, on-policy: one mini-batch, so the correction computes pi_old itself) sampling at temperature 0.7 with
+top_p 0.9 and [rollout_correction] on. (The old-log-prob pass of off-policy runs feeds the same function:
+tests/test_objective_layout.py.)
 
 - `rollout/logprob_diff_max` compares vLLM's processed log-probs with the actor's log-probs under the same
   temperature and truncation: below 1e-5 in fp32 at every step (step 2 samples with weights synced after step 1).
@@ -30,7 +32,7 @@ def mismatch_run(root, nproc=None, **extra) -> list[dict]:
         "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.max_prompt_length": 32,
         "data.max_response_length": 8, "data.train_batch_size": 2, "rollout.n": 4, "rollout.kv_cache_gb": 0.1,
         "rollout.temperature": 0.7, "rollout.top_p": 0.9, "actor.lr": 1e-3, "actor.micro_batch_size": 4,
-        "actor.ppo_mini_batch_size": 1, "trainer.total_steps": 2, "trainer.device": "cpu",
+        "actor.ppo_mini_batch_size": 2, "trainer.total_steps": 2,  # on-policy: pi_old is computed by the correction "trainer.device": "cpu",
         "trainer.output_dir": str(out), "logging.progress": "false",
         "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
         "rollout_correction.rollout_is": "token", "rollout_correction.rollout_is_threshold": 2.0,
