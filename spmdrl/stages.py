@@ -8,9 +8,10 @@ from spmdrl.algos import kl_penalty, masked_mean
 from spmdrl.algos.kl import controller_kl
 from spmdrl.algos.sampling import dynamic_sampling_quota, informative_groups, overlong_penalty
 from spmdrl.batch import Batch
+from spmdrl.correction import prepare_actor_update, sampler_truncates
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.dist.collectives import (
-    all_gather_strings, gather_tp_slices, redistribute, reduce_min, reduce_sum, take_global_rows,
+    all_gather_strings, gather_tp_slices, redistribute, reduce_max, reduce_min, reduce_sum, take_global_rows,
 )
 from spmdrl.errors import SpmdrlError
 from spmdrl.metrics import StageTimer
@@ -211,11 +212,14 @@ class Stages:
         return {"actor/reward_kl": current, "actor/kl_coef": beta}
 
     # ---- forward passes and updates ----------------------------------------------------------------------
-    def forward_logprobs(self, engine, batch: Batch) -> torch.Tensor:
+    def forward_logprobs(self, engine, batch: Batch, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+        """Log-probs of the sampled tokens at the rollout temperature; with top_k / top_p, of the truncated
+        sampling distribution (what the rollout engine's processed log-probs are)."""
         a = self.cfg.actor
         return forward_all(
             engine, batch, a.forward_micro_batch_size or a.micro_batch_size, self.pad_id,
-            lambda eng, tb: eng.logprobs(tb, temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size)[0],
+            lambda eng, tb: eng.logprobs(tb, temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size,
+                                         top_k=top_k, top_p=top_p)[0],
             max_tokens=a.forward_max_tokens_per_micro_batch or a.max_tokens_per_micro_batch, packed=a.use_packing,
         )
 
@@ -229,11 +233,16 @@ class Stages:
         mesh = self.meshes[role]
         mini = mesh.dp_share((self.cfg.actor.ppo_mini_batch_size or self.cfg.data.train_batch_size) * self.cfg.rollout.n,
                              "mini-batch samples")
-        return run_updates(
+        extra = {}
+        if role == "actor":  # the rollout/trainer mismatch, measured and corrected (spmdrl/correction.py)
+            batch, extra = prepare_actor_update(self.cfg, engine, batch, self.forward_logprobs, self.dp_reduce,
+                                                lambda t: reduce_max(t, group=mesh.group("dp")))
+        out = run_updates(
             engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=sec.micro_batch_size, pad_id=self.pad_id,
             dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix=role,
             max_tokens=sec.max_tokens_per_micro_batch, packed=sec.use_packing,
         )
+        return {**out, **extra}
 
     def dp_reduce(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum over the actor's data-parallel ranks (one rank per TP group: TP peers hold the same samples)."""
@@ -248,7 +257,7 @@ class Stages:
             "train/response_clip_ratio": float(batch["truncated"].mean()),
             "train/advantage_mean": float(masked_mean(batch["advantages"], mask)),
         }
-        if "old_log_probs" in batch:  # else the update measured it (on-policy)
+        if "old_log_probs" in batch and not sampler_truncates(self.cfg):  # else the update measured it
             lp_diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()
             m["rollout/logprob_diff_mean"] = float(masked_mean(lp_diff, mask))
             m["rollout/logprob_diff_max"] = float((lp_diff * mask).max())

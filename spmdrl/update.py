@@ -120,6 +120,8 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
     def agg(x, mask):
         return agg_loss(x, mask, mode, norm=norm)
 
+    truncated = cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0
+
     # the entropy enters the gradient only with a bonus; otherwise it is a metric computed without autograd,
     # or not computed at all (actor.entropy_metric = false)
     entropy_mode = True if a.entropy_coeff != 0 else ("detached" if a.entropy_metric else False)
@@ -134,9 +136,14 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
             old = mb["old_log_probs"][:, :R].to(dev)
         else:  # on-policy: the parameters have not moved since the rollout, so these are the old log-probs
             old = logp.detach()
-            stats["rollout/logprob_diff_mean"] = masked_mean((mb["rollout_log_probs"][:, :R].to(dev) - old).abs(), mask)
+            if not truncated:  # with a truncating sampler spmdrl/correction.py measures it like with like
+                diff = (mb["rollout_log_probs"][:, :R].to(dev) - old).abs()
+                stats["rollout/logprob_diff_mean"] = masked_mean(diff, mask)
+        kw = extra
+        if "rollout_is_weights" in mb:  # [rollout_correction]: truncated importance weights pi_old / pi_rollout
+            kw = {**extra, "rollout_is_weights": mb["rollout_is_weights"][:, :R].to(dev)}
         pg_loss, pg_m = loss_fn(old, logp, mb["advantages"][:, :R].to(dev), mask, loss_agg_mode=mode,
-                                loss_agg_norm=norm, **extra)
+                                loss_agg_norm=norm, **kw)
         loss = pg_loss
         terms = {"actor/pg_loss": pg_loss.detach()}
         if ent is not None:

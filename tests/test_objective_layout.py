@@ -16,7 +16,7 @@ from launching import run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
-from objective_layout import CASES, ESTIMATORS, global_batch  # noqa: E402
+from objective_layout import CASES, ESTIMATORS, RC, RC_CASES, global_batch, with_rollout_log_probs  # noqa: E402
 
 pytestmark = pytest.mark.dist
 SCRIPT = os.path.join(HERE, "dist_scripts", "objective_layout.py")
@@ -46,8 +46,9 @@ def test_gradient_and_logged_loss_independent_of_layout(runs, case):
         assert dp2["metrics"][case][key] == pytest.approx(dp1["metrics"][case][key], abs=1e-6), key
 
 
-def _reference(model_path: str, mode: str):
-    """Float64, whole global batch, one sample at a time; PPO + entropy bonus + k3 KL, aggregated by `mode`."""
+def _reference(model_path: str, mode: str, weights=None, keep=None):
+    """Float64, whole global batch, one sample at a time; PPO + entropy bonus + k3 KL, aggregated by `mode`;
+    optionally the PPO term weighted per token by `weights` and the mask replaced by `keep`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float64)
@@ -63,13 +64,15 @@ def _reference(model_path: str, mode: str):
         lsm = torch.log_softmax(logits, -1)
         rows_lp.append(lsm.gather(-1, b["responses"][i, :r, None]).squeeze(-1))
         rows_ent.append(-(lsm.exp() * lsm).sum(-1))
-    mask = b["response_mask"].double()
+    mask = b["response_mask"].double() if keep is None else keep
     logp = torch.stack([torch.nn.functional.pad(x, (0, R - len(x))) for x in rows_lp])
     ent = torch.stack([torch.nn.functional.pad(x, (0, R - len(x))) for x in rows_ent])
     A, old, ref = b["advantages"].double(), b["old_log_probs"].double(), b["ref_log_probs"].double()
     ratio = torch.exp(logp - old)
     l1 = torch.maximum(-A * ratio, -A * ratio.clamp(0.8, 1.2))
     pg = torch.where(A < 0, torch.minimum(l1, -3.0 * A), l1)
+    if weights is not None:
+        pg = pg * weights
     d = ref - logp
     kl = torch.exp(d) - d - 1
 
@@ -77,11 +80,12 @@ def _reference(model_path: str, mode: str):
         x = x * mask
         if mode == "token-mean":
             return x.sum() / mask.sum()
+        rows = mask.sum(-1) > 0  # N counts the non-empty responses (rejection can empty one)
         if mode == "seq-mean-token-sum":
-            return x.sum(-1).mean()
+            return x.sum(-1)[rows].mean()
         if mode == "seq-mean-token-mean":
-            return (x.sum(-1) / mask.sum(-1)).mean()
-        return (x.sum(-1) / 8.0).mean()  # seq-mean-token-sum-norm, norm = data.max_response_length = 8
+            return (x.sum(-1)[rows] / mask.sum(-1)[rows]).mean()
+        return (x.sum(-1)[rows] / 8.0).mean()  # seq-mean-token-sum-norm, norm = data.max_response_length = 8
 
     terms = {"actor/pg_loss": agg(pg), "actor/entropy": agg(ent), "actor/kl": agg(kl)}
     loss = terms["actor/pg_loss"] - 0.01 * terms["actor/entropy"] + 0.1 * terms["actor/kl"]
@@ -100,6 +104,54 @@ def test_update_matches_float64_whole_batch(runs, mode):
             torch.testing.assert_close(got[k].double(), g, atol=2e-6, rtol=1e-5, msg=lambda m: f"{mode} {k}: {m}")
         for key, v in values.items():
             assert res["metrics"][("ppo", mode)][key] == pytest.approx(v, abs=1e-6, rel=1e-6), (mode, key)
+
+
+def _correction64(is_level, rs_level):
+    """Importance weights and kept-token mask of [rollout_correction], written out per response in float64."""
+    import math
+
+    b = with_rollout_log_probs(global_batch())
+    B, R = b["responses"].shape
+    w, keep = torch.zeros(B, R, dtype=torch.float64), torch.zeros(B, R, dtype=torch.float64)
+    for i in range(B):
+        n = int(b["response_len"][i])
+        lr = [float(b["old_log_probs"][i, t]) - float(b["rollout_log_probs"][i, t]) for t in range(n)]
+        if is_level == "token":
+            w[i, :n] = torch.tensor([min(math.exp(x), RC["rollout_is_threshold"]) for x in lr], dtype=torch.float64)
+        else:
+            w[i, :n] = min(math.exp(sum(lr)), RC["rollout_is_threshold"])
+        geo = math.exp(sum(lr) / n)
+        ok = rs_level == "none" or RC["rollout_rs_threshold_lower"] <= geo <= RC["rollout_rs_threshold"]
+        keep[i, :n] = float(ok)
+    return w, keep
+
+
+@pytest.mark.parametrize("case", RC_CASES, ids=[f"{a}-{b}" for a, b, _ in RC_CASES])
+def test_rollout_correction_independent_of_layout_and_matches_float64(runs, case):
+    """[rollout_correction]'s weights reach the loss and its rejection leaves the normalisation: the gradient at
+    dp = 2 (two micro-batches per rank) equals dp = 1 and a float64 whole-batch PPO with the weights and mask
+    written out here; the correction metrics are global (the same at both layouts)."""
+    model, dp2, dp1 = runs
+    is_level, rs_level, mode = case
+    w, keep = _correction64(is_level, rs_level)
+    if rs_level != "none":
+        assert 0 < int((keep == 0).any(-1).sum()) < len(keep)  # some responses rejected, not all
+    assert ((w > 0) & (w < RC["rollout_is_threshold"])).any() and (w == RC["rollout_is_threshold"]).any()
+    values, grads = _reference(model, mode, weights=w, keep=keep)
+    plain, _ = _reference(model, mode)
+    assert abs(values["actor/pg_loss"] - plain["actor/pg_loss"]) > 1e-4  # the correction changes the objective
+    for res in (dp2, dp1):
+        got = res["rc"][case]
+        for k, g in grads.items():
+            torch.testing.assert_close(got["grads"][k].double(), g, atol=2e-6, rtol=1e-5,
+                                       msg=lambda m: f"{case} {k}: {m}")
+        for key, v in values.items():
+            assert got["metrics"][key] == pytest.approx(v, abs=1e-6, rel=1e-6), (case, key)
+    m2, m1 = dp2["rc"][case]["metrics"], dp1["rc"][case]["metrics"]
+    rc_keys = [k for k in m1 if k.startswith("rollout_corr/")]
+    assert m1["rollout_corr/rollout_is_truncated_fraction"] > 0
+    for k in rc_keys:
+        assert m2[k] == pytest.approx(m1[k], rel=1e-9, abs=1e-12), k
 
 
 def _whiten64(x, mask):

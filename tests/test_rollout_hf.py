@@ -49,18 +49,48 @@ def test_greedy_matches_argmax_decoding(engine):
         assert reason == "stop" or len(resp) == 12
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_are_raw_and_match_forward(engine, temperature):
+def processed_logprobs64(logits, temperature, top_k, top_p):
+    """Reference written out here in float64: log of the sampling distribution. Keep the k largest logits (ties
+    with the k-th kept); then, in descending order of probability among those, keep a token while the mass of
+    the tokens ranked before it is below top_p (the first always); renormalise over the kept tokens."""
+    z = logits.double() / temperature
+    out = torch.empty_like(z)
+    for i in range(z.shape[0]):
+        row = z[i]
+        keep = torch.ones_like(row, dtype=torch.bool)
+        if top_k > 0:
+            keep = row >= torch.sort(row, descending=True).values[top_k - 1]
+        p = torch.softmax(torch.where(keep, row, -torch.inf), -1)
+        order = torch.argsort(p, descending=True)
+        before = torch.cumsum(p[order], 0) - p[order]
+        nucleus = torch.zeros_like(keep)
+        nucleus[order] = before < top_p
+        nucleus[order[0]] = True
+        out[i] = torch.log_softmax(torch.where(keep & nucleus, row, -torch.inf), -1)
+    return out
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.9, -1), (0.7, 0.95, 50)])
+def test_logprobs_are_processed_and_match_forward(engine, temperature, top_p, top_k):
+    """The returned log-probs are those of the distribution each token was drawn from (temperature, top-k,
+    top-p, renormalised), as vLLM's processed_logprobs; compute_logprobs stays raw."""
     prompts = prompts_of(engine)
-    spec = SamplingSpec(n=2, temperature=temperature, top_p=0.95, top_k=50, max_tokens=16)
+    spec = SamplingSpec(n=2, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=16)
     out = engine.generate(prompts, spec, [5, 6, 7])
+    truncated = False
     for k, (resp, lps) in enumerate(zip(out.response_ids, out.logprobs)):
         assert len(resp) == len(lps) > 0
-        ref = forward_logprobs(engine.model, prompts[k // 2], resp)  # raw: no temperature
-        assert (torch.tensor(lps) - ref).abs().max().item() < 1e-5
+        p = prompts[k // 2]
+        with torch.no_grad():
+            logits = engine.model(input_ids=torch.tensor([p + resp])).logits[0, len(p) - 1: -1]
+        ref = processed_logprobs64(logits, temperature, top_k, top_p).gather(-1, torch.tensor(resp)[:, None])[:, 0]
+        assert (torch.tensor(lps, dtype=torch.float64) - ref).abs().max().item() < 1e-5
+        untruncated = torch.log_softmax(logits.double() / temperature, -1).gather(-1, torch.tensor(resp)[:, None])[:, 0]
+        truncated |= bool(((ref - untruncated).abs() > 1e-3).any())
+    assert truncated == (top_p < 1 or top_k > 0)  # the truncation really renormalised some steps
     again = engine.compute_logprobs([prompts[k // 2] for k in range(6)], out.response_ids)
-    for a, b in zip(out.logprobs, again):
-        assert (torch.tensor(a) - torch.tensor(b)).abs().max().item() < 1e-5
+    for k, (resp, lps) in enumerate(zip(out.response_ids, again)):
+        assert (torch.tensor(lps) - forward_logprobs(engine.model, prompts[k // 2], resp)).abs().max().item() < 1e-5
 
 
 def test_n_samples_are_prompt_major_and_seeded_per_sample(engine):

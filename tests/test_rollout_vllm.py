@@ -106,6 +106,35 @@ def test_tp2_logprobs_match_transformers(tp2, models):
     assert (torch.tensor(res["compute_logprobs"][0]) - ref).abs().max().item() < TOL
 
 
+def test_tp2_processed_logprobs_match_the_actor_at_temperature_and_top_p(tp2, models):
+    """T = 0.7, top_p = 0.9, fp32: vLLM's log-probs are those of the truncated, renormalised sampling distribution.
+    They match, within 1e-5, (a) a float64 reference of that distribution written out in tests/test_rollout_hf.py
+    and (b) the actor's log-prob path (spmdrl.algos.token_stats.logprobs_from_hidden with the same temperature
+    and top_p, on a transformers forward's hidden states) - and differ from the untruncated ones."""
+    from test_rollout_hf import processed_logprobs64
+
+    from spmdrl.algos.token_stats import logprobs_from_hidden
+
+    res = tp2[0]
+    out, model = res["processed"], _hf(models[0])
+    assert res["processed"] == tp2[1]["processed"]
+    renormalised = 0
+    for k, (resp, lps) in enumerate(zip(out["response_ids"], out["logprobs"])):
+        p = res["prompts"][k // 2]
+        with torch.no_grad():
+            h = model.model(input_ids=torch.tensor([p + resp])).last_hidden_state[0, len(p) - 1: -1]
+            logits = model.lm_head(h)
+            actor, _ = logprobs_from_hidden(h, model.lm_head.weight, torch.tensor(resp), temperature=0.7, top_p=0.9,
+                                            with_entropy=False)
+        ref = processed_logprobs64(logits, 0.7, -1, 0.9).gather(-1, torch.tensor(resp)[:, None])[:, 0]
+        got = torch.tensor(lps, dtype=torch.float64)
+        assert (got - ref).abs().max().item() < TOL, k
+        assert (got - actor.double()).abs().max().item() < TOL, k
+        plain = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, torch.tensor(resp)[:, None])[:, 0]
+        renormalised += int(((got - plain) > 1e-3).sum())
+    assert renormalised > 0  # the nucleus cut mass off at some steps: the comparison is not vacuous
+
+
 def test_tp2_output_shape_and_order(tp2):
     out = tp2[0]["first"]
     assert len(out["response_ids"]) == len(out["logprobs"]) == len(out["finish_reason"]) == 3 * 2

@@ -3,6 +3,8 @@ from spmdrl.algos.advantages import ADV_ESTIMATORS, discounted_returns, group_st
 from spmdrl.algos.agg import LOSS_AGG, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
 from spmdrl.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from spmdrl.algos.losses import POLICY_LOSSES, value_loss
+from spmdrl.algos.rollout_correction import LEVELS as ROLLOUT_CORRECTION_LEVELS
+from spmdrl.algos.rollout_correction import rollout_correction
 from spmdrl.algos.token_stats import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
 
 __all__ = [
@@ -10,6 +12,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG",
     "POLICY_LOSSES",
+    "ROLLOUT_CORRECTION_LEVELS",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
@@ -23,5 +26,6 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "rollout_correction",
     "value_loss",
 ]

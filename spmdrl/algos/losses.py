@@ -6,6 +6,10 @@ Every policy loss has one signature:
        clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
        loss_agg_norm=None, **_) -> (loss scalar, metrics {name: scalar Tensor})
 
+rollout_is_weights [B, T] (optional, detached): the rollout-correction importance weights w_it
+(spmdrl.algos.rollout_correction); every loss multiplies its per-token loss by them before aggregation,
+L_it -> w_it L_it (GMPO, whose loss is per sequence, gets L_i * mean_t w_it), and ignores them when None.
+
 metrics: "pg_clipfrac" (fraction of valid tokens where the ratio clip is active), "ppo_kl"
 (mean_t of old_log_prob - log_prob, the k1 estimate of KL(old || new)), "pg_clipfrac_lower" (fraction
 where the dual clip is active). Masked positions never reach the loss or its gradient, even if NaN.
@@ -43,6 +47,14 @@ def _prepare(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, respons
     return valid, log_ratio, adv
 
 
+def _weigh(pg: Tensor, rollout_is_weights: Tensor | None) -> Tensor:
+    """L_it * w_it with the rollout-correction importance weights (detached; spmdrl.algos.rollout_correction),
+    or L unchanged without them."""
+    if rollout_is_weights is None:
+        return pg
+    return pg * rollout_is_weights.detach().to(pg.dtype)
+
+
 def _check_clip(low: float, high: float) -> None:
     if not (0.0 <= low < 1.0) or high < 0.0:
         raise ConfigError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got low={low}, high={high}")
@@ -60,6 +72,7 @@ def ppo(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     loss_agg_norm: float | None = None,
+    rollout_is_weights: Tensor | None = None,
     **_,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate with asymmetric clip (DAPO clip-higher) and dual clip (Ye et al. 2020).
@@ -80,7 +93,7 @@ def ppo(
     l_dual = -adv * clip_ratio_c
     neg = adv < 0
     pg = torch.where(neg, torch.minimum(l1, l_dual), l1)
-    loss = agg_loss(pg, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    loss = agg_loss(_weigh(pg, rollout_is_weights), response_mask, loss_agg_mode, norm=loss_agg_norm)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((l_clipped > l_unclipped).to(log_ratio.dtype), valid),
@@ -101,6 +114,7 @@ def gspo(
     clip_ratio_high: float = 0.2,
     loss_agg_mode: str = "seq-mean-token-mean",
     loss_agg_norm: float | None = None,
+    rollout_is_weights: Tensor | None = None,
     **_,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025), token-level form.
@@ -125,7 +139,7 @@ def gspo(
     l_unclipped = -adv * ratio
     l_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg = torch.maximum(l_unclipped, l_clipped)
-    loss = agg_loss(pg, response_mask, "seq-mean-token-mean")
+    loss = agg_loss(_weigh(pg, rollout_is_weights), response_mask, "seq-mean-token-mean")
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((l_clipped > l_unclipped).to(log_ratio.dtype), valid),
@@ -213,6 +227,7 @@ def cispo(
     clip_ratio_high: float = 0.2,
     loss_agg_mode: str = "token-mean",
     loss_agg_norm: float | None = None,
+    rollout_is_weights: Tensor | None = None,
     **_,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, never drop a token's gradient.
@@ -229,7 +244,7 @@ def cispo(
     ratio = _ratio(log_ratio)
     clipped = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg = -adv * (clipped / ratio).detach() * ratio
-    loss = agg_loss(pg, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    loss = agg_loss(_weigh(pg, rollout_is_weights), response_mask, loss_agg_mode, norm=loss_agg_norm)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": _frac(ratio > 1.0 + clip_ratio_high, valid, log_ratio.dtype),
@@ -250,6 +265,7 @@ def sapo(
     sapo_tau_neg: float = 1.05,
     loss_agg_mode: str = "token-mean",
     loss_agg_norm: float | None = None,
+    rollout_is_weights: Tensor | None = None,
     **_,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft, sign-dependent gate instead of a hard clip.
@@ -268,7 +284,7 @@ def sapo(
     tau = torch.where(adv > 0, torch.full_like(adv, sapo_tau_pos), torch.full_like(adv, sapo_tau_neg))
     gate = (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
     pg = -adv * gate
-    loss = agg_loss(pg, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    loss = agg_loss(_weigh(pg, rollout_is_weights), response_mask, loss_agg_mode, norm=loss_agg_norm)
     with torch.no_grad():
         zero = torch.zeros((), dtype=log_ratio.dtype, device=log_prob.device)
         metrics = {"pg_clipfrac": zero, "ppo_kl": masked_mean(-log_ratio, valid), "pg_clipfrac_lower": zero}
@@ -296,6 +312,7 @@ def clip_cov(
     clip_cov_ub: float = 5.0,
     loss_agg_mode: str = "token-mean",
     loss_agg_norm: float | None = None,
+    rollout_is_weights: Tensor | None = None,
     **_,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617).
@@ -327,7 +344,7 @@ def clip_cov(
         score = torch.where(cand, cov, torch.full_like(cov, -float("inf"))).flatten()
         drop.view(-1)[torch.topk(score, k).indices] = True
     pg = torch.where(drop, torch.zeros_like(ratio), torch.maximum(l_unclipped, l_clipped))
-    loss = agg_loss(pg, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    loss = agg_loss(_weigh(pg, rollout_is_weights), response_mask, loss_agg_mode, norm=loss_agg_norm)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": _frac(drop, valid, log_ratio.dtype),
@@ -348,6 +365,7 @@ def kl_cov(
     kl_cov_coef: float = 1.0,
     loss_agg_mode: str = "token-mean",
     loss_agg_norm: float | None = None,
+    rollout_is_weights: Tensor | None = None,
     **_,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL-Cov (Cui et al. 2025, arXiv 2505.22617): a KL penalty on the highest-covariance tokens only.
@@ -372,7 +390,7 @@ def kl_cov(
         score = torch.where(valid, cov, torch.full_like(cov, -float("inf"))).flatten()
         pick.view(-1)[torch.topk(score, k).indices] = True
     pg = -adv * ratio + torch.where(pick, kl_cov_coef * log_ratio.abs(), torch.zeros_like(ratio))
-    loss = agg_loss(pg, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    loss = agg_loss(_weigh(pg, rollout_is_weights), response_mask, loss_agg_mode, norm=loss_agg_norm)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": _frac(pick, valid, log_ratio.dtype),
@@ -392,6 +410,7 @@ def gmpo(
     clip_ratio_low: float = 0.4,
     clip_ratio_high: float = 0.4,
     loss_agg_mode: str = "seq-mean-token-mean",
+    rollout_is_weights: Tensor | None = None,
     **_,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO (Zhao et al. 2025, arXiv 2507.20673): maximise the geometric mean of the token ratios.
@@ -413,7 +432,7 @@ def gmpo(
     rho = torch.exp(masked_mean(d, valid, dim=-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     a_seq = masked_mean(adv, valid, dim=-1, keepdim=True)
     pg = (-a_seq * rho).expand_as(log_ratio)
-    loss = agg_loss(pg, response_mask, "seq-mean-token-mean")
+    loss = agg_loss(_weigh(pg, rollout_is_weights), response_mask, "seq-mean-token-mean")
     with torch.no_grad():
         clipped = valid & (c != log_ratio)
         metrics = {
@@ -436,6 +455,7 @@ def gpg_loss(
     *,
     loss_agg_mode: str = "token-mean",
     loss_agg_norm: float | None = None,
+    rollout_is_weights: Tensor | None = None,
     **_,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG (Chu et al. 2025, arXiv 2504.02546): the plain policy gradient, no ratio, no clip.
@@ -445,7 +465,7 @@ def gpg_loss(
     """
     valid, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages, response_mask)
     lp = torch.where(valid, log_prob.to(log_ratio.dtype), torch.zeros_like(log_ratio))
-    loss = agg_loss(-adv * lp, response_mask, loss_agg_mode, norm=loss_agg_norm)
+    loss = agg_loss(_weigh(-adv * lp, rollout_is_weights), response_mask, loss_agg_mode, norm=loss_agg_norm)
     with torch.no_grad():
         zero = torch.zeros((), dtype=log_ratio.dtype, device=log_prob.device)
         metrics = {"pg_clipfrac": zero, "ppo_kl": masked_mean(-log_ratio, valid), "pg_clipfrac_lower": zero}

@@ -44,11 +44,36 @@ def _gather_logp(logp_all: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
     return torch.where(keep, logp, torch.zeros_like(logp))
 
 
+def truncate_logits(logits: Tensor, top_k: int = -1, top_p: float = 1.0) -> Tensor:
+    """Top-k then top-p (nucleus) truncation of (temperature-scaled) logits [..., V], as vLLM 0.32 samples:
+    the dropped tokens get -inf, so log_softmax of the result renormalises over the kept set.
+
+    top-k (k >= 1): drop z_v < z_(k), the k-th largest logit (ties with it are kept).
+    top-p (p < 1): with p_v = softmax(z) over the top-k survivors, sort ascending and drop every token whose
+    cumulative probability (its own included) is <= 1 - p; the most likely token is always kept.
+    Returns a new float32 tensor; top_k <= 0 (or >= V) and top_p >= 1 disable the respective step.
+    """
+    z = logits.float().clone()
+    V = z.shape[-1]
+    if 0 < top_k < V:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        z_sorted, order = z.sort(dim=-1, descending=False)
+        cum = torch.softmax(z_sorted, dim=-1).cumsum(dim=-1)
+        drop = cum <= 1.0 - top_p
+        drop[..., -1] = False
+        z = z.scatter(-1, order, z_sorted.masked_fill(drop, float("-inf")))
+    return z
+
+
 def _chunk(h: Tensor, w: Tensor, b: Tensor | None, labels: Tensor, inv_temp: float, ignore_index: int,
-           with_entropy: bool, entropy_grad: bool) -> tuple[Tensor, ...]:
+           with_entropy: bool, entropy_grad: bool, top_k: int = -1, top_p: float = 1.0) -> tuple[Tensor, ...]:
     logits = F.linear(h, w, b).float()  # matmul in the model dtype, softmax math in float32
     if inv_temp != 1.0:
         logits = logits * inv_temp
+    if top_k > 0 or top_p < 1.0:
+        logits = truncate_logits(logits, top_k, top_p)
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = _gather_logp(logp_all, labels, ignore_index)
     if not with_entropy:
@@ -71,8 +96,14 @@ def logprobs_from_hidden(
     lm_head_bias: Tensor | None = None,
     ignore_index: int = -100,
     checkpoint: bool = True,
+    top_k: int = -1,
+    top_p: float = 1.0,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(y_n | h_n) and H(p(. | h_n)) with p = softmax(W h_n / temperature), chunked over N.
+
+    With top_k > 0 or top_p < 1, p is the sampling distribution instead: softmax of
+    truncate_logits(W h_n / temperature, top_k, top_p), renormalised over the kept tokens (what vLLM's
+    processed log-probs are); a label outside the kept set gets -inf.
 
     hidden [N, H] (or [..., H]), lm_head_weight [V, H], labels [N] (or [...]) -> (logp [N], entropy [N]
     or None), float32, shaped like ``labels``. logp is 0 where labels == ignore_index. Differentiable in
@@ -97,7 +128,8 @@ def logprobs_from_hidden(
     )
 
     def run(hc: Tensor, yc: Tensor) -> tuple[Tensor, ...]:
-        return _chunk(hc, lm_head_weight, lm_head_bias, yc, 1.0 / temperature, ignore_index, with_entropy, entropy_grad)
+        return _chunk(hc, lm_head_weight, lm_head_bias, yc, 1.0 / temperature, ignore_index, with_entropy, entropy_grad,
+                      top_k, top_p)
 
     logps, ents = [], []
     for s in range(0, h2.shape[0], chunk_size):

@@ -281,6 +281,26 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Importance sampling and rejection between the rollout engine's policy and the actor's old policy (verl's algorithm.rollout_correction); see docs/algorithms.md."""
+
+    rollout_is: str = "none"
+    """Truncated importance weights w = min(pi_old / pi_rollout, rollout_is_threshold), detached, multiplying the per-token policy loss: none | token (per-token ratio) | sequence (product of the response's token ratios, in log space)."""
+    rollout_is_threshold: float = 2.0
+    """Truncation cap C of the importance weights (> 0)."""
+    rollout_is_in_loss: bool = True
+    """Whether the importance weights multiply the policy loss; false computes and logs them only."""
+    rollout_rs: str = "none"
+    """Rejection sampling: drop from the loss tokens / responses whose ratio is outside [rollout_rs_threshold_lower, rollout_rs_threshold]: none | token (per-token ratio) | sequence (product of the token ratios) | geometric (their geometric mean)."""
+    rollout_rs_threshold: float = 2.0
+    """Upper bound U of the rejection ratio (> 0)."""
+    rollout_rs_threshold_lower: float | None = None
+    """Lower bound L of the rejection ratio (>= 0, below U); unset means 1 / rollout_rs_threshold."""
+    rollout_token_veto_threshold: float = 0.0
+    """Drop a whole response when any of its token ratios pi_old / pi_rollout is below this; 0 disables."""
+
+
+@dataclass
 class PlacementConfig:
     """Which ranks each role uses and its parallel degrees; data parallel is derived (ranks / (tp * pp))."""
 
@@ -413,6 +433,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

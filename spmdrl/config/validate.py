@@ -189,7 +189,46 @@ def validate(cfg, world_size: int):
             f"{cfg.data.max_response_length}"
         )
     validate_objective(cfg, layout)
+    validate_rollout_correction(cfg)
     return layout
+
+
+def validate_rollout_correction(cfg) -> None:
+    """The [rollout_correction] section (spmdrl/algos/rollout_correction.py)."""
+    import inspect
+
+    from spmdrl.algos import POLICY_LOSSES
+    from spmdrl.algos.rollout_correction import IS_LEVELS, RS_LEVELS
+
+    rc = cfg.rollout_correction
+    for key, allowed in (("rollout_is", ("none", *IS_LEVELS)), ("rollout_rs", ("none", *RS_LEVELS))):
+        if getattr(rc, key) not in allowed:
+            raise ConfigError(f"rollout_correction.{key} = {getattr(rc, key)!r} is not one of {', '.join(allowed)}")
+    for key in ("rollout_is_threshold", "rollout_rs_threshold"):
+        if not getattr(rc, key) > 0:
+            raise ConfigError(f"rollout_correction.{key} must be > 0, found {getattr(rc, key)}")
+    lower = rc.rollout_rs_threshold_lower
+    if lower is not None and not 0 <= lower < rc.rollout_rs_threshold:
+        raise ConfigError(
+            f"rollout_correction.rollout_rs_threshold_lower = {lower} must be >= 0 and below rollout_rs_threshold = "
+            f"{rc.rollout_rs_threshold} (leave it unset for 1 / rollout_rs_threshold)"
+        )
+    if not 0 <= rc.rollout_token_veto_threshold < 1:
+        raise ConfigError(f"rollout_correction.rollout_token_veto_threshold must be in [0, 1) (0 disables), found "
+                          f"{rc.rollout_token_veto_threshold}")
+    if rc.rollout_is != "none" and rc.rollout_is_in_loss:
+        params = inspect.signature(POLICY_LOSSES.get(cfg.actor.policy_loss)).parameters
+        if "rollout_is_weights" not in params:
+            raise ConfigError(
+                f"rollout_correction.rollout_is = {rc.rollout_is!r} but actor.policy_loss = {cfg.actor.policy_loss!r} "
+                "takes no rollout_is_weights argument: add it to the loss, or set rollout_correction.rollout_is_in_loss = false"
+            )
+
+
+def rollout_correction_active(cfg) -> bool:
+    """Whether the update computes importance weights or a rejection mask (and so needs pi_old before it)."""
+    rc = cfg.rollout_correction
+    return rc.rollout_is != "none" or rc.rollout_rs != "none" or rc.rollout_token_veto_threshold > 0
 
 
 def validate_objective(cfg, layout) -> None:

@@ -31,8 +31,11 @@ class TrainEngine(Protocol):
     mesh: "RoleMesh"  # the role's (dp, pp, tp) mesh (spmdrl.dist.meshes)
 
     # ---- forward heads on a token batch (spmdrl.engines.fsdp.TokenBatch) -----------------------------
-    def logprobs(self, tb, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024):
-        """(log p(response token) [B, R], entropy [B, R] or None), temperature applied to the logits first."""
+    def logprobs(self, tb, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024,
+                 top_k: int = -1, top_p: float = 1.0):
+        """(log p(response token) [B, R], entropy [B, R] or None), temperature applied to the logits first; with
+        top_k > 0 or top_p < 1 also the sampler's truncation (spmdrl.algos.token_stats.truncate_logits), so p is
+        the distribution vLLM samples from (its processed log-probs)."""
 
     def values(self, tb) -> torch.Tensor:
         """Critic values [B, R] at response positions (value-head engines only)."""

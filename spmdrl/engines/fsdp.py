@@ -104,7 +104,8 @@ class _LogprobHead(nn.Module):
         super().__init__()
         self.hf = hf_model
 
-    def forward(self, b: TokenBatch, temperature: float, with_entropy: bool, chunk_size: int):
+    def forward(self, b: TokenBatch, temperature: float, with_entropy: bool, chunk_size: int, top_k: int = -1,
+                top_p: float = 1.0):
         hidden = _backbone_hidden(self.hf, b)
         B, R = b.resp_ids.shape
         h = hidden[b.rows(), b.resp_pos]  # [B, R, H]
@@ -115,7 +116,7 @@ class _LogprobHead(nn.Module):
         # with_entropy: True (differentiable), "detached" (computed without autograd, for the metric) or False
         logp_flat, ent_flat = logprobs_from_hidden(
             h[sel], weight, b.resp_ids[sel], temperature=temperature, chunk_size=chunk_size,
-            with_entropy=bool(with_entropy), entropy_grad=with_entropy != "detached",
+            with_entropy=bool(with_entropy), entropy_grad=with_entropy != "detached", top_k=top_k, top_p=top_p,
         )
         logp = torch.zeros(B, R, dtype=logp_flat.dtype, device=h.device).masked_scatter(sel, logp_flat)
         ent = None
@@ -235,8 +236,9 @@ class FSDPEngine:
             self.grad_clip = o.get("grad_clip", 0.0)
 
     # ---- forward ------------------------------------------------------------------------------------
-    def logprobs(self, b: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024):
-        return self.module(b.to(self.device), temperature, with_entropy, chunk_size)
+    def logprobs(self, b: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024,
+                 top_k: int = -1, top_p: float = 1.0):
+        return self.module(b.to(self.device), temperature, with_entropy, chunk_size, top_k, top_p)
 
     def values(self, b: TokenBatch) -> torch.Tensor:
         """Critic values [B, R] at response positions (zero on padding)."""

@@ -39,7 +39,9 @@ class SamplingSpec:
     stop_token_ids: list[int] = field(default_factory=list)
     """Stop token ids besides EOS (the stop token is kept in the response)."""
     logprobs: bool = True
-    """Return the raw (pre-temperature) log-prob of each sampled token."""
+    """Return the processed log-prob of each sampled token: log of the distribution it was drawn from
+    (logits / temperature, truncated by top_k / top_p and renormalised over the kept tokens; the raw
+    logits at temperature 0)."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the bad field."""
@@ -60,7 +62,8 @@ class RolloutOutput:
     response_ids: list[list[int]]
     """Generated token ids per sample (the stop token, when there is one, included)."""
     logprobs: list[list[float]]
-    """Raw log-prob (before temperature) of each sampled token; empty lists when the spec asked for none."""
+    """Processed log-prob of each sampled token (see SamplingSpec.logprobs: after temperature, top-k and top-p);
+    empty lists when the spec asked for none."""
     finish_reason: list[str]
     """'stop' (EOS, stop token or stop string) or 'length' (max_tokens reached), per sample."""
 

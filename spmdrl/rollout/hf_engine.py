@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
+from spmdrl.algos.token_stats import truncate_logits
 from spmdrl.errors import ConfigError, SpmdrlError
 from spmdrl.rollout.base import (
     RolloutOutput,
@@ -133,12 +134,12 @@ class HFEngine:
                 input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True
             )
             past = res.past_key_values
-            logits = res.logits[:, -1, :].float()
+            logits = _processed_logits(res.logits[:, -1, :].float(), spec)
             tokens = _sample(logits, spec, generators)
-            raw = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]  # processed, as vLLM's
             live = ~done
             tokens_out[:, t] = torch.where(live, tokens, tokens_out[:, t])
-            logp_out[:, t] = torch.where(live, raw, logp_out[:, t])
+            logp_out[:, t] = torch.where(live, lp, logp_out[:, t])
             length += live.long()
             hit = live & torch.isin(tokens, stop_t)
             if spec.stop:  # stop strings need the decoded text: row by row, only for rows still running
@@ -163,7 +164,7 @@ class HFEngine:
 
     @torch.no_grad()
     def compute_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
-        """Raw log-probs of response tokens given their prompts, one list per pair."""
+        """Raw log-probs (no temperature, no truncation) of response tokens given their prompts, one list per pair."""
         if len(prompt_ids) != len(response_ids):
             raise ConfigError(f"compute_logprobs got {len(prompt_ids)} prompts but {len(response_ids)} responses")
         result = []
@@ -218,22 +219,20 @@ class HFEngine:
             torch.cuda.empty_cache()
 
 
+def _processed_logits(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
+    """The logits vLLM samples from (and takes processed log-probs of): raw at temperature 0 (greedy), else
+    divided by the temperature and truncated by top-k / top-p (spmdrl.algos.token_stats.truncate_logits)."""
+    if spec.temperature == 0:
+        return logits
+    return truncate_logits(logits / spec.temperature, spec.top_k, spec.top_p)
+
+
 def _sample(logits: torch.Tensor, spec: SamplingSpec, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row: greedy at temperature 0, else temperature, top-k, top-p, then one multinomial draw
-    for all rows from a single generator, or row by row when there is one generator per row."""
+    """One token per row from processed logits: greedy at temperature 0, else one multinomial draw over
+    softmax(logits) for all rows from a single generator, or row by row when there is one generator per row."""
     if spec.temperature == 0:
         return logits.argmax(dim=-1)
-    scaled = logits / spec.temperature
-    if 0 < spec.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, spec.top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if spec.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > spec.top_p  # mass before this token already reaches top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)
     if len(generators) == 1:
         return torch.multinomial(probs, 1, generator=generators[0])[:, 0]
     return torch.stack([torch.multinomial(probs[r], 1, generator=g)[0] for r, g in enumerate(generators)])

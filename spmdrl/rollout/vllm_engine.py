@@ -18,6 +18,12 @@ tokens. With `per_request_seed=True` each sample is its own request seeded by `s
 sample j of prompt i then no longer depends on what else is in the batch, at the price of vLLM's per-request
 sampling loop (one generator call per request per token; on GPU it also skips the fast sampler).
 
+Log-probs. The engine is built with `logprobs_mode="processed_logprobs"`: the log-prob returned for a sampled
+token is log_softmax of logits / temperature after top-k and top-p masking (renormalised over the kept tokens;
+vLLM 0.32 `Sampler.sample` -> `apply_top_k_top_p`), the raw logits at temperature 0. On CUDA this mode keeps
+vLLM off FlashInfer's sampling kernels, which cannot return processed log-probs (vLLM's `TopKTopPSampler`).
+`compute_logprobs` (prompt log-probs) stays raw.
+
 Weights stream in with vLLM's layerwise reload: the first `update_weights` after a generate opens a reload
 session (layers go back to checkpoint format), each bucket goes through the model's own `load_weights`
 (HF names, full tensors; each rank takes its TP shard), a layer is re-processed as soon as all of its tensors
@@ -133,6 +139,9 @@ class VLLMEngine:
                     enable_prefix_caching=True,
                     disable_log_stats=True,
                     load_format=load_format,  # "dummy": random weights, a weight sync follows (spmdrl/build.py)
+                    # the log-prob of the distribution each token was drawn from (after temperature, top-k, top-p):
+                    # the behaviour policy an importance ratio needs; vLLM's default is the raw, pre-temperature one
+                    logprobs_mode="processed_logprobs",
                     **kwargs,
                 )
         finally:

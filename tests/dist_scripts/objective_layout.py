@@ -16,6 +16,10 @@ CASES = [  # (policy_loss, loss_agg_mode)
     ("ppo", "seq-mean-token-sum-norm"), ("gspo", "auto"), ("gmpo", "auto"), ("cispo", "token-mean"),
     ("sapo", "seq-mean-token-sum-norm"), ("gpg", "seq-mean-token-mean"),
 ]
+RC_CASES = [  # [rollout_correction] (rollout_is, rollout_rs), with the PPO loss at token-mean and seq-mean-token-mean
+    ("token", "none", "token-mean"), ("sequence", "geometric", "seq-mean-token-mean"),
+]
+RC = dict(rollout_is_threshold=1.2, rollout_rs_threshold=1.1, rollout_rs_threshold_lower=0.92)
 ESTIMATORS = ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax",
               "grpo_passk", "opo", "gpg"]
 
@@ -38,10 +42,17 @@ def global_batch(B: int = 8, n: int = 2, seed: int = 0) -> dict:
         "advantages": torch.randn(B, R, generator=g) * mask,
         "old_log_probs": (-5.77 + 0.3 * torch.randn(B, R, generator=g)) * mask,
         "ref_log_probs": (-5.77 + 0.3 * torch.randn(B, R, generator=g)) * mask,
-        "rollout_log_probs": torch.zeros(B, R),
+        "rollout_log_probs": None,  # filled below: old_log_probs plus a mismatch
         "token_level_rewards": rewards, "values": torch.randn(B, R, generator=g) * mask,
         "index": torch.arange(B // n).repeat_interleave(n), "baseline_rewards": torch.randn(B, generator=g),
     }
+
+
+def with_rollout_log_probs(b: dict, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(b["old_log_probs"].shape, generator=g)
+    b["rollout_log_probs"] = b["old_log_probs"] + 0.15 * noise * b["response_mask"]
+    return b
 
 
 def main():
@@ -54,7 +65,8 @@ def main():
     from spmdrl.algos.kl import controller_kl, kl_penalty
     from spmdrl.batch import Batch
     from spmdrl.config import Config
-    from spmdrl.dist.collectives import reduce_sum
+    from spmdrl.correction import prepare_actor_update
+    from spmdrl.dist.collectives import reduce_max, reduce_sum
     from spmdrl.dist.init import init_distributed
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
@@ -66,7 +78,7 @@ def main():
     layout = plan_layout(cfg.placement, env.world_size)
     mesh = RoleMeshes(layout, env.rank, "cpu")["actor"]
     dp_group = mesh.mesh.get_group("dp")
-    full = global_batch()
+    full = with_rollout_log_probs(global_batch())
     B = len(full["index"])
     lo, hi = mesh.dp_rank * B // mesh.dp_size, (mesh.dp_rank + 1) * B // mesh.dp_size
     local = Batch({k: v[lo:hi] for k, v in full.items()})
@@ -95,6 +107,20 @@ def main():
 
     def reduce(t):
         return reduce_sum(t, group=dp_group)
+
+    res["rc"] = {}
+    for is_level, rs_level, mode in RC_CASES:
+        cfg.actor.policy_loss, cfg.actor.loss_agg_mode = "ppo", mode
+        rc = cfg.rollout_correction
+        rc.rollout_is, rc.rollout_rs = is_level, rs_level
+        for k, v in RC.items():
+            setattr(rc, k, v)
+        batch, m_rc = prepare_actor_update(cfg, engine, local, None, reduce, lambda t: reduce_max(t, group=dp_group))
+        body = actor_body(cfg, POLICY_LOSSES.get("ppo"), 1.0)
+        m = run_updates(engine, batch, epochs=1, mini_size=len(batch), micro_size=args.micro, pad_id=0,
+                        dp_size=mesh.dp_size, dp_group=dp_group, body=body, prefix="actor")
+        res["rc"][(is_level, rs_level, mode)] = {"grads": dict(grads), "metrics": {**m, **m_rc}}
+    cfg.rollout_correction.rollout_is = cfg.rollout_correction.rollout_rs = "none"
 
     for name in ESTIMATORS:
         adv, ret = ADV_ESTIMATORS.get(name)(

@@ -65,6 +65,9 @@ def main():
     result["first"], result["again"] = vars(first), vars(again)
     result["greedy"] = vars(eng.generate(prompts, SamplingSpec(n=1, temperature=0.0, max_tokens=16), seeds))
     result["compute_logprobs"] = eng.compute_logprobs([prompts[0]], [first.response_ids[0]])
+    # processed log-probs: the distribution each token was drawn from (temperature, then nucleus truncation)
+    nucleus = SamplingSpec(n=2, temperature=0.7, top_p=0.9, max_tokens=24)
+    result["processed"] = vars(eng.generate(prompts, nucleus, seeds))
     result["other_seeds"] = vars(eng.generate(prompts, spec, [s + 7 for s in seeds]))
     eng.per_request_seed = True  # the opt-in mode: one seeded request per sample
     result["per_request"] = vars(eng.generate(prompts, spec, seeds))
