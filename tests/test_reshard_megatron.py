@@ -226,3 +226,16 @@ def test_megatron_blocks_at_70b_scale():
     assert s["bytes_recv_max"] == s["bytes_lower_bound"] < shard
     assert 0.45 * shard < s["bytes_lower_bound"] < 0.55 * shard
     assert s["bytes_sent_max"] <= 1.1 * s["bytes_recv_total"] / 32 * 2  # no rank sends much more than its share
+
+
+def test_value_head_model_has_no_embedding_copy():
+    """A critic (value head, no lm_head) does not share its embedding with an output layer: first stage only."""
+    ps = params(tied=True) + [("score.weight", (1, H)), ("score.bias", (1,))]
+    grid = grid_of(1, 2, 2)
+    b = megatron_blocks(ps, grid, num_layers=L)
+    assert {r for r, _ in b["model.embed_tokens.weight"]} == set(grid[0][0])
+    assert b["score.weight"] == [(r, ((0, 0), (1, H))) for r in grid[0][1]]
+    tied = megatron_blocks(params(tied=True), grid, num_layers=L)
+    assert {r for r, _ in tied["model.embed_tokens.weight"]} == set(grid[0][0] + grid[0][1])
+    no_copy = megatron_blocks(params(tied=True), grid, num_layers=L, tied_copy=False)
+    assert {r for r, _ in no_copy["model.embed_tokens.weight"]} == set(grid[0][0])

@@ -115,6 +115,7 @@ def fsdp_blocks(params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[
 MEGATRON_COL = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 MEGATRON_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 MEGATRON_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
+VALUE_HEAD = re.compile(r"^(score|v_head|value_head)\.")
 MEGATRON_LAST = re.compile(r"^(model\.norm\.|lm_head\.|score\.|v_head\.|value_head\.)")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -175,12 +176,15 @@ def megatron_tp_block(name: str, shape: tuple[int, ...], tp: int, t: int, padded
 
 def megatron_blocks(
     params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[int]]], *, num_layers: int,
-    dims: ModelDims | None = None, padded_vocab: int | None = None, vp: int = 1,
+    dims: ModelDims | None = None, padded_vocab: int | None = None, vp: int = 1, tied: bool | None = None,
+    tied_copy: bool = True,
 ) -> dict[str, list[tuple[int, Block]]]:
     """Source blocks of a Megatron-core role. grid is the role's ranks as [dp][pp][tp] (megatron's tp-pp-dp
     rank order); padded_vocab is the rows of megatron's embedding (default megatron_padded_vocab(V, tp));
     dims, when given, is checked the way megatron checks it (whole heads and query groups per TP rank).
-    Tied embeddings are recognised by the absence of lm_head.weight from params (HF lists a tied head once)."""
+    tied (default: params has neither lm_head.weight nor a value head, as HF lists a tied head once) with
+    pp > 1 puts megatron's copy of the embeddings on the last stage, listed as a source unless not tied_copy
+    (an engine that does not yield that copy from weight_shards)."""
     dp, pp, tp = len(grid), len(grid[0]), len(grid[0][0])
     if dims is not None and (dims.num_heads % tp or dims.num_kv_heads % tp):
         raise LayoutError(
@@ -189,7 +193,9 @@ def megatron_blocks(
         )
     stage_of = {layer: p for p, layers in enumerate(pp_stage_layers(num_layers, pp, vp)) for layer in layers}
     names = {n for n, _ in params}
-    tied = "lm_head.weight" not in names
+    if tied is None:
+        tied = "lm_head.weight" not in names and not any(VALUE_HEAD.match(n) for n in names)
+    tied = tied and tied_copy
     out = {}
     for name, shape in params:
         if MEGATRON_VOCAB.search(name):
