@@ -246,7 +246,8 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
             mem = megatron_memory(
                 st, c=c, lay=layout[role], trainable=r["trainable"], micro=r["micro"], seq=seq, lm_head=r["lm_head"],
                 compute_eb=compute_eb, ckpt=cfg.model.gradient_checkpointing, on_gpu=on_gpu,
-                in_flight=micro_batches_in_flight(cfg, role, layout[role]), layer_bytes=layer_activation_bytes)
+                in_flight=micro_batches_in_flight(cfg, role, layout[role]), layer_bytes=layer_activation_bytes,
+                chunk=cfg.actor.logprob_chunk_size)
             kinds, train, forward, host_always = mem["kinds"], mem["train"], mem["forward"], False
             st["worst_stage"] = mem["worst_stage"]
         else:

@@ -13,8 +13,10 @@ most micro-batches in flight, the last the output layer, its logits and the valu
               per dp rank). With full recompute (model.gradient_checkpointing) a micro-batch keeps each layer's
               input (bf16, divided by tp under sequence parallelism, which the engine turns on with TP on GPU),
               plus one layer's recomputed activations during its backward; without recompute every layer's
-              activations (`plan.layer_activation_bytes`). The last stage adds the micro-batch's
-              vocab-parallel logits (Vp / tp columns, fp32, three tensors: logits, log-softmax, gradient).
+              activations (`plan.layer_activation_bytes`, its sequence-parallel part divided by tp). The last
+              stage adds one chunk of actor.logprob_chunk_size tokens of vocab-parallel logits (the engine
+              projects response tokens chunk by chunk under checkpointing: Vp / tp columns, fp32, three tensors:
+              logits, exponentials, gradient).
 
 Forward-only passes (ref, old log-probs) keep one layer's activations and the logits of one micro-batch.
 These are estimates for a GPU run; none of it has been measured on a GPU.
@@ -58,14 +60,15 @@ def micro_batches_in_flight(cfg, role: str, lay) -> int:
 
 
 def megatron_memory(st: dict, *, c, lay, trainable: bool, micro: int, seq: int, lm_head: bool, compute_eb: int,
-                    ckpt: bool, on_gpu: bool, in_flight: int, layer_bytes) -> dict:
+                    ckpt: bool, on_gpu: bool, in_flight: int, layer_bytes, chunk: int) -> dict:
     """kinds (resident state), train (the worst stage during the update) and forward (worst stage, forward only)
     in bytes per rank, for one Megatron role, and which stages those are (worst_stage).
     layer_bytes(c, tp) is plan.layer_activation_bytes."""
     tokens = micro * seq
     sp = lay.tp if on_gpu and lay.tp > 1 else 1
-    head = tokens * st["padded_vocab"] // lay.tp * 4 * 3 if lm_head else 0
-    one_layer = tokens * layer_bytes(c, lay.tp)
+    head = min(chunk, tokens) * st["padded_vocab"] // lay.tp * 4 * 3 if lm_head else 0
+    seq_part = 14 * c.hidden_size  # norms (fp32 in, bf16 out) and the attention input: sequence-sharded under SP
+    one_layer = tokens * (layer_bytes(c, lay.tp) - seq_part + seq_part // sp)
     boundary = tokens * c.hidden_size * 2 // sp  # a stage's input/output activation (p2p buffers)
 
     def kinds_of(n: int) -> dict:

@@ -107,3 +107,9 @@ def test_ppo_70b_megatron_plan_by_hand():
     assert ws["bytes_recv_max"] == ws["bytes_lower_bound"]
     assert ws["bytes_sent_max"] <= 1.1 * ws["bytes_recv_total"] / 32  # senders share the work
     assert p["fits"] is True
+    # 1F1B keeps 2 micro-batches in flight on stage 0 (32 per mini-batch per pipeline, pp = 2); with recompute each
+    # keeps every layer's input, sequence-parallel (/ tp); without recompute every activation stays
+    worst = max(p["memory"]["train_actor"]["gpu"]["actor_activations"], p["memory"]["train_critic"]["gpu"]["critic_activations"])
+    assert gib(2 * 40 * 2 * 3072 * h * 2 // tp) < worst < 2
+    no_recompute = plan_json(os.path.join(REPO, "configs/ppo_70b.toml"), "model.gradient_checkpointing=false")
+    assert no_recompute["memory"]["train_actor"]["gpu"]["actor_activations"] > 10 * worst
