@@ -7,7 +7,7 @@ from spmdrl.errors import ConfigError
 from .base import TrainEngine
 from .fsdp import TokenBatch, pack_sequences
 
-BACKENDS = ("fsdp",)
+BACKENDS = ("fsdp", "megatron")
 
 
 def build_train_engine(backend: str, model_path: str, mesh, device, **kwargs) -> TrainEngine:
@@ -16,6 +16,10 @@ def build_train_engine(backend: str, model_path: str, mesh, device, **kwargs) ->
         from .fsdp import FSDPEngine
 
         return FSDPEngine(model_path, mesh, device, **kwargs)
+    if backend == "megatron":
+        from .megatron import MegatronEngine
+
+        return MegatronEngine(model_path, mesh, device, **kwargs)
     raise ConfigError(f"trainer.backend = {backend!r}: available backends are {', '.join(BACKENDS)}")
 
 
