@@ -239,3 +239,26 @@ def test_value_head_model_has_no_embedding_copy():
     assert {r for r, _ in tied["model.embed_tokens.weight"]} == set(grid[0][0] + grid[0][1])
     no_copy = megatron_blocks(params(tied=True), grid, num_layers=L, tied_copy=False)
     assert {r for r, _ in no_copy["model.embed_tokens.weight"]} == set(grid[0][0])
+
+
+@pytest.mark.parametrize("dp,pp,tp,tied,bias,value_head", [
+    (1, 2, 2, False, True, False), (2, 1, 2, True, False, False), (1, 2, 2, True, True, False),
+    (2, 2, 1, False, False, True), (1, 4, 2, False, True, True), (2, 2, 2, True, False, False),
+])
+def test_engine_pieces_agree_with_megatron_blocks(dp, pp, tp, tied, bias, value_head):
+    """The Megatron engine's own HF<->Megatron piece arithmetic (what its weight_shards yields, from the fused
+    megatron tensors) holds exactly the blocks megatron_blocks says, rank by rank (the engine does not yield
+    the last stage's copy of a tied embedding: tied_copy=False)."""
+    from spmdrl.engines.megatron.convert import Dims, hf_param_shapes, padded_vocab
+    from spmdrl.engines.megatron.convert import source_blocks as engine_blocks
+
+    dims = Dims(hidden=H, heads=NH, groups=NG, head_dim=HD, ffn=FFN, vocab=V, vocab_padded=padded_vocab(V, 8, tp),
+                layers=L, tie=tied, qkv_bias=bias, value_head=value_head)
+    ps = hf_param_shapes(dims)
+    grid = grid_of(dp, pp, tp)
+    mine = megatron_blocks(ps, grid, num_layers=L, padded_vocab=dims.vocab_padded, dims=DIMS,
+                           tied=tied and not value_head, tied_copy=False)
+    theirs = engine_blocks(dims, grid)
+    assert set(mine) == set(theirs) == {n for n, _ in ps}
+    for name in mine:
+        assert sorted(mine[name]) == sorted(theirs[name]), name

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from spmdrl.errors import ConfigError
 from spmdrl.reshard.plan import Block
 
-from .convert import Piece, hf_param_shapes, hf_pieces, merged_blocks, source_blocks
+from .convert import Piece, hf_param_shapes, hf_pieces, merged_blocks
 
 
 class StateMixin:
@@ -87,7 +87,12 @@ class StateMixin:
         return hf_param_shapes(self.dims)
 
     def source_blocks(self) -> dict[str, list[tuple[int, Block]]]:
-        return source_blocks(self.dims, self.mesh.grid())
+        # the reshard planner's Megatron layout; tests/test_reshard_megatron.py checks it equals convert.source_blocks
+        from spmdrl.reshard.plan import megatron_blocks
+
+        return megatron_blocks(self.param_shapes(), self.mesh.grid(), num_layers=self.dims.layers,
+                               padded_vocab=self.dims.vocab_padded, tied=self.dims.tie and not self.dims.value_head,
+                               tied_copy=False)
 
     def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor, Block]]:
         """(HF name, tensor, block) of every HF parameter this rank's stage holds: q/k/v and gate/up un-fused
