@@ -88,6 +88,8 @@ def response_hidden(hidden: torch.Tensor, tb, *, sequence_parallel: bool, replic
         hidden = mappings.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=not replicated_use)
     elif not replicated_use:
         hidden = mappings.copy_to_tensor_model_parallel_region(hidden)
+        if hidden.requires_grad:  # megatron's _reduce all-reduces grad.contiguous() but returns grad itself:
+            hidden.register_hook(lambda g: g.contiguous())  # the (transposed, indexed) grad must come contiguous
     h = hidden.transpose(0, 1)[tb.rows(), tb.resp_pos]  # [B, R, H]
     return h[tb.resp_mask.bool()]
 
