@@ -108,6 +108,7 @@ def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dt
             gpt = GPTModel(**kw)
     else:
         gpt = GPTModel(**kw)
+    _mark_tensor_parallel(gpt)
     if dims.value_head and last:
         del gpt.output_layer  # a critic reads the value head, never the vocabulary
         gpt.output_layer = None
@@ -117,6 +118,20 @@ def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dt
     if got != want:
         raise RuntimeError(f"megatron put layers {got} on pp stage {mesh.pp_rank}, the converter expects {want}")
     return gpt, cfg
+
+
+def _mark_tensor_parallel(gpt) -> None:
+    """megatron sets a weight's `tensor_model_parallel` attribute only inside its weight initialisers, which
+    perform_initialization=False skips (the weights come from the HF checkpoint). The grad norm (tp duplicates
+    counted once) and the checkpoint's replica sync read it, so set it here for the local spec's layers."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                                      set_tensor_model_parallel_attributes)
+
+    for mod in gpt.modules():
+        dim = 0 if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)) else 1 if isinstance(mod, RowParallelLinear) else None
+        w = getattr(mod, "weight", None)
+        if dim is not None and isinstance(w, torch.nn.Parameter) and not getattr(w, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(w, True, dim, 1)
 
 
 def rope_inv_freq(hf_config) -> torch.Tensor:
