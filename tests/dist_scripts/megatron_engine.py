@@ -87,9 +87,9 @@ def main():
             res["logprobs"][(packed, temp)] = (lp.clone(), ent.clone())
 
     shards = {n: (t, b) for n, t, b in eng.weight_shards()}
-    mine = {n: dict(bs)[env.rank] for n, bs in eng.source_blocks().items()}
-    res["blocks_ok"] = all(shards[n][1] == mine[n] and tuple(shards[n][0].shape) == tuple(mine[n][1]) for n in shards) \
-        and set(shards) == {n for n, b in mine.items() if b[1] and all(b[1])}
+    mine = {n: dict(bs)[env.rank] for n, bs in eng.source_blocks().items() if env.rank in dict(bs)}
+    res["blocks_ok"] = set(shards) == set(mine) and all(
+        shards[n][1] == mine[n] and tuple(shards[n][0].shape) == tuple(mine[n][1]) for n in shards)
     eng.export_hf(os.path.join(args.out, "export"))
 
     # ---- one PPO update per aggregation mode: gradients as HF blocks --------------------------------------

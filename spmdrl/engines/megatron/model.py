@@ -160,9 +160,15 @@ class StageModel(nn.Module):
     def __init__(self, gpt, inv_freq: torch.Tensor, value_head: bool, dtype: torch.dtype):
         super().__init__()
         self.gpt = gpt
-        self.config, self.model_type = gpt.config, gpt.model_type  # what megatron's schedules look up
+        # what megatron's schedules look up on the model
+        self.config, self.model_type = gpt.config, gpt.model_type
+        self.pre_process, self.post_process = gpt.pre_process, gpt.post_process
+        self.share_embeddings_and_output_weights = gpt.share_embeddings_and_output_weights
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.value_head = nn.Linear(gpt.config.hidden_size, 1, dtype=dtype) if value_head and gpt.post_process else None
+
+    def shared_embedding_or_output_weight(self):
+        return self.gpt.shared_embedding_or_output_weight()
 
     def set_input_tensor(self, input_tensor) -> None:
         self.gpt.set_input_tensor(input_tensor)
