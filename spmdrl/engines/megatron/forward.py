@@ -5,10 +5,12 @@ applied first: z = W_t h / T), padding columns (global index >= V) set to -inf, 
     m   = max_tp max_v z            (all-reduce MAX, no gradient: lse does not depend on m)
     lse = m + log S_tp sum_v exp(z_v - m)
     log p(y) = S_tp [z_y if y is in this rank's vocabulary range else 0] - lse
-    H = lse - S_tp sum_v softmax_v z_v
+    H = lse - (S_tp sum_v e_v z_v) / (S_tp sum_v e_v),  e_v = exp(z_v - m)
 The sums go through megatron's reduce_from_tensor_model_parallel_region (all-reduce forward, identity
-backward): every tp rank computes the same loss from the same sums, so each rank's backward carries exactly
-its own slice's share. The hidden states enter through copy_to_tensor_model_parallel_region (identity forward,
+backward). That backward is right only because nothing rank-local is computed from a reduced value: every
+quantity after a reduction is identical on all tp ranks, so the gradient reaching each rank's local sum is the
+full one. (Writing H with the local softmax p_v = e_v / S would use the global S in rank-local terms and lose
+the other ranks' share of dH/dS.) The hidden states enter through copy_to_tensor_model_parallel_region (identity forward,
 all-reduce backward) or, under sequence parallelism, through the sequence all-gather (reduce-scatter backward),
 which adds the tp ranks' partial input gradients. Nothing is modified in place (megatron's own
 vocab_parallel_cross_entropy is not used). Chunks of `chunk_size` rows are recomputed in backward
@@ -47,9 +49,9 @@ def _vocab_chunk(h, w, labels, lo: int, vocab: int, inv_temp: float, with_entrop
         return (logp,)
 
     def entropy(z, e, sumexp, lse):
-        p = e / sumexp[:, None]
-        pz = reduce_tp((p * z.masked_fill(p == 0, 0.0)).sum(-1), group=group)
-        return lse - pz
+        # every term after a reduction is the same on all tp ranks (see the module docstring): A = S_tp sum e z
+        ez = reduce_tp((e * z.masked_fill(e == 0, 0.0)).sum(-1), group=group)
+        return lse - ez / sumexp
 
     if entropy_grad:
         return logp, entropy(z, e, sumexp, lse)
@@ -76,22 +78,35 @@ def vocab_parallel_logprobs(h, w, labels, *, vocab_start: int, vocab: int, tempe
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous. megatron's mappings all-reduce
+    `grad.contiguous()` and return `grad`: on a non-contiguous gradient (the transposed / indexed views below)
+    the reduction would land in a temporary copy and be lost."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
 def response_hidden(hidden: torch.Tensor, tb, *, sequence_parallel: bool, replicated_use: bool):
     """Hidden states [L(/tp), N, H] -> [n, H] at the valid response positions of tb (in resp_mask order).
 
     replicated_use: the caller's computation on the result is the same on every tp rank (value head), so the
     gradient must not be summed over tp; otherwise (vocab-parallel logits) each rank's gradient is a partial
-    sum and is all-reduced."""
+    sum and is all-reduced (after selecting the rows: n rows move, not L * N)."""
     from megatron.core.tensor_parallel import mappings
 
     if sequence_parallel:
         hidden = mappings.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=not replicated_use)
-    elif not replicated_use:
-        hidden = mappings.copy_to_tensor_model_parallel_region(hidden)
-        if hidden.requires_grad:  # megatron's _reduce all-reduces grad.contiguous() but returns grad itself:
-            hidden.register_hook(lambda g: g.contiguous())  # the (transposed, indexed) grad must come contiguous
-    h = hidden.transpose(0, 1)[tb.rows(), tb.resp_pos]  # [B, R, H]
-    return h[tb.resp_mask.bool()]
+        hidden = _ContiguousGrad.apply(hidden)
+    h = hidden.transpose(0, 1)[tb.rows(), tb.resp_pos][tb.resp_mask.bool()]  # [n, H]
+    if not sequence_parallel and not replicated_use:
+        h = mappings.copy_to_tensor_model_parallel_region(_ContiguousGrad.apply(h))
+    return h
 
 
 def scatter_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,7 @@ def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dt
             gpt = GPTModel(**kw)
     else:
         gpt = GPTModel(**kw)
+    _mark_tensor_parallel(gpt)
     if dims.value_head and last:
         del gpt.output_layer  # a critic reads the value head, never the vocabulary
         gpt.output_layer = None
@@ -117,6 +118,20 @@ def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dt
     if got != want:
         raise RuntimeError(f"megatron put layers {got} on pp stage {mesh.pp_rank}, the converter expects {want}")
     return gpt, cfg
+
+
+def _mark_tensor_parallel(gpt) -> None:
+    """megatron sets a weight's `tensor_model_parallel` attribute only inside its weight initialisers, which
+    perform_initialization=False skips (the weights come from the HF checkpoint). The grad norm (tp duplicates
+    counted once) and the checkpoint's replica sync read it, so set it here for the local spec's layers."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                                      set_tensor_model_parallel_attributes)
+
+    for mod in gpt.modules():
+        dim = 0 if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)) else 1 if isinstance(mod, RowParallelLinear) else None
+        w = getattr(mod, "weight", None)
+        if dim is not None and isinstance(w, torch.nn.Parameter) and not getattr(w, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(w, True, dim, 1)
 
 
 def rope_inv_freq(hf_config) -> torch.Tensor:
@@ -145,9 +160,15 @@ class StageModel(nn.Module):
     def __init__(self, gpt, inv_freq: torch.Tensor, value_head: bool, dtype: torch.dtype):
         super().__init__()
         self.gpt = gpt
-        self.config, self.model_type = gpt.config, gpt.model_type  # what megatron's schedules look up
+        # what megatron's schedules look up on the model
+        self.config, self.model_type = gpt.config, gpt.model_type
+        self.pre_process, self.post_process = gpt.pre_process, gpt.post_process
+        self.share_embeddings_and_output_weights = gpt.share_embeddings_and_output_weights
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.value_head = nn.Linear(gpt.config.hidden_size, 1, dtype=dtype) if value_head and gpt.post_process else None
+
+    def shared_embedding_or_output_weight(self):
+        return self.gpt.shared_embedding_or_output_weight()
 
     def set_input_tensor(self, input_tensor) -> None:
         self.gpt.set_input_tensor(input_tensor)
