@@ -126,3 +126,16 @@ def test_batch_move_plan_gives_each_rank_exactly_its_samples(src, dst):
     for rank, peers in plan.recvs.items():
         for glo, ghi in peers.values():
             assert not set(range(glo, ghi)) & set(holds.get(rank, []))
+
+
+def test_megatron_roles_must_share_one_layout():
+    """One megatron-core parallel state per process: a built critic on another (tp, pp) fails at validation."""
+    from spmdrl.config import load_config, validate
+
+    base = ["trainer.backend=megatron", "model.path=m", 'data.train_files=["x.parquet"]', "placement.actor_tp=2",
+            "placement.actor_pp=2", "placement.rollout_tp=2", "data.train_batch_size=8", "actor.micro_batch_size=1",
+            "critic.micro_batch_size=1", "rollout.n=2"]
+    validate(load_config(None, base), 8)  # the ref (tp=1) is not built without a KL term
+    bad = load_config(None, base + ["critic.enable=true", "algorithm.adv_estimator=gae", "placement.critic_tp=2"])
+    with pytest.raises(LayoutError, match="critic .tp=2, pp=1. differ.*critic_pp = 2"):
+        validate(bad, 8)

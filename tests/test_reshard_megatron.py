@@ -262,3 +262,22 @@ def test_engine_pieces_agree_with_megatron_blocks(dp, pp, tp, tied, bias, value_
     assert set(mine) == set(theirs) == {n for n, _ in ps}
     for name in mine:
         assert sorted(mine[name]) == sorted(theirs[name]), name
+
+
+def test_sync_refuses_shards_that_disagree_with_the_plan():
+    """WeightSync checks once that weight_shards yields exactly the plan's blocks for the rank."""
+    from spmdrl.reshard.sync import check_shards
+
+    ps = params(layers=2)
+    grid = grid_of(1, 2, 2)
+    plan = plan_sync(ps, megatron_blocks(ps, grid, num_layers=2), vllm_blocks(ps, [[0, 1], [2, 3]], DIMS), 2)
+    rank = 1  # stage 0, tp 1: embedding shard and layer 0
+    shards = {n: (torch.zeros(b[1]), b) for n, bs in plan.sources.items() for r, b in bs if r == rank}
+    check_shards(plan, shards, rank)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    wrong = dict(shards)
+    wrong[q] = (torch.zeros(16, H), ((0, 0), (16, H)))  # tp rank 0's rows
+    with pytest.raises(RuntimeError, match="q_proj.*expects"):
+        check_shards(plan, wrong, rank)
+    with pytest.raises(RuntimeError, match="layers.1"):  # a layer of the other stage
+        check_shards(plan, {**shards, "model.layers.1.input_layernorm.weight": (torch.zeros(H), ((0,), (H,)))}, rank)

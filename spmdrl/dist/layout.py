@@ -127,6 +127,20 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = False,
     return out
 
 
+def check_megatron_roles(layout: dict[str, RoleLayout], backends: dict[str, str], built: list[str]) -> None:
+    """megatron-core keeps one parallel state per process, so every Megatron role a run builds needs the
+    actor's ranks and (tp, pp) degrees."""
+    roles = [r for r in built if backends.get(r) == "megatron"]
+    for role in roles[1:]:
+        a, b = layout[roles[0]], layout[role]
+        if (a.ranks, a.tp, a.pp) != (b.ranks, b.tp, b.pp):
+            raise LayoutError(
+                f"placement: the Megatron roles {roles[0]} (tp={a.tp}, pp={a.pp}) and {role} (tp={b.tp}, pp={b.pp}) "
+                f"differ, but megatron-core has one parallel layout per process; set {role}_tp = {a.tp} and "
+                f"{role}_pp = {a.pp}"
+            )
+
+
 def external_launcher_tp_groups(world_size: int, tp: int) -> list[list[int]]:
     """The TP groups vLLM's external_launcher forms: blocks of tp consecutive ranks over the whole world."""
     if tp < 1 or world_size % tp:
