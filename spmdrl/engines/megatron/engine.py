@@ -48,7 +48,7 @@ class MegatronEngine(StateMixin):
                  defer_grad_sync: bool = False):
         from transformers import AutoConfig
 
-        self.device, self.mesh, self.trainable, self.model_path = device, mesh, trainable, model_path
+        self.device, self.mesh, self.trainable, self.model_path, self.seed = device, mesh, trainable, model_path, seed
         cuda = device.type == "cuda"
         self.dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
         try:
