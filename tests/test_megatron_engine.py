@@ -5,6 +5,7 @@ against an independent reference computed here: an unsharded HF float64 forward 
 whole-batch PPO objective of tests/test_objective_layout.py (gradients, per loss aggregation mode), the original
 safetensors (HF -> Megatron -> HF round trip, bitwise), and the running engine (bitwise resume, `spmdrl export`).
 """
+import functools
 import os
 import sys
 
@@ -16,13 +17,18 @@ from launching import run
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
 from megatron_engine import MODES, fixed_batch  # noqa: E402
-from test_objective_layout import _reference  # noqa: E402
+from test_objective_layout import _reference as _reference_uncached  # noqa: E402
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.dist
 SCRIPT = os.path.join(HERE, "dist_scripts", "megatron_engine.py")
 # (name, model, nproc, tp, pp): dp = nproc / (tp * pp)
 LAYOUTS = [("tp2_pp2_tied", "tied", 4, 2, 2), ("pp2_dp2", "untied", 4, 1, 2)]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model_path: str, mode: str):
+    return _reference_uncached(model_path, mode)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +105,7 @@ def test_update_gradient_matches_float64_whole_batch(runs, layout, mode):
         assert res["metrics"][mode]["actor/grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
+@functools.lru_cache(maxsize=None)
 def _critic_reference(critic_dir):
     """Float64 HF token-classification model (the critic's export): values at response positions of the fixed
     batch, and the gradient of the token-mean clipped value loss over the global batch."""
@@ -120,7 +127,7 @@ def _critic_reference(critic_dir):
     v_clip = old + (v - old).clamp(-0.5, 0.5)
     loss = ((0.5 * torch.maximum((v - ret) ** 2, (v_clip - ret) ** 2)) * mask).sum() / mask.sum()
     loss.backward()
-    return [x.detach() for x in values], float(loss), {k: p.grad for k, p in hf.named_parameters()}
+    return [x.detach() for x in values], float(loss.detach()), {k: p.grad for k, p in hf.named_parameters()}
 
 
 @pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS])

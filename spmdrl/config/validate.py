@@ -15,7 +15,8 @@ CHOICES = {
     "reward.on_error": ("raise", "zero"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "trainer.device": ("auto", "cuda", "cpu"),
-    "trainer.backend": ("fsdp",),
+    "trainer.backend": ("fsdp", "megatron"),
+    "trainer.critic_backend": ("", "fsdp", "megatron"),
 }
 MEMORY_KINDS = ("params", "grads", "optimizer")
 
