@@ -32,7 +32,8 @@ from spmdrl.errors import ConfigError
 
 from . import forward as fw
 from .convert import dims_from_hf, stage_layers
-from .model import StageModel, build_gpt, have_te, init_parallel_state, megatron_mask, rope_inv_freq
+from .model import (StageModel, build_gpt, have_te, init_parallel_state, megatron_mask, pad_sequence_dim,
+                    rope_inv_freq)
 from .state import StateMixin
 
 log = logging.getLogger("spmdrl")
@@ -124,7 +125,13 @@ class MegatronEngine(StateMixin):
 
     def _run_stage(self, tb: TokenBatch):
         tb = tb.to(self.device)
-        return tb, self.model(tb.input_ids, tb.position_ids, megatron_mask(tb.attention_mask))
+        if self.use_te and tb.attention_mask.dim() == 4:
+            raise ConfigError("megatron backend with TransformerEngine layers: packed micro-batches need THD attention, "
+                              "which is not wired up; turn packing off (padded micro-batches)")
+        ids, pos, mask = tb.input_ids, tb.position_ids, tb.attention_mask
+        if self.tcfg.sequence_parallel:  # the sequence is split over tp: its length must divide
+            ids, pos, mask = pad_sequence_dim(ids, pos, mask, self.mesh.tp_size)
+        return tb, self.model(ids, pos, megatron_mask(mask))
 
     def _lm_head(self, hidden, tb: TokenBatch, temperature: float, with_entropy, chunk_size: int):
         from megatron.core import parallel_state as ps
