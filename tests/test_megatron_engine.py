@@ -5,6 +5,7 @@ against an independent reference computed here: an unsharded HF float64 forward 
 whole-batch PPO objective of tests/test_objective_layout.py (gradients, per loss aggregation mode), the original
 safetensors (HF -> Megatron -> HF round trip, bitwise), and the running engine (bitwise resume, `spmdrl export`).
 """
+import functools
 import os
 import sys
 
@@ -16,13 +17,18 @@ from launching import run
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
 from megatron_engine import MODES, fixed_batch  # noqa: E402
-from test_objective_layout import _reference  # noqa: E402
+from test_objective_layout import _reference as _reference_uncached  # noqa: E402
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.dist
 SCRIPT = os.path.join(HERE, "dist_scripts", "megatron_engine.py")
 # (name, model, nproc, tp, pp): dp = nproc / (tp * pp)
-LAYOUTS = [("tp2_dp2", "untied", 4, 2, 1), ("pp2_dp2", "untied", 4, 1, 2), ("tp2_pp2_tied", "tied", 4, 2, 2)]
+LAYOUTS = [("tp2_pp2_tied", "tied", 4, 2, 2), ("pp2_dp2", "untied", 4, 1, 2)]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model_path: str, mode: str):
+    return _reference_uncached(model_path, mode)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +103,46 @@ def test_update_gradient_matches_float64_whole_batch(runs, layout, mode):
         for key, v in values.items():
             assert res["metrics"][mode][key] == pytest.approx(v, abs=1e-5), (layout, mode, key)
         assert res["metrics"][mode]["actor/grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+@functools.lru_cache(maxsize=None)
+def _critic_reference(critic_dir):
+    """Float64 HF token-classification model (the critic's export): values at response positions of the fixed
+    batch, and the gradient of the token-mean clipped value loss over the global batch."""
+    from transformers import AutoModelForTokenClassification
+
+    from objective_layout import global_batch
+
+    hf = AutoModelForTokenClassification.from_pretrained(critic_dir, dtype=torch.float64)
+    values = [hf(input_ids=torch.cat([p, r])[None]).logits[0, len(p) - 1: len(p) - 1 + len(r), 0] for p, r in zip(*fixed_batch())]
+    b = global_batch()
+    mask = b["response_mask"].double()
+    old, ret = b["values"].double(), (b["values"] + b["advantages"]).double()
+    v = torch.zeros_like(mask)
+    for i in range(len(mask)):
+        p, r = int(b["prompt_len"][i]), int(b["response_len"][i])
+        ids = torch.cat([b["prompts"][i, :p], b["responses"][i, :r]])[None]
+        v = v + torch.nn.functional.pad(hf(input_ids=ids).logits[0, p - 1: p - 1 + r, 0], (0, v.shape[1] - r))[None] \
+            * torch.nn.functional.one_hot(torch.tensor(i), len(mask)).double()[:, None]
+    v_clip = old + (v - old).clamp(-0.5, 0.5)
+    loss = ((0.5 * torch.maximum((v - ret) ** 2, (v_clip - ret) ** 2)) * mask).sum() / mask.sum()
+    loss.backward()
+    return [x.detach() for x in values], float(loss.detach()), {k: p.grad for k, p in hf.named_parameters()}
+
+
+@pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS])
+def test_critic_values_and_update_match_float64(runs, layout):
+    model, d, ranks = runs[layout]
+    values, loss, grads = _critic_reference(str(d / "critic_export"))
+    for res in ranks:
+        for packed in (False, True):
+            for i, want in enumerate(values):
+                torch.testing.assert_close(res["values"][packed][i, :len(want)].double(), want, atol=1e-5, rtol=0)
+        assert res["critic_metrics"]["critic/vf_loss"] == pytest.approx(loss, abs=1e-5)
+    got = _assemble(ranks, "critic_grads", "token-mean", {k: tuple(g.shape) for k, g in grads.items()})
+    assert "score.weight" in got and got.keys() == grads.keys()
+    for k, g in grads.items():
+        torch.testing.assert_close(got[k].double(), g, atol=1e-5, rtol=1e-5, msg=lambda m: f"{layout} critic {k}: {m}")
 
 
 @pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS])

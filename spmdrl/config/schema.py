@@ -358,7 +358,10 @@ class TrainerConfig:
     device: str = "auto"
     """auto (cuda when available) | cuda | cpu."""
     backend: str = "fsdp"
-    """Training backend of the actor, ref and critic: fsdp (FSDP2 + DTensor TP) | megatron (megatron-core: TP x PP x DP)."""
+    """Training backend of the actor and ref: fsdp (FSDP2 + DTensor TP) or megatron (megatron-core GPTModel, TP x PP x DP;
+    Llama / Qwen2 family; every Megatron role shares one tp/pp layout)."""
+    critic_backend: str = ""
+    """Training backend of the critic: fsdp or megatron; empty uses trainer.backend."""
     experiment_name: str = ""
     """Name shown in logs and sweep reports; empty means the output_dir's name."""
     dist_timeout_s: float = 600.0

@@ -16,6 +16,7 @@ CHOICES = {
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "trainer.device": ("auto", "cuda", "cpu"),
     "trainer.backend": ("fsdp", "megatron"),
+    "trainer.critic_backend": ("", "fsdp", "megatron"),
 }
 MEMORY_KINDS = ("params", "grads", "optimizer")
 

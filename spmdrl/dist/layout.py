@@ -61,8 +61,10 @@ TRAINED_ROLES = ("actor", "ref", "critic")  # roles built by a training backend 
 
 
 def role_backends(cfg) -> dict[str, str]:
-    """The training backend of each role that has one: trainer.backend for actor, ref and critic."""
-    return {role: cfg.trainer.backend for role in TRAINED_ROLES}
+    """The training backend of each role that has one: trainer.backend for actor and ref, for the critic
+    trainer.critic_backend when set (the same rule as engines.role_backend, without importing the engines)."""
+    t = cfg.trainer
+    return {"actor": t.backend, "ref": t.backend, "critic": getattr(t, "critic_backend", "") or t.backend}
 
 
 def plan_layout(placement, world_size: int, *, allow_split: bool = False,

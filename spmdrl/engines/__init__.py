@@ -23,6 +23,14 @@ def build_train_engine(backend: str, model_path: str, mesh, device, **kwargs) ->
     raise ConfigError(f"trainer.backend = {backend!r}: available backends are {', '.join(BACKENDS)}")
 
 
+def role_backend(cfg, role: str) -> str:
+    """The training backend of a role (actor, ref, critic): trainer.backend, or trainer.critic_backend for the
+    critic when set."""
+    if role == "critic" and cfg.trainer.critic_backend:
+        return cfg.trainer.critic_backend
+    return cfg.trainer.backend
+
+
 def build_score_engine(backend: str, model_path: str, mesh, device, **kwargs):
     """A forward-only sequence-classification scorer (reward model) on a role's mesh."""
     if backend == "fsdp":
@@ -32,4 +40,4 @@ def build_score_engine(backend: str, model_path: str, mesh, device, **kwargs):
     raise ConfigError(f"reward model backend {backend!r}: available backends are {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKENDS", "TokenBatch", "TrainEngine", "build_score_engine", "build_train_engine", "pack_sequences"]
+__all__ = ["BACKENDS", "role_backend", "TokenBatch", "TrainEngine", "build_score_engine", "build_train_engine", "pack_sequences"]

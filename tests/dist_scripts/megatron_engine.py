@@ -9,7 +9,9 @@ tiny fp32 HF Qwen2 model. Writes <out>/rank<r>.pt with, per rank:
   blocks_ok: every weight_shards block equals source_blocks()[name][rank];
   resume_equal: after checkpoint at step 1 (spmdrl.checkpoint), step 2 of the running engine and step 2 of a fresh
       engine loaded from that checkpoint give bitwise equal parameters (AdamW, weight decay, grad clipping);
-and the directories <out>/export (export_hf of the untouched engine), <out>/ckpt (the checkpoint) and
+  values / critic_metrics / critic_grads: a critic (value head) engine's values of the fixed batch and one
+      token-mean value-loss update (lr 0), gradients as HF blocks;
+and the directories <out>/critic_export (the critic as an HF token-classification model), <out>/export (export_hf of the untouched engine), <out>/ckpt (the checkpoint) and
 <out>/export_step1 (export_hf right after step 1, to compare with `spmdrl export` of the checkpoint).
 """
 import argparse
@@ -64,7 +66,7 @@ def main():
     from spmdrl.dist.layout import ROLES, RoleLayout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine, pack_sequences
-    from spmdrl.update import actor_body, run_updates
+    from spmdrl.update import actor_body, critic_body, run_updates
 
     env, device = init_distributed("cpu")
     W = env.world_size
@@ -116,6 +118,27 @@ def main():
                         dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix="actor")
         res["grads"][mode] = dict(grads)
         res["metrics"][mode] = m
+
+    # ---- a critic (value head on the last stage): values, export, one value-loss update --------------------
+    critic = build_train_engine("megatron", args.model, mesh, device, trainable=True, value_head=True,
+                                optim=dict(lr=0.0, weight_decay=0.0, grad_clip=0.0))
+    res["values"] = {packed: critic.values(pack_sequences(prompts, resps, 0, packed=packed)).clone()
+                     for packed in (False, True)}
+    critic.export_hf(os.path.join(args.out, "critic_export"))
+    cgrads, cclip = {}, critic.clip_grad_norm
+
+    def ccapture():
+        cgrads.update(hf_blocks(critic, lambda prm: prm.grad))
+        return cclip()
+
+    critic.clip_grad_norm = ccapture
+    cfg.critic.cliprange_value, cfg.critic.loss_agg_mode = 0.5, "token-mean"
+    returns = (full["values"] + full["advantages"])[mesh.dp_rank * per: (mesh.dp_rank + 1) * per]
+    res["critic_metrics"] = run_updates(critic, Batch({**local.tensors, "returns": returns}), epochs=1,
+                                        mini_size=len(local), micro_size=args.micro, pad_id=0, dp_size=mesh.dp_size,
+                                        dp_group=mesh.group("dp"), body=critic_body(cfg), prefix="critic")
+    res["critic_grads"] = {"token-mean": dict(cgrads)}
+    del critic
 
     # ---- checkpoint + bitwise resume ------------------------------------------------------------------------
     if not args.skip_resume:

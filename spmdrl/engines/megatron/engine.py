@@ -32,7 +32,8 @@ from spmdrl.errors import ConfigError
 
 from . import forward as fw
 from .convert import dims_from_hf, stage_layers
-from .model import StageModel, build_gpt, have_te, init_parallel_state, megatron_mask, rope_inv_freq
+from .model import (StageModel, build_gpt, have_te, init_parallel_state, megatron_mask, pad_sequence_dim,
+                    rope_inv_freq)
 from .state import StateMixin
 
 log = logging.getLogger("spmdrl")
@@ -48,7 +49,7 @@ class MegatronEngine(StateMixin):
                  defer_grad_sync: bool = False):
         from transformers import AutoConfig
 
-        self.device, self.mesh, self.trainable, self.model_path = device, mesh, trainable, model_path
+        self.device, self.mesh, self.trainable, self.model_path, self.seed = device, mesh, trainable, model_path, seed
         cuda = device.type == "cuda"
         self.dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
         try:
@@ -124,7 +125,13 @@ class MegatronEngine(StateMixin):
 
     def _run_stage(self, tb: TokenBatch):
         tb = tb.to(self.device)
-        return tb, self.model(tb.input_ids, tb.position_ids, megatron_mask(tb.attention_mask))
+        if self.use_te and tb.attention_mask.dim() == 4:
+            raise ConfigError("megatron backend with TransformerEngine layers: packed micro-batches need THD attention, "
+                              "which is not wired up; turn packing off (padded micro-batches)")
+        ids, pos, mask = tb.input_ids, tb.position_ids, tb.attention_mask
+        if self.tcfg.sequence_parallel:  # the sequence is split over tp: its length must divide
+            ids, pos, mask = pad_sequence_dim(ids, pos, mask, self.mesh.tp_size)
+        return tb, self.model(ids, pos, megatron_mask(mask))
 
     def _lm_head(self, hidden, tb: TokenBatch, temperature: float, with_entropy, chunk_size: int):
         from megatron.core import parallel_state as ps
@@ -133,7 +140,7 @@ class MegatronEngine(StateMixin):
         w = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
         h = fw.response_hidden(hidden, tb, sequence_parallel=self.tcfg.sequence_parallel, replicated_use=False)
         labels = tb.resp_ids[tb.resp_mask.bool()]
-        lo = self.mesh.tp_rank * w.shape[0]
+        lo = self.mesh.tp_offset(w.shape[0])
         logp, ent = fw.vocab_parallel_logprobs(h, w, labels, vocab_start=lo, vocab=self.dims.vocab, temperature=temperature,
                                                chunk_size=chunk_size, with_entropy=with_entropy,
                                                group=ps.get_tensor_model_parallel_group())

@@ -193,3 +193,17 @@ def megatron_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     # a padding query row sees no key at all; let it see itself so its softmax stays finite (never read)
     allowed = allowed | torch.eye(L, dtype=torch.bool, device=attention_mask.device)[None]
     return ~allowed[:, None]
+
+
+def pad_sequence_dim(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, multiple: int):
+    """Right-pad the sequence dimension to a multiple of `multiple` (sequence parallelism splits it over tp).
+    The new columns are padding: token 0, positions continuing, attended by nobody (the rows that are not
+    padding never see them; they are never read)."""
+    L = ids.shape[1]
+    extra = -L % multiple
+    if not extra:
+        return ids, pos, mask
+    ids = F.pad(ids, (0, extra))
+    pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)], dim=1)
+    mask = F.pad(mask, (0, extra)) if mask.dim() == 2 else F.pad(mask, (0, extra, 0, extra))
+    return ids, pos, mask

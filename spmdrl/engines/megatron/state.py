@@ -64,8 +64,11 @@ class StateMixin:
                     if file is None:
                         if not pc.hf_name.startswith("score."):
                             raise ConfigError(f"model.path = {model_path!r}: the checkpoint has no parameter {pc.hf_name!r}")
+                        # a fresh value head, like HF's _init_weights, from a generator seeded with the engine's seed:
+                        # identical on every replica whatever each rank's global RNG has done
                         std = getattr(self.config, "initializer_range", 0.02)
-                        full = torch.zeros(1) if pc.hf_name.endswith("bias") else torch.empty(1, self.dims.hidden).normal_(0.0, std)
+                        gen = torch.Generator().manual_seed(self.seed)
+                        full = torch.zeros(1) if pc.hf_name.endswith("bias") else torch.empty(1, self.dims.hidden).normal_(0.0, std, generator=gen)
                         view.copy_(full)
                         continue
                     if file not in files:
