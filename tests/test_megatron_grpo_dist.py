@@ -37,6 +37,7 @@ def run_config(assets, out, **extra) -> str:
         "actor.ppo_mini_batch_size": 2, "actor.micro_batch_size": 2, "actor.lr": 1e-3,
         "trainer.backend": "megatron", "trainer.device": "cpu", "trainer.total_steps": 2,
         "trainer.output_dir": str(out), "logging.progress": "false", "memory.gpus_per_node": 4,
+        "checkpoint.save_freq": -1,
         "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
     }
     o.update(extra)
