@@ -124,7 +124,8 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = False,
         if out[role].pp != 1 and backend not in PIPELINE_BACKENDS:
             raise LayoutError(
                 f"placement.{role}_pp = {out[role].pp} needs pipeline parallelism, which the {backend} backend does "
-                f"not have; set trainer.backend = \"megatron\" or {role}_pp = 1"
+                f"not have; set {'trainer.critic_backend' if role == 'critic' else 'trainer.backend'} = \"megatron\" "
+                f"or {role}_pp = 1"
             )
     return out
 
