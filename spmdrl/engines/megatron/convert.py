@@ -73,6 +73,14 @@ def dims_from_hf(cfg, *, tp: int, divisible_by: int = 128, value_head: bool = Fa
                 bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias, value_head)
 
 
+def vocab_rows(dims: Dims, tp: int, t: int) -> tuple[int, int]:
+    """(first global row, real rows) of the padded vocabulary that tp rank t holds; a rank holding only
+    padding gets (V, 0)."""
+    per = dims.vocab_padded // tp
+    lo = min(dims.vocab, t * per)
+    return lo, min(dims.vocab, t * per + per) - lo
+
+
 def stage_layers(num_layers: int, pp: int, p: int) -> range:
     """Global decoder layers of PP stage p (megatron's even split)."""
     if num_layers % pp:
@@ -128,11 +136,9 @@ def hf_pieces(mname: str, dims: Dims, tp: int, t: int, first_layer: int, *, last
     if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if last_stage_copy:
             return []
-        per = dims.vocab_padded // tp
-        lo = t * per
-        n = max(0, min(dims.vocab, lo + per) - lo)
+        lo, n = vocab_rows(dims, tp, t)
         name = "model.embed_tokens.weight" if mname.startswith("embedding") else "lm_head.weight"
-        return [Piece(name, ((min(lo, dims.vocab), 0), (n, H)), (0, n))]
+        return [Piece(name, ((lo, 0), (n, H)), (0, n))]
     if mname == "value_head.weight":
         return [Piece("score.weight", ((0, 0), (1, H)), (0, 1))]
     if mname == "value_head.bias":

@@ -31,7 +31,7 @@ from spmdrl.engines.fsdp import TokenBatch, lr_lambda
 from spmdrl.errors import ConfigError
 
 from . import forward as fw
-from .convert import dims_from_hf, stage_layers
+from .convert import dims_from_hf, stage_layers, vocab_rows
 from .model import (StageModel, build_gpt, have_te, init_parallel_state, megatron_mask, pad_sequence_dim,
                     rope_inv_freq)
 from .state import StateMixin
@@ -140,7 +140,7 @@ class MegatronEngine(StateMixin):
         w = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
         h = fw.response_hidden(hidden, tb, sequence_parallel=self.tcfg.sequence_parallel, replicated_use=False)
         labels = tb.resp_ids[tb.resp_mask.bool()]
-        lo = self.mesh.tp_offset(w.shape[0])
+        lo = vocab_rows(self.dims, self.mesh.tp_size, self.mesh.tp_rank)[0]  # columns >= V are padding, masked
         logp, ent = fw.vocab_parallel_logprobs(h, w, labels, vocab_start=lo, vocab=self.dims.vocab, temperature=temperature,
                                                chunk_size=chunk_size, with_entropy=with_entropy,
                                                group=ps.get_tensor_model_parallel_group())
