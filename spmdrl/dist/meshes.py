@@ -103,11 +103,6 @@ class RoleMesh:
         """Global position of this dp rank's first item when every dp rank holds per_rank items."""
         return self.dp_rank * per_rank
 
-    def tp_offset(self, per_rank: int) -> int:
-        """Global position of this tp rank's first item when every tp rank holds per_rank items (a vocab-parallel
-        shard's first row)."""
-        return self.tp_rank * per_rank
-
     def dp_range(self, n: int) -> range:
         """This dp rank's contiguous part of n items split like torch.chunk (the last parts shorter)."""
         per = -(-n // self.dp_size)
