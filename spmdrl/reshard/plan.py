@@ -132,8 +132,6 @@ def pp_stage_layers(num_layers: int, pp: int, vp: int = 1) -> list[list[int]]:
     first/last stage): L / pp per stage, contiguous; with vp virtual stages, stage p's chunk v holds layers
     v * L / vp + p * L / (pp * vp) + [0, L / (pp * vp)) (get_transformer_layer_offset)."""
     if num_layers % (pp * vp):
-        from spmdrl.errors import LayoutError
-
         raise LayoutError(
             f"the model has {num_layers} layers, which megatron-core cannot split evenly over pp = {pp} stages"
             f"{f' x {vp} virtual stages' if vp > 1 else ''}; choose a pipeline degree that divides {num_layers}"
