@@ -138,7 +138,6 @@ def main():
                                         mini_size=len(local), micro_size=args.micro, pad_id=0, dp_size=mesh.dp_size,
                                         dp_group=mesh.group("dp"), body=critic_body(cfg), prefix="critic")
     res["critic_grads"] = {"token-mean": dict(cgrads)}
-    del critic
 
     # ---- checkpoint + bitwise resume ------------------------------------------------------------------------
     if not args.skip_resume:
