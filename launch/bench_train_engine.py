@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 import time
@@ -157,7 +158,7 @@ def main() -> int:
     f = flops_metrics(engine.hf_config(), seq_lens_sum=tokens, seq_sq_sum=float((lens ** 2).sum()),
                       update_s=times["train_step"], rollout_s=times["logprobs"], devices=1, peak_tflops=peak)
     out.update({
-        "params": sum(s[0] * (s[1] if len(s) > 1 else 1) for _, s in engine.param_shapes()),
+        "params": sum(math.prod(s) for _, s in engine.param_shapes()),
         "batch": {"sequences": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len,
                   "micro": args.micro, "forward_micro": args.forward_micro, "tokens": tokens},
         "logprobs_s": times["logprobs"], "train_step_s": times["train_step"],

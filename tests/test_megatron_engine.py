@@ -22,8 +22,8 @@ from test_objective_layout import _reference as _reference_uncached  # noqa: E40
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.dist
 SCRIPT = os.path.join(HERE, "dist_scripts", "megatron_engine.py")
-# (name, model, nproc, tp, pp): dp = nproc / (tp * pp)
-LAYOUTS = [("tp2_pp2_tied", "tied", 4, 2, 2), ("pp2_dp2", "untied", 4, 1, 2)]
+# (name, model, nproc, tp, pp, extra args): dp = nproc / (tp * pp); pp2_dp2 trains with activation recompute
+LAYOUTS = [("tp2_pp2_tied", "tied", 4, 2, 2, []), ("pp2_dp2_recompute", "untied", 4, 1, 2, ["--recompute"])]
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,9 +43,9 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
     out = {}
-    for name, model, nproc, tp, pp in LAYOUTS:
+    for name, model, nproc, tp, pp, extra in LAYOUTS:
         d = tmp_path_factory.mktemp(name)
-        run([SCRIPT, "--model", models[model], "--out", str(d), "--tp", str(tp), "--pp", str(pp), "--micro", "2"],
+        run([SCRIPT, "--model", models[model], "--out", str(d), "--tp", str(tp), "--pp", str(pp), "--micro", "2", *extra],
             nproc=nproc, timeout=900)
         out[name] = (models[model], d, [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(nproc)])
     return out

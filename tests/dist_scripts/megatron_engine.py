@@ -57,6 +57,7 @@ def main():
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--skip-resume", action="store_true")
+    p.add_argument("--recompute", action="store_true", help="trainable engines with model.gradient_checkpointing")
     args = p.parse_args()
     from spmdrl.algos import POLICY_LOSSES
     from spmdrl.batch import Batch
@@ -77,7 +78,7 @@ def main():
 
     def engine(lr=0.0, weight_decay=0.0, grad_clip=0.0):
         return build_train_engine("megatron", args.model, mesh, device, trainable=True,
-                                  optim=dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip))
+                                  gradient_checkpointing=args.recompute, optim=dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip))
 
     eng = engine()
     prompts, resps = fixed_batch()
@@ -121,6 +122,7 @@ def main():
 
     # ---- a critic (value head on the last stage): values, export, one value-loss update --------------------
     critic = build_train_engine("megatron", args.model, mesh, device, trainable=True, value_head=True,
+                                gradient_checkpointing=args.recompute,
                                 optim=dict(lr=0.0, weight_decay=0.0, grad_clip=0.0))
     res["values"] = {packed: critic.values(pack_sequences(prompts, resps, 0, packed=packed)).clone()
                      for packed in (False, True)}
@@ -138,7 +140,6 @@ def main():
                                         mini_size=len(local), micro_size=args.micro, pad_id=0, dp_size=mesh.dp_size,
                                         dp_group=mesh.group("dp"), body=critic_body(cfg), prefix="critic")
     res["critic_grads"] = {"token-mean": dict(cgrads)}
-    del critic
 
     # ---- checkpoint + bitwise resume ------------------------------------------------------------------------
     if not args.skip_resume:

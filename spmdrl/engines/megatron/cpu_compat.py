@@ -24,7 +24,10 @@ megatron-core assumes CUDA in a few hard-coded places. Each patch below names wh
 2. The CUDA RNG tracker (tensor_parallel.random): `get_cuda_rng_tracker().fork()` wraps dropout and
    reads/sets the CUDA generator state, which does not exist on CPU. It is replaced by a tracker whose fork()
    uses the CPU generator unchanged. The engine's models have no dropout (attention and hidden dropout 0, as
-   in the HF Llama/Qwen2 configs), so no random numbers are drawn inside fork() anyway.
+   in the HF Llama/Qwen2 configs), so no random numbers are drawn inside fork() anyway. For the same reason
+   activation recompute (tensor_parallel.random.CheckpointFunction) saves and restores CUDA generator states
+   through `_get_cuda_rng_state` / `_set_cuda_rng_state`: both become no-ops (the CPU generator state is still
+   saved and restored by megatron itself).
 3. `torch.Tensor.cuda` during model construction only (`cuda_tensors_stay_on_cpu()`): with tied embeddings
    and PP > 1, LanguageModule.setup_embeddings_and_output_layer moves the shared weight with `.cuda()` before
    all-reducing it over the embedding group.
@@ -142,6 +145,8 @@ def apply() -> None:
 
     mrandom._CUDA_RNG_STATE_TRACKER = _CpuRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     _applied = True
 
 

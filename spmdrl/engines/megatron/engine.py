@@ -64,12 +64,11 @@ class MegatronEngine(StateMixin):
         self.use_te = have_te() if use_te is None else use_te
         if self.use_te and not cuda:
             raise ConfigError("megatron backend: TransformerEngine layers need a GPU; the CPU path uses the local spec")
-        if gradient_checkpointing:
-            log.warning("megatron backend: model.gradient_checkpointing is not applied (no activation recompute yet)")
         init_parallel_state(mesh, device, seed)
         self.dims = dims_from_hf(self.config, tp=mesh.tp_size, divisible_by=make_vocab_size_divisible_by,
                                  value_head=value_head)
-        gpt, self.tcfg = build_gpt(self.dims, self.config, mesh, device, self.dtype, self.use_te)
+        gpt, self.tcfg = build_gpt(self.dims, self.config, mesh, device, self.dtype, self.use_te,
+                                   recompute=gradient_checkpointing and trainable)
         self.stage = StageModel(gpt, rope_inv_freq(self.config), value_head, self.dtype).to(device)
         self.first_layer = stage_layers(self.dims.layers, mesh.pp_size, mesh.pp_rank).start
         self.is_last = mesh.pp_rank == mesh.pp_size - 1

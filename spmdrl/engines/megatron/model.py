@@ -68,7 +68,8 @@ def init_parallel_state(mesh, device: torch.device, seed: int) -> None:
             )
 
 
-def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype):
+def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, recompute: bool = False):
+    """recompute: megatron's full activation recompute, one layer per checkpoint (model.gradient_checkpointing)."""
     from megatron.core.transformer import TransformerConfig
 
     cuda = device.type == "cuda"
@@ -84,17 +85,19 @@ def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype:
         use_cpu_initialization=not cuda, perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", deallocate_pipeline_outputs=False,
     )
 
 
-def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, use_te: bool):
+def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, use_te: bool, recompute: bool = False):
     """The GPTModel of this rank's PP stage (weights uninitialised), on `device`."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
-    cfg = transformer_config(dims, hf_config, mesh, device, dtype)
+    cfg = transformer_config(dims, hf_config, mesh, device, dtype, recompute)
     spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec(normalization="RMSNorm")
     first, last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp_size - 1
     kw = dict(config=cfg, transformer_layer_spec=spec, vocab_size=dims.vocab_padded,
