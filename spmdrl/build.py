@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from spmdrl.config import Config
+from spmdrl.dist.layout import role_backends
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine, build_train_engine
 from spmdrl.rollout import SamplingSpec, build_engine
@@ -26,9 +27,9 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device) -> Engi
     mini = a.ppo_mini_batch_size or d.train_batch_size
     updates_per_step = a.ppo_epochs * (d.train_batch_size // mini)
     common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
-    backend = cfg.trainer.backend
+    backend = role_backends(cfg)
     actor = build_train_engine(
-        backend, cfg.model.path, meshes["actor"], device, trainable=True,
+        backend["actor"], cfg.model.path, meshes["actor"], device, trainable=True,
         optim=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
                    lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip),
         gradient_checkpointing=cfg.model.gradient_checkpointing, defer_grad_sync=cfg.memory.defer_grad_sync,
@@ -36,12 +37,12 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device) -> Engi
     )
     ref = None
     if a.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        ref = build_train_engine(backend, cfg.model.path, meshes["ref"], device, trainable=False,
+        ref = build_train_engine(backend["ref"], cfg.model.path, meshes["ref"], device, trainable=False,
                                  offload=cfg.ref.offload, **common)
     critic = None
     if c.enable:
         critic = build_train_engine(
-            backend, c.path or cfg.model.path, meshes["critic"], device, trainable=True, value_head=True,
+            backend["critic"], c.path or cfg.model.path, meshes["critic"], device, trainable=True, value_head=True,
             gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=cfg.trainer.total_steps * c.ppo_epochs,
             optim=dict(lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip=c.grad_clip),
             defer_grad_sync=cfg.memory.defer_grad_sync, **common,

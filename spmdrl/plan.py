@@ -4,6 +4,9 @@ No GPU, no weights, no process group: parameter shapes come from the model's con
 on the meta device), rank sets from `dist.layout.plan_layout`, the weight-sync figures from the same
 `reshard.plan.plan_sync` call that `WeightSync` makes at run time.
 
+Roles on the Megatron backend (trainer.backend = "megatron") take their per-rank state and pipeline activations
+from `spmdrl.plan_megatron` and their weight-sync sources from `reshard.plan.megatron_blocks`.
+
 Memory is an estimate per rank (GPU) and per node (host), in GiB (2^30 bytes), for the colocated phase order
 that `spmdrl.memory.MemoryLifecycle` runs:
 
@@ -124,18 +127,23 @@ def load_bytes_per_rank(params, lay, store_eb: int, ckpt_eb: int) -> int:
 # ------------------------------------------------------------------------------------------------ weight sync
 
 
-def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int):
-    """The SyncPlan WeightSync builds at run time: FSDP2 source blocks of the actor, vLLM TP targets."""
-    from spmdrl.reshard.plan import ModelDims, fsdp_blocks, plan_sync
+def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int, backend: str = "fsdp"):
+    """The SyncPlan WeightSync builds at run time: the actor's source blocks (FSDP2 x DTensor tp, or Megatron
+    tp x pp x dp), vLLM TP targets."""
+    from spmdrl.reshard.plan import ModelDims, fsdp_blocks, megatron_blocks, plan_sync
     from spmdrl.reshard.sync import rollout_targets
-
-    dims = ModelDims.from_hf_config(hf_config)
     from spmdrl.rollout import vllm_available
 
+    dims = ModelDims.from_hf_config(hf_config)
     groups = role_table(layout)["rollout"]["tp_groups"]
     vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
     targets = rollout_targets(params, groups, dims, loads_tp_shards=vllm)
-    return plan_sync(params, fsdp_blocks(params, layout["actor"].mesh_ranks()), targets, elem_bytes)
+    grid = layout["actor"].mesh_ranks()
+    if backend == "megatron":
+        sources = megatron_blocks(params, grid, num_layers=hf_config.num_hidden_layers, dims=dims)
+    else:
+        sources = fsdp_blocks(params, grid)
+    return plan_sync(params, sources, targets, elem_bytes)
 
 
 def transport_peak_bytes(plan, bucket_bytes: int) -> int:
@@ -161,20 +169,54 @@ def _gib(x: float) -> float:
     return round(x / GIB, 3)
 
 
+def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, master_eb: int):
+    """(kinds, train, forward, host_always) in bytes per rank for an FSDP2 (x DTensor tp) role."""
+    m, role_ref = cfg.memory, r["role"] == "ref"
+    eb = master_eb if r["trainable"] else compute_eb
+    kinds = {"params": st["shard"] * eb}
+    if r["trainable"]:
+        kinds["optimizer"] = st["shard"] * 8  # AdamW exp_avg + exp_avg_sq, float32
+    host_always = role_ref and cfg.ref.offload  # FSDP2 CPUOffloadPolicy: weights live on the host
+    tokens = r["micro"] * seq
+    tp = lay.tp
+    act_layer = tokens * layer_activation_bytes(c, tp)
+    # FSDP2 all-gather buffers in the compute dtype: the root (embeddings, final norm, head: not TP-sharded)
+    # stays gathered through a forward, decoder layers one at a time plus one prefetched
+    gathered = (st["root"] + 2 * st["layer"]) * compute_eb
+    head = (cfg.actor.logprob_chunk_size * c.vocab_size * 4 * 3) if r["lm_head"] else 0  # fp32 logits chunk
+    ckpt = cfg.model.gradient_checkpointing
+    saved = c.num_hidden_layers * tokens * (2 * c.hidden_size if ckpt else layer_activation_bytes(c, tp))
+    train = {}
+    if r["trainable"]:
+        # backward: the gathered layer's and the root's unsharded gradients (compute dtype + fp32 reduce copy)
+        unsharded_grads = (st["root"] + st["layer"]) * (compute_eb + 4)
+        if m.defer_grad_sync:
+            unsharded_grads = st["tp_local"] * 4 + st["root"] * compute_eb
+        train = {
+            "params": kinds["params"], "grads": st["shard"] * master_eb, "optimizer": kinds["optimizer"],
+            "gathered_params": gathered, "unsharded_grads": unsharded_grads,
+            "activations": saved + (act_layer if ckpt else 0) + head + tokens * c.hidden_size * 4,
+        }
+    forward = {"params": 0 if host_always else kinds["params"], "gathered_params": gathered,
+               "activations": act_layer + head + tokens * c.hidden_size * 4}
+    return kinds, train, forward, host_always
+
+
 def build_plan(cfg, world_size: int | None = None) -> dict:
     """Everything `spmdrl plan` prints, as one JSON-able dict."""
-    from spmdrl.dist.layout import plan_layout
+    from spmdrl.dist.layout import plan_layout, role_backends
 
     m = cfg.memory
     on_gpu = cfg.trainer.device != "cpu"
     world = world_size or m.nodes * m.gpus_per_node
-    layout = plan_layout(cfg.placement, world)
+    backends = role_backends(cfg)
+    layout = plan_layout(cfg.placement, world, backends=backends)
     hf = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
     actor_params = model_param_shapes(hf)
     rollout_eb = 2 if cfg.rollout.dtype == "bfloat16" or (cfg.rollout.dtype == "auto" and on_gpu) else 4
     compute_eb = 2 if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu) else 4
     master_eb = 2 if cfg.model.dtype == "bfloat16" else 4  # auto keeps float32 master weights under bf16 compute
-    plan = weight_sync_plan(actor_params, hf, layout, cfg, rollout_eb)
+    plan = weight_sync_plan(actor_params, hf, layout, cfg, rollout_eb, backend=backends["actor"])
     bucket = cfg.rollout.weight_sync_bucket_mb << 20
     sync = plan.summary(bucket)
 
@@ -191,38 +233,26 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         rhf = load_hf_config(cfg.reward.model_path, cfg.model.trust_remote_code)
         roles["reward"] = dict(params=model_param_shapes(rhf, value_head=True), trainable=False,
                                micro=cfg.reward.model_micro_batch_size, lm_head=False, hf=rhf)
+    for role, r in roles.items():
+        r["role"] = role
     offload = {"actor": m.actor_offload, "critic": m.critic_offload, "ref": m.ref_offload, "reward": []}
     state = {}
     for role, r in roles.items():
-        st = shard_stats(r["params"], layout[role])
         c = r.get("hf", hf)
-        eb = master_eb if r["trainable"] else compute_eb
-        kinds = {"params": st["shard"] * eb}
-        if r["trainable"]:
-            kinds["optimizer"] = st["shard"] * 8  # AdamW exp_avg + exp_avg_sq, float32
-        host_always = role == "ref" and cfg.ref.offload  # FSDP2 CPUOffloadPolicy: weights live on the host
-        tokens = r["micro"] * seq
-        tp = layout[role].tp
-        act_layer = tokens * layer_activation_bytes(c, tp)
-        # FSDP2 all-gather buffers in the compute dtype: the root (embeddings, final norm, head: not TP-sharded)
-        # stays gathered through a forward, decoder layers one at a time plus one prefetched
-        gathered = (st["root"] + 2 * st["layer"]) * compute_eb
-        head = (cfg.actor.logprob_chunk_size * hf.vocab_size * 4 * 3) if r["lm_head"] else 0  # fp32 logits chunk
-        ckpt = cfg.model.gradient_checkpointing
-        saved = c.num_hidden_layers * tokens * (2 * c.hidden_size if ckpt else layer_activation_bytes(c, tp))
-        train = {}
-        if r["trainable"]:
-            # backward: the gathered layer's and the root's unsharded gradients (compute dtype + fp32 reduce copy)
-            unsharded_grads = (st["root"] + st["layer"]) * (compute_eb + 4)
-            if m.defer_grad_sync:
-                unsharded_grads = st["tp_local"] * 4 + st["root"] * compute_eb
-            train = {
-                "params": kinds["params"], "grads": st["shard"] * master_eb, "optimizer": kinds["optimizer"],
-                "gathered_params": gathered, "unsharded_grads": unsharded_grads,
-                "activations": saved + (act_layer if ckpt else 0) + head + tokens * c.hidden_size * 4,
-            }
-        forward = {"params": 0 if host_always else kinds["params"], "gathered_params": gathered,
-                   "activations": act_layer + head + tokens * c.hidden_size * 4}
+        if backends.get(role) == "megatron":
+            from spmdrl.plan_megatron import megatron_memory, megatron_stats, micro_batches_in_flight
+
+            st = megatron_stats(r["params"], layout[role], c)
+            mem = megatron_memory(
+                st, c=c, lay=layout[role], trainable=r["trainable"], micro=r["micro"], seq=seq, lm_head=r["lm_head"],
+                compute_eb=compute_eb, ckpt=cfg.model.gradient_checkpointing, on_gpu=on_gpu,
+                in_flight=micro_batches_in_flight(cfg, role, layout[role]), layer_bytes=layer_activation_bytes,
+                chunk=cfg.actor.logprob_chunk_size)
+            kinds, train, forward, host_always = mem["kinds"], mem["train"], mem["forward"], False
+            st["worst_stage"] = mem["worst_stage"]
+        else:
+            st = shard_stats(r["params"], layout[role])
+            kinds, train, forward, host_always = _fsdp_memory(cfg, r, st, c, layout[role], seq, compute_eb, master_eb)
         resident = {k: v for k, v in kinds.items() if k not in offload[role] and not host_always}
         host = {k: v for k, v in kinds.items() if k in offload[role] or host_always}
         state[role] = dict(kinds=kinds, train=train, forward=forward, resident=resident, host_when_idle=host,
@@ -290,9 +320,11 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                      "units": "GiB (2^30 bytes)"},
         "model": {"path": cfg.model.path, "params": state["actor"]["stats"]["total"],
                   **({"critic_params": state["critic"]["stats"]["total"]} if "critic" in state else {})},
-        "roles": {k: v for k, v in role_table(layout).items() if k in state or k == "rollout"},
+        "roles": {k: {**v, "backend": backends.get(k, "vllm" if k == "rollout" else "fsdp"),
+                      **({"worst_stage": state[k]["stats"]["worst_stage"]} if "worst_stage" in state.get(k, {}).get("stats", {}) else {})}
+                  for k, v in role_table(layout).items() if k in state or k == "rollout"},
         "weight_sync": {k: sync[k] for k in ("bytes_recv_max", "bytes_lower_bound", "collectives", "buckets",
-                                             "bytes_recv_total")}
+                                             "bytes_recv_total", "bytes_sent_max")}
                        | {"elem_bytes": rollout_eb, "full_gather_bytes_per_rank": state["actor"]["stats"]["total"] * 4},
         "rollout": {"vllm_weights_gb": _gib(vllm_w), "kv_cache_gb": _gib(kv_cache), "kv_cache_fits_one_sequence": kv_ok},
         "memory": memory,
@@ -317,12 +349,13 @@ def render(p: dict) -> str:
              f"({hw['nodes']} node(s) x {hw['gpus_per_node']} GPUs of {hw['gpu_memory_gb']} GiB, "
              f"{hw['host_memory_gb']} GiB host per node; fits means <= {hw['margin']:g} x each)", "", "roles:"]
     for role, r in p["roles"].items():
-        lines.append(f"  {role:8s} dp={r['dp']} pp={r['pp']} tp={r['tp']}  tp groups {_short(r['tp_groups'])}  "
-                     f"dp groups {_short(r['dp_groups'])}")
+        pp = f"  pp groups {_short(r['pp_groups'])}" if r["pp"] > 1 else ""
+        lines.append(f"  {role:8s} {r['backend']:8s} dp={r['dp']} pp={r['pp']} tp={r['tp']}  tp groups {_short(r['tp_groups'])}  "
+                     f"dp groups {_short(r['dp_groups'])}{pp}")
     w = p["weight_sync"]
     lines += ["", "weight sync per step (rollout dtype, bytes per rank):",
               f"  received max {w['bytes_recv_max'] / GIB:.3f} GiB  lower bound {w['bytes_lower_bound'] / GIB:.3f} GiB  "
-              f"collectives {w['collectives']}  (every rank gathering every parameter in fp32: "
+              f"sent max {w['bytes_sent_max'] / GIB:.3f} GiB  collectives {w['collectives']}  (every rank gathering every parameter in fp32: "
               f"{w['full_gather_bytes_per_rank'] / GIB:.1f} GiB)",
               f"  vLLM weights {p['rollout']['vllm_weights_gb']} GiB, KV cache {p['rollout']['kv_cache_gb']} GiB per GPU",
               "", f"memory per phase (GiB): {'phase':14s} {'GPU/rank':>9s} {'host/node':>10s}  fits  breakdown (GPU)"]

@@ -39,7 +39,8 @@ def test_rollout_must_span_the_world():
     ({"actor_ranks": [0, 9]}, 4, ["actor_ranks", "outside the world of 4"]),
     ({"actor_ranks": [1, 1]}, 4, ["twice"]),
     ({"actor_tp": 0}, 4, ["actor_tp must be >= 1"]),
-    ({"actor_pp": 2}, 4, ["Megatron"]),
+    ({"actor_pp": 2}, 4, ["actor_pp = 2", "fsdp backend", 'trainer.backend = "megatron"']),
+    ({"critic_pp": 2}, 4, ["critic_pp = 2", "fsdp backend"]),
     ({"mode": "split"}, 4, ["placement.mode"]),
 ])
 def test_impossible_layouts_are_rejected(kw, world, words):
@@ -49,6 +50,23 @@ def test_impossible_layouts_are_rejected(kw, world, words):
     assert "\n" not in msg
     for w in words:
         assert w in msg, (w, msg)
+
+
+def test_megatron_roles_take_pipeline_parallelism():
+    """(dp, pp, tp) with tp fastest, then pp: megatron's tp-pp-dp rank order."""
+    megatron = {"actor": "megatron", "ref": "megatron", "critic": "megatron"}
+    lay = plan_layout(PlacementConfig(actor_tp=2, actor_pp=2, critic_tp=2, critic_pp=2, ref_pp=4, rollout_tp=2), 8,
+                      backends=megatron)
+    a = lay["actor"]
+    assert (a.dp, a.pp, a.tp) == (2, 2, 2)
+    assert a.mesh_ranks() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert a.coords(6) == (1, 1, 0)
+    assert a.groups()["pp_groups"][:2] == [[0, 2], [1, 3]] and a.groups()["dp_groups"][0] == [0, 4]
+    assert (lay["ref"].dp, lay["ref"].pp, lay["ref"].tp) == (2, 4, 1)
+    with pytest.raises(LayoutError, match=r"tp\*pp = 2\*3 = 6 does not divide"):
+        plan_layout(PlacementConfig(actor_tp=2, actor_pp=3), 8, backends=megatron)
+    with pytest.raises(LayoutError, match="ref_pp = 2 needs pipeline"):  # a role left on fsdp keeps pp = 1
+        plan_layout(PlacementConfig(ref_pp=2), 8, backends={"actor": "megatron"})
 
 
 def test_expand_slurm_nodelist():
@@ -108,3 +126,16 @@ def test_batch_move_plan_gives_each_rank_exactly_its_samples(src, dst):
     for rank, peers in plan.recvs.items():
         for glo, ghi in peers.values():
             assert not set(range(glo, ghi)) & set(holds.get(rank, []))
+
+
+def test_megatron_roles_must_share_one_layout():
+    """One megatron-core parallel state per process: a built critic on another (tp, pp) fails at validation."""
+    from spmdrl.config import load_config, validate
+
+    base = ["trainer.backend=megatron", "model.path=m", 'data.train_files=["x.parquet"]', "placement.actor_tp=2",
+            "placement.actor_pp=2", "placement.rollout_tp=2", "data.train_batch_size=8", "actor.micro_batch_size=1",
+            "critic.micro_batch_size=1", "rollout.n=2"]
+    validate(load_config(None, base), 8)  # the ref (tp=1) is not built without a KL term
+    bad = load_config(None, base + ["critic.enable=true", "algorithm.adv_estimator=gae", "placement.critic_tp=2"])
+    with pytest.raises(LayoutError, match="critic .tp=2, pp=1. differ.*critic_pp = 2"):
+        validate(bad, 8)

@@ -77,3 +77,39 @@ def test_shipped_configs_fit(config):
         train = p["memory"]["train_actor"]["gpu"]
         assert train["actor_params"] == pytest.approx(published * 4 / 8 / 2**30, rel=1e-3)
         assert train["actor_optimizer"] == pytest.approx(2 * train["actor_params"], rel=1e-3)
+
+
+def test_ppo_70b_megatron_plan_by_hand():
+    """configs/ppo_70b.toml on the Megatron backend (TP=8 x PP=2 x DP=2 on 32 ranks): per-rank state of the
+    heavier (last) stage and the weight-sync bound, computed here from Llama-3.3-70B's dimensions."""
+    p = plan_json(os.path.join(REPO, "configs/ppo_70b.toml"))
+    a = p["roles"]["actor"]
+    assert (a["backend"], a["dp"], a["pp"], a["tp"]) == ("megatron", 2, 2, 8)
+    assert a["pp_groups"][0] == [0, 8] and a["dp_groups"][0] == [0, 16]  # tp fastest, then pp, then dp
+    h, q, kv, ffn, layers, vocab, tp = 8192, 8192, 1024, 28672, 80, 128256, 8
+    padded = -(-vocab // (128 * tp)) * 128 * tp  # megatron pads the vocabulary to a multiple of 128 x tp
+    layer_tp = (2 * q * h + 2 * kv * h + 3 * ffn * h) // tp + 2 * h  # norms whole on every tp rank
+    last_stage = layers // 2 * layer_tp + h + padded // tp * h  # 40 layers, final norm, lm_head's vocab shard
+    train = p["memory"]["train_actor"]["gpu"]
+    gib = lambda x: round(x / 2**30, 3)  # noqa: E731
+    assert train["actor_params"] == gib(2 * last_stage)  # bf16 weights
+    assert train["actor_grads"] == gib(4 * last_stage)  # fp32 grad buffer
+    assert train["actor_optimizer"] == gib(12 * last_stage // 2)  # fp32 main + 2 Adam moments over dp = 2
+    # sync: rollout rank r needs its vLLM TP shard (1/8 of every tensor; vocabulary rows of 128256 / 8 = 16032,
+    # vLLM pads to a multiple of 64 only) and already holds its own stage's 40 layers. The worst rank is tp rank 7:
+    # it lacks the other stage's 40 layers, the norm or the vocab tensor of the other stage, and of its own
+    # stage's vocab tensor the rows where vLLM's shard (from 7 x 16032) starts before megatron's (7 x 16128)
+    vocab_rows = -(-vocab // 64) * 64 // tp
+    misaligned = (tp - 1) * (padded // tp - vocab_rows)
+    lb = 2 * (layers // 2 * layer_tp + h + vocab_rows * h + misaligned * h)
+    ws = p["weight_sync"]
+    assert ws["bytes_lower_bound"] == lb
+    assert ws["bytes_recv_max"] == ws["bytes_lower_bound"]
+    assert ws["bytes_sent_max"] <= 1.1 * ws["bytes_recv_total"] / 32  # senders share the work
+    assert p["fits"] is True
+    # 1F1B keeps 2 micro-batches in flight on stage 0 (32 per mini-batch per pipeline, pp = 2); with recompute each
+    # keeps every layer's input, sequence-parallel (/ tp); without recompute every activation stays
+    worst = max(p["memory"]["train_actor"]["gpu"]["actor_activations"], p["memory"]["train_critic"]["gpu"]["critic_activations"])
+    assert gib(2 * 40 * 2 * 3072 * h * 2 // tp) < worst < 2
+    no_recompute = plan_json(os.path.join(REPO, "configs/ppo_70b.toml"), "model.gradient_checkpointing=false")
+    assert no_recompute["memory"]["train_actor"]["gpu"]["actor_activations"] > 10 * worst

@@ -311,15 +311,19 @@ class PlacementConfig:
     actor_tp: int = 1
     """Actor tensor-parallel degree (DTensor TP inside each FSDP2 group)."""
     actor_pp: int = 1
-    """Actor pipeline-parallel degree (reserved for the Megatron backend; must be 1 with FSDP2)."""
+    """Actor pipeline-parallel degree (Megatron backend only; must be 1 with FSDP2)."""
     ref_ranks: list[int] = field(default_factory=list)
     """Ranks of the ref model; empty means the actor's ranks."""
     ref_tp: int = 1
     """Ref tensor-parallel degree."""
+    ref_pp: int = 1
+    """Ref pipeline-parallel degree (Megatron backend only)."""
     critic_ranks: list[int] = field(default_factory=list)
     """Ranks of the critic; empty means the actor's ranks."""
     critic_tp: int = 1
     """Critic tensor-parallel degree."""
+    critic_pp: int = 1
+    """Critic pipeline-parallel degree (Megatron backend only)."""
     rollout_ranks: list[int] = field(default_factory=list)
     """Ranks running vLLM; empty means all ranks."""
     rollout_tp: int = 1
@@ -374,7 +378,10 @@ class TrainerConfig:
     device: str = "auto"
     """auto (cuda when available) | cuda | cpu."""
     backend: str = "fsdp"
-    """Training backend: fsdp (FSDP2 + DTensor TP)."""
+    """Training backend of the actor and ref: fsdp (FSDP2 + DTensor TP) or megatron (megatron-core GPTModel, TP x PP x DP;
+    Llama / Qwen2 family; every Megatron role shares one tp/pp layout)."""
+    critic_backend: str = ""
+    """Training backend of the critic: fsdp or megatron; empty uses trainer.backend."""
     experiment_name: str = ""
     """Name shown in logs and sweep reports; empty means the output_dir's name."""
     dist_timeout_s: float = 600.0

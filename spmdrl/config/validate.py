@@ -15,7 +15,8 @@ CHOICES = {
     "reward.on_error": ("raise", "zero"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "trainer.device": ("auto", "cuda", "cpu"),
-    "trainer.backend": ("fsdp",),
+    "trainer.backend": ("fsdp", "megatron"),
+    "trainer.critic_backend": ("", "fsdp", "megatron"),
 }
 MEMORY_KINDS = ("params", "grads", "optimizer")
 
@@ -80,7 +81,7 @@ def check_ranges(cfg) -> None:
 def validate(cfg, world_size: int):
     """Raise ConfigError on the first inconsistency; return the per-role layout on success."""
     from spmdrl.algos import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES
-    from spmdrl.dist.layout import plan_layout
+    from spmdrl.dist.layout import check_megatron_roles, plan_layout, role_backends
 
     check_finite(cfg)
 
@@ -152,7 +153,10 @@ def validate(cfg, world_size: int):
         raise ConfigError("trainer.critic_warmup > 0 needs critic.enable = true")
 
     validate_memory(cfg)
-    layout = plan_layout(cfg.placement, world_size)
+    layout = plan_layout(cfg.placement, world_size, backends=role_backends(cfg))
+    built = ["actor"] + (["ref"] if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else []) + (
+        ["critic"] if cfg.critic.enable else [])
+    check_megatron_roles(layout, role_backends(cfg), built)
     if cfg.reward.model_path and layout["reward"].tp != layout["actor"].tp:
         raise ConfigError(
             f"placement.reward_tp = {layout['reward'].tp} must equal actor_tp = {layout['actor'].tp} for now: the reward "

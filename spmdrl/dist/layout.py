@@ -56,12 +56,26 @@ def _ranks(spec: list[int], default: tuple[int, ...], world_size: int, key: str)
     return tuple(spec)
 
 
-def plan_layout(placement, world_size: int, *, allow_split: bool = False) -> dict[str, RoleLayout]:
+PIPELINE_BACKENDS = ("megatron",)  # training backends that run pipeline parallelism
+TRAINED_ROLES = ("actor", "ref", "critic")  # roles built by a training backend (trainer.backend)
+
+
+def role_backends(cfg) -> dict[str, str]:
+    """The training backend of each role that has one: trainer.backend for actor and ref, for the critic
+    trainer.critic_backend when set (the same rule as engines.role_backend, without importing the engines)."""
+    t = cfg.trainer
+    return {"actor": t.backend, "ref": t.backend, "critic": getattr(t, "critic_backend", "") or t.backend}
+
+
+def plan_layout(placement, world_size: int, *, allow_split: bool = False,
+                backends: dict[str, str] | None = None) -> dict[str, RoleLayout]:
     """Rank sets and degrees for every role; raises LayoutError naming the world size and the degrees.
 
     The arithmetic handles disjoint rank sets (split placement); until the trainer runs them, only
-    colocated layouts are accepted unless `allow_split`.
+    colocated layouts are accepted unless `allow_split`. backends (role -> training backend, see
+    `role_backends`; default fsdp) decides where pp > 1 is allowed: only on Megatron roles.
     """
+    backends = backends or {}
     if placement.mode != "colocate" and not allow_split:
         raise LayoutError(f"placement.mode = {placement.mode!r} is not available yet; use 'colocate'")
     everyone = tuple(range(world_size))
@@ -75,8 +89,8 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = False) -> dic
     }
     degrees = {
         "actor": (placement.actor_tp, placement.actor_pp),
-        "ref": (placement.ref_tp, 1),
-        "critic": (placement.critic_tp, 1),
+        "ref": (placement.ref_tp, placement.ref_pp),
+        "critic": (placement.critic_tp, placement.critic_pp),
         "reward": (placement.reward_tp, 1),
         "rollout": (placement.rollout_tp, 1),
     }
@@ -105,9 +119,29 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = False) -> dic
             "placement.rollout_ranks must be all ranks in order for now: in-process vLLM (external_launcher) builds "
             "its engines with world-wide collectives and takes contiguous TP groups; leave rollout_ranks empty"
         )
-    if out["actor"].pp != 1:
-        raise LayoutError("placement.actor_pp > 1 needs the Megatron backend, which is not available yet; set actor_pp = 1")
+    for role in TRAINED_ROLES:
+        backend = backends.get(role, "fsdp")
+        if out[role].pp != 1 and backend not in PIPELINE_BACKENDS:
+            raise LayoutError(
+                f"placement.{role}_pp = {out[role].pp} needs pipeline parallelism, which the {backend} backend does "
+                f"not have; set {'trainer.critic_backend' if role == 'critic' else 'trainer.backend'} = \"megatron\" "
+                f"or {role}_pp = 1"
+            )
     return out
+
+
+def check_megatron_roles(layout: dict[str, RoleLayout], backends: dict[str, str], built: list[str]) -> None:
+    """megatron-core keeps one parallel state per process, so every Megatron role a run builds needs the
+    actor's ranks and (tp, pp) degrees."""
+    roles = [r for r in built if backends.get(r) == "megatron"]
+    for role in roles[1:]:
+        a, b = layout[roles[0]], layout[role]
+        if (a.ranks, a.tp, a.pp) != (b.ranks, b.tp, b.pp):
+            raise LayoutError(
+                f"placement: the Megatron roles {roles[0]} (tp={a.tp}, pp={a.pp}) and {role} (tp={b.tp}, pp={b.pp}) "
+                f"differ, but megatron-core has one parallel layout per process; set {role}_tp = {a.tp} and "
+                f"{role}_pp = {a.pp}"
+            )
 
 
 def external_launcher_tp_groups(world_size: int, tp: int) -> list[list[int]]:

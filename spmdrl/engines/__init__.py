@@ -7,7 +7,7 @@ from spmdrl.errors import ConfigError
 from .base import TrainEngine
 from .fsdp import TokenBatch, pack_sequences
 
-BACKENDS = ("fsdp",)
+BACKENDS = ("fsdp", "megatron")
 
 
 def build_train_engine(backend: str, model_path: str, mesh, device, **kwargs) -> TrainEngine:
@@ -16,7 +16,19 @@ def build_train_engine(backend: str, model_path: str, mesh, device, **kwargs) ->
         from .fsdp import FSDPEngine
 
         return FSDPEngine(model_path, mesh, device, **kwargs)
+    if backend == "megatron":
+        from .megatron import MegatronEngine
+
+        return MegatronEngine(model_path, mesh, device, **kwargs)
     raise ConfigError(f"trainer.backend = {backend!r}: available backends are {', '.join(BACKENDS)}")
+
+
+def role_backend(cfg, role: str) -> str:
+    """The training backend of a role (actor, ref, critic): trainer.backend, or trainer.critic_backend for the
+    critic when set."""
+    if role == "critic" and cfg.trainer.critic_backend:
+        return cfg.trainer.critic_backend
+    return cfg.trainer.backend
 
 
 def build_score_engine(backend: str, model_path: str, mesh, device, **kwargs):
@@ -28,4 +40,4 @@ def build_score_engine(backend: str, model_path: str, mesh, device, **kwargs):
     raise ConfigError(f"reward model backend {backend!r}: available backends are {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKENDS", "TokenBatch", "TrainEngine", "build_score_engine", "build_train_engine", "pack_sequences"]
+__all__ = ["BACKENDS", "role_backend", "TokenBatch", "TrainEngine", "build_score_engine", "build_train_engine", "pack_sequences"]

@@ -3,14 +3,14 @@
 Inputs are plain data, so the same code runs inside a job and in `spmdrl plan` on a laptop:
   * the parameters, HF names and full shapes, in the order the engine yields them;
   * the source layout: for every parameter, the rectangular block of it each training rank holds
-    (FSDP2 dp x DTensor tp today: `fsdp_blocks`; the Megatron backend brings its own);
+    (FSDP2 dp x DTensor tp: `fsdp_blocks`; Megatron-core tp x pp x dp: `megatron_blocks`);
   * the target layout: for every rollout rank, the block of each parameter its vLLM TP shard needs
     (`vllm_blocks`).
 
 A block is (offsets, shape) in the full tensor. The distinct source blocks of a parameter partition it
 (replicas hold identical blocks: tp ranks of a non-TP parameter, DP replicas under Megatron). For each
 rollout rank and each distinct source block overlapping what it needs, the overlap is either already on the
-rank (no bytes move) or sent by one replica (round-robin over replicas, so replicas share the sending).
+rank (no bytes move) or sent by one replica (the least loaded so far, so replicas share the sending).
 Nothing is sent twice and nothing a rank holds moves, so the bytes a rank receives equal the lower bound:
 the bytes of its rollout shard that it does not already hold.
 """
@@ -20,6 +20,8 @@ import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
+
+from spmdrl.errors import LayoutError
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the full tensor
 
@@ -89,6 +91,120 @@ def fsdp_blocks(params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[
         out[name] = [
             (grid[d][0][t], fsdp_block(shape, style, dp, tp, d, t)) for d in range(dp) for t in range(tp)
         ]
+    return out
+
+
+# ------------------------------------------------------------------------------- source: Megatron-core (tp x pp x dp)
+#
+# Megatron's own tensors are fused (linear_qkv, linear_fc1) and vocab-padded, but what a TP rank holds is, in HF
+# coordinates, still one rectangle per HF parameter:
+#   * linear_qkv is [query groups x (q heads of the group, k, v) x head_dim] and column-parallel over whole
+#     query groups (megatron requires groups % tp == 0): TP rank t holds q heads and kv groups of its
+#     contiguous 1/tp slice, i.e. rows chunk(rows, tp, t) of HF's q_proj, k_proj and v_proj (and their biases);
+#   * linear_fc1 is column-parallel over [gate_t; up_t] per TP rank (the GLU splits the local output in
+#     halves): rows chunk(ffn, tp, t) of gate_proj and of up_proj;
+#   * linear_proj (o_proj) and linear_fc2 (down_proj) are row-parallel: columns chunk(cols, tp, t);
+#   * word embeddings and the output layer are vocab-parallel over the padded vocabulary: rows
+#     [t * Vp / tp, (t + 1) * Vp / tp) cut to HF's V rows (the padding rows do not exist in HF);
+#   * norms, the value head and row-parallel biases are whole on every TP rank.
+# A decoder layer lives on the one pipeline stage that builds it; embeddings on the first stage, final norm,
+# output layer and value head on the last; tied embeddings with pp > 1 are also copied on the last stage
+# (megatron's LanguageModule.setup_embeddings_and_output_layer). DP replicas hold identical copies (the
+# distributed optimizer shards only optimizer state and fp32 main weights, which the sync does not read).
+
+MEGATRON_COL = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+MEGATRON_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
+MEGATRON_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
+VALUE_HEAD = re.compile(r"^(score|v_head|value_head)\.")
+MEGATRON_LAST = re.compile(r"^(model\.norm\.|lm_head\.|score\.|v_head\.|value_head\.)")
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def megatron_padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Rows of Megatron's word embeddings / output layer: V rounded up to a multiple of divisible_by * tp
+    (Megatron-LM's make_vocab_size_divisible_by convention), so every TP rank holds Vp / tp rows."""
+    m = divisible_by * tp
+    return -(-vocab_size // m) * m
+
+
+def pp_stage_layers(num_layers: int, pp: int, vp: int = 1) -> list[list[int]]:
+    """Decoder layers each pipeline stage builds, megatron-core's default split (no custom layout, no uneven
+    first/last stage): L / pp per stage, contiguous; with vp virtual stages, stage p's chunk v holds layers
+    v * L / vp + p * L / (pp * vp) + [0, L / (pp * vp)) (get_transformer_layer_offset)."""
+    if num_layers % (pp * vp):
+        raise LayoutError(
+            f"the model has {num_layers} layers, which megatron-core cannot split evenly over pp = {pp} stages"
+            f"{f' x {vp} virtual stages' if vp > 1 else ''}; choose a pipeline degree that divides {num_layers}"
+        )
+    per = num_layers // (pp * vp)
+    return [[v * num_layers // vp + p * per + i for v in range(vp) for i in range(per)] for p in range(pp)]
+
+
+def megatron_stages(name: str, pp: int, stage_of_layer: dict[int, int], tied: bool) -> list[int]:
+    """Pipeline stages holding HF parameter `name`."""
+    m = LAYER.match(name)
+    if m:
+        return [stage_of_layer[int(m.group(1))]]
+    if name.endswith("embed_tokens.weight"):
+        return sorted({0, pp - 1}) if tied else [0]
+    if MEGATRON_LAST.match(name):
+        return [pp - 1]
+    raise ValueError(f"{name}: no Megatron pipeline stage is known for this parameter (Llama/Qwen2 family only)")
+
+
+def megatron_tp_block(name: str, shape: tuple[int, ...], tp: int, t: int, padded_vocab: int) -> Block:
+    """The block (HF coordinates) of `name` that Megatron's TP rank t of tp holds."""
+    offs, size = [0] * len(shape), list(shape)
+    if tp == 1:
+        return tuple(offs), tuple(size)
+    if MEGATRON_VOCAB.search(name):
+        per = padded_vocab // tp
+        lo = min(shape[0], t * per)
+        offs[0], size[0] = lo, min(shape[0], lo + per) - lo
+        return tuple(offs), tuple(size)
+    dim = 0 if MEGATRON_COL.search(name) else 1 if MEGATRON_ROW.search(name) else None
+    if dim is None:
+        return tuple(offs), tuple(size)
+    if shape[dim] % tp:
+        raise LayoutError(f"{name}: dim {dim} of size {shape[dim]} does not split over Megatron tp = {tp} "
+                          "(heads, query groups and the MLP width must divide by the tensor-parallel degree)")
+    offs[dim], size[dim] = chunk(shape[dim], tp, t)
+    return tuple(offs), tuple(size)
+
+
+def megatron_blocks(
+    params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[int]]], *, num_layers: int,
+    dims: ModelDims | None = None, padded_vocab: int | None = None, vp: int = 1, tied: bool | None = None,
+    tied_copy: bool = True,
+) -> dict[str, list[tuple[int, Block]]]:
+    """Source blocks of a Megatron-core role. grid is the role's ranks as [dp][pp][tp] (megatron's tp-pp-dp
+    rank order); padded_vocab is the rows of megatron's embedding (default megatron_padded_vocab(V, tp));
+    dims, when given, is checked the way megatron checks it (whole heads and query groups per TP rank).
+    tied (default: params has neither lm_head.weight nor a value head, as HF lists a tied head once) with
+    pp > 1 puts megatron's copy of the embeddings on the last stage, listed as a source unless not tied_copy
+    (an engine that does not yield that copy from weight_shards)."""
+    dp, pp, tp = len(grid), len(grid[0]), len(grid[0][0])
+    if dims is not None and (dims.num_heads % tp or dims.num_kv_heads % tp):
+        raise LayoutError(
+            f"Megatron tp = {tp} must divide the model's {dims.num_heads} attention heads and {dims.num_kv_heads} "
+            f"query groups (key/value heads); choose a tensor-parallel degree that divides both"
+        )
+    stage_of = {layer: p for p, layers in enumerate(pp_stage_layers(num_layers, pp, vp)) for layer in layers}
+    names = {n for n, _ in params}
+    if tied is None:
+        tied = "lm_head.weight" not in names and not any(VALUE_HEAD.match(n) for n in names)
+    tied = tied and tied_copy
+    out = {}
+    for name, shape in params:
+        if MEGATRON_VOCAB.search(name):
+            pv = padded_vocab or megatron_padded_vocab(shape[0], tp)
+            if pv < shape[0] or pv % tp:
+                raise ValueError(f"{name}: padded vocabulary {pv} must be >= {shape[0]} and divide by tp = {tp}")
+        else:
+            pv = 0
+        blocks = [megatron_tp_block(name, shape, tp, t, pv) for t in range(tp)]
+        out[name] = [(grid[d][p][t], blocks[t]) for p in megatron_stages(name, pp, stage_of, tied)
+                     for d in range(dp) for t in range(tp)]
     return out
 
 
@@ -245,6 +361,7 @@ class SyncPlan:
             "bytes_recv_max": max(recv.values(), default=0),
             "bytes_lower_bound": max(lb.values(), default=0),
             "bytes_recv_total": sum(recv.values()),
+            "bytes_sent_max": max(self.bytes_sent().values(), default=0),
             "bytes_recv_per_rank": {str(k): v for k, v in sorted(recv.items())},
             "collectives": sum(1 for b in buckets if any(n in remote for n in b)),
             "buckets": len(buckets),
@@ -257,8 +374,11 @@ def plan_sync(
     targets: dict[str, list[tuple[int, Block]]],
     elem_bytes: int,
 ) -> SyncPlan:
-    """Every target block covered exactly once: locally where the rank holds it, else by one source replica."""
+    """Every target block covered exactly once: locally where the rank holds it, else by one source replica,
+    the one that has sent the fewest bytes so far (ties: rotating with the receiver), so DP replicas, tp copies
+    of a replicated tensor and tied-embedding copies share the sending."""
     plan = SyncPlan(params, sources, targets, elem_bytes=elem_bytes)
+    sent: dict[int, int] = {}
     for name, shape in params:
         replicas: dict[Block, list[int]] = {}
         for rank, b in sources[name]:
@@ -276,6 +396,9 @@ def plan_sync(
                 if dst in holders:
                     local.append(Transfer(name, dst, dst, x))
                 else:
-                    remote.append(Transfer(name, holders[k % len(holders)], dst, x))
+                    n = len(holders)
+                    src = min(range(n), key=lambda i: (sent.get(holders[i], 0), (i - k) % n))
+                    sent[holders[src]] = sent.get(holders[src], 0) + numel(x)
+                    remote.append(Transfer(name, holders[src], dst, x))
         plan.transfers[name], plan.local[name] = remote, local
     return plan

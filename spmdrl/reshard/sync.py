@@ -25,6 +25,20 @@ def rollout_targets(params, tp_groups: list[list[int]], dims: ModelDims, loads_t
     return {name: [(r, full_block(shape)) for r in ranks] for name, shape in params}
 
 
+def check_shards(plan: SyncPlan, shards: dict, rank: int) -> None:
+    """What the engine's weight_shards yields on this rank is exactly what the plan's sources say it holds
+    (the plan decides who sends which slice; a disagreement would send wrong bytes silently)."""
+    mine = {name: {b for r, b in bs if r == rank} for name, bs in plan.sources.items()}
+    for name, want in mine.items():
+        got = shards.get(name)
+        if want and (got is None or got[1] not in want or tuple(got[0].shape) != got[1][1]):
+            raise RuntimeError(f"weight sync: rank {rank} holds {name} as {got[1] if got else None} "
+                               f"(shape {tuple(got[0].shape) if got else None}), the plan expects one of {sorted(want)}")
+    extra = sorted(set(shards) - {n for n, w in mine.items() if w})
+    if extra:
+        raise RuntimeError(f"weight sync: rank {rank} yields {extra[:3]} that the plan does not list as its sources")
+
+
 class WeightSync:
     """Planned once, run after every actor update (and after a resume)."""
 
@@ -37,6 +51,7 @@ class WeightSync:
         elem = torch.empty((), dtype=dtype).element_size()
         self.plan: SyncPlan = plan_sync(params, actor.source_blocks(), targets, elem)
         self.lower_bound = max(self.plan.lower_bound().values(), default=0)
+        self.checked = False
 
     def __call__(self) -> dict[str, float]:
         if self.memory is not None:
@@ -44,6 +59,9 @@ class WeightSync:
         else:
             self.rollout.wake_up()
         shards = {name: (t, block) for name, t, block in self.actor.weight_shards()}
+        if not self.checked:
+            check_shards(self.plan, shards, dist.get_rank())
+            self.checked = True
         stats = execute(
             self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=comm_device(),
             bucket_bytes=self.bucket_bytes, deliver=self.rollout.update_weights,

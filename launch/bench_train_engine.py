@@ -1,0 +1,174 @@
+"""Single-process throughput of one training engine (trainer.backend fsdp | megatron) on a GRPO-shaped batch.
+
+Builds a random-init HF Qwen2 model (default: Qwen2.5-0.5B's shape) in a temporary directory, then the engine on
+one device (cuda: bfloat16 compute with float32 master weights / optimizer; cpu: float32), and times after a
+warm-up iteration:
+  logprobs    the old-log-prob forward over the whole batch (spmdrl.update.forward_all, forward micro-batches);
+  train_step  one actor update (spmdrl.update.run_updates with the PPO-clip actor loss, one optimizer step over
+              the whole batch in micro-batches).
+Prints one JSON object: tokens/s, achieved TFLOP/s (spmdrl.metrics.flops_metrics: 3 x forward FLOPs for the
+update, 1 x for the forward), MFU when the device's peak is known (H100/H200/A100), and the peak memory of each
+phase (CUDA max_memory_allocated after a reset; on CPU the process's peak RSS, which never goes down).
+
+    python launch/bench_train_engine.py --backend megatron              # on a GPU
+    python launch/bench_train_engine.py --backend fsdp --tiny --device cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+import time
+
+import torch
+
+
+def build_model_dir(args, out_dir: str, dtype: torch.dtype) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from spmdrl.tiny import build_tokenizer
+
+    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                      max_position_embeddings=max(4096, args.prompt_len + args.response_len),
+                      tie_word_embeddings=not args.untied, rope_theta=1e6, rms_norm_eps=1e-6, use_sliding_window=False)
+    torch.manual_seed(args.seed)
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(cfg).to(dtype)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer(out_dir)
+
+
+def synthetic_batch(args):
+    """GRPO-shaped: B sequences in groups of n, fixed prompt and response lengths, random tokens and advantages."""
+    from spmdrl.batch import Batch
+
+    g = torch.Generator().manual_seed(args.seed)
+    B, P, R = args.batch, args.prompt_len, args.response_len
+    adv = torch.randn(B // args.n, 1, generator=g).repeat_interleave(args.n, 0).expand(B, R).contiguous()
+    return Batch({
+        "prompts": torch.randint(5, args.vocab - 1, (B, P), generator=g), "prompt_len": torch.full((B,), P),
+        "responses": torch.randint(5, args.vocab - 1, (B, R), generator=g), "response_len": torch.full((B,), R),
+        "response_mask": torch.ones(B, R), "advantages": adv, "rollout_log_probs": torch.zeros(B, R),
+        "index": torch.arange(B // args.n).repeat_interleave(args.n),
+    })
+
+
+def peak_gb(device) -> float:
+    from spmdrl.metrics import peak_memory_gb
+
+    return peak_memory_gb(device)
+
+
+def reset_peak(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=["fsdp", "megatron"], required=True)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--tiny", action="store_true", help="a ~1M-parameter model and a small batch (CPU smoke test)")
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--heads", type=int, default=14)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=4864)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--untied", action="store_true", help="untied embeddings (default tied, like Qwen2.5-0.5B)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group size)")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=512)
+    p.add_argument("--micro", type=int, default=4, help="update micro-batch size (sequences)")
+    p.add_argument("--forward-micro", type=int, default=8, help="log-prob forward micro-batch size")
+    p.add_argument("--iters", type=int, default=2, help="timed iterations after one warm-up")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", default="", help="reuse / keep the generated model here")
+    args = p.parse_args()
+    if args.tiny:
+        args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab = 128, 2, 4, 2, 256, 512
+        args.batch, args.n, args.prompt_len, args.response_len, args.micro, args.forward_micro = 8, 4, 16, 32, 4, 8
+    os.environ.setdefault("MASTER_PORT", "29531")
+
+    from spmdrl.algos import POLICY_LOSSES
+    from spmdrl.config import Config
+    from spmdrl.dist.init import init_distributed
+    from spmdrl.dist.layout import plan_layout
+    from spmdrl.dist.meshes import RoleMeshes
+    from spmdrl.engines import build_train_engine
+    from spmdrl.metrics import device_peak_tflops, flops_metrics
+    from spmdrl.update import actor_body, forward_all, run_updates
+
+    env, device = init_distributed(args.device)
+    cuda = device.type == "cuda"
+    cfg = Config()
+    mesh = RoleMeshes(plan_layout(cfg.placement, env.world_size), env.rank, device.type)["actor"]
+    model_dir = args.model_dir or tempfile.mkdtemp(prefix="bench_train_engine_")
+    t0 = time.perf_counter()
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        build_model_dir(args, model_dir, torch.bfloat16 if cuda else torch.float32)
+    build_model_s = time.perf_counter() - t0
+    reset_peak(device)
+    t0 = time.perf_counter()
+    engine = build_train_engine(args.backend, model_dir, mesh, device, trainable=True,
+                                dtype="bfloat16" if cuda else "float32",
+                                optim=dict(lr=1e-6, weight_decay=0.01, grad_clip=1.0))
+    sync(device)
+    out = {"backend": args.backend, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+           "torch": torch.__version__, "engine_build_s": time.perf_counter() - t0, "model_build_s": build_model_s,
+           "peak_gb_build": peak_gb(device)}
+    batch = synthetic_batch(args)
+    cfg.data.max_response_length = args.response_len
+    body = actor_body(cfg, POLICY_LOSSES.get(cfg.actor.policy_loss), 1.0)
+
+    def forward():
+        return forward_all(engine, batch, args.forward_micro, 0,
+                           lambda e, tb: e.logprobs(tb, temperature=1.0, chunk_size=cfg.actor.logprob_chunk_size)[0])
+
+    def update():
+        return run_updates(engine, batch, epochs=1, mini_size=len(batch), micro_size=args.micro, pad_id=0, dp_size=1,
+                           dp_group=mesh.group("dp"), body=body, prefix="actor")
+
+    times = {}
+    for name, fn in (("logprobs", forward), ("train_step", update)):
+        res = fn()  # warm-up
+        if name == "logprobs":
+            batch["old_log_probs"] = res
+        reset_peak(device)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        sync(device)
+        times[name] = (time.perf_counter() - t0) / args.iters
+        out[f"peak_gb_{name}"] = peak_gb(device)
+    lens = (batch["prompt_len"] + batch["response_len"]).double()
+    tokens = float(lens.sum())
+    peak = device_peak_tflops(device)
+    f = flops_metrics(engine.hf_config(), seq_lens_sum=tokens, seq_sq_sum=float((lens ** 2).sum()),
+                      update_s=times["train_step"], rollout_s=times["logprobs"], devices=1, peak_tflops=peak)
+    out.update({
+        "params": sum(math.prod(s) for _, s in engine.param_shapes()),
+        "batch": {"sequences": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len,
+                  "micro": args.micro, "forward_micro": args.forward_micro, "tokens": tokens},
+        "logprobs_s": times["logprobs"], "train_step_s": times["train_step"],
+        "logprobs_tokens_per_s": tokens / times["logprobs"], "train_step_tokens_per_s": tokens / times["train_step"],
+        "logprobs_tflops": f.get("perf/rollout_tflops"), "train_step_tflops": f.get("perf/actor_tflops"),
+        "logprobs_mfu": f.get("perf/mfu_rollout"), "train_step_mfu": f.get("perf/mfu_actor"), "peak_tflops": peak or None,
+    })
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

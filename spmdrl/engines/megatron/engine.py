@@ -1,0 +1,342 @@
+"""megatron-core training engine: GPTModel (TP x PP x DP from the role mesh) behind spmdrl's TrainEngine protocol.
+
+Forward and backward run through megatron-core's pipeline schedules (`get_forward_backward_func`), one call per
+`logprobs` / `values` (forward_only, one micro-batch) and per `train_step` (all micro-batches, 1F1B with PP).
+
+Loss scaling in train_step. spmdrl's contract (engines/base.py): the caller's micro-batch losses are already
+dp * sum_i l_i / N_global; the engine must apply the gradient of their SUM, averaged over dp. Megatron's
+schedule divides a (loss, metrics) 2-tuple returned by the loss function by num_microbatches and multiplies it
+by the context-parallel size (forward_step_calc_loss; cp = 1 here, asserted), then megatron DDP all-reduces the
+grads over dp with a 1/dp scaling (average). The loss function therefore returns loss * num_microbatches: the
+schedule's division cancels it (up to one float rounding), and DDP's average is exactly the contract's. No
+3-tuple (num_tokens) is returned and calculate_per_token_loss stays off, so finalize_model_grads scales nothing.
+
+Optimizer: on CPU, torch.optim.AdamW over the megatron parameters, fed megatron DDP's float32 main_grad
+buffers (megatron's distributed optimizer rejects CPU tensors); on GPU, megatron's distributed optimizer
+(get_megatron_optimizer, fp32 master weights, its own clipping). The CPU grad norm counts a tensor-parallel
+duplicate (norms, value head) once (tp rank 0) and the last stage's copy of a tied embedding not at all, then
+sums squares over the tp and pp groups (grads are equal over dp after the all-reduce) - megatron's rule.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from spmdrl.dist.meshes import RoleMesh
+from spmdrl.engines.fsdp import TokenBatch, lr_lambda
+from spmdrl.errors import ConfigError
+
+from . import forward as fw
+from .convert import dims_from_hf, stage_layers, vocab_rows
+from .model import (StageModel, build_gpt, have_te, init_parallel_state, megatron_mask, pad_sequence_dim,
+                    rope_inv_freq)
+from .state import StateMixin
+
+log = logging.getLogger("spmdrl")
+
+
+class MegatronEngine(StateMixin):
+    """One HF Llama/Qwen2-family model as a megatron-core GPTModel sharded over a role mesh."""
+
+    def __init__(self, model_path: str, mesh: RoleMesh, device: torch.device, *, trainable: bool, dtype: str = "auto",
+                 value_head: bool = False, optim: dict | None = None, total_steps: int = 1,
+                 trust_remote_code: bool = False, seed: int = 0, make_vocab_size_divisible_by: int = 128,
+                 use_te: bool | None = None, gradient_checkpointing: bool = False, offload: bool = False,
+                 defer_grad_sync: bool = False):
+        from transformers import AutoConfig
+
+        self.device, self.mesh, self.trainable, self.model_path, self.seed = device, mesh, trainable, model_path, seed
+        cuda = device.type == "cuda"
+        self.dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
+        try:
+            self.config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.path = {model_path!r}: cannot load the model config ({e})") from None
+        if self.config.model_type not in ("llama", "qwen2"):
+            raise ConfigError(f"megatron backend: model_type {self.config.model_type!r} is not supported "
+                              "(Llama / Qwen2 family); use trainer.backend = 'fsdp'")
+        if value_head:
+            self.config.num_labels = 1
+        self.use_te = have_te() if use_te is None else use_te
+        if self.use_te and not cuda:
+            raise ConfigError("megatron backend: TransformerEngine layers need a GPU; the CPU path uses the local spec")
+        init_parallel_state(mesh, device, seed)
+        self.dims = dims_from_hf(self.config, tp=mesh.tp_size, divisible_by=make_vocab_size_divisible_by,
+                                 value_head=value_head)
+        gpt, self.tcfg = build_gpt(self.dims, self.config, mesh, device, self.dtype, self.use_te,
+                                   recompute=gradient_checkpointing and trainable)
+        self.stage = StageModel(gpt, rope_inv_freq(self.config), value_head, self.dtype).to(device)
+        self.first_layer = stage_layers(self.dims.layers, mesh.pp_size, mesh.pp_rank).start
+        self.is_last = mesh.pp_rank == mesh.pp_size - 1
+        self.load_stats = self._load_hf(model_path)
+        self.defer_grad_sync = defer_grad_sync
+        self.optimizer = self.scheduler = None
+        self.model = self.stage
+        self._ctx = None  # (tb, hidden) while the schedule runs the loss on the last stage
+        self._replay = None  # detached last-stage results replayed to loss_fn on the other stages
+        if not trainable:
+            self.stage.requires_grad_(False)
+            return
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+
+        o = optim or {}
+        self.grad_clip = o.get("grad_clip", 0.0)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=cuda, average_in_collective=False)
+        self.model = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=self.stage)
+        self.tcfg.finalize_model_grads_func = finalize_model_grads
+        self.tcfg.no_sync_func = self.model.no_sync
+        sched = lr_lambda(o.get("warmup_steps", 0), total_steps, o.get("lr_scheduler", "constant"), o.get("min_lr_ratio", 0.0))
+        if cuda:
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            ocfg = OptimizerConfig(optimizer="adam", lr=o.get("lr", 1e-6), weight_decay=o.get("weight_decay", 0.0),
+                                   adam_beta1=tuple(o.get("betas", (0.9, 0.999)))[0],
+                                   adam_beta2=tuple(o.get("betas", (0.9, 0.999)))[1], adam_eps=o.get("eps", 1e-8),
+                                   clip_grad=self.grad_clip, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+                                   use_distributed_optimizer=True)
+            self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+            self.scheduler = _MegatronLR(self.optimizer, sched, o.get("lr", 1e-6))
+        else:
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.stage.parameters() if p.requires_grad], lr=o.get("lr", 1e-6),
+                betas=tuple(o.get("betas", (0.9, 0.999))), eps=o.get("eps", 1e-8), weight_decay=o.get("weight_decay", 0.0),
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, sched)
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def eval(self) -> None:
+        self.stage.eval()
+
+    def _schedule(self, items: list, step_fn: Callable, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        tbs = [it[1] if isinstance(it, tuple) else it for it in items]
+        fb = get_forward_backward_func()
+        return fb(forward_step_func=step_fn, data_iterator=iter(items), model=[self.model], num_microbatches=len(items),
+                  seq_length=max(tb.input_ids.shape[1] for tb in tbs), micro_batch_size=max(tb.input_ids.shape[0] for tb in tbs),
+                  forward_only=forward_only)
+
+    def _run_stage(self, tb: TokenBatch):
+        tb = tb.to(self.device)
+        if self.use_te and tb.attention_mask.dim() == 4:
+            raise ConfigError("megatron backend with TransformerEngine layers: packed micro-batches need THD attention, "
+                              "which is not wired up; turn packing off (padded micro-batches)")
+        ids, pos, mask = tb.input_ids, tb.position_ids, tb.attention_mask
+        if self.tcfg.sequence_parallel:  # the sequence is split over tp: its length must divide
+            ids, pos, mask = pad_sequence_dim(ids, pos, mask, self.mesh.tp_size)
+        return tb, self.model(ids, pos, megatron_mask(mask))
+
+    def _lm_head(self, hidden, tb: TokenBatch, temperature: float, with_entropy, chunk_size: int):
+        from megatron.core import parallel_state as ps
+
+        gpt = self.stage.gpt
+        w = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+        h = fw.response_hidden(hidden, tb, sequence_parallel=self.tcfg.sequence_parallel, replicated_use=False)
+        labels = tb.resp_ids[tb.resp_mask.bool()]
+        lo = vocab_rows(self.dims, self.mesh.tp_size, self.mesh.tp_rank)[0]  # columns >= V are padding, masked
+        logp, ent = fw.vocab_parallel_logprobs(h, w, labels, vocab_start=lo, vocab=self.dims.vocab, temperature=temperature,
+                                               chunk_size=chunk_size, with_entropy=with_entropy,
+                                               group=ps.get_tensor_model_parallel_group())
+        return fw.scatter_rows(logp, tb.resp_mask), (fw.scatter_rows(ent, tb.resp_mask) if ent is not None else None)
+
+    def _value_head(self, hidden, tb: TokenBatch):
+        h = fw.response_hidden(hidden, tb, sequence_parallel=self.tcfg.sequence_parallel, replicated_use=True)
+        return fw.scatter_rows(self.stage.value_head(h).squeeze(-1).float(), tb.resp_mask)
+
+    def _broadcast_last(self, t: torch.Tensor | None, shape) -> torch.Tensor:
+        """The last PP stage's tensor on every stage of this rank's pp group."""
+        if self.mesh.pp_size == 1:
+            return t
+        group = self.mesh.group("pp")
+        buf = t.detach().float().contiguous() if self.is_last else torch.empty(shape, dtype=torch.float32, device=self.device)
+        dist.broadcast(buf, src=dist.get_global_rank(group, self.mesh.pp_size - 1), group=group)
+        return buf
+
+    def logprobs(self, tb: TokenBatch, *, temperature: float = 1.0, with_entropy=False, chunk_size: int = 1024):
+        if self._ctx is not None:  # inside train_step's loss on the last stage: differentiable
+            ctb, hidden = self._ctx
+            return self._lm_head(hidden, ctb, temperature, with_entropy, chunk_size)
+        if self._replay is not None:  # train_step replaying the loss on a non-last stage: detached values
+            lp, ent = self._replay
+            return lp, (ent if with_entropy else None)
+
+        def step(it, model):
+            t, hidden = self._run_stage(next(it))
+            return hidden, lambda out: (out.new_zeros(()), self._lm_head(out, t, temperature, with_entropy, chunk_size))
+
+        B, R = tb.resp_ids.shape
+        with torch.no_grad():
+            res = self._schedule([tb], step, forward_only=True)
+        lp, ent = res[0] if self.is_last else (None, None)
+        both = torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)]) if self.is_last else None
+        both = self._broadcast_last(both, (2, B, R))
+        return both[0], (both[1] if with_entropy else None)
+
+    def values(self, tb: TokenBatch) -> torch.Tensor:
+        if self._ctx is not None:
+            ctb, hidden = self._ctx
+            return self._value_head(hidden, ctb)
+        if self._replay is not None:
+            return self._replay[0]
+
+        def step(it, model):
+            t, hidden = self._run_stage(next(it))
+            return hidden, lambda out: (out.new_zeros(()), self._value_head(out, t))
+
+        with torch.no_grad():
+            res = self._schedule([tb], step, forward_only=True)
+        return self._broadcast_last(res[0] if self.is_last else None, tuple(tb.resp_ids.shape))
+
+    # ---- update -------------------------------------------------------------------------------------
+    def train_step(self, micro_batches: list, loss_fn: Callable) -> dict[str, float]:
+        """One optimizer step over `micro_batches`; loss_fn(micro, engine) -> (loss, metrics). See the module
+        docstring for the scaling. On stages other than the last, loss_fn runs after the schedule on the last
+        stage's (broadcast, detached) log-probs / values so that its metrics (and any side effects) are the same
+        on every rank; those losses are not differentiated."""
+        from megatron.core import parallel_state as ps
+
+        assert ps.get_context_parallel_world_size() == 1
+        M = len(micro_batches)
+        self.stage.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        sums: dict[str, float] = {}
+        outs: list = []  # per micro-batch, what loss_fn read from the heads (last stage)
+
+        def step(it, model):
+            item = next(it)
+            t, hidden = self._run_stage(item[1] if isinstance(item, tuple) else item)
+
+            def loss_func(out):
+                self._ctx = (t, out)
+                rec = _Recorder(self)
+                try:
+                    loss, metrics = loss_fn(item, rec)
+                finally:
+                    self._ctx = None
+                outs.append(rec.seen)
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                return loss * M, {}
+
+            return hidden, loss_func
+
+        self._schedule(list(micro_batches), step, forward_only=False)
+        if self.mesh.pp_size > 1:
+            self._replay_on_other_stages(micro_batches, loss_fn, outs, sums)
+        if self.device.type == "cuda":
+            ok, grad_norm, _ = self.optimizer.step()
+            grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+            finite = bool(ok)
+        else:
+            for p in self.optimizer.param_groups[0]["params"]:
+                p.grad = p.main_grad if p.requires_grad else None
+            grad_norm = self.clip_grad_norm()
+            finite = math.isfinite(grad_norm)
+            if finite:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        out = {k: v / M for k, v in sums.items()}
+        out.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0 if finite else 1.0)
+        return out
+
+    def _replay_on_other_stages(self, micro_batches, loss_fn, outs, sums) -> None:
+        """Broadcast what each micro-batch's loss read on the last stage ([k, B, R] stacked) to the other
+        stages and run loss_fn there on it, for the metrics."""
+        for i, item in enumerate(micro_batches):
+            tb = item[1] if isinstance(item, tuple) else item
+            B, R = tb.resp_ids.shape
+            k = torch.tensor([len(outs[i]) if self.is_last else 0], device=self.device)
+            dist.broadcast(k, src=dist.get_global_rank(self.mesh.group("pp"), self.mesh.pp_size - 1), group=self.mesh.group("pp"))
+            seen = self._broadcast_last(torch.stack(outs[i]) if self.is_last else None, (int(k), B, R))
+            if self.is_last:
+                continue
+            self._replay = (seen[0], seen[1] if len(seen) > 1 else None)
+            try:
+                _, metrics = loss_fn(item, self)
+            finally:
+                self._replay = None
+            for key, v in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(v)
+
+    def clip_grad_norm(self) -> float:
+        """Global grad norm (megatron's rule, see the module docstring), then clip to grad_clip."""
+        from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        params = [p for p in self.optimizer.param_groups[0]["params"] if p.grad is not None]
+        counted = [p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in counted:
+            sq += g.detach().double().pow(2).sum()
+        for dim in ("tp", "pp"):
+            if getattr(self.mesh, f"{dim}_size") > 1:
+                dist.all_reduce(sq, group=self.mesh.group(dim))
+        total = math.sqrt(float(sq))
+        if self.grad_clip > 0 and math.isfinite(total) and total > self.grad_clip:
+            scale = self.grad_clip / (total + 1e-6)
+            for p in params:
+                p.grad.mul_(scale)
+        return total
+
+    # ---- memory -------------------------------------------------------------------------------------
+    def offload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
+        """Not implemented for the Megatron backend: a no-op (state stays on the device)."""
+
+    def onload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
+        """See offload."""
+
+
+class _Recorder:
+    """The engine as loss_fn sees it inside the schedule: records the (detached) head outputs loss_fn read,
+    so they can be replayed on the other PP stages."""
+
+    def __init__(self, engine: MegatronEngine):
+        self._engine, self.seen = engine, []
+
+    def logprobs(self, tb, *, temperature: float = 1.0, with_entropy=False, chunk_size: int = 1024):
+        lp, ent = self._engine.logprobs(tb, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
+        self.seen += [lp.detach().float()] + ([ent.detach().float()] if ent is not None else [])
+        return lp, ent
+
+    def values(self, tb):
+        v = self._engine.values(tb)
+        self.seen.append(v.detach().float())
+        return v
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+class _MegatronLR:
+    """LambdaLR semantics for megatron's optimizer (it owns its param groups)."""
+
+    def __init__(self, optimizer, fn: Callable[[int], float], base_lr: float):
+        self.optimizer, self.fn, self.base_lr, self.last_epoch = optimizer, fn, base_lr, 0
+        self._set()
+
+    def _set(self):
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.base_lr * self.fn(self.last_epoch)
+
+    def get_last_lr(self) -> list[float]:
+        return [self.base_lr * self.fn(self.last_epoch)]
+
+    def step(self):
+        self.last_epoch += 1
+        self._set()
+
+    def state_dict(self):
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, sd):
+        self.last_epoch = sd["last_epoch"]
+        self._set()

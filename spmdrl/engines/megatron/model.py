@@ -1,0 +1,212 @@
+"""Build a megatron-core GPTModel for one role from an HF Llama / Qwen2 config, on the role's mesh.
+
+parallel_state is initialised with order "tp-pp-dp" (tp fastest, then pp, then dp: megatron's RankGenerator
+reads the order string fastest first), which is the layout of spmdrl's RoleLayout; the engine then asserts
+that megatron's tp / pp / dp groups contain exactly the ranks of the role mesh's groups (no rank arithmetic
+here). megatron's parallel state is one per process, so every Megatron role of a run must share one layout.
+
+Rotary embeddings: the engine computes the rotary angles itself from each token's position id with HF's own
+inverse frequencies (`transformers.modeling_rope_utils`, so rope_theta and rope scaling follow the HF config
+exactly) and hands them to megatron's attention as `rotary_pos_emb` [s, b, 1, d]; megatron applies them with its
+unfused RoPE. This is what lets packed rows (several sequences, each with positions 0, 1, ...) work without
+TransformerEngine.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from spmdrl.errors import ConfigError
+
+from .convert import Dims, stage_layers
+
+
+def have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+
+        from megatron.core.extensions import transformer_engine as _te  # noqa: F401
+    except Exception:  # ImportError, or TE built against another torch
+        return False
+    return True
+
+
+def init_parallel_state(mesh, device: torch.device, seed: int) -> None:
+    """Initialise megatron's parallel_state for `mesh` (or check an existing one) and assert that its groups
+    are the mesh's groups."""
+    from megatron.core import parallel_state as ps
+
+    world = dist.get_world_size()
+    if len(mesh.layout.ranks) != world or list(mesh.layout.ranks) != sorted(mesh.layout.ranks):
+        raise ConfigError(f"megatron backend: the {mesh.layout.role} role must span all {world} ranks in order "
+                          "(megatron's parallel state is world-wide); use colocated placement")
+    if device.type == "cpu":
+        from . import cpu_compat
+
+        cpu_compat.apply()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=mesh.tp_size, pipeline_model_parallel_size=mesh.pp_size,
+            order="tp-cp-ep-pp-dp", create_gloo_process_groups=device.type == "cuda",
+        )
+        if device.type == "cuda":
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    ranks = dist.get_process_group_ranks
+    for dim, mgroup in (("tp", ps.get_tensor_model_parallel_group()), ("pp", ps.get_pipeline_model_parallel_group()),
+                        ("dp", ps.get_data_parallel_group())):
+        ours = ranks(mesh.group(dim))
+        if ranks(mgroup) != ours:
+            raise ConfigError(
+                f"megatron backend: megatron's {dim} group {ranks(mgroup)} differs from the {mesh.layout.role} mesh's "
+                f"{ours}; every Megatron role must use the same tp/pp/dp layout"
+            )
+
+
+def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, recompute: bool = False):
+    """recompute: megatron's full activation recompute, one layer per checkpoint (model.gradient_checkpointing)."""
+    from megatron.core.transformer import TransformerConfig
+
+    cuda = device.type == "cuda"
+    return TransformerConfig(
+        num_layers=dims.layers, hidden_size=dims.hidden, num_attention_heads=dims.heads,
+        num_query_groups=dims.groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=dims.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=mesh.tp_size, pipeline_model_parallel_size=mesh.pp_size,
+        sequence_parallel=cuda and mesh.tp_size > 1,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=not cuda, perform_initialization=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", deallocate_pipeline_outputs=False,
+    )
+
+
+def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, use_te: bool, recompute: bool = False):
+    """The GPTModel of this rank's PP stage (weights uninitialised), on `device`."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+
+    cfg = transformer_config(dims, hf_config, mesh, device, dtype, recompute)
+    spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec(normalization="RMSNorm")
+    first, last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp_size - 1
+    kw = dict(config=cfg, transformer_layer_spec=spec, vocab_size=dims.vocab_padded,
+              max_sequence_length=hf_config.max_position_embeddings, pre_process=first, post_process=last,
+              parallel_output=True, share_embeddings_and_output_weights=dims.tie and not dims.value_head,
+              position_embedding_type="none")
+    if device.type == "cpu":
+        from .cpu_compat import cuda_tensors_stay_on_cpu
+
+        with cuda_tensors_stay_on_cpu():
+            gpt = GPTModel(**kw)
+    else:
+        gpt = GPTModel(**kw)
+    _mark_tensor_parallel(gpt)
+    if dims.value_head and last:
+        del gpt.output_layer  # a critic reads the value head, never the vocabulary
+        gpt.output_layer = None
+    gpt.to(device)
+    want = list(stage_layers(dims.layers, mesh.pp_size, mesh.pp_rank))
+    got = [layer.layer_number - 1 for layer in gpt.decoder.layers]
+    if got != want:
+        raise RuntimeError(f"megatron put layers {got} on pp stage {mesh.pp_rank}, the converter expects {want}")
+    return gpt, cfg
+
+
+def _mark_tensor_parallel(gpt) -> None:
+    """megatron sets a weight's `tensor_model_parallel` attribute only inside its weight initialisers, which
+    perform_initialization=False skips (the weights come from the HF checkpoint). The grad norm (tp duplicates
+    counted once) and the checkpoint's replica sync read it, so set it here for the local spec's layers."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                                      set_tensor_model_parallel_attributes)
+
+    for mod in gpt.modules():
+        dim = 0 if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)) else 1 if isinstance(mod, RowParallelLinear) else None
+        w = getattr(mod, "weight", None)
+        if dim is not None and isinstance(w, torch.nn.Parameter) and not getattr(w, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(w, True, dim, 1)
+
+
+def rope_inv_freq(hf_config) -> torch.Tensor:
+    """HF's inverse frequencies for this config (default, linear, llama3, ... scaling); float32 [d/2]."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ConfigError(f"megatron backend: rope_type {rope_type!r} is not supported (length-dependent scaling)")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    if not math.isclose(scaling, 1.0):
+        raise ConfigError(f"megatron backend: rope_type {rope_type!r} scales attention by {scaling}; not supported")
+    return inv_freq.float()
+
+
+class StageModel(nn.Module):
+    """One PP stage: the GPTModel's embedding (first stage) and decoder, plus a critic's value head (last
+    stage). forward(tb) -> hidden states [L(/tp under sequence parallelism), N, H] after the final norm on the
+    last stage. The LM head is applied by the engine at response positions only (forward.py)."""
+
+    def __init__(self, gpt, inv_freq: torch.Tensor, value_head: bool, dtype: torch.dtype):
+        super().__init__()
+        self.gpt = gpt
+        # what megatron's schedules look up on the model
+        self.config, self.model_type = gpt.config, gpt.model_type
+        self.pre_process, self.post_process = gpt.pre_process, gpt.post_process
+        self.share_embeddings_and_output_weights = gpt.share_embeddings_and_output_weights
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.value_head = nn.Linear(gpt.config.hidden_size, 1, dtype=dtype) if value_head and gpt.post_process else None
+
+    def shared_embedding_or_output_weight(self):
+        return self.gpt.shared_embedding_or_output_weight()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.gpt.set_input_tensor(input_tensor)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor):
+        # angles in float32 like HF: [N, L] positions x [d/2] -> [L, N, 1, d]
+        freqs = position_ids.t().float()[..., None] * self.inv_freq.float()
+        freqs = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+        x = self.gpt.embedding(input_ids=input_ids, position_ids=None) if self.gpt.pre_process else None
+        return self.gpt.decoder(hidden_states=x, attention_mask=attention_mask, rotary_pos_emb=freqs)
+
+
+def megatron_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """spmdrl's mask -> megatron's [N, 1, L, L] bool, True where attention is NOT allowed. A padded batch's
+    [N, L] mask becomes causal AND key-valid (right padding); a packed batch's [N, 1, L, L] block-diagonal
+    causal mask (True = allowed) is inverted."""
+    if attention_mask.dim() == 4:
+        return ~attention_mask.bool()
+    L = attention_mask.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=attention_mask.device).tril()
+    allowed = causal[None] & attention_mask.bool()[:, None, :]
+    # a padding query row sees no key at all; let it see itself so its softmax stays finite (never read)
+    allowed = allowed | torch.eye(L, dtype=torch.bool, device=attention_mask.device)[None]
+    return ~allowed[:, None]
+
+
+def pad_sequence_dim(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, multiple: int):
+    """Right-pad the sequence dimension to a multiple of `multiple` (sequence parallelism splits it over tp).
+    The new columns are padding: token 0, positions continuing, attended by nobody (the rows that are not
+    padding never see them; they are never read)."""
+    L = ids.shape[1]
+    extra = -L % multiple
+    if not extra:
+        return ids, pos, mask
+    ids = F.pad(ids, (0, extra))
+    pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)], dim=1)
+    mask = F.pad(mask, (0, extra)) if mask.dim() == 2 else F.pad(mask, (0, extra, 0, extra))
+    return ids, pos, mask

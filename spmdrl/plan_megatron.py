@@ -1,0 +1,95 @@
+"""`spmdrl plan` for roles on the Megatron-core backend: what a (dp, pp, tp) rank holds and needs, per phase.
+
+Per rank, for the pipeline stage that needs the most (stages differ: the first holds the embeddings and the
+most micro-batches in flight, the last the output layer, its logits and the value head):
+
+  params      the stage's TP shard in the compute dtype (megatron's model weights, vocab padding included)
+  grads       megatron DDP's contiguous gradient buffer, float32 (grad_reduce_in_fp32, as Megatron-LM sets
+              for bf16), the size of the stage's TP shard; it persists between steps, so it counts as
+              resident state unless memory.<role>_offload lists "grads"
+  optimizer   the distributed optimizer: float32 main weights (only when the model weights are not float32)
+              plus AdamW's exp_avg and exp_avg_sq, 4 + 4 + 4 bytes per parameter divided over the dp ranks
+  activations 1F1B keeps min(pp - p, m) micro-batches in flight on stage p (m = micro-batches per mini-batch
+              per dp rank). With full recompute (model.gradient_checkpointing) a micro-batch keeps each layer's
+              input (bf16, divided by tp under sequence parallelism, which the engine turns on with TP on GPU),
+              plus one layer's recomputed activations during its backward; without recompute every layer's
+              activations (`plan.layer_activation_bytes`, its sequence-parallel part divided by tp). The last
+              stage adds one chunk of actor.logprob_chunk_size tokens of vocab-parallel logits (the engine
+              projects response tokens chunk by chunk under checkpointing: Vp / tp columns, fp32, three tensors:
+              logits, exponentials, gradient).
+
+Forward-only passes (ref, old log-probs) keep one layer's activations and the logits of one micro-batch.
+These are estimates for a GPU run; none of it has been measured on a GPU.
+"""
+from __future__ import annotations
+
+import math
+
+from spmdrl.reshard.plan import MEGATRON_VOCAB, megatron_blocks, megatron_padded_vocab, numel, pp_stage_layers
+
+
+def megatron_stats(params, lay, hf, padded_vocab: int | None = None) -> dict:
+    """Per-stage element counts of a Megatron role's TP shard (the largest tp rank), vocab padding included."""
+    grid = lay.mesh_ranks()
+    pv = padded_vocab or megatron_padded_vocab(hf.vocab_size, lay.tp)
+    blocks = megatron_blocks(params, grid, num_layers=hf.num_hidden_layers, padded_vocab=pv)
+    stage_of = {grid[0][p][t]: (p, t) for p in range(lay.pp) for t in range(lay.tp)}
+    per: dict[tuple[int, int], int] = {}
+    for name, bs in blocks.items():
+        for rank, b in bs:
+            if rank not in stage_of:  # dp replicas hold the same as dp rank 0
+                continue
+            n = numel(b)
+            if MEGATRON_VOCAB.search(name):  # megatron also holds the padding rows, Vp / tp in all
+                n = pv // lay.tp * math.prod(b[1][1:])
+            per[stage_of[rank]] = per.get(stage_of[rank], 0) + n
+    stage = [max(per.get((p, t), 0) for t in range(lay.tp)) for p in range(lay.pp)]
+    layers = pp_stage_layers(hf.num_hidden_layers, lay.pp)
+    return {"stage": stage, "shard": max(stage), "layers_per_stage": [len(x) for x in layers],
+            "padded_vocab": pv, "total": sum(math.prod(s) for _, s in params)}
+
+
+def micro_batches_in_flight(cfg, role: str, lay) -> int:
+    """m: micro-batches per mini-batch on one dp rank, the most 1F1B can have in flight on stage 0."""
+    d, n = cfg.data, cfg.rollout.n
+    if role == "critic":
+        mini, micro = d.train_batch_size, cfg.critic.micro_batch_size
+    else:
+        mini, micro = cfg.actor.ppo_mini_batch_size or d.train_batch_size, cfg.actor.micro_batch_size
+    return max(1, -(-(mini * n // max(1, lay.dp)) // micro))
+
+
+def megatron_memory(st: dict, *, c, lay, trainable: bool, micro: int, seq: int, lm_head: bool, compute_eb: int,
+                    ckpt: bool, on_gpu: bool, in_flight: int, layer_bytes, chunk: int) -> dict:
+    """kinds (resident state), train (the worst stage during the update) and forward (worst stage, forward only)
+    in bytes per rank, for one Megatron role, and which stages those are (worst_stage).
+    layer_bytes(c, tp) is plan.layer_activation_bytes."""
+    tokens = micro * seq
+    sp = lay.tp if on_gpu and lay.tp > 1 else 1
+    head = min(chunk, tokens) * st["padded_vocab"] // lay.tp * 4 * 3 if lm_head else 0
+    seq_part = 14 * c.hidden_size  # norms (fp32 in, bf16 out) and the attention input: sequence-sharded under SP
+    one_layer = tokens * (layer_bytes(c, lay.tp) - seq_part + seq_part // sp)
+    boundary = tokens * c.hidden_size * 2 // sp  # a stage's input/output activation (p2p buffers)
+
+    def kinds_of(n: int) -> dict:
+        k = {"params": n * compute_eb}
+        if trainable:
+            main = 4 if compute_eb != 4 else 0
+            k["grads"] = n * 4
+            k["optimizer"] = n * (main + 8) // lay.dp
+        return k
+
+    train, forward, worst_t, worst_f, stages = {}, {}, -1, -1, {}
+    for p in range(lay.pp):
+        k = kinds_of(st["stage"][p])
+        last = p == lay.pp - 1
+        fl = min(lay.pp - p, in_flight)
+        per_mb = st["layers_per_stage"][p] * (tokens * c.hidden_size * 2 // sp if ckpt else one_layer)
+        t = {**k, "activations": fl * per_mb + (one_layer if ckpt else 0) + (head if last else 0) + 2 * boundary}
+        f = {"params": k["params"], "activations": one_layer + (head if last else 0) + 2 * boundary}
+        if trainable and sum(t.values()) > worst_t:
+            worst_t, train, stages["train"] = sum(t.values()), t, p
+        if sum(f.values()) > worst_f:
+            worst_f, forward, stages["forward"] = sum(f.values()), f, p
+    kinds = kinds_of(max(st["stage"]))
+    return {"kinds": kinds, "train": train, "forward": forward, "worst_stage": stages}

@@ -1,0 +1,182 @@
+"""Checks of the Megatron engine at one layout (--tp, --pp; dp = world / (tp * pp)), in one torchrun run, on a
+tiny fp32 HF Qwen2 model. Writes <out>/rank<r>.pt with, per rank:
+
+  logprobs: {(packed, temperature): (logp [B, R], entropy [B, R])} of a fixed batch (every rank the whole batch);
+  grads: {loss_agg_mode: {HF name: [(block, tensor)]}}: the gradient of one PPO actor update (spmdrl.update,
+      lr 0) over the global batch of tests/dist_scripts/objective_layout.py, dp-sharded, micro-batches of --micro,
+      read just before the optimizer step as HF blocks (this rank's pieces);
+  metrics: {mode: run_updates' logged values};
+  blocks_ok: every weight_shards block equals source_blocks()[name][rank];
+  resume_equal: after checkpoint at step 1 (spmdrl.checkpoint), step 2 of the running engine and step 2 of a fresh
+      engine loaded from that checkpoint give bitwise equal parameters (AdamW, weight decay, grad clipping);
+  values / critic_metrics / critic_grads: a critic (value head) engine's values of the fixed batch and one
+      token-mean value-loss update (lr 0), gradients as HF blocks;
+and the directories <out>/critic_export (the critic as an HF token-classification model), <out>/export (export_hf of the untouched engine), <out>/ckpt (the checkpoint) and
+<out>/export_step1 (export_hf right after step 1, to compare with `spmdrl export` of the checkpoint).
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from objective_layout import global_batch  # noqa: E402
+
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def fixed_batch():
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 300, (n,), generator=g) for n in (3, 5, 2, 4)]
+    resps = [torch.randint(5, 300, (n,), generator=g) for n in (4, 1, 6, 3)]
+    return prompts, resps
+
+
+def hf_blocks(engine, of):
+    """{HF name: [(block, tensor)]} of this rank's pieces of `of(param)` (a param-shaped tensor)."""
+    from spmdrl.engines.megatron.convert import merged_blocks
+
+    out = {}
+    for _, p, pieces in engine._local_params():
+        src = of(p)
+        if src is None:
+            continue
+        for name, (block, pcs) in merged_blocks(pieces).items():
+            t = torch.cat([src[pc.rows[0]: pc.rows[1]] for pc in pcs])
+            out.setdefault(name, []).append((block, t.detach().clone()))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--skip-resume", action="store_true")
+    p.add_argument("--recompute", action="store_true", help="trainable engines with model.gradient_checkpointing")
+    args = p.parse_args()
+    from spmdrl.algos import POLICY_LOSSES
+    from spmdrl.batch import Batch
+    from spmdrl.checkpoint.manager import CheckpointManager
+    from spmdrl.config import Config
+    from spmdrl.dist.init import init_distributed
+    from spmdrl.dist.layout import ROLES, RoleLayout
+    from spmdrl.dist.meshes import RoleMeshes
+    from spmdrl.engines import build_train_engine, pack_sequences
+    from spmdrl.update import actor_body, critic_body, run_updates
+
+    env, device = init_distributed("cpu")
+    W = env.world_size
+    dp = W // (args.tp * args.pp)
+    layouts = {r: RoleLayout(r, tuple(range(W)), dp, args.pp, args.tp) for r in ROLES}
+    mesh = RoleMeshes(layouts, env.rank, "cpu")["actor"]
+    res = {}
+
+    def engine(lr=0.0, weight_decay=0.0, grad_clip=0.0):
+        return build_train_engine("megatron", args.model, mesh, device, trainable=True,
+                                  gradient_checkpointing=args.recompute, optim=dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip))
+
+    eng = engine()
+    prompts, resps = fixed_batch()
+    res["logprobs"] = {}
+    for packed in (False, True):
+        tb = pack_sequences(prompts, resps, 0, packed=packed)
+        for temp in (1.0, 0.7):
+            lp, ent = eng.logprobs(tb, temperature=temp, with_entropy=True, chunk_size=3)
+            res["logprobs"][(packed, temp)] = (lp.clone(), ent.clone())
+
+    shards = {n: (t, b) for n, t, b in eng.weight_shards()}
+    mine = {n: dict(bs)[env.rank] for n, bs in eng.source_blocks().items() if env.rank in dict(bs)}
+    res["blocks_ok"] = set(shards) == set(mine) and all(
+        shards[n][1] == mine[n] and tuple(shards[n][0].shape) == tuple(mine[n][1]) for n in shards)
+    eng.export_hf(os.path.join(args.out, "export"))
+
+    # ---- one PPO update per aggregation mode: gradients as HF blocks --------------------------------------
+    cfg = Config()
+    full = global_batch()
+    B = len(full["index"])
+    per = B // mesh.dp_size
+    local = Batch({k: v[mesh.dp_rank * per: (mesh.dp_rank + 1) * per] for k, v in full.items()})
+    grads, clip = {}, eng.clip_grad_norm
+
+    def capture():
+        grads.update(hf_blocks(eng, lambda prm: prm.grad))
+        return clip()
+
+    eng.clip_grad_norm = capture
+    res["grads"], res["metrics"] = {}, {}
+    for mode in MODES:
+        cfg.actor.policy_loss, cfg.actor.loss_agg_mode = "ppo", mode
+        cfg.actor.entropy_coeff, cfg.actor.use_kl_loss, cfg.actor.kl_loss_coef = 0.01, True, 0.1
+        cfg.actor.kl_loss_type, cfg.data.max_response_length = "low_var_kl", 8
+        body = actor_body(cfg, POLICY_LOSSES.get("ppo"), 1.0)
+        grads.clear()
+        m = run_updates(eng, local, epochs=1, mini_size=len(local), micro_size=args.micro, pad_id=0,
+                        dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix="actor")
+        res["grads"][mode] = dict(grads)
+        res["metrics"][mode] = m
+
+    # ---- a critic (value head on the last stage): values, export, one value-loss update --------------------
+    critic = build_train_engine("megatron", args.model, mesh, device, trainable=True, value_head=True,
+                                gradient_checkpointing=args.recompute,
+                                optim=dict(lr=0.0, weight_decay=0.0, grad_clip=0.0))
+    res["values"] = {packed: critic.values(pack_sequences(prompts, resps, 0, packed=packed)).clone()
+                     for packed in (False, True)}
+    critic.export_hf(os.path.join(args.out, "critic_export"))
+    cgrads, cclip = {}, critic.clip_grad_norm
+
+    def ccapture():
+        cgrads.update(hf_blocks(critic, lambda prm: prm.grad))
+        return cclip()
+
+    critic.clip_grad_norm = ccapture
+    cfg.critic.cliprange_value, cfg.critic.loss_agg_mode = 0.5, "token-mean"
+    returns = (full["values"] + full["advantages"])[mesh.dp_rank * per: (mesh.dp_rank + 1) * per]
+    res["critic_metrics"] = run_updates(critic, Batch({**local.tensors, "returns": returns}), epochs=1,
+                                        mini_size=len(local), micro_size=args.micro, pad_id=0, dp_size=mesh.dp_size,
+                                        dp_group=mesh.group("dp"), body=critic_body(cfg), prefix="critic")
+    res["critic_grads"] = {"token-mean": dict(cgrads)}
+
+    # ---- checkpoint + bitwise resume ------------------------------------------------------------------------
+    if not args.skip_resume:
+        cfg.actor.loss_agg_mode = "token-mean"
+        body = actor_body(cfg, POLICY_LOSSES.get("ppo"), 1.0)
+
+        def step(e):
+            return run_updates(e, local, epochs=1, mini_size=len(local), micro_size=args.micro, pad_id=0,
+                               dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix="actor")
+
+        a = engine(lr=1e-2, weight_decay=0.01, grad_clip=0.5)
+        step(a)
+        root = os.path.join(args.out, "ckpt")
+        mgr = CheckpointManager(root, keep_last=1)
+        path = mgr.save(1, engines={"actor": a}, trainer_state={"step": 1}, config_toml="",
+                        hf_files=lambda d: a.hf_config().save_pretrained(d))
+        a.export_hf(os.path.join(args.out, "export_step1"))
+        at_save = hf_blocks(a, lambda prm: prm.data)
+        step(a)
+        want = hf_blocks(a, lambda prm: prm.data)
+        b = engine(lr=1e-2, weight_decay=0.01, grad_clip=0.5)
+        CheckpointManager(root, keep_last=1).load(path, engines={"actor": b}, config_toml="")
+        loaded = hf_blocks(b, lambda prm: prm.data)
+        res["load_differs"] = sorted({n for n in at_save for x, y in zip(at_save[n], loaded[n]) if not torch.equal(x[1], y[1])})
+        step(b)
+        got = hf_blocks(b, lambda prm: prm.data)
+        res["resume_differs"] = sorted({n for n in want for x, y in zip(want[n], got[n]) if not torch.equal(x[1], y[1])})
+        ok = torch.tensor([float(not res["resume_differs"])])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        res["resume_equal"] = bool(ok)
+        res["moved"] = max(float((x[1] - y[1]).abs().max()) for n in want
+                           for x, y in zip(want[n], hf_blocks(eng, lambda prm: prm.data)[n]))
+    torch.save(res, os.path.join(args.out, f"rank{env.rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Pure parts of the Megatron backend (no process group): the HF <-> Megatron block arithmetic and the config keys.
+
+The engine's numerics against real megatron-core are in tests/test_megatron_engine.py; these check the block
+layout the weight sync relies on (spmdrl/reshard/plan.py's Megatron source layout must agree with it)."""
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+from spmdrl.engines.megatron.convert import (dims_from_hf, hf_param_shapes, hf_pieces, padded_vocab,  # noqa: E402
+                                             source_blocks, stage_layers, stage_megatron_names)
+from spmdrl.errors import ConfigError  # noqa: E402
+
+
+def _config(**kw):
+    from transformers import Qwen2Config
+
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4, tie_word_embeddings=False)
+    return Qwen2Config(**{**base, **kw})
+
+
+def _grid(dp, pp, tp):
+    r = iter(range(dp * pp * tp))
+    return [[[next(r) for _ in range(tp)] for _ in range(pp)] for _ in range(dp)]
+
+
+@pytest.mark.parametrize("dp,pp,tp,tie", [(1, 1, 1, False), (2, 1, 2, False), (1, 2, 2, True), (2, 2, 4, False)])
+def test_source_blocks_tile_every_hf_parameter_once(dp, pp, tp, tie):
+    dims = dims_from_hf(_config(tie_word_embeddings=tie), tp=tp)
+    shapes = dict(hf_param_shapes(dims))
+    blocks = source_blocks(dims, _grid(dp, pp, tp))
+    assert blocks.keys() == shapes.keys()
+    for name, shape in shapes.items():
+        cover = torch.zeros(shape, dtype=torch.int32)
+        for offs, size in {b for _, b in blocks[name]}:  # distinct blocks; replicas hold identical ones
+            cover[tuple(slice(o, o + s) for o, s in zip(offs, size))] += 1
+        assert bool((cover == 1).all()), name
+        holders = {r for r, _ in blocks[name]}
+        assert len(holders) == len(blocks[name])  # one block per holding rank
+        if name.startswith("model.layers."):  # only the ranks of the stage that owns the layer
+            layer = int(name.split(".")[2])
+            stage = next(p for p in range(pp) if layer in stage_layers(dims.layers, pp, p))
+            assert holders == {g[stage][t] for g in _grid(dp, pp, tp) for t in range(tp)}
+
+
+def test_fused_qkv_and_gate_up_rows_follow_megatrons_layout():
+    """Megatron's linear_qkv of tp rank t is [for each of its query groups: q heads, k head, v head] and its
+    linear_fc1 is [gate share; up share]: build both from full HF tensors the megatron way and compare with
+    what hf_pieces says each row range holds."""
+    tp, H = 2, 64
+    dims = dims_from_hf(_config(), tp=tp)
+    hd, ng, qpg = dims.head_dim, dims.groups, dims.heads // dims.groups
+    q = torch.randn(dims.heads * hd, H)
+    k, v = torch.randn(ng * hd, H), torch.randn(ng * hd, H)
+    fused = torch.cat([q.view(ng, qpg * hd, H), k.view(ng, hd, H), v.view(ng, hd, H)], dim=1)  # [ng, (qpg+2)hd, H]
+    gate, up = torch.randn(dims.ffn, H), torch.randn(dims.ffn, H)
+    full = {"q_proj": q, "k_proj": k, "v_proj": v, "gate_proj": gate, "up_proj": up}
+    for t in range(tp):
+        local_qkv = fused[t * ng // tp: (t + 1) * ng // tp].reshape(-1, H)
+        f = dims.ffn // tp
+        local_fc1 = torch.cat([gate[t * f: (t + 1) * f], up[t * f: (t + 1) * f]])
+        for mname, local in (("decoder.layers.0.self_attention.linear_qkv.weight", local_qkv),
+                             ("decoder.layers.0.mlp.linear_fc1.weight", local_fc1)):
+            pieces = hf_pieces(mname, dims, tp, t, 0)
+            assert sum(pc.rows[1] - pc.rows[0] for pc in pieces) == local.shape[0]
+            for pc in pieces:
+                src = full[pc.hf_name.split(".")[-2]]
+                (r0, c0), (nr, nc) = pc.block
+                assert torch.equal(local[pc.rows[0]: pc.rows[1]], src[r0: r0 + nr, c0: c0 + nc]), (t, pc)
+
+
+def test_vocabulary_padding_and_trimming():
+    assert padded_vocab(151936, 128, 1) == 151936 and padded_vocab(300, 128, 2) == 512
+    dims = dims_from_hf(_config(), tp=2)
+    rows = [hf_pieces("embedding.word_embeddings.weight", dims, 2, t, 0)[0] for t in range(2)]
+    assert [(pc.block, pc.rows) for pc in rows] == [(((0, 0), (256, 64)), (0, 256)), (((256, 0), (44, 64)), (0, 44))]
+    tied_copy = hf_pieces("output_layer.weight", dims_from_hf(_config(tie_word_embeddings=True), tp=1), 1, 0, 2,
+                          last_stage_copy=True)
+    assert tied_copy == []
+
+
+def test_layouts_megatron_cannot_shard_are_refused():
+    with pytest.raises(ConfigError, match="num_key_value_heads = 4 must be divisible by tp = 8"):
+        dims_from_hf(_config(), tp=8)
+    with pytest.raises(ConfigError, match="not divisible by pp = 3"):
+        stage_layers(4, 3, 0)
+
+
+def test_stage_names_cover_the_model_once():
+    dims = dims_from_hf(_config(), tp=1)
+    names = [(p, m) for p in range(2) for m in stage_megatron_names(dims, 2, p)]
+    hf = {pc.hf_name for p, m in names for pc in hf_pieces(m, dims, 1, 0, stage_layers(4, 2, p).start)}
+    assert hf == {n for n, _ in hf_param_shapes(dims)}
+    assert len(list(itertools.chain(names))) == len(set(names))
+
+
+def test_config_accepts_megatron_and_rejects_unknown_backends():
+    from spmdrl.config.loader import load_config
+    from spmdrl.config.validate import validate
+    from spmdrl.engines import role_backend
+
+    cfg = load_config(None, ["model.path=/models/tiny", 'data.train_files=["train.parquet"]'])
+    cfg.trainer.backend, cfg.trainer.critic_backend = "megatron", "fsdp"
+    validate(cfg, 1)
+    assert (role_backend(cfg, "actor"), role_backend(cfg, "ref"), role_backend(cfg, "critic")) == ("megatron", "megatron", "fsdp")
+    cfg.trainer.critic_backend = "deepspeed"
+    with pytest.raises(ConfigError, match="trainer.critic_backend = 'deepspeed'"):
+        validate(cfg, 1)

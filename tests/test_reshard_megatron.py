@@ -1,0 +1,283 @@
+"""Megatron-core (tp x pp x dp) as the source of the weight sync: the pure layout against megatron-core's own
+stage arithmetic and against a reference fused/sharded Megatron tensor, and plans simulated without processes."""
+import pytest
+import torch
+
+from spmdrl.errors import LayoutError
+from spmdrl.reshard.plan import (
+    ModelDims, megatron_blocks, megatron_padded_vocab, megatron_tp_block, numel, plan_sync, pp_stage_layers,
+    vllm_blocks,
+)
+
+# a GQA model: 8 heads in 4 query groups of head_dim 4, hidden 16, MLP 24, 4 layers, vocab 100
+H, NH, NG, HD, FFN, V, L = 16, 8, 4, 4, 24, 100, 4
+DIMS = ModelDims(num_heads=NH, num_kv_heads=NG, head_dim=HD, vocab_size=V)
+
+
+def params(layers=L, tied=False, bias=True):
+    out = [("model.embed_tokens.weight", (V, H))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (NH * HD, H)), (p + "self_attn.k_proj.weight", (NG * HD, H)),
+                (p + "self_attn.v_proj.weight", (NG * HD, H))]
+        if bias:
+            out += [(p + "self_attn.q_proj.bias", (NH * HD,)), (p + "self_attn.k_proj.bias", (NG * HD,)),
+                    (p + "self_attn.v_proj.bias", (NG * HD,))]
+        out += [(p + "self_attn.o_proj.weight", (H, NH * HD)), (p + "mlp.gate_proj.weight", (FFN, H)),
+                (p + "mlp.up_proj.weight", (FFN, H)), (p + "mlp.down_proj.weight", (H, FFN)),
+                (p + "input_layernorm.weight", (H,)), (p + "post_attention_layernorm.weight", (H,))]
+    out.append(("model.norm.weight", (H,)))
+    if not tied:
+        out.append(("lm_head.weight", (V, H)))
+    return out
+
+
+def grid_of(dp, pp, tp, base=0):
+    """[dp][pp][tp] ranks, tp fastest then pp then dp (megatron's tp-pp-dp order)."""
+    return [[[base + (d * pp + p) * tp + t for t in range(tp)] for p in range(pp)] for d in range(dp)]
+
+
+# ---- the stage split equals megatron-core's ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("layers,pp,vp", [(8, 2, 1), (8, 4, 1), (8, 2, 2), (12, 3, 2), (80, 4, 1), (80, 4, 5)])
+def test_pp_stage_layers_match_megatron_core(layers, pp, vp):
+    """Reference: megatron-core's get_transformer_layer_offset / get_num_layers_to_build for every (pp, vp) stage."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    c = TransformerConfig(num_layers=layers, hidden_size=16, num_attention_heads=4, pipeline_model_parallel_size=pp,
+                          virtual_pipeline_model_parallel_size=vp if vp > 1 else None, pipeline_dtype=torch.float32)
+    for p, mine in enumerate(pp_stage_layers(layers, pp, vp)):
+        ref = []
+        for v in range(vp):
+            kw = dict(vp_stage=v) if vp > 1 else {}
+            off = get_transformer_layer_offset(c, pp_rank=p, **kw)
+            ref += list(range(off, off + get_num_layers_to_build(c, pp_rank=p, **kw)))
+        assert mine == ref, (p, mine, ref)
+
+
+def test_uneven_pipeline_split_is_a_layout_error():
+    with pytest.raises(LayoutError, match="80 layers.*pp = 3"):
+        pp_stage_layers(80, 3)
+
+
+# ---- TP blocks: what a Megatron TP rank's fused shard holds, in HF coordinates ----------------------------------
+
+def megatron_fused_shards(hf: dict[str, torch.Tensor], tp: int, vp_rows: int) -> dict[str, list[torch.Tensor]]:
+    """Reference Megatron tensors of layer 0 built from HF ones, split the way megatron's parallel layers split
+    them: linear_qkv = per query group [its q heads; k; v] rows, column-parallel (dim 0 chunks); linear_fc1 =
+    [gate_t; up_t] per tp rank; linear_proj / linear_fc2 row-parallel (dim 1 chunks); embedding rows padded
+    to vp_rows with zeros, then dim 0 chunks."""
+    p = "model.layers.0."
+    q = hf[p + "self_attn.q_proj.weight"].view(NG, NH // NG * HD, H)
+    k = hf[p + "self_attn.k_proj.weight"].view(NG, HD, H)
+    v = hf[p + "self_attn.v_proj.weight"].view(NG, HD, H)
+    qkv = torch.cat([q, k, v], dim=1).reshape(-1, H)
+    gate, up = hf[p + "mlp.gate_proj.weight"].chunk(tp), hf[p + "mlp.up_proj.weight"].chunk(tp)
+    fc1 = torch.cat([torch.cat([g, u]) for g, u in zip(gate, up)])
+    emb = torch.cat([hf["model.embed_tokens.weight"], torch.zeros(vp_rows - V, H)])
+    return {"qkv": list(qkv.chunk(tp)), "fc1": list(fc1.chunk(tp)), "emb": list(emb.chunk(tp)),
+            "proj": list(hf[p + "self_attn.o_proj.weight"].chunk(tp, dim=1)),
+            "fc2": list(hf[p + "mlp.down_proj.weight"].chunk(tp, dim=1))}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tp_blocks_are_what_megatron_shards_hold(tp):
+    torch.manual_seed(0)
+    hf = {n: torch.randn(s) for n, s in params(1, bias=False)}
+    vp_rows = megatron_padded_vocab(V, tp, divisible_by=8)
+    ref = megatron_fused_shards(hf, tp, vp_rows)
+
+    def cut(name, t):
+        (o, n) = megatron_tp_block(name, hf[name].shape, tp, t, vp_rows)
+        return hf[name][tuple(slice(a, a + b) for a, b in zip(o, n))]
+
+    p = "model.layers.0."
+    for t in range(tp):
+        g = NG // tp  # query groups on this rank, each [q heads of the group; k; v]
+        q = cut(p + "self_attn.q_proj.weight", t).view(g, NH // NG * HD, H)
+        k = cut(p + "self_attn.k_proj.weight", t).view(g, HD, H)
+        v = cut(p + "self_attn.v_proj.weight", t).view(g, HD, H)
+        assert torch.equal(torch.cat([q, k, v], dim=1).reshape(-1, H), ref["qkv"][t])
+        assert torch.equal(torch.cat([cut(p + "mlp.gate_proj.weight", t), cut(p + "mlp.up_proj.weight", t)]), ref["fc1"][t])
+        assert torch.equal(cut(p + "self_attn.o_proj.weight", t), ref["proj"][t])
+        assert torch.equal(cut(p + "mlp.down_proj.weight", t), ref["fc2"][t])
+        emb = cut("model.embed_tokens.weight", t)  # the HF rows of the shard; the padding rows are not in HF
+        assert torch.equal(emb, ref["emb"][t][: emb.shape[0]]) and not ref["emb"][t][emb.shape[0]:].any()
+        assert megatron_tp_block(p + "input_layernorm.weight", (H,), tp, t, vp_rows) == ((0,), (H,))
+
+
+def test_tp_that_splits_a_query_group_is_a_layout_error():
+    with pytest.raises(LayoutError, match="tp = 8 must divide .* 8 attention heads and 4 query groups"):
+        megatron_blocks(params(), grid_of(1, 1, 8), num_layers=L, dims=DIMS)
+    with pytest.raises(LayoutError, match="down_proj.*24 does not split over Megatron tp = 16"):
+        megatron_tp_block("model.layers.0.mlp.down_proj.weight", (H, FFN), 16, 0, 128)
+
+
+# ---- whole-model layouts ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dp,pp,tp,tied", [(1, 2, 2, False), (2, 1, 2, False), (1, 2, 2, True), (2, 2, 1, True),
+                                           (2, 2, 2, False), (1, 4, 1, False)])
+def test_megatron_blocks_partition_each_tensor_per_replica(dp, pp, tp, tied):
+    """Each DP replica (and, tied with pp > 1, the first and the last stage each) holds every element exactly
+    once; a layer's parameters are held only by the stage megatron builds it on."""
+    ps = params(tied=tied)
+    grid = grid_of(dp, pp, tp)
+    blocks = megatron_blocks(ps, grid, num_layers=L)
+    stage_of = {r: p for d in range(dp) for p in range(pp) for r in grid[d][p]}
+    dp_of = {r: d for d in range(dp) for p in range(pp) for r in grid[d][p]}
+    layers = pp_stage_layers(L, pp)
+    for name, shape in ps:
+        by_copy: dict[tuple[int, int], set] = {}  # distinct blocks per (dp replica, stage): tp copies count once
+        for rank, b in blocks[name]:
+            by_copy.setdefault((dp_of[rank], stage_of[rank]), set()).add(b)
+        for key, bs in by_copy.items():
+            painted = torch.zeros(shape, dtype=torch.int32)
+            for o, n in bs:
+                painted[tuple(slice(a, a + b) for a, b in zip(o, n))] += 1
+            assert bool((painted == 1).all()), (name, key)
+            assert len(bs) in (1, tp), (name, bs)  # whole on every tp rank, or one distinct slice per tp rank
+        stages = {s for _, s in by_copy}
+        assert {d for d, _ in by_copy} == set(range(dp))
+        if ".layers." in name:
+            i = int(name.split(".")[2])
+            assert stages == {next(p for p in range(pp) if i in layers[p])}, name
+        elif name == "model.embed_tokens.weight":
+            assert stages == ({0, pp - 1} if tied else {0}), name
+        else:
+            assert stages == {pp - 1}, name
+
+
+@pytest.mark.parametrize("dp,pp,tp,rollout_tp,tied", [
+    (1, 2, 2, 2, False),  # the e2e layout: TP=2 x PP=2 on 4 ranks -> vLLM TP=2 x DP=2
+    (2, 1, 2, 2, False),  # TP=2 x DP=2 -> vLLM TP=2 x DP=2: nothing moves but the other tp group's copies
+    (1, 2, 2, 2, True),
+    (2, 2, 2, 4, False),  # 8 ranks, rollout TP=4 wider than the actor's TP
+    (2, 2, 2, 1, True),
+    (1, 4, 2, 8, False),
+])
+def test_megatron_plan_covers_each_needed_element_once_at_the_lower_bound(dp, pp, tp, rollout_tp, tied):
+    ps = params(tied=tied)
+    world = dp * pp * tp
+    grid = grid_of(dp, pp, tp)
+    groups = [list(range(k * rollout_tp, (k + 1) * rollout_tp)) for k in range(world // rollout_tp)]
+    sources, targets = megatron_blocks(ps, grid, num_layers=L), vllm_blocks(ps, groups, DIMS)
+    plan = plan_sync(ps, sources, targets, elem_bytes=2)
+    stage_of = {r: p for d in range(dp) for p in range(pp) for r in grid[d][p]}
+    layers = pp_stage_layers(L, pp)
+    for name, shape in ps:
+        held: dict[int, list] = {}
+        for r, b in sources[name]:
+            held.setdefault(r, []).append(b)
+        for dst, need in targets[name]:
+            painted = torch.zeros(shape, dtype=torch.int32)
+            for t in plan.transfers[name] + plan.local[name]:
+                if t.dst != dst:
+                    continue
+                # the sender (or the rank itself) really holds what it hands over
+                assert any(all(ho <= o and o + n <= ho + hn for ho, hn, o, n in zip(h[0], h[1], *t.block))
+                           for h in held[t.src]), (name, t)
+                if ".layers." in name:  # pp stages send only their own layers
+                    assert int(name.split(".")[2]) in layers[stage_of[t.src]]
+                painted[tuple(slice(o, o + n) for o, n in zip(*t.block))] += 1
+            want = torch.zeros(shape, dtype=torch.int32)
+            want[tuple(slice(o, o + n) for o, n in zip(*need))] = 1
+            assert torch.equal(painted, want), (name, dst)
+    recv, lb = plan.bytes_recv(), plan.lower_bound()
+    assert {r: recv.get(r, 0) for r in lb} == lb
+    s = plan.summary(1 << 20)
+    assert s["bytes_recv_max"] <= 1.1 * s["bytes_lower_bound"]
+
+
+def test_dp_replicas_share_the_sending():
+    """TP=2 x PP=2 x DP=2 (8 ranks) -> vLLM TP=2: every layer has two DP copies; both send, about equally."""
+    ps = params()
+    grid = grid_of(2, 2, 2)
+    groups = [[2 * k, 2 * k + 1] for k in range(4)]
+    plan = plan_sync(ps, megatron_blocks(ps, grid, num_layers=L), vllm_blocks(ps, groups, DIMS), elem_bytes=2)
+    sent = plan.bytes_sent()
+    assert set(sent) == set(range(8))  # every actor rank sends something
+    for d0, d1 in zip(sum(grid[0], []), sum(grid[1], [])):  # a rank and its DP twin send about the same
+        assert abs(sent[d0] - sent[d1]) <= 0.25 * max(sent[d0], sent[d1]), sent
+    # an unbalanced choice (always the first replica) would have one replica send everything
+    assert max(sent.values()) < 0.75 * sum(sent.values()) / 4
+
+
+def test_megatron_blocks_at_70b_scale():
+    """Llama-3.3-70B (80 layers, 64 heads / 8 kv groups, vocab 128256) at TP=8 x PP=2 x DP=2 (32 ranks) ->
+    vLLM TP=8 in bf16: each rollout rank receives exactly what it lacks of its vLLM shard (its own stage's
+    layers are already local), and the DP replicas split the sending."""
+    from spmdrl.plan import load_hf_config, model_param_shapes
+
+    hf = load_hf_config("meta-llama/Llama-3.3-70B-Instruct")
+    ps = model_param_shapes(hf)
+    dims = ModelDims.from_hf_config(hf)
+    grid = grid_of(2, 2, 8)
+    groups = [list(range(8 * k, 8 * k + 8)) for k in range(4)]
+    plan = plan_sync(ps, megatron_blocks(ps, grid, num_layers=80), vllm_blocks(ps, groups, dims), elem_bytes=2)
+    s = plan.summary(1 << 30)
+    total = sum(numel(((0,) * len(sh), sh)) for _, sh in ps)
+    assert total == 70_553_706_496
+    shard = sum(numel(b) for ts in plan.targets.values() for r, b in ts if r == 0) * 2
+    # rank 0 (stage 0, tp 0) holds 40 layers' tp shard and the embedding shard: it lacks the other 40 layers',
+    # the final norm and lm_head's shard
+    assert s["bytes_recv_max"] == s["bytes_lower_bound"] < shard
+    assert 0.45 * shard < s["bytes_lower_bound"] < 0.55 * shard
+    assert s["bytes_sent_max"] <= 1.1 * s["bytes_recv_total"] / 32 * 2  # no rank sends much more than its share
+
+
+def test_value_head_model_has_no_embedding_copy():
+    """A critic (value head, no lm_head) does not share its embedding with an output layer: first stage only."""
+    ps = params(tied=True) + [("score.weight", (1, H)), ("score.bias", (1,))]
+    grid = grid_of(1, 2, 2)
+    b = megatron_blocks(ps, grid, num_layers=L)
+    assert {r for r, _ in b["model.embed_tokens.weight"]} == set(grid[0][0])
+    assert b["score.weight"] == [(r, ((0, 0), (1, H))) for r in grid[0][1]]
+    tied = megatron_blocks(params(tied=True), grid, num_layers=L)
+    assert {r for r, _ in tied["model.embed_tokens.weight"]} == set(grid[0][0] + grid[0][1])
+    no_copy = megatron_blocks(params(tied=True), grid, num_layers=L, tied_copy=False)
+    assert {r for r, _ in no_copy["model.embed_tokens.weight"]} == set(grid[0][0])
+
+
+@pytest.mark.parametrize("dp,pp,tp,tied,bias,value_head", [
+    (1, 2, 2, False, True, False), (2, 1, 2, True, False, False), (1, 2, 2, True, True, False),
+    (2, 2, 1, False, False, True), (1, 4, 2, False, True, True), (2, 2, 2, True, False, False),
+])
+def test_engine_pieces_agree_with_megatron_blocks(dp, pp, tp, tied, bias, value_head):
+    """The Megatron engine's own HF<->Megatron piece arithmetic (what its weight_shards yields, from the fused
+    megatron tensors) holds exactly the blocks megatron_blocks says, rank by rank (the engine does not yield
+    the last stage's copy of a tied embedding: tied_copy=False)."""
+    from spmdrl.engines.megatron.convert import Dims, hf_param_shapes, padded_vocab
+    from spmdrl.engines.megatron.convert import source_blocks as engine_blocks
+
+    dims = Dims(hidden=H, heads=NH, groups=NG, head_dim=HD, ffn=FFN, vocab=V, vocab_padded=padded_vocab(V, 8, tp),
+                layers=L, tie=tied, qkv_bias=bias, value_head=value_head)
+    ps = hf_param_shapes(dims)
+    grid = grid_of(dp, pp, tp)
+    mine = megatron_blocks(ps, grid, num_layers=L, padded_vocab=dims.vocab_padded, dims=DIMS,
+                           tied=tied and not value_head, tied_copy=False)
+    theirs = engine_blocks(dims, grid)
+    assert set(mine) == set(theirs) == {n for n, _ in ps}
+    for name in mine:
+        assert sorted(mine[name]) == sorted(theirs[name]), name
+
+
+def test_sync_refuses_shards_that_disagree_with_the_plan():
+    """WeightSync checks once that weight_shards yields exactly the plan's blocks for the rank."""
+    from spmdrl.reshard.sync import check_shards
+
+    ps = params(layers=2)
+    grid = grid_of(1, 2, 2)
+    plan = plan_sync(ps, megatron_blocks(ps, grid, num_layers=2), vllm_blocks(ps, [[0, 1], [2, 3]], DIMS), 2)
+    rank = 1  # stage 0, tp 1: embedding shard and layer 0
+    shards = {n: (torch.zeros(b[1]), b) for n, bs in plan.sources.items() for r, b in bs if r == rank}
+    check_shards(plan, shards, rank)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    wrong = dict(shards)
+    wrong[q] = (torch.zeros(16, H), ((0, 0), (16, H)))  # tp rank 0's rows
+    with pytest.raises(RuntimeError, match="q_proj.*expects"):
+        check_shards(plan, wrong, rank)
+    with pytest.raises(RuntimeError, match="layers.1"):  # a layer of the other stage
+        check_shards(plan, {**shards, "model.layers.1.input_layernorm.weight": (torch.zeros(H), ((0,), (H,)))}, rank)
