@@ -189,7 +189,31 @@ def validate(cfg, world_size: int):
             f"{cfg.data.max_response_length}"
         )
     validate_objective(cfg, layout)
+    validate_split(cfg)
     return layout
+
+
+def validate_split(cfg) -> None:
+    """What split placement and trainer.max_staleness support (spmdrl/split.py)."""
+    from spmdrl.algos import ADV_ESTIMATORS
+
+    k = cfg.trainer.max_staleness
+    if k < 0:
+        raise ConfigError(f"trainer.max_staleness must be >= 0, found {k}")
+    if cfg.placement.mode != "split":
+        if k:
+            raise ConfigError(f"trainer.max_staleness = {k} needs placement.mode = 'split' (colocated roles take turns "
+                              "on the same devices, so there is nothing to overlap); set it to 0")
+        return
+    if cfg.algorithm.filter_groups:
+        raise ConfigError("algorithm.filter_groups (dynamic sampling) needs placement.mode = 'colocate' for now: its "
+                          "extra rollout rounds are decided by the training ranks")
+    if "baseline_rewards" in getattr(ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator), "requires", ()):
+        raise ConfigError(f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}' scores a greedy rollout inside "
+                          "the rollout stage, which split placement does not do yet; use placement.mode = 'colocate'")
+    if cfg.trainer.backend != "fsdp":
+        raise ConfigError(f"placement.mode = 'split' plans the weight transfer from the FSDP2 layout; trainer.backend = "
+                          f"{cfg.trainer.backend!r} needs placement.mode = 'colocate' for now")
 
 
 def validate_objective(cfg, layout) -> None:

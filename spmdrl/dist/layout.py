@@ -56,22 +56,35 @@ def _ranks(spec: list[int], default: tuple[int, ...], world_size: int, key: str)
     return tuple(spec)
 
 
-def plan_layout(placement, world_size: int, *, allow_split: bool = False) -> dict[str, RoleLayout]:
+def plan_layout(placement, world_size: int, *, allow_split: bool = True) -> dict[str, RoleLayout]:
     """Rank sets and degrees for every role; raises LayoutError naming the world size and the degrees.
 
-    The arithmetic handles disjoint rank sets (split placement); until the trainer runs them, only
-    colocated layouts are accepted unless `allow_split`.
+    colocate: every role on all ranks. split: the rollout ranks are the first ranks of the world
+    (placement.rollout_ranks, a prefix 0..R-1: in-process vLLM is built on a prefix sub-world, see
+    rollout/vllm_engine.py) and the training roles (actor, ref, critic, reward) share the other ranks
+    (empty lists mean all of them). `allow_split=False` accepts colocated layouts only.
     """
-    if placement.mode != "colocate" and not allow_split:
-        raise LayoutError(f"placement.mode = {placement.mode!r} is not available yet; use 'colocate'")
+    if placement.mode not in ("colocate", "split") or (placement.mode == "split" and not allow_split):
+        raise LayoutError(f"placement.mode = {placement.mode!r} is not one of {'colocate, split' if allow_split else 'colocate'}")
+    split = placement.mode == "split"
     everyone = tuple(range(world_size))
-    actor = _ranks(placement.actor_ranks, everyone, world_size, "actor_ranks")
+    if split:
+        rollout = _ranks(placement.rollout_ranks, (), world_size, "rollout_ranks")
+        if not rollout or rollout != tuple(range(len(rollout))) or len(rollout) == world_size:
+            raise LayoutError(
+                f"placement.mode = 'split' needs placement.rollout_ranks = the first ranks of the world, 0..R-1 with "
+                f"R < {world_size} (found {list(rollout)}): in-process vLLM sees its ranks as a prefix of the world"
+            )
+        trainers = tuple(r for r in everyone if r not in rollout)
+    else:
+        rollout, trainers = _ranks(placement.rollout_ranks, everyone, world_size, "rollout_ranks"), everyone
+    actor = _ranks(placement.actor_ranks, trainers, world_size, "actor_ranks")
     ranks = {
         "actor": actor,
         "ref": _ranks(placement.ref_ranks, actor, world_size, "ref_ranks"),
         "critic": _ranks(placement.critic_ranks, actor, world_size, "critic_ranks"),
         "reward": _ranks(placement.reward_ranks, actor, world_size, "reward_ranks"),
-        "rollout": _ranks(placement.rollout_ranks, everyone, world_size, "rollout_ranks"),
+        "rollout": rollout,
     }
     degrees = {
         "actor": (placement.actor_tp, placement.actor_pp),
@@ -93,21 +106,23 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = False) -> dic
                 f"does not divide it; choose {role}_tp (and pp) whose product divides {n}"
             )
         out[role] = RoleLayout(role, ranks[role], n // (tp * pp), pp, tp)
-    if not allow_split:
-        for role in ROLES:
-            if out[role].ranks != everyone:
-                raise LayoutError(
-                    f"placement.{role}_ranks = {list(out[role].ranks)}: colocated placement puts every role on all "
-                    f"{world_size} ranks; leave {role}_ranks empty"
-                )
-    if set(out["rollout"].ranks) != set(everyone) or list(out["rollout"].ranks) != sorted(out["rollout"].ranks):
-        raise LayoutError(
-            "placement.rollout_ranks must be all ranks in order for now: in-process vLLM (external_launcher) builds "
-            "its engines with world-wide collectives and takes contiguous TP groups; leave rollout_ranks empty"
-        )
+    want = trainers if split else everyone
+    for role in ROLES[:-1] if split else ROLES:
+        if out[role].ranks != want:
+            raise LayoutError(
+                f"placement.{role}_ranks = {list(out[role].ranks)}: "
+                + (f"split placement puts the training roles on the ranks after the rollout ranks, {list(trainers)}; "
+                   if split else f"colocated placement puts every role on all {world_size} ranks; ")
+                + f"leave {role}_ranks empty"
+            )
     if out["actor"].pp != 1:
         raise LayoutError("placement.actor_pp > 1 needs the Megatron backend, which is not available yet; set actor_pp = 1")
     return out
+
+
+def is_split(layouts: dict[str, RoleLayout]) -> bool:
+    """Whether the rollout ranks and the training ranks are disjoint (split placement)."""
+    return not set(layouts["rollout"].ranks) & set(layouts["actor"].ranks)
 
 
 def external_launcher_tp_groups(world_size: int, tp: int) -> list[list[int]]:
