@@ -27,6 +27,13 @@ class RunState:
         return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
     def save_checkpoint(self) -> str:
+        in_flight = None
+        if self.split:  # split placement: batches already generated for the next steps go into the checkpoint
+            # (taken in first: the training ranks' sampler counts their draws, and the writer saves its state)
+            if self.trains:
+                in_flight = self.stream.in_flight(self.global_step)
+            else:
+                self.stream.load_due_weights(StageTimer())
         state = {
             "sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps, "bad_steps_total": self.bad_steps_total,
             "kl_ctrl": self.kl_ctrl.state_dict(),
@@ -38,12 +45,6 @@ class RunState:
             config.save_pretrained(out_dir)
             self.tokenizer.save_pretrained(out_dir)
 
-        in_flight = None
-        if self.split:  # split placement: batches already generated for the next steps go into the checkpoint
-            if self.trains:
-                in_flight = self.stream.in_flight(self.global_step)
-            else:
-                self.stream.load_due_weights(StageTimer())
         return self.checkpoints.save(self.global_step, engines=self.engines(), trainer_state=state,
                                      config_toml=to_toml(self.cfg), rng=rng_state(), hf_files=hf_files,
                                      rank_tensors=in_flight)

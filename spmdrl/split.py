@@ -48,7 +48,7 @@ class BatchStream:
         self.version = 0  # rollout ranks: the weight version vLLM holds
         self.weights_due: int | None = None  # rollout ranks: the version the training ranks posted, not yet loaded
         self.sent: collections.deque[tuple[int, PendingSends]] = collections.deque()  # rollout ranks: (step, sends)
-        self.inbox: dict[int, Batch] = {}  # training ranks: batches taken in early (checkpoint) or restored
+        self.inbox: dict[int, tuple[Batch, int]] = {}  # training ranks: batches taken in early (checkpoint) or restored, bytes
         self.batch_bytes = 0  # training ranks: bytes received this step
 
     # ---- rollout ranks ---------------------------------------------------------------------------------
@@ -90,14 +90,19 @@ class BatchStream:
     def receive(self, step: int) -> Batch:
         """Batch `step` on this training rank: from the inbox, else from the rollout ranks."""
         if step in self.inbox:
-            return self.inbox.pop(step)
+            batch, nbytes = self.inbox.pop(step)
+        else:
+            batch, nbytes = self.fetch(step)
+        self.batch_bytes += nbytes
+        return batch
+
+    def fetch(self, step: int) -> tuple[Batch, int]:
+        """Receive batch `step` from the rollout ranks: (this rank's share, bytes received)."""
         cfg = self.t.cfg
         per_src = cfg.data.train_batch_size * cfg.rollout.n // self.t.rollout_mesh.dp_size
         next(self.t.sampler)  # count the draw the rollout ranks made for it: the sampler state a checkpoint saves
-        batch, nbytes = recv_batch(empty_rollout_batch(), self.t.rollout_mesh, self.t.actor_mesh, per_src,
-                                   self.meshes.batch_group, tag=step)
-        self.batch_bytes += nbytes
-        return batch
+        return recv_batch(empty_rollout_batch(), self.t.rollout_mesh, self.t.actor_mesh, per_src,
+                          self.meshes.batch_group, tag=step)
 
     def in_flight(self, step: int) -> dict[str, torch.Tensor]:
         """Training ranks, at a checkpoint after `step`: take in the batches already posted (steps step+1 ..
@@ -105,8 +110,9 @@ class BatchStream:
         out = {}
         last = min(step + self.k, self.t.cfg.trainer.total_steps)
         for s in range(step + 1, last + 1):
-            self.inbox[s] = self.receive(s)
-            out.update({f"{s}/{k}": v.contiguous() for k, v in self.inbox[s].tensors.items()})
+            if s not in self.inbox:
+                self.inbox[s] = self.fetch(s)  # its bytes count in the step that trains on it
+            out.update({f"{s}/{k}": v.contiguous() for k, v in self.inbox[s][0].tensors.items()})
         return out
 
     def restore(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -116,10 +122,16 @@ class BatchStream:
         for name, v in tensors.items():
             s, key = name.split("/", 1)
             by_step.setdefault(int(s), {})[key] = v
-        self.inbox = {s: Batch(d) for s, d in by_step.items()}
+        self.inbox = {s: (Batch(d), _wire_bytes(Batch(d))) for s, d in by_step.items()}
         self.next_batch = min(step + self.k, self.t.cfg.trainer.total_steps) + 1
         self.version = step if step > self.t.cfg.trainer.critic_warmup else 0
 
     def take_bytes(self) -> int:
+        """Batch bytes this training rank received for the current step's batch (float64 rows, as sent)."""
         n, self.batch_bytes = self.batch_bytes, 0
         return n
+
+
+def _wire_bytes(batch: Batch) -> int:
+    """The bytes a batch takes on the wire: every tensor a float64 column block of its width."""
+    return 8 * len(batch) * sum(t.shape[1] if t.dim() == 2 else 1 for t in batch.tensors.values())
