@@ -99,7 +99,7 @@ class BatchStream:
     def fetch(self, step: int) -> tuple[Batch, int]:
         """Receive batch `step` from the rollout ranks: (this rank's share, bytes received)."""
         cfg = self.t.cfg
-        per_src = cfg.data.train_batch_size * cfg.rollout.n // self.t.rollout_mesh.dp_size
+        per_src = self.t.rollout_mesh.dp_share(cfg.data.train_batch_size * cfg.rollout.n, "rollout samples")
         next(self.t.sampler)  # count the draw the rollout ranks made for it: the sampler state a checkpoint saves
         return recv_batch(empty_rollout_batch(), self.t.rollout_mesh, self.t.actor_mesh, per_src,
                           self.meshes.batch_group, tag=step)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from spmdrl.dist.init import default_local_rank
 from spmdrl.dist.layout import external_launcher_tp_groups
 from spmdrl.errors import ConfigError, LayoutError, SpmdrlError
+from spmdrl.rollout.vllm_world import vllm_sub_world
 from spmdrl.rollout.base import (
     RolloutOutput,
     SamplingSpec,
@@ -122,7 +123,7 @@ class VLLMEngine:
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         t0 = time.perf_counter()
         try:
-            with preserved_rng_state(), _job_unique_cpu_shm_names(), _vllm_sub_world(world_size if sub_world else None):
+            with preserved_rng_state(), _job_unique_cpu_shm_names(), vllm_sub_world(world_size if sub_world else None):
                 self.llm = LLM(
                     model=model_path,
                     tokenizer=tokenizer_path or model_path,
@@ -397,49 +398,6 @@ def _shutdown_keeping_world(core) -> None:
 
 
 # ------------------------------------------------------------------------------------------ vLLM side effects
-
-
-@contextmanager
-def _vllm_sub_world(size: int | None) -> Iterator[None]:
-    """Make vLLM's group creation see the world as its first `size` ranks (split placement), None: unchanged.
-
-    Under external_launcher vLLM reads the world from torch.distributed (`get_world_size()`, `get_rank()`),
-    lays it out ExternalDP x DP x PP x TP and creates every group with `torch.distributed.new_group(ranks)`,
-    which by default is a collective over the whole default group: ranks that never build vLLM would have to
-    make the same calls in the same order. While the engine is built, this process sees
-      * `get_world_size()` (default group) = size, so vLLM's world and its groups span ranks 0..size-1 only;
-        global rank numbers are unchanged (the rollout ranks are a prefix of the world), so the ranks vLLM
-        stores in its groups and passes to torch collectives are the real ones;
-      * `new_group(...)` with `use_local_synchronization=True`: only the members of a group take part in its
-        creation (torch names such groups by a hash of their ranks, identical on every member).
-    Nothing else of torch.distributed changes, and both are restored on exit. vLLM's optional split_group
-    path (VLLM_DISTRIBUTED_USE_SPLIT_GROUP=1) is a collective over the default group: it is switched off here.
-    """
-    if size is None:
-        yield
-        return
-    real_size, real_new_group = dist.get_world_size, dist.new_group
-
-    def get_world_size(group=None):
-        return size if group is None or group is dist.group.WORLD else real_size(group)
-
-    def new_group(ranks=None, *args, **kwargs):
-        if ranks is None:
-            ranks = list(range(size))
-        kwargs["use_local_synchronization"] = True
-        return real_new_group(ranks, *args, **kwargs)
-
-    split_env = os.environ.get("VLLM_DISTRIBUTED_USE_SPLIT_GROUP")
-    os.environ["VLLM_DISTRIBUTED_USE_SPLIT_GROUP"] = "0"
-    dist.get_world_size, dist.new_group = get_world_size, new_group
-    try:
-        yield
-    finally:
-        dist.get_world_size, dist.new_group = real_size, real_new_group
-        if split_env is None:
-            os.environ.pop("VLLM_DISTRIBUTED_USE_SPLIT_GROUP", None)
-        else:
-            os.environ["VLLM_DISTRIBUTED_USE_SPLIT_GROUP"] = split_env
 
 
 _engines_built = 0
