@@ -24,6 +24,7 @@ import torch
 
 from spmdrl.batch import Batch
 from spmdrl.dist.transfer import PendingSends, post_batch, recv_batch
+from spmdrl.errors import SpmdrlError
 
 # every tensor of a rollout batch as it travels (dtype, 2-D?): the receiving ranks build an empty batch of it
 ROLLOUT_KEYS = {
@@ -62,6 +63,9 @@ class BatchStream:
             with timer("rollout"):
                 batch = t.generate(next(t.sampler), s, 0)
             batch["weight_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
+            if set(batch.tensors) != set(ROLLOUT_KEYS):  # the training ranks unpack by this list
+                raise SpmdrlError(f"a rollout batch has tensors {sorted(batch.tensors)} but spmdrl.split.ROLLOUT_KEYS "
+                                  f"lists {sorted(ROLLOUT_KEYS)}: add new rollout tensors there")
             with timer("post_batch"):
                 self.sent.append((s, post_batch(batch, t.rollout_mesh, t.actor_mesh, self.meshes.batch_group, tag=s)))
             self.next_batch += 1
