@@ -2,6 +2,9 @@
 
     rollout -> reward -> old logprobs -> ref logprobs -> values -> advantages -> updates -> weight sync -> metrics
 
+Split placement (placement.mode = "split"): the rollout ranks run `BatchStream.produce` (spmdrl/split.py) and
+the training ranks everything from the reward on (`train`); they meet at the metric reduction.
+
 The stages live in stages.py, validation in validation.py, checkpoint and fault glue in run_state.py,
 construction in build.py.
 """
