@@ -2,10 +2,12 @@
 # The CPU quickstart: tiny model + tokenizer, synthetic arithmetic data, SFT warm start, then GRPO with two
 # processes and in-process vLLM, then a summary table. Everything lands in $OUT (default outputs/quickstart).
 #   bash launch/quickstart.sh [extra GRPO overrides, e.g. trainer.total_steps=20]
+#   GRPO_CONFIG=configs/quickstart/grpo_split.toml bash launch/quickstart.sh   # split placement, one step off-policy
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/quickstart}
 NPROC=${NPROC:-2}
+GRPO_CONFIG=${GRPO_CONFIG:-configs/quickstart/grpo.toml}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 start=$(date +%s)
 
@@ -23,7 +25,7 @@ t_grpo=$(date +%s)
 # a fresh SFT model was just trained, so GRPO starts over too: checkpoint.resume=off, and trainer.overwrite=true
 # deletes an earlier quickstart's GRPO checkpoints and metrics (without it a fresh run into a used directory is
 # refused); pass checkpoint.resume=auto trainer.overwrite=false to continue an interrupted quickstart instead
-spmdrl train --nproc "$NPROC" --config configs/quickstart/grpo.toml \
+spmdrl train --nproc "$NPROC" --config "$GRPO_CONFIG" \
   model.path="$OUT/sft_model" data.train_files="[\"$OUT/data/train.parquet\"]" \
   data.val_files="[\"$OUT/data/val.parquet\"]" trainer.output_dir="$OUT/grpo" checkpoint.resume=off trainer.overwrite=true "$@"
 

@@ -129,6 +129,52 @@ def compare(run_dirs: list[str], skip: int = 2) -> str:
     return "\n".join(lines)
 
 
+PLACEMENT_COLS = (
+    ("timing/step_s", "step"), ("timing/rollout_s", "rollout"), ("busy_train_s", "train busy"),
+    ("timing/wait_batch_s", "wait batch"), ("timing/train_wait_s", "train wait"),
+    ("timing/wait_weights_s", "wait weights"), ("timing/rollout_wait_s", "rollout wait"),
+    ("timing/weight_sync_s", "sync"), ("completion_tokens_per_s", "compl tok/s"),
+)
+TRAIN_BUSY = COMPUTE + ("timing/reward_s", "timing/advantage_s", "timing/weight_sync_s")
+
+
+def placements(nproc: int) -> dict[str, list[str]]:
+    """The three setups `spmdrl bench --placements` compares on the same world: colocated (every rank does
+    everything), split with the first half of the ranks on vLLM, on-policy (max_staleness 0) and one step
+    off-policy (max_staleness 1)."""
+    rollout = "[" + ",".join(str(r) for r in range(max(1, nproc // 2))) + "]"
+    split = ["placement.mode=split", f"placement.rollout_ranks={rollout}"]
+    return {"colocated": [], "split_s0": [*split, "trainer.max_staleness=0"],
+            "split_s1": [*split, "trainer.max_staleness=1"]}
+
+
+def placement_bench(work_dir: str, model: str | None, nproc: int, steps: int, overrides: list[str]) -> str:
+    """Run the three placements on the same workload and world size; one row each: median seconds per step of
+    each role's work and of each wait (the roles' idle time), and completion tokens/s. In split placement a
+    rollout rank's step is rollout + wait weights + rollout wait (at the step's metric reduction); a training
+    rank's is wait batch + train busy + train wait."""
+    model_dir, data = prepare(work_dir, model)
+    rows = []
+    for name, extra in placements(nproc).items():
+        run = launch(work_dir, model_dir, data, nproc, steps, [*overrides, *extra, "checkpoint.save_freq=-1"],
+                     run_name=name)
+        b = breakdown(run)
+        b["busy_train_s"] = _median_sum(run, TRAIN_BUSY)
+        rows.append((name, b))
+    head = f"{'placement':<12}" + "".join(f"{label:>13}" for _, label in PLACEMENT_COLS)
+    lines = [f"median seconds per step over steps 3..{steps}, {nproc} ranks", head, "-" * len(head)]
+    for name, b in rows:
+        lines.append(f"{name:<12}" + "".join(f"{b.get(k, 0.0):>13.4f}" for k, _ in PLACEMENT_COLS))
+    return "\n".join(lines)
+
+
+def _median_sum(run_dir: str, keys, skip: int = 2) -> float:
+    from spmdrl.metrics import read_jsonl
+
+    rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"), last_per_step=True) if "timing/step_s" in r]
+    return statistics.median(sum(r.get(k, 0.0) for k in keys) for r in (rows[skip:] or rows))
+
+
 def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response_len: tuple[int, int],
                  overrides: list[str], reps: int = 5, seed: int = 0) -> dict[str, float]:
     """Time one actor update (forward + backward + AdamW over `samples` sequences, one mini-batch) and one

@@ -64,9 +64,19 @@ def rollout_load_format(cfg: Config, device: torch.device, resuming: bool) -> st
     return "auto" if f == "checkpoint" else f
 
 
+def rollout_loads_shards(cfg: Config) -> bool:
+    """Whether the rollout engine loads TP shards (vLLM) or whole tensors (the transformers fallback)."""
+    from spmdrl.rollout import vllm_available
+
+    return cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
+
+
 def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokenizer_path: str, load_format: str = "auto"):
+    """The rollout engine of this rank (a rollout rank). Split placement builds vLLM on the rollout ranks only
+    (a prefix of the world: `world_ranks`)."""
     r, d = cfg.rollout, cfg.data
     mesh = meshes["rollout"]
+    sub_world = {"world_ranks": len(mesh.layout.ranks)} if meshes.split and rollout_loads_shards(cfg) else {}
     return build_engine(
         r.engine, model_path=cfg.model.path, tokenizer_path=tokenizer_path, tp_size=mesh.tp_size,
         tp_group=mesh.my_tp_group(),
@@ -76,6 +86,7 @@ def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokeniz
         enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs, per_request_seed=r.per_request_seed,
         max_num_batched_tokens=max(r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length),
         kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code, load_format=load_format,
+        **sub_world,
     )
 
 

@@ -241,10 +241,15 @@ def bench(
     steps: int = typer.Option(12, help="RL steps to run; the first 2 are warm-up and not measured."),
     model: Optional[str] = typer.Option(None, help="HF model directory; default: a freshly built tiny model."),
     work_dir: str = typer.Option("outputs/bench", help="Where the data, model and run go."),
+    compare_placements: bool = typer.Option(False, "--placements", help="Run colocated, split (max_staleness 0) and "
+                                            "split (max_staleness 1) on the same workload and world; one row each."),
 ):
     """Time a GRPO step by stage on the quickstart setup and report the SPMD overhead."""
-    from spmdrl.bench import breakdown, format_breakdown, launch, prepare
+    from spmdrl.bench import breakdown, format_breakdown, launch, placement_bench, prepare
 
+    if compare_placements:
+        typer.echo(placement_bench(work_dir, model, nproc, steps, _overrides(overrides)))
+        return
     model_dir, data = prepare(work_dir, model)
     run_dir = launch(work_dir, model_dir, data, nproc, steps, _overrides(overrides))
     typer.echo(format_breakdown(breakdown(run_dir)))

@@ -204,7 +204,7 @@ def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, mast
 
 def build_plan(cfg, world_size: int | None = None) -> dict:
     """Everything `spmdrl plan` prints, as one JSON-able dict."""
-    from spmdrl.dist.layout import plan_layout, role_backends
+    from spmdrl.dist.layout import is_split, plan_layout, role_backends
 
     m = cfg.memory
     on_gpu = cfg.trainer.device != "cpu"
@@ -283,11 +283,13 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                 host[f"{role}_{k}"] = v
         return gpu, host
 
+    split = is_split(layout)  # rollout ranks hold vLLM only, training ranks never hold it
     phases: dict[str, tuple[dict, dict]] = {}
     g, h = idle(set())
-    phases["load"] = ({**g, "vllm_pool": vllm_pool},
+    phases["load"] = ({**g, **({} if split else {"vllm_pool": vllm_pool})},
                       {**h, "load_largest_slice": max(math.prod(s) for _, s in actor_params) * 4 // max(1, layout["actor"].dp)})
-    phases["rollout"] = ({**g, "vllm_weights": vllm_w, "vllm_kv_cache_and_activations": vllm_pool - vllm_w}, h)
+    phases["rollout"] = ({**({} if split else g), "vllm_weights": vllm_w, "vllm_kv_cache_and_activations": vllm_pool - vllm_w},
+                         {} if split else h)
     for role in ("ref", "reward"):
         if role in state:
             g, h = idle({role})
@@ -297,8 +299,10 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
             g, h = idle({role})
             phases[f"train_{role}"] = ({**g, **{f"{role}_{k}": v for k, v in state[role]["train"].items()}}, h)
     g, h = idle({"actor"})
-    phases["sync"] = ({**g, "actor_params": state["actor"]["kinds"]["params"], "vllm_weights": vllm_w,
+    phases["sync"] = ({**g, "actor_params": state["actor"]["kinds"]["params"], **({} if split else {"vllm_weights": vllm_w}),
                        "transport_buckets": transport}, {**h, **{f"actor_{k}": v for k, v in state["actor"]["host_when_idle"].items() if k != "params"}})
+    if split:  # the receiving side of the sync: vLLM keeps its KV cache (nothing else shares the device)
+        phases["sync_rollout_ranks"] = ({"vllm_pool": vllm_pool, "transport_buckets": transport}, {})
 
     gpus_node = min(m.gpus_per_node, world)
     memory, fits = {}, True
@@ -323,6 +327,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         "roles": {k: {**v, "backend": backends.get(k, "vllm" if k == "rollout" else "fsdp"),
                       **({"worst_stage": state[k]["stats"]["worst_stage"]} if "worst_stage" in state.get(k, {}).get("stats", {}) else {})}
                   for k, v in role_table(layout).items() if k in state or k == "rollout"},
+        "placement": {"mode": "split" if split else "colocate", **(split_figures(cfg, layout) if split else {})},
         "weight_sync": {k: sync[k] for k in ("bytes_recv_max", "bytes_lower_bound", "collectives", "buckets",
                                              "bytes_recv_total", "bytes_sent_max")}
                        | {"elem_bytes": rollout_eb, "full_gather_bytes_per_rank": state["actor"]["stats"]["total"] * 4},
@@ -330,6 +335,21 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         "memory": memory,
         "fits": bool(fits),
     }
+
+
+def split_figures(cfg, layout: dict) -> dict:
+    """Split placement: who does what, and the batch bytes a training rank receives per step (an upper bound:
+    rows padded to the longest prompt and response; every tensor travels as float64 columns)."""
+    from spmdrl.split import ROLLOUT_KEYS
+
+    d = cfg.data
+    width = {"prompts": d.max_prompt_length, "responses": d.max_response_length,
+             "response_mask": d.max_response_length, "rollout_log_probs": d.max_response_length}
+    row = 8 * sum(width.get(k, 1) if two_d else 1 for k, (_, two_d) in ROLLOUT_KEYS.items())
+    samples = d.train_batch_size * cfg.rollout.n // layout["actor"].dp
+    return {"rollout_ranks": list(layout["rollout"].ranks), "training_ranks": list(layout["actor"].ranks),
+            "max_staleness": cfg.trainer.max_staleness, "samples_per_training_rank": samples, "batch_row_bytes": row,
+            "batch_bytes_per_training_rank": samples * row}
 
 
 def _kv_per_token(c, tp: int) -> int:
@@ -352,7 +372,12 @@ def render(p: dict) -> str:
         pp = f"  pp groups {_short(r['pp_groups'])}" if r["pp"] > 1 else ""
         lines.append(f"  {role:8s} {r['backend']:8s} dp={r['dp']} pp={r['pp']} tp={r['tp']}  tp groups {_short(r['tp_groups'])}  "
                      f"dp groups {_short(r['dp_groups'])}{pp}")
-    w = p["weight_sync"]
+    w, pl = p["weight_sync"], p["placement"]
+    if pl["mode"] == "split":
+        lines += ["", f"split placement: rollout ranks {_short([pl['rollout_ranks']])}, training ranks "
+                      f"{_short([pl['training_ranks']])}, trainer.max_staleness {pl['max_staleness']}; per step each training "
+                      f"rank receives at most {pl['batch_bytes_per_training_rank'] / 2**20:.3f} MiB of batch "
+                      f"({pl['samples_per_training_rank']} samples x {pl['batch_row_bytes']} B rows), point to point"]
     lines += ["", "weight sync per step (rollout dtype, bytes per rank):",
               f"  received max {w['bytes_recv_max'] / GIB:.3f} GiB  lower bound {w['bytes_lower_bound'] / GIB:.3f} GiB  "
               f"sent max {w['bytes_sent_max'] / GIB:.3f} GiB  collectives {w['collectives']}  (every rank gathering every parameter in fp32: "

@@ -12,6 +12,7 @@ from spmdrl.config import to_toml
 from spmdrl.dist.collectives import reduce_sum
 from spmdrl.errors import SpmdrlError
 from spmdrl.faults import FAULT_ENV, inject_fault, injected_fault, is_bad_step
+from spmdrl.metrics import StageTimer
 from spmdrl.rewards.custom import GuardedReward
 from spmdrl.rng import rng_state, seed_everything, set_rng_state
 
@@ -20,10 +21,19 @@ log = logging.getLogger("spmdrl")
 
 class RunState:
     def engines(self) -> dict:
-        """The trainable engines a checkpoint holds."""
+        """The trainable engines a checkpoint holds (none on a split layout's rollout ranks)."""
+        if self.actor is None:
+            return {}
         return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
     def save_checkpoint(self) -> str:
+        in_flight = None
+        if self.split:  # split placement: batches already generated for the next steps go into the checkpoint
+            # (taken in first: the training ranks' sampler counts their draws, and the writer saves its state)
+            if self.trains:
+                in_flight = self.stream.in_flight(self.global_step)
+            else:
+                self.stream.load_due_weights(StageTimer())
         state = {
             "sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps, "bad_steps_total": self.bad_steps_total,
             "kl_ctrl": self.kl_ctrl.state_dict(),
@@ -36,7 +46,8 @@ class RunState:
             self.tokenizer.save_pretrained(out_dir)
 
         return self.checkpoints.save(self.global_step, engines=self.engines(), trainer_state=state,
-                                     config_toml=to_toml(self.cfg), rng=rng_state(), hf_files=hf_files)
+                                     config_toml=to_toml(self.cfg), rng=rng_state(), hf_files=hf_files,
+                                     rank_tensors=in_flight)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore everything a step depends on, so the run continues exactly as if it had not stopped."""
@@ -47,6 +58,13 @@ class RunState:
         if state.get("kl_ctrl") is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.weight_sync()
+        if self.split:
+            if self.trains and self.cfg.trainer.max_staleness and "rank_tensors" not in state:
+                raise SpmdrlError(f"checkpoint {state.get('path', path)} has no in-flight batches for rank {self.rank}: "
+                                  "a split run with trainer.max_staleness > 0 resumes on the same world size only")
+            self.stream.restore(self.global_step, state.get("rank_tensors", {}))
+        if self.trains and self.global_step > self.cfg.trainer.critic_warmup:
+            self.actor_version = self.global_step
         if "rng" in state:
             set_rng_state(state["rng"])
         else:  # another world size: per-rank RNG streams cannot carry over

@@ -45,10 +45,7 @@ class Stages:
         kept, last, metrics, rounds, generated = None, None, {}, 0, 0
         while True:
             rounds += 1
-            with timer("rollout"):
-                batch = self.generate(next(self.sampler), step, rounds - 1)
-            with timer("reshard_batch"):
-                batch = redistribute(batch, self.rollout_mesh, self.actor_mesh)
+            batch = self.rollout_batch(step, rounds - 1, timer)
             self.attach_meta(batch)
             metrics.update(self.run_hooks("after_rollout", step, batch))
             with timer("reward"):
@@ -67,7 +64,7 @@ class Stages:
             if counts[0] >= target or rounds >= cfg.algorithm.max_sample_rounds:
                 break
         if not dyn:
-            keep = int(reduce_min(len(kept)))
+            keep = int(reduce_min(len(kept), group=self.meshes.train_group))
             if keep == 0:
                 raise SpmdrlError(f"step {step}: no samples left to train on (a hook dropped them all); check the hooks")
             return kept.select(slice(0, keep)), metrics
@@ -76,17 +73,28 @@ class Stages:
         metrics["train/sample_rounds"] = float(rounds)
         metrics["train/filter_fallback"] = float(per_rank == 0)
         if per_rank == 0:  # no informative group on some rank: train on the last round as drawn
-            keep = int(reduce_min(len(last)))
+            keep = int(reduce_min(len(last), group=self.meshes.train_group))
             keep -= keep % n
             if keep == 0:
                 raise SpmdrlError(f"step {step}: no samples left to train on (a hook dropped them all); check the hooks")
             return last.select(slice(0, keep)), metrics
-        if int(reduce_min(len(kept))) >= per_rank:  # every rank has enough: no communication
+        if int(reduce_min(len(kept), group=self.meshes.train_group)) >= per_rank:  # every rank has enough: no communication
             return kept.select(slice(0, per_rank)), metrics
         lo = self.actor_mesh.dp_offset(per_rank)
         kept = take_global_rows(kept, lo, lo + per_rank, group=self.actor_mesh.group("dp"))
         self.attach_meta(kept)
         return kept, metrics
+
+    def rollout_batch(self, step: int, round_: int, timer: StageTimer) -> Batch:
+        """This training rank's share of a rollout batch: generated here and moved to the actor layout, or, in
+        split placement, received from the rollout ranks (spmdrl/split.py)."""
+        if self.split:
+            with timer("wait_batch"):
+                return self.stream.receive(step)
+        with timer("rollout"):
+            batch = self.generate(next(self.sampler), step, round_)
+        with timer("reshard_batch"):
+            return redistribute(batch, self.rollout_mesh, self.actor_mesh)
 
     def generate(self, prompt_idx: list[int], step: int, round_: int = 0) -> Batch:
         """Rollout on this rank's TP group: same prompts and seeds on every rank of the group."""
@@ -257,6 +265,8 @@ class Stages:
             "train/response_clip_ratio": float(batch["truncated"].mean()),
             "train/advantage_mean": float(masked_mean(batch["advantages"], mask)),
         }
+        if "weight_version" in batch:  # split placement: how many actor versions old the batch's weights are
+            m["train/weight_version_lag"] = self.actor_version - float(batch["weight_version"].double().mean())
         if "old_log_probs" in batch and not sampler_truncates(self.cfg):  # else the update measured it
             lp_diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()
             m["rollout/logprob_diff_mean"] = float(masked_mean(lp_diff, mask))

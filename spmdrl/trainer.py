@@ -2,6 +2,9 @@
 
     rollout -> reward -> old logprobs -> ref logprobs -> values -> advantages -> updates -> weight sync -> metrics
 
+Split placement (placement.mode = "split"): the rollout ranks run `BatchStream.produce` (spmdrl/split.py) and
+the training ranks everything from the reward on (`train`); they meet at the metric reduction.
+
 The stages live in stages.py, validation in validation.py, checkpoint and fault glue in run_state.py,
 construction in build.py.
 """
@@ -16,12 +19,14 @@ import torch
 from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES
 from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
-from spmdrl.build import build_engines, build_rollout, rollout_dtype, rollout_load_format, sampling_specs
+from spmdrl.build import (
+    build_engines, build_rollout, rollout_dtype, rollout_load_format, rollout_loads_shards, sampling_specs,
+)
 from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume
 from spmdrl.config import Config, to_toml
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
-from spmdrl.dist.collectives import reduce_mean
+from spmdrl.dist.collectives import reduce_max, reduce_mean
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.faults import named_failures, set_collective_timeout
 from spmdrl.hooks import HookContext, HookRunner
@@ -31,7 +36,9 @@ from spmdrl.reshard.sync import WeightSync
 from spmdrl.rewards import default_compute_score, load_reward_fn
 from spmdrl.rewards.custom import GuardedReward
 from spmdrl.rng import seed_everything
+from spmdrl.plan import load_hf_config
 from spmdrl.run_state import RunState
+from spmdrl.split import BatchStream
 from spmdrl.stages import Stages, request_seeds  # noqa: F401  (request_seeds: public, used by tests)
 from spmdrl.update import actor_body, critic_body
 from spmdrl.validation import Validation
@@ -48,6 +55,9 @@ class Trainer(Stages, Validation, RunState):
         self.meshes = RoleMeshes(layout, rank, device.type)
         print(f"[rank{rank}] {self.meshes.describe()}", flush=True)  # every rank: its place in every mesh
         self.rollout_mesh, self.actor_mesh = self.meshes["rollout"], self.meshes["actor"]
+        # split placement: this rank does the stages of the roles it holds (rollout, or the training roles)
+        self.split, self.trains = self.meshes.split, self.actor_mesh.active
+        self.stream = BatchStream(self, cfg.trainer.max_staleness) if self.split else None
         tok_path = cfg.model.tokenizer_path or cfg.model.path
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.model.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -60,15 +70,16 @@ class Trainer(Stages, Validation, RunState):
         self.val_ds = PromptDataset(d.val_files, self.tokenizer, **ds_kw) if d.val_files else None
         # the same sorted list on every rank: it orders validation's all-reduce
         self.val_sources = sorted(set(self.val_ds.batch(list(range(len(self.val_ds)))).data_source)) if self.val_ds else []
-        self.sampler = DistributedPromptSampler(
-            len(self.train_ds), dp_rank=self.rollout_mesh.dp_rank, dp_size=self.rollout_mesh.dp_size,
+        self.sampler = DistributedPromptSampler(  # training ranks of a split layout only count its draws
+            len(self.train_ds), dp_rank=self.rollout_mesh.dp_rank if self.rollout_mesh.active else 0,
+            dp_size=self.rollout_mesh.dp_size,
             batch_size=d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle,
         )
         self.reward_fn = load_reward_fn(cfg.reward.custom_fn) if cfg.reward.custom_fn else default_compute_score
-        engines = build_engines(cfg, self.meshes, device)
-        self.actor, self.ref, self.critic = engines.actor, engines.ref, engines.critic
+        engines = build_engines(cfg, self.meshes, device) if self.trains else None
+        self.actor, self.ref, self.critic = (engines.actor, engines.ref, engines.critic) if engines else (None,) * 3
         self.memory = MemoryLifecycle(device, {"actor": self.actor, "ref": self.ref, "critic": self.critic},
-                                      offload_kinds(cfg))
+                                      {} if self.split else offload_kinds(cfg))  # split: nothing shares a device
         self.memory.settle()  # configured state to host memory before vLLM sizes itself to the free GPU memory
         alg, a = cfg.algorithm, cfg.actor
         self.kl_ctrl = (
@@ -79,7 +90,7 @@ class Trainer(Stages, Validation, RunState):
         mini = a.ppo_mini_batch_size or d.train_batch_size
         self.on_policy = a.ppo_epochs == 1 and mini == d.train_batch_size and not alg.use_kl_in_reward
         self.reward_model = None
-        if cfg.reward.model_path:
+        if cfg.reward.model_path and self.trains:
             from spmdrl.rewards.model import RewardModelScorer
 
             self.reward_model = RewardModelScorer(
@@ -89,10 +100,16 @@ class Trainer(Stages, Validation, RunState):
             )
         self.resumed_from = resolve_resume(cfg)
         load_format = rollout_load_format(cfg, device, resuming=self.resumed_from is not None)
-        self.rollout = self.memory.rollout = build_rollout(cfg, self.meshes, device, tok_path, load_format)
+        self.rollout = None
+        if self.rollout_mesh.active:
+            self.rollout = self.memory.rollout = build_rollout(cfg, self.meshes, device, tok_path, load_format)
         seed_everything(cfg.trainer.seed)  # building the engine reseeds the global RNG
-        self.weight_sync = WeightSync(self.actor, self.rollout, self.rollout_mesh, dtype=rollout_dtype(cfg, device),
-                                      bucket_mb=cfg.rollout.weight_sync_bucket_mb, memory=self.memory)
+        self.weight_sync = WeightSync(
+            self.actor, self.rollout, self.rollout_mesh, dtype=rollout_dtype(cfg, device),
+            bucket_mb=cfg.rollout.weight_sync_bucket_mb, memory=self.memory, split=self.split,
+            actor_grid=layout["actor"].mesh_ranks(), hf_config=load_hf_config(cfg.model.path, cfg.model.trust_remote_code) if self.split else None,
+            rollout_shards=rollout_loads_shards(cfg), group=self.meshes.weight_group,
+        )
         self.specs = sampling_specs(cfg, self.tokenizer.eos_token_id)
         self.adv_fn = ADV_ESTIMATORS.get(alg.adv_estimator)
         self.loss_fn = POLICY_LOSSES.get(a.policy_loss)
@@ -106,9 +123,11 @@ class Trainer(Stages, Validation, RunState):
             append=resolve_resume(cfg) is not None, progress_total=cfg.trainer.total_steps if lg.progress else 0,
         )
         self.global_step = 0
+        self.actor_version = 0  # the step of the actor's last update (split placement's weight versions)
         # reliability (docs/reliability.md): checkpoints, bounded collectives, reward guard, resume
         self.checkpoints = CheckpointManager(checkpoint_root(cfg.trainer.output_dir), keep_last=cfg.checkpoint.keep_last,
-                                             device=device, fallback=cfg.checkpoint.resume == "auto")
+                                             device=device, fallback=cfg.checkpoint.resume == "auto",
+                                             writer=self.actor_mesh.layout.ranks[0])  # it holds the engines
         self.bad_steps = self.bad_steps_total = 0
         if cfg.reward.on_error != "raise" or cfg.reward.timeout_s > 0:
             self.reward_fn = GuardedReward(self.reward_fn, on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
@@ -151,15 +170,35 @@ class Trainer(Stages, Validation, RunState):
                     if not bad and freq >= 0 and (done or (freq > 0 and self.global_step % freq == 0)):
                         with timer("checkpoint"):
                             self.save_checkpoint()
+                if self.split:  # the last weights reach vLLM, and every posted send completes
+                    if self.rollout_mesh.active:
+                        self.stream.load_due_weights(timer)
+                    self.weight_sync.wait_sent()
         finally:
             self.logger.close()
         return last
 
     def step(self, step: int) -> dict[str, float]:
-        """One RL step: every stage is one call, timed."""
-        cfg, timer, t0 = self.cfg, StageTimer(self.device), time.perf_counter()
-        train_actor = step > cfg.trainer.critic_warmup
-        batch, metrics = self.collect(step, timer)  # rollout -> batch to the actor layout -> reward
+        """One RL step; every stage is one call, timed. Colocated: every rank does every stage. Split placement:
+        the rollout ranks produce (load the last weights, generate up to step + max_staleness, post the batches)
+        while the training ranks train on this step's batch; both meet at the metric reduction."""
+        timer, t0 = StageTimer(self.device), time.perf_counter()
+        train_actor = step > self.cfg.trainer.critic_warmup
+        batch, metrics = None, {}
+        if self.split and self.rollout_mesh.active:
+            metrics.update(self.stream.produce(step, timer))  # spmdrl/split.py
+        if self.trains:
+            batch, collected = self.collect(step, timer)  # rollout -> batch to the actor layout -> reward
+            metrics.update(collected)
+            metrics.update(self.train(step, batch, timer, train_actor))
+        metrics = self.reduce_step_metrics(batch, metrics, timer, t0)
+        if self.split:
+            self.stream.after_step(step, train_actor)
+        return metrics
+
+    def train(self, step: int, batch: Batch, timer: StageTimer, train_actor: bool) -> dict[str, float]:
+        """The training roles' stages: forward passes -> advantages -> updates -> weight sync."""
+        cfg, metrics = self.cfg, {}
         self.memory.for_training("actor", update=False, keep_rollout_weights=not train_actor)  # spmdrl/memory.py
         if not self.on_policy:  # on-policy (one epoch, one mini-batch) the update's own log-probs are the old ones
             with timer("old_logprob"):
@@ -186,13 +225,14 @@ class Trainer(Stages, Validation, RunState):
             with timer("update_actor"):
                 metrics.update(self.update(self.actor, batch, actor_body(cfg, self.loss_fn, cfg.rollout.temperature), "actor"))
         metrics.update(self.run_hooks("after_update", step, batch))
+        metrics.update(self.batch_metrics(batch))  # before the sync: the weight version lag is the pre-update one
         if train_actor:
             with timer("weight_sync"):
                 metrics.update(self.weight_sync())
-        metrics.update(self.batch_metrics(batch))
+            self.actor_version = step
         metrics.update(self.memory.step_metrics())
         metrics.update(self.run_hooks("after_step", step, batch, metrics=dict(metrics)))
-        return self.reduce_step_metrics(batch, metrics, timer, time.perf_counter() - t0)
+        return metrics
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm
@@ -204,24 +244,48 @@ class Trainer(Stages, Validation, RunState):
         )
         return {}
 
-    def reduce_step_metrics(self, batch: Batch, metrics: dict, timer: StageTimer, step_s: float) -> dict[str, float]:
-        """One all-reduce of every metric (tp copies weighted out); the token count rides along."""
-        metrics["_tokens"] = float(batch["response_mask"].sum() + batch["prompt_len"].sum())
-        metrics["_seq_sq"] = float(((batch["response_mask"].sum(-1) + batch["prompt_len"]).double() ** 2).sum())
-        metrics = reduce_mean(metrics, weight=self.actor_mesh.leader_weight())
+    def reduce_step_metrics(self, batch: Batch | None, metrics: dict, timer: StageTimer, t0: float) -> dict[str, float]:
+        """One all-reduce of every metric (tp copies weighted out); the token count rides along. Split placement:
+        the roles report different keys (each key is averaged over the ranks that have it) and their timings
+        go in too (rank 0, which logs, is a rollout rank); the time a role waits here for the other is
+        timing/<role>_wait_s."""
+        if batch is not None:
+            metrics["_tokens"] = float(batch["response_mask"].sum() + batch["prompt_len"].sum())
+            metrics["_seq_sq"] = float(((batch["response_mask"].sum(-1) + batch["prompt_len"]).double() ** 2).sum())
+        mesh = self.actor_mesh if self.trains else self.rollout_mesh
+        if self.split:
+            with timer("train_wait" if self.trains else "rollout_wait"):
+                split_max = self.split_maxima(metrics)
+            metrics.update(timer.as_metrics())
+        metrics = reduce_mean(metrics, weight=mesh.leader_weight())
+        if self.split:
+            metrics.update(split_max)
         tokens = metrics.pop("_tokens") * self.actor_mesh.dp_size
         seq_sq = metrics.pop("_seq_sq") * self.actor_mesh.dp_size
-        metrics.update(timer.as_metrics())
+        if not self.split:
+            metrics.update(timer.as_metrics())
+        step_s = time.perf_counter() - t0
         metrics["timing/step_s"] = step_s
         metrics["perf/tokens_per_s"] = tokens / step_s
         metrics.update(flops_metrics(
-            self.actor.hf_config(), seq_lens_sum=tokens, seq_sq_sum=seq_sq,
+            self.weight_sync.hf_config, seq_lens_sum=tokens, seq_sq_sum=seq_sq,
             update_s=metrics.get("timing/update_actor_s", 0.0), rollout_s=metrics.get("timing/rollout_s", 0.0),
             devices=self.world_size, peak_tflops=device_peak_tflops(self.device, self.cfg.trainer.device_peak_tflops),
             update_passes=self.cfg.actor.ppo_epochs,
         ))
         metrics["perf/peak_memory_gb"] = peak_memory_gb(self.device)
         return metrics
+
+    def split_maxima(self, metrics: dict) -> dict[str, float]:
+        """Split placement, at the meeting point: per step, the most weight bytes a rollout rank received and the
+        most batch bytes a training rank received (one max all-reduce over the world, which is also where the
+        roles wait for each other)."""
+        recv = metrics.pop("weight_sync/bytes_recv", 0.0)
+        metrics.pop("weight_sync/bytes_sent", None)
+        batch_bytes = float(self.stream.take_bytes()) if self.trains else 0.0
+        weights_max, batch_max = reduce_max(torch.tensor([recv, batch_bytes], dtype=torch.float64))
+        return {"weight_sync/bytes_recv_max": weights_max, "weight_sync/bytes_lower_bound": float(self.weight_sync.lower_bound),
+                "batch_move/bytes_recv_max": batch_max}
 
     def run_hooks(self, stage: str, step: int, batch: Batch, metrics: dict | None = None) -> dict[str, float]:
         if not self.hooks.by_stage[stage]:

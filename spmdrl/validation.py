@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.dist.collectives import reduce_mean, reduce_sum
+from spmdrl.metrics import StageTimer
 from spmdrl.stages import request_seeds
 
 log = logging.getLogger("spmdrl")
@@ -20,7 +21,9 @@ class Validation:
         each rollout dp rank takes a contiguous part of the set."""
         r, ds = self.rollout_mesh, self.val_ds
         t0 = time.perf_counter()
-        rows = list(r.dp_range(len(ds)))
+        if self.split and r.active:  # split placement: the weights the training ranks posted last
+            self.stream.load_due_weights(StageTimer())
+        rows = list(r.dp_range(len(ds))) if r.active else []  # split: the training ranks only join the sums
         sources = self.val_sources
         sums = torch.zeros(2 * len(sources), dtype=torch.float64)
         hook_metrics: dict[str, float] = {}
@@ -45,7 +48,7 @@ class Validation:
         sums = reduce_sum(sums)
         acc = {f"val/accuracy/{src}": float(sums[k] / max(sums[len(sources) + k], 1)) for k, src in enumerate(sources)}
         acc["val/accuracy"] = sum(acc.values()) / len(acc)
-        acc.update(reduce_mean(hook_metrics, weight=r.leader_weight()))
+        acc.update(reduce_mean(hook_metrics, weight=r.leader_weight() if r.active else 0.0))
         acc["timing/validation_s"] = time.perf_counter() - t0
         if dist.get_rank() == 0:
             log.info("validation: %s", ", ".join(f"{k}={v:.3f}" for k, v in acc.items()))

@@ -18,3 +18,20 @@ def test_breakdown_counts_completion_tokens(tmp_path):
     assert abs(b["overhead_s"] - 0.5) < 1e-12  # median of step - rollout - update: 0.25, 0.5, 1.0
     table = compare([str(tmp_path)], skip=2)
     assert "compl tok/s" in table and f"{per_step[1]:.4f}" in table
+
+
+def test_placement_setups_are_valid_on_the_same_world():
+    import os
+
+    from spmdrl.bench import placements
+    from spmdrl.config import load_config, validate
+
+    repo_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart", "grpo.toml")
+    for nproc in (2, 4):
+        setups = placements(nproc)
+        assert list(setups) == ["colocated", "split_s0", "split_s1"]
+        for name, extra in setups.items():
+            layout = validate(load_config(repo_cfg, ["actor.micro_batch_size=32", *extra]), nproc)
+            rollout, actor = set(layout["rollout"].ranks), set(layout["actor"].ranks)
+            assert (rollout == actor == set(range(nproc))) if name == "colocated" else (
+                rollout == set(range(nproc // 2)) and actor == set(range(nproc // 2, nproc)))

@@ -17,20 +17,29 @@ def test_colocated_layout_degrees_and_coords():
     assert lay["actor"].coords(5) == (2, 0, 1)
 
 
-def test_disjoint_rank_sets_are_expressible():
-    split = PlacementConfig(actor_ranks=[0, 1, 2, 3], critic_ranks=[4, 5, 6, 7], critic_tp=2)
-    with pytest.raises(LayoutError, match="colocated"):
-        plan_layout(split, 8)
-    lay = plan_layout(split, 8, allow_split=True)
-    assert lay["actor"].dp == 4 and lay["critic"].dp == 2
-    assert lay["critic"].coords(1) is None and lay["critic"].coords(6) == (1, 0, 0)
-    assert lay["ref"].ranks == (0, 1, 2, 3)  # follows the actor
-    assert lay["rollout"].ranks == tuple(range(8))
+def test_split_layout_puts_training_roles_after_the_rollout_prefix():
+    lay = plan_layout(PlacementConfig(mode="split", rollout_ranks=[0, 1], rollout_tp=2), 4)
+    assert lay["rollout"].ranks == (0, 1) and (lay["rollout"].dp, lay["rollout"].tp) == (1, 2)
+    assert lay["actor"].ranks == lay["ref"].ranks == lay["critic"].ranks == lay["reward"].ranks == (2, 3)
+    assert lay["actor"].dp == 2 and lay["actor"].coords(0) is None and lay["actor"].coords(3) == (1, 0, 0)
+    lay = plan_layout(PlacementConfig(mode="split", rollout_ranks=[0, 1, 2, 3], actor_tp=2), 8)
+    assert (lay["actor"].dp, lay["actor"].tp) == (2, 2) and lay["actor"].mesh_ranks() == [[[4, 5]], [[6, 7]]]
+    assert (lay["rollout"].dp, lay["rollout"].tp) == (4, 1)
 
 
-def test_rollout_must_span_the_world():
-    with pytest.raises(LayoutError, match="rollout_ranks"):
-        plan_layout(PlacementConfig(rollout_ranks=[4, 5, 6, 7]), 8, allow_split=True)
+@pytest.mark.parametrize("kw,words", [
+    ({"mode": "split", "rollout_ranks": [2, 3]}, ["rollout_ranks", "0..R-1"]),  # vLLM needs a prefix of the world
+    ({"mode": "split", "rollout_ranks": [0, 1, 2, 3]}, ["R < 4"]),  # nothing left to train on
+    ({"mode": "split", "rollout_ranks": [0, 1], "critic_ranks": [0, 1]}, ["critic_ranks", "[2, 3]"]),
+    ({"rollout_ranks": [0, 1]}, ["rollout_ranks", "colocated"]),
+    ({"critic_ranks": [2, 3]}, ["critic_ranks", "colocated"]),
+    ({"mode": "spread"}, ["placement.mode", "'spread'"]),
+])
+def test_bad_split_layouts_are_rejected(kw, words):
+    with pytest.raises(LayoutError) as e:
+        plan_layout(PlacementConfig(**kw), 4)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
 
 
 @pytest.mark.parametrize("kw,world,words", [
@@ -41,7 +50,7 @@ def test_rollout_must_span_the_world():
     ({"actor_tp": 0}, 4, ["actor_tp must be >= 1"]),
     ({"actor_pp": 2}, 4, ["actor_pp = 2", "fsdp backend", 'trainer.backend = "megatron"']),
     ({"critic_pp": 2}, 4, ["critic_pp = 2", "fsdp backend"]),
-    ({"mode": "split"}, 4, ["placement.mode"]),
+    ({"mode": "split"}, 4, ["placement.mode", "rollout_ranks"]),
 ])
 def test_impossible_layouts_are_rejected(kw, world, words):
     with pytest.raises(LayoutError) as e:

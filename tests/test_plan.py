@@ -113,3 +113,23 @@ def test_ppo_70b_megatron_plan_by_hand():
     assert gib(2 * 40 * 2 * 3072 * h * 2 // tp) < worst < 2
     no_recompute = plan_json(os.path.join(REPO, "configs/ppo_70b.toml"), "model.gradient_checkpointing=false")
     assert no_recompute["memory"]["train_actor"]["gpu"]["actor_activations"] > 10 * worst
+
+
+def test_split_plan_shows_the_roles_and_their_bytes():
+    """Split placement of configs/grpo.toml (Qwen2.5-7B, 8 GPUs): vLLM TP=4 on ranks 0-3, FSDP2 on ranks 4-7. A
+    rollout rank holds nothing of the actor, so it receives its whole bf16 vLLM shard: about a quarter of the
+    model (norms are whole on every rank)."""
+    p = plan_json(os.path.join(REPO, "configs/grpo.toml"), "placement.mode=split", "placement.rollout_ranks=[0,1,2,3]",
+                  "placement.rollout_tp=4", "trainer.max_staleness=1")
+    pl = p["placement"]
+    assert pl["mode"] == "split" and pl["rollout_ranks"] == [0, 1, 2, 3] and pl["training_ranks"] == [4, 5, 6, 7]
+    assert p["roles"]["actor"]["dp_groups"] == [[4, 5, 6, 7]] and p["roles"]["rollout"]["tp_groups"] == [[0, 1, 2, 3]]
+    ws = p["weight_sync"]
+    assert ws["bytes_recv_max"] == ws["bytes_lower_bound"]
+    assert ws["bytes_recv_max"] == pytest.approx(7_615_616_512 * 2 / 4, rel=0.01)
+    cfg = load_config(os.path.join(REPO, "configs/grpo.toml"))
+    assert pl["samples_per_training_rank"] == cfg.data.train_batch_size * cfg.rollout.n // 4
+    assert pl["batch_bytes_per_training_rank"] == pl["samples_per_training_rank"] * pl["batch_row_bytes"]
+    assert not any(k.startswith("vllm") for k in p["memory"]["train_actor"]["gpu"])
+    assert not any(k.startswith("actor") for k in p["memory"]["rollout"]["gpu"])
+    assert "vllm_pool" in p["memory"]["sync_rollout_ranks"]["gpu"]

@@ -34,8 +34,10 @@ class CheckpointManager:
     run in a single process, as `spmdrl export` and the unit tests do).
     """
 
-    def __init__(self, root: str, *, keep_last: int = 2, device: torch.device | str = "cpu", fallback: bool = False):
+    def __init__(self, root: str, *, keep_last: int = 2, device: torch.device | str = "cpu", fallback: bool = False,
+                 writer: int = 0):
         self.root = root
+        self.writer = writer  # the rank that writes trainer.json, the manifest and the HF files (it holds the engines)
         self.fallback = fallback  # checkpoint.resume = auto: a checksum failure falls back to an older checkpoint
         self.keep_last = keep_last
         self.device = torch.device(device)
@@ -69,22 +71,22 @@ class CheckpointManager:
 
     # -- save
     def save(self, step: int, *, engines: dict[str, Any], trainer_state: dict, config_toml: str,
-             rng: dict | None = None, hf_files=None) -> str:
+             rng: dict | None = None, hf_files=None, rank_tensors: dict | None = None) -> str:
         """Write checkpoint `step`. engines: name -> engine; trainer_state: JSON-able (rank 0's is kept);
         rng: this rank's spmdrl.rng.rng_state(); hf_files(dir): rank 0 writes the HF config and tokenizer."""
         # SIGTERM/SIGINT wait for the next agreement point: a rank leaving mid-save would leave the others in
         # a collective it never joins (DCP's or ours)
         with DeferredStop() as stop:
             return self._save(stop, step, engines=engines, trainer_state=trainer_state, config_toml=config_toml,
-                              rng=rng, hf_files=hf_files)
+                              rng=rng, hf_files=hf_files, rank_tensors=rank_tensors)
 
     def _save(self, stop: DeferredStop, step: int, *, engines: dict[str, Any], trainer_state: dict, config_toml: str,
-              rng: dict | None, hf_files) -> str:
+              rng: dict | None, hf_files, rank_tensors: dict | None = None) -> str:
         t0 = time.perf_counter()
         self.run_id = self.run_id or uuid.uuid4().hex
         final, tmp = step_dir(self.root, step), os.path.join(self.root, f"{TMP_PREFIX}step_{step:08d}")
         err: BaseException | None = None
-        if self.rank == 0:
+        if self.rank == self.writer:
             try:
                 os.makedirs(self.root, exist_ok=True)
                 for name in os.listdir(self.root):  # a crashed save's leftovers
@@ -107,9 +109,14 @@ class CheckpointManager:
             err = dcp_error(e)
         if err is None:  # DCP already agreed: its failures raise on every rank
             try:
+                if rank_tensors:  # per-rank tensors (split placement's in-flight batches): safetensors, no pickle
+                    from safetensors.torch import save_file
+
+                    os.makedirs(os.path.join(tmp, "rank_tensors"), exist_ok=True)
+                    save_file(rank_tensors, os.path.join(tmp, "rank_tensors", f"rank_{self.rank}.safetensors"))
                 if rng is not None:
                     write_json(os.path.join(tmp, "rng", f"rank_{self.rank}.json"), rng_to_json(rng))
-                if self.rank == 0:
+                if self.rank == self.writer:
                     state = {"step": step, **jsonable(trainer_state), "engines": meta}
                     write_json(os.path.join(tmp, "trainer.json"), state)
                     write_bytes(os.path.join(tmp, "config.toml"), config_toml.encode())
@@ -123,7 +130,7 @@ class CheckpointManager:
         except OSError as e:
             err = e
         self._raise_if_failed(stop, err, step, tmp, "checksumming")
-        if self.rank == 0:
+        if self.rank == self.writer:
             try:
                 manifest = self._manifest(step, engines, tmp)
                 write_json(os.path.join(tmp, MANIFEST), manifest)
@@ -131,7 +138,7 @@ class CheckpointManager:
             except OSError as e:
                 err = e
         self._raise_if_failed(stop, err, step, tmp, "committing")
-        if self.rank == 0:
+        if self.rank == self.writer:
             self._retain()
             log.info("checkpoint step %d saved to %s in %.1fs", step, final, time.perf_counter() - t0)
         return final
@@ -140,7 +147,7 @@ class CheckpointManager:
         bad, signum = self._agree(err is not None, stop.signum)
         if bad < 0 and (not signum or what == "committing"):
             return  # committed: the checkpoint stands, and the pending signal is delivered after the save
-        if self.rank == 0:
+        if self.rank == self.writer:
             shutil.rmtree(tmp, ignore_errors=True)
             final = step_dir(self.root, step)
             if os.path.isdir(final) and not is_complete(final):  # renamed, but the marker was not written
@@ -216,6 +223,11 @@ class CheckpointManager:
         if manifest["world_size"] == self.world_size and os.path.isfile(rng_path):
             try:  # per rank: agree before anyone goes on alone
                 state["rng"] = rng_from_json(read_json(rng_path, f"checkpoint {path}"))
+                tensors_path = os.path.join(path, "rank_tensors", f"rank_{self.rank}.safetensors")
+                if os.path.isfile(tensors_path):
+                    from safetensors.torch import load_file
+
+                    state["rank_tensors"] = load_file(tensors_path)
             except CheckpointError as e:
                 err = e
         bad = self._first_failure(err is not None)

@@ -62,7 +62,7 @@ def check_files(path: str, manifest: dict) -> None:
 def check_compatible(path: str, manifest: dict, engines: dict, config_toml: str | None) -> None:
     """One-line CheckpointError naming what differs between the checkpoint and this run."""
     saved = manifest["engines"]
-    if set(saved) != set(engines):
+    if engines and set(saved) != set(engines):  # a rank holding no engine (split placement's rollout ranks) checks none
         raise CheckpointError(f"checkpoint {path} holds engines {sorted(saved)}, this run has {sorted(engines)} "
                               "(e.g. a critic was enabled or disabled since)")
     for name, engine in engines.items():

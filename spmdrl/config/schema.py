@@ -305,9 +305,9 @@ class PlacementConfig:
     """Which ranks each role uses and its parallel degrees; data parallel is derived (ranks / (tp * pp))."""
 
     mode: str = "colocate"
-    """colocate: every role on all ranks (the only mode implemented so far)."""
+    """colocate: every role on all ranks. split: rollout_ranks (the first ranks of the world) run vLLM only, the other ranks run the training roles; batches and weights move between them point to point."""
     actor_ranks: list[int] = field(default_factory=list)
-    """Ranks of the actor; empty means all ranks."""
+    """Ranks of the actor; empty means all ranks (split placement: every rank after the rollout ranks)."""
     actor_tp: int = 1
     """Actor tensor-parallel degree (DTensor TP inside each FSDP2 group)."""
     actor_pp: int = 1
@@ -325,7 +325,7 @@ class PlacementConfig:
     critic_pp: int = 1
     """Critic pipeline-parallel degree (Megatron backend only)."""
     rollout_ranks: list[int] = field(default_factory=list)
-    """Ranks running vLLM; empty means all ranks."""
+    """Ranks running vLLM; empty means all ranks (colocate). Split placement: required, the first R ranks [0, ..., R-1]."""
     rollout_tp: int = 1
     """vLLM tensor-parallel degree: ranks per engine."""
     reward_ranks: list[int] = field(default_factory=list)
@@ -386,6 +386,8 @@ class TrainerConfig:
     """Name shown in logs and sweep reports; empty means the output_dir's name."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a rank that dies makes the others fail within about this long."""
+    max_staleness: int = 0
+    """Split placement: how many steps the rollout runs ahead of training. 0: batch s is generated with the weights after step s-1 (on-policy); 1: batch s+1 is generated with the weights after step s-1 while the training ranks update on batch s (one-step off-policy); k: k steps ahead."""
     critic_warmup: int = 0
     """Steps at the start during which only the critic trains (the actor and rollout weights stay put)."""
     max_bad_steps: int = 3

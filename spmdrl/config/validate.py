@@ -194,6 +194,7 @@ def validate(cfg, world_size: int):
         )
     validate_objective(cfg, layout)
     validate_rollout_correction(cfg)
+    validate_split(cfg)
     return layout
 
 
@@ -233,6 +234,32 @@ def rollout_correction_active(cfg) -> bool:
     """Whether the update computes importance weights or a rejection mask (and so needs pi_old before it)."""
     rc = cfg.rollout_correction
     return rc.rollout_is != "none" or rc.rollout_rs != "none" or rc.rollout_token_veto_threshold > 0
+
+
+def validate_split(cfg) -> None:
+    """What split placement and trainer.max_staleness support (spmdrl/split.py)."""
+    from spmdrl.algos import ADV_ESTIMATORS
+    from spmdrl.dist.layout import role_backends
+
+    k = cfg.trainer.max_staleness
+    if k < 0:
+        raise ConfigError(f"trainer.max_staleness must be >= 0, found {k}")
+    if cfg.placement.mode != "split":
+        if k:
+            raise ConfigError(f"trainer.max_staleness = {k} needs placement.mode = 'split' (colocated roles take turns "
+                              "on the same devices, so there is nothing to overlap); set it to 0")
+        return
+    if cfg.algorithm.filter_groups:
+        raise ConfigError("algorithm.filter_groups (dynamic sampling) needs placement.mode = 'colocate' for now: its "
+                          "extra rollout rounds are decided by the training ranks")
+    if "baseline_rewards" in getattr(ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator), "requires", ()):
+        raise ConfigError(f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}' scores a greedy rollout inside "
+                          "the rollout stage, which split placement does not do yet; use placement.mode = 'colocate'")
+    for role, backend in role_backends(cfg).items():
+        if backend != "fsdp":
+            key = "trainer.critic_backend" if role == "critic" and cfg.trainer.critic_backend else "trainer.backend"
+            raise ConfigError(f"placement.mode = 'split' plans the weight transfer from the FSDP2 layout; {key} = "
+                              f"{backend!r} needs placement.mode = 'colocate' for now")
 
 
 def validate_objective(cfg, layout) -> None:

@@ -67,25 +67,38 @@ def role_backends(cfg) -> dict[str, str]:
     return {"actor": t.backend, "ref": t.backend, "critic": getattr(t, "critic_backend", "") or t.backend}
 
 
-def plan_layout(placement, world_size: int, *, allow_split: bool = False,
+def plan_layout(placement, world_size: int, *, allow_split: bool = True,
                 backends: dict[str, str] | None = None) -> dict[str, RoleLayout]:
     """Rank sets and degrees for every role; raises LayoutError naming the world size and the degrees.
 
-    The arithmetic handles disjoint rank sets (split placement); until the trainer runs them, only
-    colocated layouts are accepted unless `allow_split`. backends (role -> training backend, see
-    `role_backends`; default fsdp) decides where pp > 1 is allowed: only on Megatron roles.
+    colocate: every role on all ranks. split: the rollout ranks are the first ranks of the world
+    (placement.rollout_ranks, a prefix 0..R-1: in-process vLLM is built on a prefix sub-world, see
+    rollout/vllm_world.py) and the training roles (actor, ref, critic, reward) share the other ranks
+    (empty lists mean all of them). `allow_split=False` accepts colocated layouts only. backends (role ->
+    training backend, see `role_backends`; default fsdp) decides where pp > 1 is allowed: only on Megatron roles.
     """
     backends = backends or {}
-    if placement.mode != "colocate" and not allow_split:
-        raise LayoutError(f"placement.mode = {placement.mode!r} is not available yet; use 'colocate'")
+    if placement.mode not in ("colocate", "split") or (placement.mode == "split" and not allow_split):
+        raise LayoutError(f"placement.mode = {placement.mode!r} is not one of {'colocate, split' if allow_split else 'colocate'}")
+    split = placement.mode == "split"
     everyone = tuple(range(world_size))
-    actor = _ranks(placement.actor_ranks, everyone, world_size, "actor_ranks")
+    if split:
+        rollout = _ranks(placement.rollout_ranks, (), world_size, "rollout_ranks")
+        if not rollout or rollout != tuple(range(len(rollout))) or len(rollout) == world_size:
+            raise LayoutError(
+                f"placement.mode = 'split' needs placement.rollout_ranks = the first ranks of the world, 0..R-1 with "
+                f"R < {world_size} (found {list(rollout)}): in-process vLLM sees its ranks as a prefix of the world"
+            )
+        trainers = tuple(r for r in everyone if r not in rollout)
+    else:
+        rollout, trainers = _ranks(placement.rollout_ranks, everyone, world_size, "rollout_ranks"), everyone
+    actor = _ranks(placement.actor_ranks, trainers, world_size, "actor_ranks")
     ranks = {
         "actor": actor,
         "ref": _ranks(placement.ref_ranks, actor, world_size, "ref_ranks"),
         "critic": _ranks(placement.critic_ranks, actor, world_size, "critic_ranks"),
         "reward": _ranks(placement.reward_ranks, actor, world_size, "reward_ranks"),
-        "rollout": _ranks(placement.rollout_ranks, everyone, world_size, "rollout_ranks"),
+        "rollout": rollout,
     }
     degrees = {
         "actor": (placement.actor_tp, placement.actor_pp),
@@ -107,18 +120,15 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = False,
                 f"does not divide it; choose {role}_tp (and pp) whose product divides {n}"
             )
         out[role] = RoleLayout(role, ranks[role], n // (tp * pp), pp, tp)
-    if not allow_split:
-        for role in ROLES:
-            if out[role].ranks != everyone:
-                raise LayoutError(
-                    f"placement.{role}_ranks = {list(out[role].ranks)}: colocated placement puts every role on all "
-                    f"{world_size} ranks; leave {role}_ranks empty"
-                )
-    if set(out["rollout"].ranks) != set(everyone) or list(out["rollout"].ranks) != sorted(out["rollout"].ranks):
-        raise LayoutError(
-            "placement.rollout_ranks must be all ranks in order for now: in-process vLLM (external_launcher) builds "
-            "its engines with world-wide collectives and takes contiguous TP groups; leave rollout_ranks empty"
-        )
+    want = trainers if split else everyone
+    for role in ROLES[:-1] if split else ROLES:
+        if out[role].ranks != want:
+            raise LayoutError(
+                f"placement.{role}_ranks = {list(out[role].ranks)}: "
+                + (f"split placement puts the training roles on the ranks after the rollout ranks, {list(trainers)}; "
+                   if split else f"colocated placement puts every role on all {world_size} ranks; ")
+                + f"leave {role}_ranks empty"
+            )
     for role in TRAINED_ROLES:
         backend = backends.get(role, "fsdp")
         if out[role].pp != 1 and backend not in PIPELINE_BACKENDS:
@@ -128,6 +138,11 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = False,
                 f"or {role}_pp = 1"
             )
     return out
+
+
+def is_split(layouts: dict[str, RoleLayout]) -> bool:
+    """Whether the rollout ranks and the training ranks are disjoint (split placement)."""
+    return not set(layouts["rollout"].ranks) & set(layouts["actor"].ranks)
 
 
 def check_megatron_roles(layout: dict[str, RoleLayout], backends: dict[str, str], built: list[str]) -> None:

@@ -14,7 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from spmdrl.errors import LayoutError
 
-from .layout import ROLES, RoleLayout
+import torch.distributed as dist
+
+from .layout import ROLES, RoleLayout, is_split
 
 log = logging.getLogger("spmdrl")
 
@@ -144,6 +146,13 @@ class RoleMeshes:
                 ranks = torch.tensor(lay.ranks, dtype=torch.int64).view(lay.dp, lay.pp, lay.tp)
                 cache[key] = DeviceMesh(device_type, ranks, mesh_dim_names=DIMS)
             self.roles[role] = RoleMesh(lay, cache[key], rank)
+        # split placement: batches (rollout -> training) and weights (training -> rollout) move point to point on
+        # groups of their own, so neither waits behind the other or behind a collective of one role
+        self.split = is_split(layouts)
+        self.batch_group = dist.new_group() if self.split else None
+        self.weight_group = dist.new_group() if self.split else None
+        # what the training ranks agree on among themselves (the world when colocated)
+        self.train_group = dist.new_group(list(layouts["actor"].ranks)) if self.split else None
 
     def __getitem__(self, role: str) -> RoleMesh:
         return self.roles[role]

@@ -12,7 +12,9 @@ import torch.distributed as dist
 from spmdrl.dist.collectives import comm_device, reduce_max
 from spmdrl.dist.meshes import RoleMesh
 
-from .plan import ModelDims, SyncPlan, full_block, plan_sync, vllm_blocks
+from spmdrl.errors import LayoutError
+
+from .plan import ModelDims, SyncPlan, fsdp_blocks, full_block, plan_sync, vllm_blocks
 from .transport import execute
 
 
@@ -40,33 +42,68 @@ def check_shards(plan: SyncPlan, shards: dict, rank: int) -> None:
 
 
 class WeightSync:
-    """Planned once, run after every actor update (and after a resume)."""
+    """Planned once, run after every actor update (and after a resume).
 
-    def __init__(self, actor, rollout, rollout_mesh: RoleMesh, *, dtype: torch.dtype, bucket_mb: int, memory=None):
+    Colocated: every rank runs the whole exchange and waits for it. Split placement (`split=True`): the
+    actor ranks post their sends on the sync's own process group and go on (the sends complete while the
+    rollout ranks receive; `wait_sent` is called before the next sync); the rollout ranks receive and load.
+    A rank without the actor engine (a rollout rank in split placement) plans from the arithmetic:
+    `fsdp_blocks` of the actor layout over the parameter shapes of `hf_config`; the actor ranks check that the
+    engine holds exactly those blocks, so both sides execute the same plan.
+    """
+
+    def __init__(self, actor, rollout, rollout_mesh: RoleMesh, *, dtype: torch.dtype, bucket_mb: int, memory=None,
+                 split: bool = False, actor_grid=None, hf_config=None, rollout_shards: bool | None = None, group=None):
         self.actor, self.rollout, self.dtype, self.memory = actor, rollout, dtype, memory
+        self.split, self.group, self.pending = split, group, []
         self.bucket_bytes = bucket_mb << 20
-        params = actor.param_shapes()
-        dims = ModelDims.from_hf_config(actor.hf_config())
-        targets = rollout_targets(params, rollout_mesh.tp_groups(), dims, getattr(rollout, "loads_tp_shards", False))
+        if rollout_shards is None:
+            rollout_shards = getattr(rollout, "loads_tp_shards", False)
+        hf_config = self.hf_config = actor.hf_config() if actor is not None else hf_config
+        if actor is not None and not split:
+            params, sources = actor.param_shapes(), actor.source_blocks()
+        else:
+            from spmdrl.plan import model_param_shapes
+
+            params = model_param_shapes(hf_config)
+            sources = fsdp_blocks(params, actor_grid)
+            if actor is not None and (actor.param_shapes() != params or actor.source_blocks() != sources):
+                raise LayoutError("the actor engine's weight layout is not the FSDP2 layout the rollout ranks plan for; "
+                                  "split placement needs trainer.backend = 'fsdp' for now")
+        dims = ModelDims.from_hf_config(hf_config)
+        targets = rollout_targets(params, rollout_mesh.tp_groups(), dims, rollout_shards)
         elem = torch.empty((), dtype=dtype).element_size()
-        self.plan: SyncPlan = plan_sync(params, actor.source_blocks(), targets, elem)
+        self.plan: SyncPlan = plan_sync(params, sources, targets, elem)
         self.lower_bound = max(self.plan.lower_bound().values(), default=0)
         self.checked = False
+
+    def wait_sent(self) -> None:
+        """Split placement: block until this rank's posted sends are complete."""
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
 
     def __call__(self) -> dict[str, float]:
         if self.memory is not None:
             self.memory.for_sync()  # training state out, empty_cache, vLLM weights (not KV) awake: spmdrl/memory.py
-        else:
+        elif self.rollout is not None:
             self.rollout.wake_up()
-        shards = {name: (t, block) for name, t, block in self.actor.weight_shards()}
+        self.wait_sent()
+        shards = {name: (t, block) for name, t, block in self.actor.weight_shards()} if self.actor is not None else {}
         if not self.checked:
             check_shards(self.plan, shards, dist.get_rank())
             self.checked = True
+        deliver = self.rollout.update_weights if self.rollout is not None else None
         stats = execute(
-            self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=comm_device(),
-            bucket_bytes=self.bucket_bytes, deliver=self.rollout.update_weights,
+            self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=comm_device(self.group),
+            bucket_bytes=self.bucket_bytes, deliver=deliver, group=self.group,
+            pending=self.pending if self.split else None,
         )
-        self.rollout.finish_weight_update()  # vLLM: finalize the layerwise reload (repack CPU weights, reset prefix cache)
+        if self.rollout is not None:
+            self.rollout.finish_weight_update()  # vLLM: finalize the layerwise reload (repack CPU weights, reset prefix cache)
+        if self.split:  # no world collective here: the roles are at different points; the step reduces these
+            return {"weight_sync/bytes_recv": float(stats.bytes_recv), "weight_sync/bytes_sent": float(stats.bytes_sent),
+                    "weight_sync/collectives": float(stats.collectives), "timing/weight_sync_transport_s": stats.seconds}
         recv_max, collectives = reduce_max(torch.tensor([stats.bytes_recv, stats.collectives], dtype=torch.float64))
         return {
             "weight_sync/bytes_recv_max": recv_max,

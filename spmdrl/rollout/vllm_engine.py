@@ -50,6 +50,7 @@ import torch.distributed as dist
 from spmdrl.dist.init import default_local_rank
 from spmdrl.dist.layout import external_launcher_tp_groups
 from spmdrl.errors import ConfigError, LayoutError, SpmdrlError
+from spmdrl.rollout.vllm_world import vllm_sub_world
 from spmdrl.rollout.base import (
     RolloutOutput,
     SamplingSpec,
@@ -86,13 +87,20 @@ class VLLMEngine:
         trust_remote_code: bool = False,
         tp_group: list[int] | None = None,
         load_format: str = "auto",
+        world_ranks: int | None = None,
     ):
         """tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
-        checked against it after the build."""
+        checked against it after the build. world_ranks: build on the first `world_ranks` ranks of the world
+        only (split placement: the other ranks do not call this); None means every rank (colocated)."""
         from vllm import LLM
         from vllm.platforms import current_platform
 
         rank, world_size = _ensure_launcher_env(tp_size)
+        sub_world = world_ranks is not None and world_ranks < world_size
+        if sub_world:
+            if rank >= world_ranks:
+                raise LayoutError(f"rank {rank} builds a vLLM engine but the rollout ranks are 0..{world_ranks - 1}")
+            world_size = world_ranks
         groups = external_launcher_tp_groups(world_size, tp_size)  # raises LayoutError unless tp divides the world
         self.tp_size = tp_size
         self.dp_size = len(groups)
@@ -121,7 +129,7 @@ class VLLMEngine:
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         t0 = time.perf_counter()
         try:
-            with preserved_rng_state(), _job_unique_cpu_shm_names():
+            with preserved_rng_state(), _job_unique_cpu_shm_names(), vllm_sub_world(world_size if sub_world else None):
                 self.llm = LLM(
                     model=model_path,
                     tokenizer=tokenizer_path or model_path,
@@ -399,6 +407,7 @@ def _shutdown_keeping_world(core) -> None:
 
 
 # ------------------------------------------------------------------------------------------ vLLM side effects
+
 
 _engines_built = 0
 
