@@ -121,7 +121,9 @@ def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dt
     if dims.value_head and last:
         del gpt.output_layer  # a critic reads the value head, never the vocabulary
         gpt.output_layer = None
-    gpt.to(device)
+    # megatron's torch norms (WrappedTorchNorm) are built in float32 whatever params_dtype is; in the compute
+    # dtype they take torch's fused RMSNorm kernel on CUDA, like every other parameter
+    gpt.to(device=device, dtype=dtype)
     want = list(stage_layers(dims.layers, mesh.pp_size, mesh.pp_rank))
     got = [layer.layer_number - 1 for layer in gpt.decoder.layers]
     if got != want:
