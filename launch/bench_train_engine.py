@@ -94,6 +94,9 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=2, help="timed iterations after one warm-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", default="", help="reuse / keep the generated model here")
+    p.add_argument("--megatron-attention", default="sdpa", choices=["sdpa", "local"],
+                   help="megatron local-spec core attention: torch SDPA or megatron's DotProductAttention")
+    p.add_argument("--recompute", action="store_true", help="activation recompute (model.gradient_checkpointing)")
     args = p.parse_args()
     if args.tiny:
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab = 128, 2, 4, 2, 256, 512
@@ -120,11 +123,13 @@ def main() -> int:
     build_model_s = time.perf_counter() - t0
     reset_peak(device)
     t0 = time.perf_counter()
+    extra = {"attention": args.megatron_attention} if args.backend == "megatron" else {}
     engine = build_train_engine(args.backend, model_dir, mesh, device, trainable=True,
-                                dtype="bfloat16" if cuda else "float32",
+                                dtype="bfloat16" if cuda else "float32", gradient_checkpointing=args.recompute, **extra,
                                 optim=dict(lr=1e-6, weight_decay=0.01, grad_clip=1.0))
     sync(device)
-    out = {"backend": args.backend, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+    out = {"backend": args.backend, "megatron_attention": args.megatron_attention if args.backend == "megatron" else None,
+           "recompute": args.recompute, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "torch": torch.__version__, "engine_build_s": time.perf_counter() - t0, "model_build_s": build_model_s,
            "peak_gb_build": peak_gb(device)}
     batch = synthetic_batch(args)

@@ -22,8 +22,10 @@ from test_objective_layout import _reference as _reference_uncached  # noqa: E40
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.dist
 SCRIPT = os.path.join(HERE, "dist_scripts", "megatron_engine.py")
-# (name, model, nproc, tp, pp, extra args): dp = nproc / (tp * pp); pp2_dp2 trains with activation recompute
-LAYOUTS = [("tp2_pp2_tied", "tied", 4, 2, 2, []), ("pp2_dp2_recompute", "untied", 4, 1, 2, ["--recompute"])]
+# (name, model, nproc, tp, pp, extra args): dp = nproc / (tp * pp); the first runs torch SDPA attention (the
+# default), the second megatron's own DotProductAttention and activation recompute
+LAYOUTS = [("tp2_pp2_tied", "tied", 4, 2, 2, []),
+           ("pp2_dp2_local_recompute", "untied", 4, 1, 2, ["--recompute", "--attention", "local"])]
 
 
 @functools.lru_cache(maxsize=None)

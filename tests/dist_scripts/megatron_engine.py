@@ -58,6 +58,7 @@ def main():
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--skip-resume", action="store_true")
     p.add_argument("--recompute", action="store_true", help="trainable engines with model.gradient_checkpointing")
+    p.add_argument("--attention", default="sdpa", help="sdpa | local (megatron's DotProductAttention)")
     args = p.parse_args()
     from spmdrl.algos import POLICY_LOSSES
     from spmdrl.batch import Batch
@@ -78,7 +79,7 @@ def main():
 
     def engine(lr=0.0, weight_decay=0.0, grad_clip=0.0):
         return build_train_engine("megatron", args.model, mesh, device, trainable=True,
-                                  gradient_checkpointing=args.recompute, optim=dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip))
+                                  gradient_checkpointing=args.recompute, attention=args.attention, optim=dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip))
 
     eng = engine()
     prompts, resps = fixed_batch()
@@ -122,7 +123,7 @@ def main():
 
     # ---- a critic (value head on the last stage): values, export, one value-loss update --------------------
     critic = build_train_engine("megatron", args.model, mesh, device, trainable=True, value_head=True,
-                                gradient_checkpointing=args.recompute,
+                                gradient_checkpointing=args.recompute, attention=args.attention,
                                 optim=dict(lr=0.0, weight_decay=0.0, grad_clip=0.0))
     res["values"] = {packed: critic.values(pack_sequences(prompts, resps, 0, packed=packed)).clone()
                      for packed in (False, True)}

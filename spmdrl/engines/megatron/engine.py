@@ -46,7 +46,7 @@ class MegatronEngine(StateMixin):
                  value_head: bool = False, optim: dict | None = None, total_steps: int = 1,
                  trust_remote_code: bool = False, seed: int = 0, make_vocab_size_divisible_by: int = 128,
                  use_te: bool | None = None, gradient_checkpointing: bool = False, offload: bool = False,
-                 defer_grad_sync: bool = False):
+                 defer_grad_sync: bool = False, attention: str = "sdpa"):
         from transformers import AutoConfig
 
         self.device, self.mesh, self.trainable, self.model_path, self.seed = device, mesh, trainable, model_path, seed
@@ -68,7 +68,7 @@ class MegatronEngine(StateMixin):
         self.dims = dims_from_hf(self.config, tp=mesh.tp_size, divisible_by=make_vocab_size_divisible_by,
                                  value_head=value_head)
         gpt, self.tcfg = build_gpt(self.dims, self.config, mesh, device, self.dtype, self.use_te,
-                                   recompute=gradient_checkpointing and trainable)
+                                   recompute=gradient_checkpointing and trainable, attention=attention)
         self.stage = StageModel(gpt, rope_inv_freq(self.config), value_head, self.dtype).to(device)
         self.first_layer = stage_layers(self.dims.layers, mesh.pp_size, mesh.pp_rank).start
         self.is_last = mesh.pp_rank == mesh.pp_size - 1
@@ -130,7 +130,9 @@ class MegatronEngine(StateMixin):
         ids, pos, mask = tb.input_ids, tb.position_ids, tb.attention_mask
         if self.tcfg.sequence_parallel:  # the sequence is split over tp: its length must divide
             ids, pos, mask = pad_sequence_dim(ids, pos, mask, self.mesh.tp_size)
-        return tb, self.model(ids, pos, megatron_mask(mask))
+        # padded rows: causal attention is exact for every real token (right padding), and lets SDPA use its
+        # causal kernels; packed rows need the block-diagonal mask
+        return tb, self.model(ids, pos, megatron_mask(mask) if mask.dim() == 4 else None)
 
     def _lm_head(self, hidden, tb: TokenBatch, temperature: float, with_entropy, chunk_size: int):
         from megatron.core import parallel_state as ps

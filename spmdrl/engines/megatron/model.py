@@ -91,14 +91,20 @@ def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype:
     )
 
 
-def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, use_te: bool, recompute: bool = False):
-    """The GPTModel of this rank's PP stage (weights uninitialised), on `device`."""
+def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, use_te: bool, recompute: bool = False,
+              attention: str = "sdpa"):
+    """The GPTModel of this rank's PP stage (weights uninitialised), on `device`. attention (local spec only):
+    "sdpa" (torch scaled_dot_product_attention, SdpaAttention) or "local" (megatron's DotProductAttention)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
     cfg = transformer_config(dims, hf_config, mesh, device, dtype, recompute)
     spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec(normalization="RMSNorm")
+    if not use_te and attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    elif not use_te and attention != "local":
+        raise ConfigError(f"megatron backend: attention {attention!r} is not one of sdpa, local")
     first, last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp_size - 1
     kw = dict(config=cfg, transformer_layer_spec=spec, vocab_size=dims.vocab_padded,
               max_sequence_length=hf_config.max_position_embeddings, pre_process=first, post_process=last,
@@ -115,7 +121,9 @@ def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dt
     if dims.value_head and last:
         del gpt.output_layer  # a critic reads the value head, never the vocabulary
         gpt.output_layer = None
-    gpt.to(device)
+    # megatron's torch norms (WrappedTorchNorm) are built in float32 whatever params_dtype is; in the compute
+    # dtype they take torch's fused RMSNorm kernel on CUDA, like every other parameter
+    gpt.to(device=device, dtype=dtype)
     want = list(stage_layers(dims.layers, mesh.pp_size, mesh.pp_rank))
     got = [layer.layer_number - 1 for layer in gpt.decoder.layers]
     if got != want:
@@ -182,6 +190,33 @@ class StageModel(nn.Module):
         freqs = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
         x = self.gpt.embedding(input_ids=input_ids, position_ids=None) if self.gpt.pre_process else None
         return self.gpt.decoder(hidden_states=x, attention_mask=attention_mask, rotary_pos_emb=freqs)
+
+
+class SdpaAttention(nn.Module):
+    """megatron core attention through torch's scaled_dot_product_attention (flash / memory-efficient kernels on
+    CUDA) instead of megatron's local DotProductAttention, which materialises [b, heads, s, s] scores.
+    query [sq, b, np, hn], key / value [sk, b, ng, hn] (GQA groups, expanded here) -> [sq, b, np * hn].
+    attention_mask None means causal (padded rows: right padding never reaches a real query); otherwise megatron's
+    bool mask, True = not allowed. Scale 1 / sqrt(hn) unless the config sets softmax_scale; no dropout."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.config, self.scale = config, softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SdpaAttention: no packed_seq_params / attention_bias")
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.scale)
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 def megatron_mask(attention_mask: torch.Tensor) -> torch.Tensor:
