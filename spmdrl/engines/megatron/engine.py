@@ -102,6 +102,10 @@ class MegatronEngine(StateMixin):
                                    use_distributed_optimizer=True)
             self.optimizer = get_megatron_optimizer(ocfg, [self.model])
             self.scheduler = _MegatronLR(self.optimizer, sched, o.get("lr", 1e-6))
+            from .dist_optim import check_checkpointable
+
+            self.dist_optim = True  # checkpointed through dist_optim.py
+            check_checkpointable(self)  # a layout whose checkpoints cannot be saved fails here, not at the first save
         else:
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.stage.parameters() if p.requires_grad], lr=o.get("lr", 1e-6),

@@ -9,8 +9,9 @@ rows, so DCP writes each rank's pieces from where they live and loads them in pl
 ranks (dp replicas, tp-replicated norms) is saved by its first holder in [dp][pp][tp] order (its "owner"); after
 a load the owners' values are broadcast to the replicas (over dp, then over tp for the replicated parameters,
 and to the last stage's copy of a tied embedding). `spmdrl export` reads such a checkpoint exactly as an FSDP2
-one (same keys, same full shapes). Only the CPU optimizer (torch AdamW) is checkpointed; the GPU's megatron
-distributed optimizer state is not (checkpoint_state raises).
+one (same keys, same full shapes). The CPU optimizer (torch AdamW over the whole local parameters) saves its
+moments the same way; the GPU's megatron distributed optimizer saves its dp shards of the fp32 master weights
+("main") and of the moments as blocks of the same HF tensors (dist_optim.py).
 """
 from __future__ import annotations
 
@@ -146,22 +147,24 @@ class StateMixin:
             self._owner_cache = owners
         return self._owner_cache
 
-    def _sharded(self, tensors_of: dict[str, list[tuple[Piece, torch.Tensor]]]) -> dict:
-        """HF name -> ShardedTensor over the owners' pieces, with this rank's owned pieces as local shards."""
+    def _sharded(self, tensors_of: dict[str, list[tuple[Piece, torch.Tensor]]], owners: dict | None = None) -> dict:
+        """HF name -> ShardedTensor over the owners' pieces, with this rank's owned pieces as local shards.
+        owners: (HF name, block) -> saving rank; default the model parameters' (_owners)."""
         from torch.distributed._shard.metadata import ShardMetadata
         from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
         from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
         dev = "cpu" if self.device.type == "cpu" else f"cuda:{torch.cuda.current_device()}"
+        owners = self._owners() if owners is None else owners
         by_name: dict[str, list] = {}
-        for (name, block), rank in self._owners().items():
+        for (name, block), rank in owners.items():
             by_name.setdefault(name, []).append(ShardMetadata(list(block[0]), list(block[1]), f"rank:{rank}/{dev}"))
         shapes = dict(hf_param_shapes(self.dims))
         out = {}
         me = self.mesh.rank
         for name, pairs in tensors_of.items():
             local = [Shard(t, ShardMetadata(list(pc.block[0]), list(pc.block[1]), f"rank:{me}/{dev}"))
-                     for pc, t in pairs if self._owners()[(pc.hf_name, pc.block)] == me and t.numel()]
+                     for pc, t in pairs if owners[(pc.hf_name, pc.block)] == me and t.numel()]
             metas = [m for m in by_name[name] if math.prod(m.shard_sizes)]
             props = TensorProperties(dtype=pairs[0][1].dtype)
             md = ShardedTensorMetadata(metas, torch.Size(shapes[name]), props)
@@ -178,12 +181,12 @@ class StateMixin:
 
     def checkpoint_state(self) -> tuple[dict, dict]:
         """({"model": {HF name: ShardedTensor}, "optim": {HF name.exp_avg / .exp_avg_sq: ShardedTensor}},
-        {param_groups, step, scheduler})."""
+        {param_groups, step, scheduler}); on GPU also "main": {HF name: float32 ShardedTensor} (master weights)."""
         tensors = {"model": self._sharded(self._views())}
         if self.optimizer is None:
             return tensors, {}
-        if self.device.type == "cuda":
-            raise ConfigError("megatron backend: checkpoints of the GPU distributed optimizer are not implemented")
+        if getattr(self, "dist_optim", False):
+            return self._distributed_optimizer_state(tensors)
         state = self.optimizer.state
         for p in self.optimizer.param_groups[0]["params"]:
             if p not in state or not state[p]:  # AdamW's lazy init, done now so a fresh engine can load into it
@@ -201,9 +204,36 @@ class StateMixin:
                                                   "_step_count": getattr(self.scheduler, "_step_count", 0)}}
         return tensors, meta
 
+    def _distributed_optimizer_state(self, tensors: dict) -> tuple[dict, dict]:
+        from . import dist_optim as do
+
+        dopt = do.distributed_optimizer(self.optimizer)
+        do.init_state(dopt)
+        owners = do.rect_owners(self)
+        views = do.views(self)
+        tensors["main"] = self._sharded(views["main"], owners)
+        tensors["optim"] = {f"{n}.{key}": t for key in ("exp_avg", "exp_avg_sq")
+                            for n, t in self._sharded(views[key], owners).items()}
+        meta = {"optimizer": "megatron-distributed", "param_groups": do.group_meta(dopt), "step": do.step_of(dopt),
+                "scheduler": {"last_epoch": self.scheduler.last_epoch}}
+        return tensors, meta
+
     def load_checkpoint_state(self, tensors: dict, meta: dict) -> None:
         """DCP filled the owners' pieces in place; copy them to the replicas and restore the JSON state."""
         params = [p for _, p, _ in self._local_params()]
+        if getattr(self, "dist_optim", False) and self.optimizer is not None and meta:
+            from . import dist_optim as do
+
+            dopt = do.distributed_optimizer(self.optimizer)
+            do.load_meta(dopt, meta)
+            self.scheduler.load_state_dict({"last_epoch": meta["scheduler"]["last_epoch"]})
+            self._sync_replicas(params, [lambda p: p.data])
+            if self.mesh.tp_size > 1:
+                g = self.mesh.group("tp")
+                with torch.no_grad():
+                    for t in do.replicated_shards(self):
+                        dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
+            return
         kinds = [lambda p: p.data]
         if self.optimizer is not None and meta:
             state = self.optimizer.state
