@@ -98,7 +98,7 @@ def main():
 
     # ---- one PPO update per aggregation mode: gradients as HF blocks --------------------------------------
     cfg = Config()
-    full = global_batch()
+    full = {k: v for k, v in global_batch().items() if v is not None}  # rollout_log_probs: None (no correction)
     B = len(full["index"])
     per = B // mesh.dp_size
     local = Batch({k: v[mesh.dp_rank * per: (mesh.dp_rank + 1) * per] for k, v in full.items()})

@@ -35,6 +35,9 @@ def main():
     from spmdrl.engines.megatron import dist_optim
     from spmdrl.update import actor_body, run_updates
 
+    # the comparison is of two runs of step 3 in this process: keep cuBLAS / atomics from reordering sums
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
     env, device = init_distributed("cuda")
     assert env.world_size == 1
     mesh = RoleMeshes({r: RoleLayout(r, (0,), 1, 1, 1) for r in ROLES}, env.rank, "cuda")["actor"]
@@ -47,7 +50,7 @@ def main():
     cfg = Config()
     cfg.actor.policy_loss, cfg.actor.loss_agg_mode, cfg.data.max_response_length = "ppo", "token-mean", 8
     body = actor_body(cfg, POLICY_LOSSES.get("ppo"), 1.0)
-    batch = Batch(global_batch())
+    batch = Batch({k: v for k, v in global_batch().items() if v is not None})  # rollout_log_probs: None
 
     def step(e):
         return run_updates(e, batch, epochs=1, mini_size=len(batch), micro_size=4, pad_id=0, dp_size=1,

@@ -85,9 +85,16 @@ def shard(dopt, param) -> tuple[int, int, torch.Tensor, dict] | None:
     """(start, end, main, state) of this dp rank's range [start, end) of param.view(-1); None when it holds none."""
     if param not in dopt.model_param_group_index_map:
         return None
-    g, i = dopt.model_param_group_index_map[param]
-    main = dopt.optimizer.param_groups[g]["params"][i]
     rng = dopt._get_model_param_range_map(param)["param"]
+    # a bf16 param's fp32 shard is its .main_param (the tensor in the inner optimizer's group); an fp32 param
+    # is stepped in place through a view of its own range, found by its (group, index)
+    main = getattr(param, "main_param", None)
+    if main is None:
+        g, i = dopt.model_param_group_index_map[param]
+        main = dopt.optimizer.param_groups[g]["params"][i]
+        if main.data_ptr() != param.data.view(-1)[rng.start:].data_ptr():
+            raise CheckpointError("megatron distributed optimizer: an fp32 parameter's optimizer tensor is not a view "
+                                  "of its range (mixed bf16 / fp32 parameters?)")
     if main.dim() != 1 or main.numel() != rng.end - rng.start or main.dtype != torch.float32:
         raise CheckpointError(f"megatron distributed optimizer: the main param of a {tuple(param.shape)} parameter is "
                               f"{main.dtype} {tuple(main.shape)}, expected float32 ({rng.end - rng.start},)")
@@ -216,6 +223,9 @@ def group_meta(dopt) -> list[dict]:
 def load_meta(dopt, meta: dict) -> None:
     """Restore the step counters and param-group values saved by group_meta."""
     inner = dopt.optimizer
+    if len(inner.param_groups) != len(meta["param_groups"]):
+        raise CheckpointError(f"megatron distributed optimizer: the checkpoint has {len(meta['param_groups'])} param "
+                              f"groups, this optimizer {len(inner.param_groups)}")
     for g, saved in zip(inner.param_groups, meta["param_groups"]):
         g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items() if k in g})
         for main in g["params"]:
