@@ -170,12 +170,12 @@ def rect_owners(engine) -> dict:
     me = engine.mesh.rank
     leader = dist.get_global_rank(engine.mesh.group("tp"), 0) if engine.mesh.tp_size > 1 else me
     for p, _, _, rects in local_rects(engine):
-        theirs = [owners[(pc.hf_name, pc.block)] for pc, _, _ in rects]
-        if any(o != me for o in theirs) and (getattr(p, "tensor_model_parallel", False)
-                                             or any(o not in (me, leader) for o in theirs) or me in theirs):
-            raise ConfigError("megatron distributed optimizer: a parameter's shard is only partly held by this rank "
-                              f"({rects[0][0].hf_name}); the grad buffers differ across tp ranks, checkpoints "
-                              "cannot be laid out")
+        # a tp-sharded parameter's blocks are this rank's alone; a replicated one's are the tp leader's
+        want = me if getattr(p, "tensor_model_parallel", False) else leader
+        if any(owners[(pc.hf_name, pc.block)] != want for pc, _, _ in rects):
+            raise ConfigError("megatron distributed optimizer: the optimizer shard of "
+                              f"{rects[0][0].hf_name if rects else 'a parameter'} differs across tp ranks (their grad "
+                              "buffers are laid out differently); its checkpoint cannot be laid out")
     engine._rect_owner_cache = owners
     return owners
 
