@@ -38,6 +38,7 @@ def main():
     # the comparison is of two runs of step 3 in this process: keep cuBLAS / atomics from reordering sums
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # deterministic mode would NaN-fill torch.empty
     env, device = init_distributed("cuda")
     assert env.world_size == 1
     mesh = RoleMeshes({r: RoleLayout(r, (0,), 1, 1, 1) for r in ROLES}, env.rank, "cuda")["actor"]

@@ -181,8 +181,10 @@ def rect_owners(engine) -> dict:
 
 
 def views(engine) -> dict[str, dict[str, list]]:
-    """{"main" | "exp_avg" | "exp_avg_sq": {HF name: [(Piece, view of the 1-D shard tensor)]}}."""
+    """{"main" | "exp_avg" | "exp_avg_sq": {HF name: [(Piece, view of the 1-D shard tensor)]}} (Adam's lazy
+    state is created first, see init_state)."""
     dopt = distributed_optimizer(engine.optimizer)
+    init_state(dopt)
     out: dict[str, dict] = {k: {} for k in ("main", "exp_avg", "exp_avg_sq")}
     for p, _, _, rects in local_rects(engine):
         _, _, main, st = shard(dopt, p)
