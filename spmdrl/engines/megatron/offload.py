@@ -10,6 +10,10 @@ tensor object and view keeps pointing at the same storage; onload resizes it bac
 
 A storage whose values are not needed (the gradient buffers: train_step zeroes them before its first backward)
 is freed without a copy and comes back zero-filled.
+
+Host copies are cut into power-of-two pieces (the set bits of the byte count, the tail below 64 KiB in one piece):
+torch's pinned-memory allocator rounds every request up to a power of two and caches the blocks, so one 9 GiB
+buffer would pin 16 GiB; cut this way nothing is rounded up except the tail (< 64 KiB per storage).
 """
 from __future__ import annotations
 
@@ -21,6 +25,21 @@ import torch
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole storage (storage offsets and dtypes of its views do not matter)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+TAIL = 1 << 16
+
+
+def pieces(n: int) -> list[tuple[int, int]]:
+    """(offset, size) of the power-of-two pieces of n bytes, largest first; the part below TAIL is one piece."""
+    out, off = [], 0
+    for bit in range(n.bit_length() - 1, TAIL.bit_length() - 2, -1):  # bits >= log2(TAIL)
+        if n >> bit & 1:
+            out.append((off, 1 << bit))
+            off += 1 << bit
+    if n > off:
+        out.append((off, n - off))
+    return out
 
 
 def unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
@@ -39,7 +58,7 @@ class HostStash:
 
     def __init__(self, pin: bool):
         self.pin = pin  # pinned host memory: CUDA only (pinning needs a CUDA context)
-        self._parked: dict[str, list[tuple[torch.UntypedStorage, torch.Tensor | None, int]]] = {}
+        self._parked: dict[str, list[tuple[torch.UntypedStorage, list[torch.Tensor] | None, int]]] = {}
 
     def parked(self, kind: str) -> bool:
         return kind in self._parked
@@ -53,8 +72,10 @@ class HostStash:
         for st in storages:
             host = None
             if keep_values:
-                host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=self.pin)
-                host.copy_(_bytes(st), non_blocking=self.pin)
+                flat, host = _bytes(st), []
+                for off, size in pieces(st.nbytes()):
+                    host.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+                    host[-1].copy_(flat[off: off + size], non_blocking=self.pin)
             entries.append((st, host, st.nbytes()))
         if self.pin:
             torch.cuda.synchronize()  # the host copies are complete before the device memory can be reused
@@ -71,10 +92,12 @@ class HostStash:
             return
         for st, host, n in entries:
             st.resize_(n)
+            flat = _bytes(st)
             if host is None:
-                _bytes(st).zero_()
-            else:
-                _bytes(st).copy_(host, non_blocking=self.pin)
+                flat.zero_()
+                continue
+            for (off, size), h in zip(pieces(n), host):
+                flat[off: off + size].copy_(h, non_blocking=self.pin)
         if self.pin:
             torch.cuda.synchronize()  # before the pinned host blocks go back to the host allocator
 
