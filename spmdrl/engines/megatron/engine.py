@@ -142,11 +142,12 @@ class MegatronEngine(StateMixin):
         w = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
         h = fw.response_hidden(hidden, tb, sequence_parallel=self.tcfg.sequence_parallel, replicated_use=False)
         labels = tb.resp_ids[tb.resp_mask.bool()]
+        group = ps.get_tensor_model_parallel_group()
         if top_k > 0 or top_p < 1.0:  # the sampler's truncation needs whole rows: gathered over tp (forward only)
             logp, ent = fw.gathered_truncated_logprobs(h, w, labels, vocab=self.dims.vocab, temperature=temperature,
                                                        top_k=top_k, top_p=top_p, chunk_size=chunk_size,
-                                                       with_entropy=with_entropy, group=ps.get_tensor_model_parallel_group())
-            return fw.scatter_rows(logp, tb.resp_mask), (fw.scatter_rows(ent, tb.resp_mask) if ent is not None else None)
+                                                       with_entropy=with_entropy, group=group)
+            return fw.scatter_rows(logp, tb.resp_mask), (None if ent is None else fw.scatter_rows(ent, tb.resp_mask))
         lo = vocab_rows(self.dims, self.mesh.tp_size, self.mesh.tp_rank)[0]  # columns >= V are padding, masked
         logp, ent = fw.vocab_parallel_logprobs(h, w, labels, vocab_start=lo, vocab=self.dims.vocab, temperature=temperature,
                                                chunk_size=chunk_size, with_entropy=with_entropy,
@@ -340,7 +341,8 @@ class MegatronEngine(StateMixin):
                 self._stash.unpark(kind)
 
     def checkpoint_state(self) -> tuple[dict, dict]:
-        self._unpark(("params", "grads", "optimizer"))  # a checkpoint reads the parked state (the next phase parks it again)
+        # a checkpoint reads the parked state; the memory lifecycle's next phase parks it again
+        self._unpark(("params", "grads", "optimizer"))
         return super().checkpoint_state()
 
     def load_checkpoint_state(self, tensors: dict, meta: dict) -> None:
