@@ -105,6 +105,8 @@ class HostStash:
 def torch_optimizers(opt) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside a megatron optimizer (ChainedOptimizer -> DistributedOptimizer -> Adam) or a
     plain torch optimizer."""
+    if opt is None:  # a stub optimizer (no parameters on this rank)
+        return []
     if isinstance(opt, torch.optim.Optimizer):
         return [opt]
     if hasattr(opt, "chained_optimizers"):
