@@ -244,3 +244,27 @@ def test_offload_round_trip_frees_state_and_is_exact(runs, layout):
         assert res["held_after"] == res["held_before"]
         assert res["offload_state_equal"] and res["offload_logprobs_equal"]
         assert res["step_metrics_equal"] and res["resume_equal"]
+
+
+def test_host_stash_keeps_every_view_and_pins_nothing_extra():
+    """HostStash on plain CPU tensors: views of one buffer count once, values come back bitwise, a kind parked twice
+    is skipped, grads-style storages come back as zeros, and the host copies add up to exactly the storage."""
+    from spmdrl.engines.megatron.offload import HostStash, pieces, unique_storages
+
+    buf = torch.randn(70_001)  # 280,004 bytes: a 256 KiB piece and a 17,860-byte tail
+    views = [buf[:10].view(2, 5), buf[100:70_001]]
+    other, grad = torch.randn(3, 7), torch.randn(5)
+    want = [buf.clone(), other.clone()]
+    assert len(unique_storages(views + [other])) == 2
+    assert [s for _, s in pieces(280_004)] == [262_144, 17_860]
+    stash = HostStash(pin=False)
+    assert stash.park("params", unique_storages(views + [other])) == 280_004 + 84
+    assert stash.park("params", unique_storages(views)) == 0  # already parked
+    stash.park("grads", unique_storages([grad]), keep_values=False)
+    assert buf.untyped_storage().nbytes() == other.untyped_storage().nbytes() == grad.untyped_storage().nbytes() == 0
+    assert sum(h.numel() for h in stash._parked["params"][0][1]) == 280_004
+    stash.unpark("params")
+    stash.unpark("params")
+    stash.unpark("grads")
+    assert torch.equal(buf, want[0]) and torch.equal(other, want[1]) and torch.equal(views[1], want[0][100:])
+    assert torch.equal(grad, torch.zeros(5))
