@@ -10,8 +10,9 @@ The trainer only says which phase comes next; this object moves state so the pha
                          PyTorch's caching allocator gives its freed blocks back before vLLM's cuMem wake; vLLM
                          wakes its weights only
 
-Offload is per role and per kind (params / grads / optimizer: memory.<role>_offload). Gradients are freed at
-the end of every train_step (zero_grad(set_to_none=True)), so "grads" has nothing to move between phases.
+Offload is per role and per kind (params / grads / optimizer: memory.<role>_offload). FSDP2 frees gradients at
+the end of every train_step (zero_grad(set_to_none=True)), so "grads" has nothing to move between phases; the
+Megatron engine's DDP grad buffers persist, and "grads" frees them (docs/megatron.md#offload).
 
 Every transition closes the current phase and opens the next: the phase's peak allocated / reserved bytes
 (torch's allocator, reset at each phase; plus vLLM's cuMem pool where vLLM reports it) become

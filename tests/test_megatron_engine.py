@@ -16,7 +16,7 @@ from launching import run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
-from megatron_engine import MODES, fixed_batch  # noqa: E402
+from megatron_engine import MODES, TRUNC, fixed_batch  # noqa: E402
 from test_objective_layout import _reference as _reference_uncached  # noqa: E402
 
 pytest.importorskip("megatron.core")
@@ -184,3 +184,87 @@ def test_resume_is_bitwise_and_spmdrl_export_reads_the_checkpoint(runs, layout, 
     assert got.keys() == want.keys() == _safetensors(model).keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def _truncated_reference(model_path, top_k, top_p, temperature=0.7):
+    """Float64 unsharded HF forward; the sampler's kept set written independently of truncate_logits: top-k keeps
+    z_v >= the k-th largest logit; top-p then keeps v when the probability mass of the tokens no more likely than v
+    (v included) exceeds 1 - top_p, and always the most likely token."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    out = []
+    for p, r in zip(*fixed_batch()):
+        z = hf(input_ids=torch.cat([p, r])[None]).logits[0, len(p) - 1: len(p) - 1 + len(r)] / temperature
+        keep = torch.ones_like(z, dtype=torch.bool)
+        if top_k > 0:
+            keep &= z >= z.sort(-1, descending=True).values[:, top_k - 1: top_k]
+        if top_p < 1:
+            q = torch.softmax(z.masked_fill(~keep, float("-inf")), -1)
+            mass = (q[:, None, :] * (q[:, None, :] <= q[:, :, None])).sum(-1)  # [n, v]: sum_u q_u [q_u <= q_v]
+            keep &= (mass > 1 - top_p) | (q == q.max(-1, keepdim=True).values)
+        ls = torch.log_softmax(z.masked_fill(~keep, float("-inf")), -1)
+        ent = -(ls.exp() * ls.masked_fill(~keep, 0.0)).sum(-1)
+        out.append((ls.gather(-1, r[:, None]).squeeze(-1), ent, keep.sum(-1) / z.shape[-1]))
+    return out
+
+
+@pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS])
+def test_truncated_logprobs_match_unsharded_float64(runs, layout):
+    """top-k / top-p log-probs (the rollout mismatch diagnostic's) with the vocabulary gathered over tp."""
+    model, _, ranks = runs[layout]
+    kept_labels = dropped_labels = 0
+    for k, top_p in TRUNC:
+        ref = _truncated_reference(model, k, top_p)
+        assert all(float(f.min()) > 0.01 and float(f.max()) < 1 for _, _, f in ref)  # kept fraction: really cut
+        for res in ranks:
+            for packed in (False, True):
+                lp, ent = res["trunc"][(packed, k, top_p)]
+                for i, (want_lp, want_ent, _) in enumerate(ref):
+                    n = len(want_lp)
+                    got = lp[i, :n].double()
+                    assert torch.equal(torch.isinf(got), torch.isinf(want_lp)), (layout, k, top_p, i)
+                    fin = torch.isfinite(want_lp)
+                    torch.testing.assert_close(got[fin], want_lp[fin], atol=1e-5, rtol=0)
+                    torch.testing.assert_close(ent[i, :n].double(), want_ent, atol=1e-5, rtol=0)
+                    kept_labels += int(fin.sum())
+                    dropped_labels += int((~fin).sum())
+    assert kept_labels > 0 and dropped_labels > 0
+
+
+@pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS])
+def test_offload_round_trip_frees_state_and_is_exact(runs, layout):
+    """park / unpark (offload / onload's CUDA path, driven on CPU) on an engine just loaded from a checkpoint:
+    params, AdamW moments and the DDP grad buffer free their storage and come back bitwise; its log-probs are
+    bitwise the same, and its next step gives the metrics and (resume_equal) parameters of the running engine's
+    step from the same state, which made no round trip."""
+    ranks = runs[layout][2]
+    for res in ranks:
+        assert all(n > 0 for n in res["held_before"]) and res["held_parked"] == (0, 0, 0)
+        assert res["held_after"] == res["held_before"]
+        assert res["offload_state_equal"] and res["offload_logprobs_equal"]
+        assert res["step_metrics_equal"] and res["resume_equal"]
+
+
+def test_host_stash_keeps_every_view_and_pins_nothing_extra():
+    """HostStash on plain CPU tensors: views of one buffer count once, values come back bitwise, a kind parked twice
+    is skipped, grads-style storages come back as zeros, and the host copies add up to exactly the storage."""
+    from spmdrl.engines.megatron.offload import HostStash, pieces, unique_storages
+
+    buf = torch.randn(70_001)  # 280,004 bytes: a 256 KiB piece and a 17,860-byte tail
+    views = [buf[:10].view(2, 5), buf[100:70_001]]
+    other, grad = torch.randn(3, 7), torch.randn(5)
+    want = [buf.clone(), other.clone()]
+    assert len(unique_storages(views + [other])) == 2
+    assert [s for _, s in pieces(280_004)] == [262_144, 17_860]
+    stash = HostStash(pin=False)
+    assert stash.park("params", unique_storages(views + [other])) == 280_004 + 84
+    assert stash.park("params", unique_storages(views)) == 0  # already parked
+    stash.park("grads", unique_storages([grad]), keep_values=False)
+    assert buf.untyped_storage().nbytes() == other.untyped_storage().nbytes() == grad.untyped_storage().nbytes() == 0
+    assert sum(h.numel() for h in stash._parked["params"][0][1]) == 280_004
+    stash.unpark("params")
+    stash.unpark("params")
+    stash.unpark("grads")
+    assert torch.equal(buf, want[0]) and torch.equal(other, want[1]) and torch.equal(views[1], want[0][100:])
+    assert torch.equal(grad, torch.zeros(5))

@@ -2,13 +2,19 @@
 tiny fp32 HF Qwen2 model. Writes <out>/rank<r>.pt with, per rank:
 
   logprobs: {(packed, temperature): (logp [B, R], entropy [B, R])} of a fixed batch (every rank the whole batch);
+  trunc: {(packed, top_k, top_p): (logp, entropy)} of the same batch at temperature 0.7 with the sampler's truncation;
   grads: {loss_agg_mode: {HF name: [(block, tensor)]}}: the gradient of one PPO actor update (spmdrl.update,
       lr 0) over the global batch of tests/dist_scripts/objective_layout.py, dp-sharded, micro-batches of --micro,
       read just before the optimizer step as HF blocks (this rank's pieces);
   metrics: {mode: run_updates' logged values};
   blocks_ok: every weight_shards block equals source_blocks()[name][rank];
   resume_equal: after checkpoint at step 1 (spmdrl.checkpoint), step 2 of the running engine and step 2 of a fresh
-      engine loaded from that checkpoint give bitwise equal parameters (AdamW, weight decay, grad clipping);
+      engine loaded from that checkpoint give bitwise equal parameters (AdamW, weight decay, grad clipping); the
+      fresh engine parks and unparks all its state (offload_round_trip) between the load and its step, so this
+      and step_metrics_equal (its step's metrics == the running engine's) also check that the round trip is exact;
+  held_before / held_parked / held_after: bytes held by (params, optimizer state, grad buffers) around that round
+      trip; offload_logprobs_equal / offload_state_equal: log-probs / parameters and AdamW moments before and
+      after it are bitwise equal;
   values / critic_metrics / critic_grads: a critic (value head) engine's values of the fixed batch and one
       token-mean value-loss update (lr 0), gradients as HF blocks;
 and the directories <out>/critic_export (the critic as an HF token-classification model), <out>/export (export_hf of the untouched engine), <out>/ckpt (the checkpoint) and
@@ -25,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from objective_layout import global_batch  # noqa: E402
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+TRUNC = [(-1, 0.9), (160, 1.0), (160, 0.9)]  # (top_k, top_p) of the sampler, at temperature 0.7
+ALL_KINDS = ("params", "grads", "optimizer")
 
 
 def fixed_batch():
@@ -47,6 +55,39 @@ def hf_blocks(engine, of):
             t = torch.cat([src[pc.rows[0]: pc.rows[1]] for pc in pcs])
             out.setdefault(name, []).append((block, t.detach().clone()))
     return out
+
+
+def state_tensors(e) -> tuple[list, list, list]:
+    """The engine's parameters, AdamW moments and DDP grad buffers."""
+    from spmdrl.engines.megatron.offload import torch_optimizers
+
+    moments = [v for o in torch_optimizers(e.optimizer) for st in o.state.values() for v in st.values() if v.dim() > 0]
+    return list(e.stage.parameters()), moments, [b.grad_data for b in e.model.buffers]
+
+
+def state_bytes(e) -> tuple[int, int, int]:
+    """Bytes now held by the storages of state_tensors."""
+    from spmdrl.engines.megatron.offload import unique_storages
+
+    return tuple(sum(st.nbytes() for st in unique_storages(ts)) for ts in state_tensors(e))
+
+
+def offload_round_trip(e, tb, res):
+    """The engine's park / unpark (what offload / onload run on CUDA), in the memory lifecycle's order: optimizer and
+    grads out (for_sync), then everything (for_rollout, the kinds already out are skipped), then all back twice."""
+    before = e.logprobs(tb, temperature=0.7, with_entropy=True)
+    params, moments, _ = state_tensors(e)
+    values = [t.detach().clone() for t in params + moments]
+    res["held_before"] = state_bytes(e)
+    e._park(("optimizer", "grads"))
+    e._park(ALL_KINDS)
+    res["held_parked"] = state_bytes(e)
+    e._unpark(ALL_KINDS)
+    e._unpark(ALL_KINDS)
+    res["held_after"] = state_bytes(e)
+    after = e.logprobs(tb, temperature=0.7, with_entropy=True)
+    res["offload_logprobs_equal"] = all(torch.equal(x, y) for x, y in zip(before, after))
+    res["offload_state_equal"] = all(torch.equal(x, y) for x, y in zip(values, params + moments))
 
 
 def main():
@@ -90,6 +131,13 @@ def main():
             lp, ent = eng.logprobs(tb, temperature=temp, with_entropy=True, chunk_size=3)
             res["logprobs"][(packed, temp)] = (lp.clone(), ent.clone())
 
+    res["trunc"] = {}  # log-probs / entropy of the sampler's truncated distribution (vocabulary gathered over tp)
+    for packed in (False, True):
+        tb = pack_sequences(prompts, resps, 0, packed=packed)
+        for k, top_p in TRUNC:
+            lp, ent = eng.logprobs(tb, temperature=0.7, with_entropy=True, chunk_size=3, top_k=k, top_p=top_p)
+            res["trunc"][(packed, k, top_p)] = (lp.clone(), ent.clone())
+
     shards = {n: (t, b) for n, t, b in eng.weight_shards()}
     mine = {n: dict(bs)[env.rank] for n, bs in eng.source_blocks().items() if env.rank in dict(bs)}
     res["blocks_ok"] = set(shards) == set(mine) and all(
@@ -101,7 +149,7 @@ def main():
     full = {k: v for k, v in global_batch().items() if v is not None}  # rollout_log_probs: None (no correction)
     B = len(full["index"])
     per = B // mesh.dp_size
-    local = Batch({k: v[mesh.dp_rank * per: (mesh.dp_rank + 1) * per] for k, v in full.items()})
+    local = Batch({k: v[mesh.dp_rank * per: (mesh.dp_rank + 1) * per] for k, v in full.items() if v is not None})
     grads, clip = {}, eng.clip_grad_norm
 
     def capture():
@@ -159,13 +207,14 @@ def main():
                         hf_files=lambda d: a.hf_config().save_pretrained(d))
         a.export_hf(os.path.join(args.out, "export_step1"))
         at_save = hf_blocks(a, lambda prm: prm.data)
-        step(a)
+        want_metrics = step(a)
         want = hf_blocks(a, lambda prm: prm.data)
         b = engine(lr=1e-2, weight_decay=0.01, grad_clip=0.5)
         CheckpointManager(root, keep_last=1).load(path, engines={"actor": b}, config_toml="")
         loaded = hf_blocks(b, lambda prm: prm.data)
         res["load_differs"] = sorted({n for n in at_save for x, y in zip(at_save[n], loaded[n]) if not torch.equal(x[1], y[1])})
-        step(b)
+        offload_round_trip(b, pack_sequences(prompts, resps, 0), res)  # then the next step must still equal a's
+        res["step_metrics_equal"] = step(b) == want_metrics
         got = hf_blocks(b, lambda prm: prm.data)
         res["resume_differs"] = sorted({n for n in want for x, y in zip(want[n], got[n]) if not torch.equal(x[1], y[1])})
         ok = torch.tensor([float(not res["resume_differs"])])

@@ -138,13 +138,20 @@ class MegatronEngine(StateMixin):
         # causal kernels; packed rows need the block-diagonal mask
         return tb, self.model(ids, pos, megatron_mask(mask) if mask.dim() == 4 else None)
 
-    def _lm_head(self, hidden, tb: TokenBatch, temperature: float, with_entropy, chunk_size: int):
+    def _lm_head(self, hidden, tb: TokenBatch, temperature: float, with_entropy, chunk_size: int, top_k: int = -1,
+                 top_p: float = 1.0):
         from megatron.core import parallel_state as ps
 
         gpt = self.stage.gpt
         w = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
         h = fw.response_hidden(hidden, tb, sequence_parallel=self.tcfg.sequence_parallel, replicated_use=False)
         labels = tb.resp_ids[tb.resp_mask.bool()]
+        group = ps.get_tensor_model_parallel_group()
+        if top_k > 0 or top_p < 1.0:  # the sampler's truncation needs whole rows: gathered over tp (forward only)
+            logp, ent = fw.gathered_truncated_logprobs(h, w, labels, vocab=self.dims.vocab, temperature=temperature,
+                                                       top_k=top_k, top_p=top_p, chunk_size=chunk_size,
+                                                       with_entropy=with_entropy, group=group)
+            return fw.scatter_rows(logp, tb.resp_mask), (None if ent is None else fw.scatter_rows(ent, tb.resp_mask))
         lo = vocab_rows(self.dims, self.mesh.tp_size, self.mesh.tp_rank)[0]  # columns >= V are padding, masked
         logp, ent = fw.vocab_parallel_logprobs(h, w, labels, vocab_start=lo, vocab=self.dims.vocab, temperature=temperature,
                                                chunk_size=chunk_size, with_entropy=with_entropy,
@@ -164,17 +171,20 @@ class MegatronEngine(StateMixin):
         dist.broadcast(buf, src=dist.get_global_rank(group, self.mesh.pp_size - 1), group=group)
         return buf
 
-    def logprobs(self, tb: TokenBatch, *, temperature: float = 1.0, with_entropy=False, chunk_size: int = 1024):
+    def logprobs(self, tb: TokenBatch, *, temperature: float = 1.0, with_entropy=False, chunk_size: int = 1024,
+                 top_k: int = -1, top_p: float = 1.0):
+        """See TrainEngine.logprobs; top_k / top_p (forward only) gather the vocabulary over tp per chunk."""
         if self._ctx is not None:  # inside train_step's loss on the last stage: differentiable
             ctb, hidden = self._ctx
-            return self._lm_head(hidden, ctb, temperature, with_entropy, chunk_size)
+            return self._lm_head(hidden, ctb, temperature, with_entropy, chunk_size, top_k, top_p)
         if self._replay is not None:  # train_step replaying the loss on a non-last stage: detached values
             lp, ent = self._replay
             return lp, (ent if with_entropy else None)
 
         def step(it, model):
             t, hidden = self._run_stage(next(it))
-            return hidden, lambda out: (out.new_zeros(()), self._lm_head(out, t, temperature, with_entropy, chunk_size))
+            return hidden, lambda out: (out.new_zeros(()), self._lm_head(out, t, temperature, with_entropy, chunk_size,
+                                                                         top_k, top_p))
 
         B, R = tb.resp_ids.shape
         with torch.no_grad():
@@ -295,10 +305,53 @@ class MegatronEngine(StateMixin):
 
     # ---- memory -------------------------------------------------------------------------------------
     def offload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
-        """Not implemented for the Megatron backend: a no-op (state stays on the device)."""
+        """Park the named kinds in host memory (CUDA only; a no-op on CPU, like FSDPEngine: the state is in host
+        memory already). Storages are freed in place (spmdrl/engines/megatron/offload.py), so every view stays valid:
+          params     the model parameters: megatron DDP's contiguous param buffers under the distributed optimizer
+                     (bf16 param.data views), the parameters themselves otherwise (frozen engines, the CPU path);
+          optimizer  what the optimizer owns: the distributed optimizer's fp32 main-param shards and Adam moments
+                     (torch AdamW's moments on CPU); model parameters it updates in place belong to "params";
+          grads      megatron DDP's float32 grad buffers (param.main_grad views): freed without a copy, back as
+                     zeros (train_step zeroes them before its first backward anyway).
+        UNRUN on a GPU; the same park / unpark code is tested on CPU through _park / _unpark."""
+        if self.device.type == "cuda":
+            self._park(kinds)
 
     def onload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
-        """See offload."""
+        """Bring parked kinds back to the device (see offload); kinds that are not parked are left alone."""
+        if self.device.type == "cuda":
+            self._unpark(kinds)
+
+    def _park(self, kinds) -> None:
+        from .offload import HostStash, optimizer_tensors, unique_storages
+
+        if getattr(self, "_stash", None) is None:
+            self._stash = HostStash(pin=self.device.type == "cuda")
+        params = unique_storages(self.stage.parameters())
+        taken = {st.data_ptr() for st in params}  # optimizer / grad storages that are model params stay with params
+        if "params" in kinds:
+            self._stash.park("params", params)
+        if "optimizer" in kinds and self.optimizer is not None:
+            own = [st for st in unique_storages(optimizer_tensors(self.optimizer)) if st.data_ptr() not in taken]
+            self._stash.park("optimizer", own)
+        if "grads" in kinds and self.trainable:
+            bufs = self.model.buffers + self.model.expert_parallel_buffers  # megatron DDP's _ParamAndGradBuffers
+            grads = [st for st in unique_storages(b.grad_data for b in bufs) if st.data_ptr() not in taken]
+            self._stash.park("grads", grads, keep_values=False)
+
+    def _unpark(self, kinds) -> None:
+        if getattr(self, "_stash", None) is not None:
+            for kind in kinds:
+                self._stash.unpark(kind)
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        # a checkpoint reads the parked state; the memory lifecycle's next phase parks it again
+        self._unpark(("params", "grads", "optimizer"))
+        return super().checkpoint_state()
+
+    def load_checkpoint_state(self, tensors: dict, meta: dict) -> None:
+        self._unpark(("params", "grads", "optimizer"))
+        super().load_checkpoint_state(tensors, meta)
 
 
 class _Recorder:
@@ -308,8 +361,10 @@ class _Recorder:
     def __init__(self, engine: MegatronEngine):
         self._engine, self.seen = engine, []
 
-    def logprobs(self, tb, *, temperature: float = 1.0, with_entropy=False, chunk_size: int = 1024):
-        lp, ent = self._engine.logprobs(tb, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
+    def logprobs(self, tb, *, temperature: float = 1.0, with_entropy=False, chunk_size: int = 1024, top_k: int = -1,
+                 top_p: float = 1.0):
+        lp, ent = self._engine.logprobs(tb, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size,
+                                        top_k=top_k, top_p=top_p)
         self.seen += [lp.detach().float()] + ([ent.detach().float()] if ent is not None else [])
         return lp, ent
 

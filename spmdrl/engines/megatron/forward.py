@@ -78,6 +78,41 @@ def vocab_parallel_logprobs(h, w, labels, *, vocab_start: int, vocab: int, tempe
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
+def gathered_truncated_logprobs(h, w, labels, *, vocab: int, temperature: float, top_k: int, top_p: float,
+                                chunk_size: int, with_entropy, group):
+    """Log-probs (and entropy) of the sampler's truncated distribution: softmax(truncate_logits(W h / T, top_k,
+    top_p)), the FSDP2 engine's formula (spmdrl.algos.token_stats). Truncation needs every logit of a row (a
+    global top-k and a sort for top-p), so each chunk's vocab-parallel logits are all-gathered over tp and the
+    padding columns dropped; every tp rank then computes the same full-vocabulary result.
+
+    Forward only (the rollout mismatch diagnostic and rollout correction, under no_grad). Memory per rank is
+    O(chunk_size * V): the gathered float32 logits [chunk, V] plus truncate_logits' working copies (the sorted
+    logits, the int64 sort order, softmax and cumsum), all freed after the chunk."""
+    from spmdrl.algos.token_stats import entropy_from_logits, truncate_logits
+
+    if temperature <= 0:
+        raise SpmdrlError(f"temperature must be > 0, got {temperature}")
+    if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+        raise SpmdrlError("megatron backend: log-probs with top_k / top_p truncation are forward-only (the rollout "
+                          "mismatch diagnostic); the loss uses the untruncated distribution")
+    tp = dist.get_world_size(group)
+    logps, ents = [], []
+    for s in range(0, h.shape[0], chunk_size):
+        z = F.linear(h[s: s + chunk_size], w).float() * (1.0 / temperature)
+        if tp > 1:
+            parts = [torch.empty_like(z) for _ in range(tp)]
+            dist.all_gather(parts, z.contiguous(), group=group)
+            z = torch.cat(parts, dim=-1)  # tp ranks hold consecutive vocabulary rows
+            del parts
+        z = truncate_logits(z[:, :vocab], top_k, top_p)
+        y = labels[s: s + chunk_size]
+        logps.append(torch.log_softmax(z, dim=-1).gather(-1, y[:, None]).squeeze(-1))
+        if with_entropy:
+            ents.append(entropy_from_logits(z))
+    empty = h.new_zeros(0, dtype=torch.float32)
+    return (torch.cat(logps) if logps else empty), ((torch.cat(ents) if ents else empty) if with_entropy else None)
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous. megatron's mappings all-reduce
     `grad.contiguous()` and return `grad`: on a non-contiguous gradient (the transposed / indexed views below)
