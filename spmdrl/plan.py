@@ -254,7 +254,9 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
             st = shard_stats(r["params"], layout[role])
             kinds, train, forward, host_always = _fsdp_memory(cfg, r, st, c, layout[role], seq, compute_eb, master_eb)
         resident = {k: v for k, v in kinds.items() if k not in offload[role] and not host_always}
-        host = {k: v for k, v in kinds.items() if k in offload[role] or host_always}
+        # the Megatron engine frees its grad buffers on offload (regrown as zeros), so they take no host memory
+        freed = ("grads",) if backends.get(role) == "megatron" else ()
+        host = {k: v for k, v in kinds.items() if (k in offload[role] and k not in freed) or host_always}
         state[role] = dict(kinds=kinds, train=train, forward=forward, resident=resident, host_when_idle=host,
                            host_always=({"params": kinds["params"]} if host_always else {}), stats=st)
 
