@@ -11,6 +11,7 @@ The engine adds no scaling of its own (no division by the number of micro-batche
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
@@ -81,3 +82,24 @@ class TrainEngine(Protocol):
 
     def onload(self, kinds: tuple[str, ...] = OFFLOAD_KINDS) -> None:
         """Bring offloaded state back to the device."""
+
+
+def clipped_step(optimizer, clip_grad_norm: Callable[[], float]) -> tuple[float, bool]:
+    """Clip the gradients, step only when their norm is finite (a non-finite step is skipped and counted by the
+    trainer), and free the gradients. Returns (grad norm, finite)."""
+    grad_norm = clip_grad_norm()
+    finite = math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, finite
+
+
+def step_metrics(sums: dict[str, float], n: int, grad_norm: float, finite: bool, scheduler) -> dict[str, float]:
+    """train_step's result, shared by the backends: the micro-batch mean of each loss metric, the grad norm, the lr
+    the step used and whether it was skipped; advances the lr scheduler."""
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    out = {k: v / n for k, v in sums.items()}
+    out.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0 if finite else 1.0)
+    return out

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from spmdrl.algos.token_stats import logprobs_from_hidden
+from spmdrl.engines.base import clipped_step, step_metrics
 from spmdrl.engines.loading import build_meta_model, materialise
 from spmdrl.reshard.plan import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
@@ -262,16 +263,8 @@ class FSDPEngine:
             loss.backward()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-        grad_norm = self.clip_grad_norm()
-        finite = math.isfinite(grad_norm)
-        if finite:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        out = {k: v / len(micro_batches) for k, v in sums.items()}
-        out.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0 if finite else 1.0)
-        return out
+        grad_norm, finite = clipped_step(self.optimizer, self.clip_grad_norm)
+        return step_metrics(sums, len(micro_batches), grad_norm, finite, self.scheduler)
 
     def clip_grad_norm(self) -> float:
         """Global grad norm over all parameters, then clip. With TP, parameters live on different meshes

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.dist.meshes import RoleMesh
+from spmdrl.engines.base import clipped_step, step_metrics
 from spmdrl.engines.fsdp import TokenBatch, lr_lambda
 from spmdrl.errors import ConfigError
 
@@ -253,16 +254,8 @@ class MegatronEngine(StateMixin):
         else:
             for p in self.optimizer.param_groups[0]["params"]:
                 p.grad = p.main_grad if p.requires_grad else None
-            grad_norm = self.clip_grad_norm()
-            finite = math.isfinite(grad_norm)
-            if finite:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        out = {k: v / M for k, v in sums.items()}
-        out.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0 if finite else 1.0)
-        return out
+            grad_norm, finite = clipped_step(self.optimizer, self.clip_grad_norm)
+        return step_metrics(sums, M, grad_norm, finite, self.scheduler)
 
     def _replay_on_other_stages(self, micro_batches, loss_fn, outs, sums) -> None:
         """Broadcast what each micro-batch's loss read on the last stage ([k, B, R] stacked) to the other

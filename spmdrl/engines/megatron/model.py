@@ -206,7 +206,7 @@ class SdpaAttention(nn.Module):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SdpaAttention: no packed_seq_params / attention_bias")
+            raise ValueError("SdpaAttention: spmdrl passes packed rows as a block-diagonal attention_mask, never packed_seq_params or attention_bias")
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
