@@ -23,6 +23,7 @@ from spmdrl.algos import agg_loss, kl_penalty, masked_mean
 from spmdrl.algos.agg import agg_units
 from spmdrl.algos.losses import resolve_agg_mode, value_loss
 from spmdrl.batch import Batch
+from spmdrl.correction import sampler_truncates
 from spmdrl.dist.collectives import reduce_max, reduce_sum
 from spmdrl.engines import TokenBatch, TrainEngine, pack_sequences
 from spmdrl.engines.packing import balanced_partition, micro_batch_count
@@ -120,7 +121,7 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
     def agg(x, mask):
         return agg_loss(x, mask, mode, norm=norm)
 
-    truncated = cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0
+    truncated = sampler_truncates(cfg)
 
     # the entropy enters the gradient only with a bonus; otherwise it is a metric computed without autograd,
     # or not computed at all (actor.entropy_metric = false)
