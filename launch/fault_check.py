@@ -100,6 +100,8 @@ class Job:
         while time.monotonic() - t0 < limit:
             self.proc.poll()
             if not self.remaining():
+                # the launcher may have exited after the poll above: reap it so returncode is set
+                self.proc.wait(timeout=max(1.0, limit - (time.monotonic() - t0)))
                 return time.monotonic() - t0
             time.sleep(0.1)
         return None
