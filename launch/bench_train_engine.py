@@ -3,8 +3,8 @@
 Builds a random-init HF Qwen2 model (default: Qwen2.5-0.5B's shape) in a temporary directory, then the engine on
 one device (cuda: bfloat16 compute with float32 master weights / optimizer; cpu: float32), and times after a
 warm-up iteration:
-  logprobs    the old-log-prob forward over the whole batch (spmdrl.update.forward_all, forward micro-batches);
-  train_step  one actor update (spmdrl.update.run_updates with the PPO-clip actor loss, one optimizer step over
+  logprobs    the old-log-prob forward over the whole batch (spmdrl.loop.update.forward_all, forward micro-batches);
+  train_step  one actor update (spmdrl.loop.update.run_updates with the PPO-clip actor loss, one optimizer step over
               the whole batch in micro-batches).
 Prints one JSON object: tokens/s, achieved TFLOP/s (spmdrl.metrics.flops_metrics: 3 x forward FLOPs for the
 update, 1 x for the forward), MFU when the device's peak is known (H100/H200/A100), and the peak memory of each
@@ -110,7 +110,7 @@ def main() -> int:
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
     from spmdrl.metrics import device_peak_tflops, flops_metrics
-    from spmdrl.update import actor_body, forward_all, run_updates
+    from spmdrl.loop.update import actor_body, forward_all, run_updates
 
     env, device = init_distributed(args.device)
     cuda = device.type == "cuda"

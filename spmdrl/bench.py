@@ -192,7 +192,7 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
-    from spmdrl.update import actor_body, forward_all, run_updates
+    from spmdrl.loop.update import actor_body, forward_all, run_updates
 
     if not dist.is_initialized():
         import socket

@@ -266,7 +266,7 @@ def plan(
     host_gb: Optional[float] = typer.Option(None, "--host-gb", help="Host memory per node in GiB (memory.host_memory_gb)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of the table."),
 ):
-    """Role meshes, weight-sync bytes and memory per phase for a config; no GPU, no weights (spmdrl/plan.py)."""
+    """Role meshes, weight-sync bytes and memory per phase for a config; no GPU, no weights (spmdrl/plan/)."""
     import json
 
     from spmdrl.config import load_config, validate

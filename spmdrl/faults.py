@@ -257,6 +257,13 @@ def inject_fault(kind: str | None, rank: int, step: int, engine) -> None:
         engine.clip_grad_norm = poisoned_clip_grad_norm
 
 
+def inject_fault_if_asked(rank: int, step: int, engine) -> None:
+    """Test-only: the fault SPMDRL_FAULT_INJECT asks of this rank at this step, if any (the trainer calls this
+    at the start of every step)."""
+    if FAULT_ENV in os.environ:
+        inject_fault(injected_fault(rank, step), rank, step, engine)
+
+
 def slow_save_if_injected(rank: int, step: int) -> None:
     """Test-only: a checkpoint write slowed down on purpose (a signal during it must not deadlock the save)."""
     if FAULT_ENV in os.environ and injected_fault(rank, step) == "slow_save":
@@ -267,7 +274,7 @@ def slow_save_if_injected(rank: int, step: int) -> None:
 
 
 __all__ = [
-    "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Terminated", "inject_fault", "injected_fault", "is_bad_step",
+    "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Terminated", "inject_fault", "inject_fault_if_asked", "injected_fault", "is_bad_step",
     "is_collective_failure", "named_failures", "set_collective_timeout", "slow_save_if_injected", "stop_handled",
     "stop_requested", "stop_signals",
 ]

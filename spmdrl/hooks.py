@@ -161,6 +161,23 @@ class HookRunner:
         return ctx.metrics
 
 
+class StageHooks:
+    """The run's hooks bound to what every HookContext carries (config, meshes, tokenizer): what the loop's
+    components call at each stage."""
+
+    def __init__(self, runner: HookRunner, config, meshes, tokenizer):
+        self.runner, self.config, self.meshes, self.tokenizer = runner, config, meshes, tokenizer
+
+    def __call__(self, stage: str, step: int, batch, metrics: dict | None = None) -> dict[str, float]:
+        """Run `stage`'s hooks on `batch`; the metrics they logged (none if no hook is registered there)."""
+        if not self.runner.by_stage[stage]:
+            return {}
+        ctx = HookContext(stage, step, self.config, batch, self.meshes, self.tokenizer, metrics=metrics or {})
+        before = set(ctx.metrics)
+        self.runner.run(stage, ctx)
+        return {k: v for k, v in ctx.metrics.items() if k not in before}
+
+
 def _contract_violation(ctx: HookContext, batch, rows: int, shapes: dict[str, tuple]) -> str | None:
     """What a hook did to the batch that the trainer cannot follow, or None."""
     if ctx.batch is not batch:

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     from spmdrl.config import Config, validate
 
     def run(cfg, layout, env, device):
-        from spmdrl.trainer import Trainer
+        from spmdrl.loop.trainer import Trainer
 
         Trainer(cfg, layout, env.rank, env.world_size, device).fit()
 

@@ -5,7 +5,7 @@ import torch
 from typer.testing import CliRunner
 
 from spmdrl.cli import app
-from spmdrl.memory import MemoryLifecycle
+from spmdrl.loop.memory import MemoryLifecycle
 
 
 class Recorder:
@@ -51,7 +51,7 @@ def test_host_rss_tracks_an_allocation():
     import subprocess
     import sys
 
-    code = ("import torch; from spmdrl.memory import host_rss_bytes; b = host_rss_bytes(); "
+    code = ("import torch; from spmdrl.loop.memory import host_rss_bytes; b = host_rss_bytes(); "
             "x = torch.ones(64 << 20, dtype=torch.uint8); print(host_rss_bytes() - b)")
     grew = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
     assert grew > 48 << 20  # 64 MiB allocated and touched

@@ -98,7 +98,7 @@ def test_entropy_without_autograd_equals_differentiable():
 
 
 def test_micro_batches_token_budget_cover_the_batch_once():
-    from spmdrl.update import micro_batches
+    from spmdrl.loop.update import micro_batches
 
     prompts, resps = ragged(3, 12)
     P, R = max(map(len, prompts)), max(map(len, resps))

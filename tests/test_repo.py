@@ -1,4 +1,5 @@
 """The repository's promises: README's two commands exist and CI runs exactly the test one."""
+import ast
 import re
 from pathlib import Path
 
@@ -60,6 +61,91 @@ def test_trainer_code_uses_only_the_engine_protocol():
     assert not hits, "\n".join(hits)
 
 
-def test_no_module_over_500_lines():
-    long = [f"{rel}: {len(text.splitlines())}" for rel, text in _py_files("-") if len(text.splitlines()) > 500]
-    assert not long, long
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _spmdrl_modules() -> dict[str, ast.Module]:
+    return {_module_name(p): ast.parse(p.read_text()) for p in sorted((ROOT / "spmdrl").rglob("*.py"))}
+
+
+def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """module -> the spmdrl modules it imports, at module level or inside a function alike (a deferred import is
+    still a dependency). `from pkg import sub` is an edge to the submodule; the implicit import of a module's
+    parent packages is not an edge."""
+    graph = {}
+    for name, tree in modules.items():
+        is_pkg = any(m.startswith(name + ".") for m in modules)
+        here = name.split(".") if is_pkg else name.split(".")[:-1]
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[: len(here) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+                deps.update(subs if len(subs) == len(node.names) else [base, *subs])
+        graph[name] = {d for d in deps if d in modules and d != name and not name.startswith(d + ".")}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_import_cycle_detection_finds_a_planted_cycle():
+    planted = {"spmdrl.a": ast.parse("def f():\n    from spmdrl.b import g"), "spmdrl.b": ast.parse("from spmdrl import a"),
+               "spmdrl": ast.parse(""), "spmdrl.c": ast.parse("import spmdrl.a")}
+    assert import_cycles(import_graph(planted)) == [["spmdrl.a", "spmdrl.b"]]
+
+
+def test_no_import_cycles_in_spmdrl():
+    cycles = import_cycles(import_graph(_spmdrl_modules()))
+    assert not cycles, "import cycles (move the shared code to where it belongs):\n" + "\n".join(map(str, cycles))
+
+
+# A class is read in one module: its methods are defined there, or reached through a named attribute whose type
+# is visible where it is built. A base class from another spmdrl module (a mixin) splits a class across files
+# and turns every `self.x` into a search; subclassing within one module (the error hierarchy) and subclassing
+# library classes (nn.Module, torch.autograd.Function, Protocol) are fine.
+def test_no_class_split_across_modules_by_inheritance():
+    modules = _spmdrl_modules()
+    defined = {node.name: mod for mod, tree in modules.items() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    hits = []
+    for mod, tree in modules.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for base in node.bases:
+                name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
+                if name in defined and defined[name] != mod or (name or "").endswith("Mixin"):
+                    hits.append(f"{mod}.{node.name} inherits {defined.get(name, '?')}.{name}")
+    assert not hits, "classes split across modules by inheritance:\n" + "\n".join(hits)

@@ -209,7 +209,7 @@ def test_megatron_blocks_at_70b_scale():
     """Llama-3.3-70B (80 layers, 64 heads / 8 kv groups, vocab 128256) at TP=8 x PP=2 x DP=2 (32 ranks) ->
     vLLM TP=8 in bf16: each rollout rank receives exactly what it lacks of its vLLM shard (its own stage's
     layers are already local), and the DP replicas split the sending."""
-    from spmdrl.plan import load_hf_config, model_param_shapes
+    from spmdrl.engines.loading import load_hf_config, model_param_shapes
 
     hf = load_hf_config("meta-llama/Llama-3.3-70B-Instruct")
     ps = model_param_shapes(hf)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPLIT = {"placement.mode": "split", "placement.rollout_ranks": "[0,1]", "placement.rollout_tp": 2}
 # the staleness-0 and colocated runs sample at T = 0.7 with top-p 0.9: vLLM's processed log-probs are compared
-# with the actor's under the same temperature and truncation (spmdrl/correction.py)
+# with the actor's under the same temperature and truncation (spmdrl/loop/correction.py)
 TRUNCATED = {"rollout.temperature": 0.7, "rollout.top_p": 0.9}
 
 

@@ -19,10 +19,12 @@ tensor. Nothing is unpickled except DCP's own `.metadata`, through an allowlist 
 """
 from .files import (
     MANIFEST, MARKER, checkpoint_root, find_checkpoint, is_complete, latest_checkpoint, list_checkpoints,
-    resolve_resume, rng_from_json, rng_to_json, step_dir,
+    rng_from_json, rng_to_json, step_dir,
 )
 from .manager import CheckpointManager
-from .verify import MAY_CHANGE_ON_RESUME, check_compatible, check_files, config_differences, read_manifest
+from .verify import (
+    MAY_CHANGE_ON_RESUME, check_compatible, check_files, config_differences, read_manifest, resolve_resume,
+)
 
 __all__ = [
     "MANIFEST", "MARKER", "MAY_CHANGE_ON_RESUME", "CheckpointManager", "check_compatible", "check_files",

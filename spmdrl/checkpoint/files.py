@@ -71,21 +71,6 @@ def find_checkpoint(path: str) -> str:
     raise CheckpointError(f"checkpoint {path}: no complete checkpoint there or under {checkpoint_root(path)}")
 
 
-def resolve_resume(cfg) -> str | None:
-    """What checkpoint.resume asks for: None (start fresh) or a complete checkpoint directory."""
-    mode = cfg.checkpoint.resume
-    if mode == "off":
-        return None
-    if mode == "auto":  # the newest intact one: a damaged newest is skipped with a warning
-        from .verify import newest_intact
-
-        return newest_intact(checkpoint_root(cfg.trainer.output_dir))
-    try:
-        return find_checkpoint(mode)
-    except CheckpointError as e:
-        raise CheckpointError(f"checkpoint.resume = {mode!r}: {e}") from None
-
-
 # ---- JSON, checksums ------------------------------------------------------------------------------------
 
 def rng_to_json(state: dict) -> dict:

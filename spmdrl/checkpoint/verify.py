@@ -1,5 +1,6 @@
 """Checks before a checkpoint is loaded: the marker, the manifest, every file's size, the model's parameters,
-the engines and the config. Each failure is a one-line CheckpointError saying what does not match."""
+the engines and the config; and which checkpoint a run resumes from (checkpoint.resume). Each failure is a
+one-line CheckpointError saying what does not match."""
 from __future__ import annotations
 
 import fnmatch
@@ -10,7 +11,7 @@ import tomllib
 from spmdrl.errors import CheckpointError
 
 from .dcp import engine_manifest
-from .files import FORMAT, MANIFEST, MARKER, is_complete, list_checkpoints, read_json
+from .files import FORMAT, MANIFEST, MARKER, checkpoint_root, find_checkpoint, is_complete, list_checkpoints, read_json
 
 log = logging.getLogger("spmdrl")
 
@@ -137,3 +138,16 @@ def check_saved_config(path: str, config_toml: str) -> None:
             f"checkpoint {path} was written with a different config: {'; '.join(diffs[:4])}"
             f"{' ...' if len(diffs) > 4 else ''}; resume with its values (its config.toml) or checkpoint.resume=off"
         )
+
+
+def resolve_resume(cfg) -> str | None:
+    """What checkpoint.resume asks for: None (start fresh) or a complete checkpoint directory."""
+    mode = cfg.checkpoint.resume
+    if mode == "off":
+        return None
+    if mode == "auto":  # the newest intact one: a damaged newest is skipped with a warning
+        return newest_intact(checkpoint_root(cfg.trainer.output_dir))
+    try:
+        return find_checkpoint(mode)
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint.resume = {mode!r}: {e}") from None

@@ -237,7 +237,7 @@ def rollout_correction_active(cfg) -> bool:
 
 
 def validate_split(cfg) -> None:
-    """What split placement and trainer.max_staleness support (spmdrl/split.py)."""
+    """What split placement and trainer.max_staleness support (spmdrl/loop/split.py)."""
     from spmdrl.algos import ADV_ESTIMATORS
     from spmdrl.dist.layout import role_backends
 
@@ -302,7 +302,7 @@ def check_whole_groups(cfg, layout) -> None:
 
 
 def validate_memory(cfg) -> None:
-    """The [memory] section and rollout.load_format (spmdrl/memory.py, spmdrl/plan.py)."""
+    """The [memory] section and rollout.load_format (spmdrl/loop/memory.py, spmdrl/plan/)."""
     if cfg.rollout.load_format not in ("auto", "dummy", "checkpoint"):
         raise ConfigError(f"rollout.load_format = {cfg.rollout.load_format!r} is not one of auto, dummy, checkpoint")
     m = cfg.memory

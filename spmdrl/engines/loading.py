@@ -8,6 +8,7 @@ none holds a full float32 copy of the model.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -20,6 +21,41 @@ from torch.distributed.tensor import DTensor
 from spmdrl.errors import ConfigError
 
 HEAD_PREFIXES = ("score.", "classifier.")  # a critic's fresh value head: not in a causal-LM checkpoint
+BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_configs")
+
+
+def load_hf_config(path: str, trust_remote_code: bool = False):
+    """The HF config of model.path: a local directory, the HF cache, or a bundled copy of a published config.json
+    for the shipped example models (spmdrl/model_configs), so the plan runs offline."""
+    from transformers import AutoConfig
+
+    bundled = os.path.join(BUNDLED, path.replace("/", "--") + ".json")
+    if not os.path.isdir(path) and os.path.isfile(bundled):
+        with open(bundled) as f:
+            d = json.load(f)
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"model.path = {path!r}: no config.json found ({str(e).splitlines()[0]}); give a local model directory "
+            "(only config.json is read) or a hub id in the HF cache"
+        ) from None
+
+
+def model_param_shapes(hf_config, value_head: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every parameter, in named_parameters order, from a meta-device model: the same list
+    FSDPEngine.param_shapes() returns for a model loaded from that config."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    c = copy.deepcopy(hf_config)
+    with torch.device("meta"):
+        if value_head:
+            c.num_labels = 1
+            m = AutoModelForTokenClassification.from_config(c)
+        else:
+            m = AutoModelForCausalLM.from_config(c)
+    return [(n, tuple(p.shape)) for n, p in m.named_parameters()]
 
 
 def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bool, dtype: torch.dtype = torch.float32):

@@ -273,6 +273,15 @@ def vllm_blocks(params: list[tuple[str, tuple[int, ...]]], groups: list[list[int
     }
 
 
+def rollout_targets(params, tp_groups: list[list[int]], dims: ModelDims, loads_tp_shards: bool) -> dict:
+    """What each rollout rank needs: its vLLM TP shard, or the whole tensor for engines that hold full weights.
+    tp_groups: the rollout role's TP groups (global ranks, vLLM TP order); WeightSync and `spmdrl plan` call this."""
+    if loads_tp_shards:
+        return vllm_blocks(params, tp_groups, dims)
+    ranks = [r for g in tp_groups for r in g]
+    return {name: [(r, full_block(shape)) for r in ranks] for name, shape in params}
+
+
 # --------------------------------------------------------------------------------------------------- the plan
 
 
@@ -402,3 +411,4 @@ def plan_sync(
                     remote.append(Transfer(name, holders[src], dst, x))
         plan.transfers[name], plan.local[name] = remote, local
     return plan
+

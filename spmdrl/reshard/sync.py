@@ -14,17 +14,8 @@ from spmdrl.dist.meshes import RoleMesh
 
 from spmdrl.errors import LayoutError
 
-from .plan import ModelDims, SyncPlan, fsdp_blocks, full_block, plan_sync, vllm_blocks
+from .plan import ModelDims, SyncPlan, fsdp_blocks, plan_sync, rollout_targets
 from .transport import execute
-
-
-def rollout_targets(params, tp_groups: list[list[int]], dims: ModelDims, loads_tp_shards: bool) -> dict:
-    """What each rollout rank needs: its vLLM TP shard, or the whole tensor for engines that hold full weights.
-    tp_groups: the rollout role's TP groups (global ranks, vLLM TP order); `spmdrl plan` calls this too."""
-    if loads_tp_shards:
-        return vllm_blocks(params, tp_groups, dims)
-    ranks = [r for g in tp_groups for r in g]
-    return {name: [(r, full_block(shape)) for r in ranks] for name, shape in params}
 
 
 def check_shards(plan: SyncPlan, shards: dict, rank: int) -> None:
@@ -63,7 +54,7 @@ class WeightSync:
         if actor is not None and not split:
             params, sources = actor.param_shapes(), actor.source_blocks()
         else:
-            from spmdrl.plan import model_param_shapes
+            from spmdrl.engines.loading import model_param_shapes
 
             params = model_param_shapes(hf_config)
             sources = fsdp_blocks(params, actor_grid)
@@ -85,7 +76,7 @@ class WeightSync:
 
     def __call__(self) -> dict[str, float]:
         if self.memory is not None:
-            self.memory.for_sync()  # training state out, empty_cache, vLLM weights (not KV) awake: spmdrl/memory.py
+            self.memory.for_sync()  # training state out, empty_cache, vLLM weights (not KV) awake: spmdrl/loop/memory.py
         elif self.rollout is not None:
             self.rollout.wake_up()
         self.wait_sent()

@@ -146,7 +146,7 @@ class VLLMEngine:
                     trust_remote_code=trust_remote_code,
                     enable_prefix_caching=True,
                     disable_log_stats=True,
-                    load_format=load_format,  # "dummy": random weights, a weight sync follows (spmdrl/build.py)
+                    load_format=load_format,  # "dummy": random weights, a weight sync follows (spmdrl/loop/build.py)
                     # the log-prob of the distribution each token was drawn from (after temperature, top-k, top-p):
                     # the behaviour policy an importance ratio needs; vLLM's default is the raw, pre-temperature one
                     logprobs_mode="processed_logprobs",

@@ -2,7 +2,7 @@
 
 --dump: after fit, rank 0 writes the final actor's log-probs of a few fixed sequences to <out>/actor_logprobs.json.
 --expect F --resume-from CKPT: build the Trainer (from model.path, with checkpoint.resume=off), record how far
-  vLLM's and the actor's log-probs of F's sequences are from F's; load CKPT (Trainer.load_checkpoint) and record
+  vLLM's and the actor's log-probs of F's sequences are from F's; load CKPT (Trainer.resume) and record
   it again; then fit. Writes <out>/expect_rank{r}.json.
 """
 import argparse
@@ -39,7 +39,7 @@ def main() -> int:
     from spmdrl.dist.init import detect_env, init_distributed
     from spmdrl.errors import SpmdrlError
     from spmdrl.train import setup_logging
-    from spmdrl.trainer import Trainer
+    from spmdrl.loop.trainer import Trainer
 
     cfg = load_config(None, args.overrides)
     env = detect_env()
@@ -54,7 +54,7 @@ def main() -> int:
             trainer.rollout.wake_up()
             res = {"export_vllm": max_diff(trainer.rollout.compute_logprobs(P, R), want["logprobs"]),
                    "export_actor": max_diff(logprobs(trainer, P, R), want["logprobs"])}
-            trainer.load_checkpoint(args.resume_from)
+            trainer.resume(args.resume_from)
             trainer.resumed_from = args.resume_from
             trainer.rollout.wake_up()
             res.update(resumed_vllm=max_diff(trainer.rollout.compute_logprobs(P, R), want["logprobs"]),

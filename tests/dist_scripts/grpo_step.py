@@ -17,7 +17,7 @@ def main():
     from spmdrl.dist.init import detect_env, init_distributed
     from spmdrl.engines import pack_sequences
     from spmdrl.rollout import SamplingSpec
-    from spmdrl.trainer import Trainer
+    from spmdrl.loop.trainer import Trainer
 
     cfg = load_config(None, args.overrides)
     env = detect_env()

@@ -3,7 +3,7 @@ tiny fp32 HF Qwen2 model. Writes <out>/rank<r>.pt with, per rank:
 
   logprobs: {(packed, temperature): (logp [B, R], entropy [B, R])} of a fixed batch (every rank the whole batch);
   trunc: {(packed, top_k, top_p): (logp, entropy)} of the same batch at temperature 0.7 with the sampler's truncation;
-  grads: {loss_agg_mode: {HF name: [(block, tensor)]}}: the gradient of one PPO actor update (spmdrl.update,
+  grads: {loss_agg_mode: {HF name: [(block, tensor)]}}: the gradient of one PPO actor update (spmdrl.loop.update,
       lr 0) over the global batch of tests/dist_scripts/objective_layout.py, dp-sharded, micro-batches of --micro,
       read just before the optimizer step as HF blocks (this rank's pieces);
   metrics: {mode: run_updates' logged values};
@@ -109,7 +109,7 @@ def main():
     from spmdrl.dist.layout import ROLES, RoleLayout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine, pack_sequences
-    from spmdrl.update import actor_body, critic_body, run_updates
+    from spmdrl.loop.update import actor_body, critic_body, run_updates
 
     env, device = init_distributed("cpu")
     W = env.world_size

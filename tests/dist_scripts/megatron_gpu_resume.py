@@ -33,7 +33,7 @@ def main():
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
     from spmdrl.engines.megatron import dist_optim
-    from spmdrl.update import actor_body, run_updates
+    from spmdrl.loop.update import actor_body, run_updates
 
     # the comparison is of two runs of step 3 in this process: keep cuBLAS / atomics from reordering sums
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -65,13 +65,13 @@ def main():
     from spmdrl.algos.kl import controller_kl, kl_penalty
     from spmdrl.batch import Batch
     from spmdrl.config import Config
-    from spmdrl.correction import prepare_actor_update
+    from spmdrl.loop.correction import prepare_actor_update
     from spmdrl.dist.collectives import reduce_max, reduce_sum
     from spmdrl.dist.init import init_distributed
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines.fsdp import FSDPEngine
-    from spmdrl.update import actor_body, run_updates
+    from spmdrl.loop.update import actor_body, run_updates
 
     env, device = init_distributed("cpu")
     cfg = Config()

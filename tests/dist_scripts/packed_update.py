@@ -16,7 +16,7 @@ from spmdrl.config import load_config
 from spmdrl.dist.layout import plan_layout
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines.fsdp import FSDPEngine
-from spmdrl.update import actor_body, run_updates
+from spmdrl.loop.update import actor_body, run_updates
 
 LAYOUTS = {  # name: (micro_batch_size, max_tokens_per_micro_batch, use_packing)
     "padded_one_micro": (8, 0, False),

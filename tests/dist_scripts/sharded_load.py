@@ -22,8 +22,9 @@ def main():
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine, pack_sequences
-    from spmdrl.memory import host_rss_bytes
-    from spmdrl.plan import load_bytes_per_rank, model_param_shapes
+    from spmdrl.loop.memory import host_rss_bytes
+    from spmdrl.engines.loading import model_param_shapes
+    from spmdrl.plan import load_bytes_per_rank
 
     env, device = init_distributed("cpu")
     torch.manual_seed(0)

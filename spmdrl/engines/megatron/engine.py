@@ -32,15 +32,15 @@ from spmdrl.engines.fsdp import TokenBatch, lr_lambda
 from spmdrl.errors import ConfigError
 
 from . import forward as fw
-from .convert import dims_from_hf, stage_layers, vocab_rows
+from .convert import Piece, dims_from_hf, hf_param_shapes, hf_pieces, stage_layers, vocab_rows
 from .model import (StageModel, build_gpt, have_te, init_parallel_state, megatron_mask, pad_sequence_dim,
                     rope_inv_freq)
-from .state import StateMixin
+from . import state as hfstate
 
 log = logging.getLogger("spmdrl")
 
 
-class MegatronEngine(StateMixin):
+class MegatronEngine:
     """One HF Llama/Qwen2-family model as a megatron-core GPTModel sharded over a role mesh."""
 
     def __init__(self, model_path: str, mesh: RoleMesh, device: torch.device, *, trainable: bool, dtype: str = "auto",
@@ -73,7 +73,7 @@ class MegatronEngine(StateMixin):
         self.stage = StageModel(gpt, rope_inv_freq(self.config), value_head, self.dtype).to(device)
         self.first_layer = stage_layers(self.dims.layers, mesh.pp_size, mesh.pp_rank).start
         self.is_last = mesh.pp_rank == mesh.pp_size - 1
-        self.load_stats = self._load_hf(model_path)
+        self.load_stats = hfstate.load_hf(self, model_path)
         self.defer_grad_sync = defer_grad_sync
         self.optimizer = self.scheduler = None
         self.model = self.stage
@@ -337,14 +337,50 @@ class MegatronEngine(StateMixin):
             for kind in kinds:
                 self._stash.unpark(kind)
 
+    # ---- weights in HF coordinates: loading, the weight sync's shards, export, checkpoints (state.py) -------
+    def _local_params(self) -> list[tuple[str, torch.nn.Parameter, list[Piece]]]:
+        """(megatron name, parameter, HF pieces) of this rank, in parameter order."""
+        if getattr(self, "_pieces_cache", None) is None:
+            out = []
+            gpt = self.stage.gpt
+            copy = gpt.post_process and not gpt.pre_process and gpt.share_embeddings_and_output_weights
+            for name, p in self.stage.named_parameters():
+                mname = name.removeprefix("gpt.")
+                pcs = hf_pieces(mname, self.dims, self.mesh.tp_size, self.mesh.tp_rank, self.first_layer,
+                                last_stage_copy=copy and mname == "output_layer.weight")
+                out.append((mname, p, pcs))
+            self._pieces_cache = out
+        return self._pieces_cache
+
+    def hf_config(self):
+        return self.config
+
+    def hf_prefix(self) -> str:
+        return ""
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return hf_param_shapes(self.dims)
+
+    def source_blocks(self) -> dict:
+        return hfstate.source_blocks(self)
+
+    def weight_shards(self, dtype: torch.dtype | None = None):
+        return hfstate.weight_shards(self, dtype)
+
+    def export_hf(self, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+        hfstate.export_hf(self, out_dir, tokenizer, dtype)
+
+    def param_manifest(self) -> list:
+        return hfstate.param_manifest(self)
+
     def checkpoint_state(self) -> tuple[dict, dict]:
         # a checkpoint reads the parked state; the memory lifecycle's next phase parks it again
         self._unpark(("params", "grads", "optimizer"))
-        return super().checkpoint_state()
+        return hfstate.checkpoint_state(self)
 
     def load_checkpoint_state(self, tensors: dict, meta: dict) -> None:
         self._unpark(("params", "grads", "optimizer"))
-        super().load_checkpoint_state(tensors, meta)
+        hfstate.load_checkpoint_state(self, tensors, meta)
 
 
 class _Recorder:

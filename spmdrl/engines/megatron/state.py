@@ -12,6 +12,9 @@ and to the last stage's copy of a tied embedding). `spmdrl export` reads such a 
 one (same keys, same full shapes). The CPU optimizer (torch AdamW over the whole local parameters) saves its
 moments the same way; the GPU's megatron distributed optimizer saves its dp shards of the fp32 master weights
 ("main") and of the moments as blocks of the same HF tensors (dist_optim.py).
+
+Functions of a MegatronEngine, like dist_optim.py's: the engine's protocol methods (weight_shards,
+checkpoint_state, ...) call them, and they read the engine's stage, mesh, dims and optimizer.
 """
 from __future__ import annotations
 
@@ -28,244 +31,230 @@ from spmdrl.reshard.plan import Block
 from .convert import Piece, hf_param_shapes, hf_pieces, merged_blocks
 
 
-class StateMixin:
-    # ---- the local megatron parameters and their pieces ------------------------------------------------
-    def _local_params(self) -> list[tuple[str, torch.nn.Parameter, list[Piece]]]:
-        """(megatron name, parameter, HF pieces) of this rank, in parameter order."""
-        if getattr(self, "_pieces_cache", None) is None:
-            out = []
-            gpt = self.stage.gpt
-            copy = gpt.post_process and not gpt.pre_process and gpt.share_embeddings_and_output_weights
-            for name, p in self.stage.named_parameters():
-                mname = name.removeprefix("gpt.")
-                pcs = hf_pieces(mname, self.dims, self.mesh.tp_size, self.mesh.tp_rank, self.first_layer,
-                                last_stage_copy=copy and mname == "output_layer.weight")
-                out.append((mname, p, pcs))
-            self._pieces_cache = out
-        return self._pieces_cache
+def load_hf(engine, model_path: str) -> dict[str, int]:
+    """Fill this rank's parameters from the HF safetensors slices they hold (nothing else is read)."""
+    from safetensors import safe_open
 
-    def _load_hf(self, model_path: str) -> dict[str, int]:
-        """Fill this rank's parameters from the HF safetensors slices they hold (nothing else is read)."""
-        from safetensors import safe_open
+    from spmdrl.engines.loading import checkpoint_index
 
-        from spmdrl.engines.loading import checkpoint_index
-
-        index = checkpoint_index(model_path)
-        bytes_read = 0
-        with ExitStack() as stack, torch.no_grad():
-            files: dict[str, object] = {}
-            for mname, p, pieces in self._local_params():
-                if not pieces and mname == "output_layer.weight":  # the last stage's copy of a tied embedding
-                    pieces = hf_pieces("embedding.word_embeddings.weight", self.dims, self.mesh.tp_size,
-                                       self.mesh.tp_rank, self.first_layer)
-                p.data.zero_()  # vocabulary padding rows stay zero
-                for pc in pieces:
-                    view = p.data[pc.rows[0]: pc.rows[1]]
-                    file = index.get(pc.hf_name)
-                    if file is None:
-                        if not pc.hf_name.startswith("score."):
-                            raise ConfigError(f"model.path = {model_path!r}: the checkpoint has no parameter {pc.hf_name!r}")
-                        # a fresh value head, like HF's _init_weights, from a generator seeded with the engine's seed:
-                        # identical on every replica whatever each rank's global RNG has done
-                        std = getattr(self.config, "initializer_range", 0.02)
-                        gen = torch.Generator().manual_seed(self.seed)
-                        full = torch.zeros(1) if pc.hf_name.endswith("bias") else torch.empty(1, self.dims.hidden).normal_(0.0, std, generator=gen)
-                        view.copy_(full)
-                        continue
-                    if file not in files:
-                        files[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-                    sl = files[file].get_slice(pc.hf_name)
-                    block = sl[tuple(slice(o, o + s) for o, s in zip(*pc.block))] if math.prod(pc.block[1]) else torch.empty(pc.block[1])
-                    bytes_read += block.numel() * block.element_size()
-                    view.copy_(block.reshape(view.shape).to(view.dtype))
-        return {"bytes_read": bytes_read}
-
-    # ---- weights out (engines/base.py) ---------------------------------------------------------------------
-    def hf_config(self):
-        return self.config
-
-    def hf_prefix(self) -> str:
-        return ""
-
-    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        return hf_param_shapes(self.dims)
-
-    def source_blocks(self) -> dict[str, list[tuple[int, Block]]]:
-        # the reshard planner's Megatron layout; tests/test_reshard_megatron.py checks it equals convert.source_blocks
-        from spmdrl.reshard.plan import megatron_blocks
-
-        return megatron_blocks(self.param_shapes(), self.mesh.grid(), num_layers=self.dims.layers,
-                               padded_vocab=self.dims.vocab_padded, tied=self.dims.tie and not self.dims.value_head,
-                               tied_copy=False)
-
-    def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor, Block]]:
-        """(HF name, tensor, block) of every HF parameter this rank's stage holds: q/k/v and gate/up un-fused
-        from linear_qkv / linear_fc1 (the q rows of this rank's query groups concatenated), vocabulary padding
-        trimmed. No communication; the blocks are exactly source_blocks()[name][this rank]."""
-        for _, p, pieces in self._local_params():
-            for name, (block, pcs) in merged_blocks(pieces).items():
-                parts = [p.detach()[pc.rows[0]: pc.rows[1]] for pc in pcs]
-                t = parts[0] if len(parts) == 1 else torch.cat(parts)
-                yield name, (t if dtype is None else t.to(dtype)), block
-
-    def export_hf(self, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None) -> None:
-        """HF model directory from the mesh's first rank, streamed bucket by bucket (engines/hf_writer.py)."""
-        import copy
-
-        from spmdrl.dist.collectives import comm_device
-        from spmdrl.engines.hf_writer import write_hf_weights
-
-        writer = self.mesh.layout.ranks[0]
-        write_hf_weights(self, out_dir, writer, self.mesh.rank, dtype=dtype or self.dtype, comm_device=comm_device())
-        if self.mesh.rank == writer:
-            config = copy.deepcopy(self.config)
-            config.use_cache = True
-            config.save_pretrained(out_dir)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(out_dir)
-
-    # ---- checkpoints ----------------------------------------------------------------------------------------
-    def param_manifest(self) -> list:
-        dt = str(self.dtype).removeprefix("torch.")
-        return [[n, list(s), dt] for n, s in hf_param_shapes(self.dims)]
-
-    def _owners(self) -> dict[tuple[str, Block], int]:
-        """(HF name, piece block) -> the global rank that saves it (its first holder in grid order)."""
-        if getattr(self, "_owner_cache", None) is None:
-            owners: dict = {}
-            grid = self.mesh.grid()
-            pp, tp = len(grid[0]), len(grid[0][0])
-            from .convert import stage_layers, stage_megatron_names
-
-            for d_ranks in grid:
-                for p, tp_ranks in enumerate(d_ranks):
-                    first = stage_layers(self.dims.layers, pp, p).start
-                    for t, rank in enumerate(tp_ranks):
-                        for m in stage_megatron_names(self.dims, pp, p, te=self.use_te):
-                            for pc in hf_pieces(m, self.dims, tp, t, first):
-                                owners.setdefault((pc.hf_name, pc.block), rank)
-            self._owner_cache = owners
-        return self._owner_cache
-
-    def _sharded(self, tensors_of: dict[str, list[tuple[Piece, torch.Tensor]]], owners: dict | None = None) -> dict:
-        """HF name -> ShardedTensor over the owners' pieces, with this rank's owned pieces as local shards.
-        owners: (HF name, block) -> saving rank; default the model parameters' (_owners)."""
-        from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-        dev = "cpu" if self.device.type == "cpu" else f"cuda:{torch.cuda.current_device()}"
-        owners = self._owners() if owners is None else owners
-        by_name: dict[str, list] = {}
-        for (name, block), rank in owners.items():
-            by_name.setdefault(name, []).append(ShardMetadata(list(block[0]), list(block[1]), f"rank:{rank}/{dev}"))
-        shapes = dict(hf_param_shapes(self.dims))
-        out = {}
-        me = self.mesh.rank
-        for name, pairs in tensors_of.items():
-            local = [Shard(t, ShardMetadata(list(pc.block[0]), list(pc.block[1]), f"rank:{me}/{dev}"))
-                     for pc, t in pairs if owners[(pc.hf_name, pc.block)] == me and t.numel()]
-            metas = [m for m in by_name[name] if math.prod(m.shard_sizes)]
-            props = TensorProperties(dtype=pairs[0][1].dtype)
-            md = ShardedTensorMetadata(metas, torch.Size(shapes[name]), props)
-            out[name] = ShardedTensor._init_from_local_shards_and_global_metadata(local, md)
-        return out
-
-    def _views(self, of=lambda p: p.data) -> dict[str, list[tuple[Piece, torch.Tensor]]]:
-        out: dict[str, list] = {}
-        for _, p, pieces in self._local_params():
-            src = of(p)
+    index = checkpoint_index(model_path)
+    bytes_read = 0
+    with ExitStack() as stack, torch.no_grad():
+        files: dict[str, object] = {}
+        for mname, p, pieces in engine._local_params():
+            if not pieces and mname == "output_layer.weight":  # the last stage's copy of a tied embedding
+                pieces = hf_pieces("embedding.word_embeddings.weight", engine.dims, engine.mesh.tp_size,
+                                   engine.mesh.tp_rank, engine.first_layer)
+            p.data.zero_()  # vocabulary padding rows stay zero
             for pc in pieces:
-                out.setdefault(pc.hf_name, []).append((pc, src[pc.rows[0]: pc.rows[1]]))
-        return out
+                view = p.data[pc.rows[0]: pc.rows[1]]
+                file = index.get(pc.hf_name)
+                if file is None:
+                    if not pc.hf_name.startswith("score."):
+                        raise ConfigError(f"model.path = {model_path!r}: the checkpoint has no parameter {pc.hf_name!r}")
+                    # a fresh value head, like HF's _init_weights, from a generator seeded with the engine's seed:
+                    # identical on every replica whatever each rank's global RNG has done
+                    std = getattr(engine.config, "initializer_range", 0.02)
+                    gen = torch.Generator().manual_seed(engine.seed)
+                    full = torch.zeros(1) if pc.hf_name.endswith("bias") else torch.empty(1, engine.dims.hidden).normal_(0.0, std, generator=gen)
+                    view.copy_(full)
+                    continue
+                if file not in files:
+                    files[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                sl = files[file].get_slice(pc.hf_name)
+                block = sl[tuple(slice(o, o + s) for o, s in zip(*pc.block))] if math.prod(pc.block[1]) else torch.empty(pc.block[1])
+                bytes_read += block.numel() * block.element_size()
+                view.copy_(block.reshape(view.shape).to(view.dtype))
+    return {"bytes_read": bytes_read}
 
-    def checkpoint_state(self) -> tuple[dict, dict]:
-        """({"model": {HF name: ShardedTensor}, "optim": {HF name.exp_avg / .exp_avg_sq: ShardedTensor}},
-        {param_groups, step, scheduler}); on GPU also "main": {HF name: float32 ShardedTensor} (master weights)."""
-        tensors = {"model": self._sharded(self._views())}
-        if self.optimizer is None:
-            return tensors, {}
-        if getattr(self, "dist_optim", False):
-            return self._distributed_optimizer_state(tensors)
-        state = self.optimizer.state
-        for p in self.optimizer.param_groups[0]["params"]:
-            if p not in state or not state[p]:  # AdamW's lazy init, done now so a fresh engine can load into it
-                state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-        optim = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            views = self._views(lambda p, key=key: state[p][key])
-            optim.update({f"{n}.{key}": t for n, t in self._sharded(views).items()})
-        tensors["optim"] = optim
-        steps = {float(state[p]["step"]) for p in self.optimizer.param_groups[0]["params"]}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        meta = {"param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups],
-                "step": max(steps), "scheduler": {"last_epoch": self.scheduler.last_epoch,
-                                                  "_step_count": getattr(self.scheduler, "_step_count", 0)}}
-        return tensors, meta
 
-    def _distributed_optimizer_state(self, tensors: dict) -> tuple[dict, dict]:
+# ---- weights out (engines/base.py) ---------------------------------------------------------------------
+def source_blocks(engine) -> dict[str, list[tuple[int, Block]]]:
+    # the reshard planner's Megatron layout; tests/test_reshard_megatron.py checks it equals convert.source_blocks
+    from spmdrl.reshard.plan import megatron_blocks
+
+    return megatron_blocks(engine.param_shapes(), engine.mesh.grid(), num_layers=engine.dims.layers,
+                           padded_vocab=engine.dims.vocab_padded, tied=engine.dims.tie and not engine.dims.value_head,
+                           tied_copy=False)
+
+
+def weight_shards(engine, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor, Block]]:
+    """(HF name, tensor, block) of every HF parameter this rank's stage holds: q/k/v and gate/up un-fused
+    from linear_qkv / linear_fc1 (the q rows of this rank's query groups concatenated), vocabulary padding
+    trimmed. No communication; the blocks are exactly source_blocks()[name][this rank]."""
+    for _, p, pieces in engine._local_params():
+        for name, (block, pcs) in merged_blocks(pieces).items():
+            parts = [p.detach()[pc.rows[0]: pc.rows[1]] for pc in pcs]
+            t = parts[0] if len(parts) == 1 else torch.cat(parts)
+            yield name, (t if dtype is None else t.to(dtype)), block
+
+
+def export_hf(engine, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+    """HF model directory from the mesh's first rank, streamed bucket by bucket (engines/hf_writer.py)."""
+    import copy
+
+    from spmdrl.dist.collectives import comm_device
+    from spmdrl.engines.hf_writer import write_hf_weights
+
+    writer = engine.mesh.layout.ranks[0]
+    write_hf_weights(engine, out_dir, writer, engine.mesh.rank, dtype=dtype or engine.dtype, comm_device=comm_device())
+    if engine.mesh.rank == writer:
+        config = copy.deepcopy(engine.config)
+        config.use_cache = True
+        config.save_pretrained(out_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------
+def param_manifest(engine) -> list:
+    dt = str(engine.dtype).removeprefix("torch.")
+    return [[n, list(s), dt] for n, s in hf_param_shapes(engine.dims)]
+
+
+def block_owners(engine) -> dict[tuple[str, Block], int]:
+    """(HF name, piece block) -> the global rank that saves it (its first holder in grid order)."""
+    if getattr(engine, "_owner_cache", None) is None:
+        owners: dict = {}
+        grid = engine.mesh.grid()
+        pp, tp = len(grid[0]), len(grid[0][0])
+        from .convert import stage_layers, stage_megatron_names
+
+        for d_ranks in grid:
+            for p, tp_ranks in enumerate(d_ranks):
+                first = stage_layers(engine.dims.layers, pp, p).start
+                for t, rank in enumerate(tp_ranks):
+                    for m in stage_megatron_names(engine.dims, pp, p, te=engine.use_te):
+                        for pc in hf_pieces(m, engine.dims, tp, t, first):
+                            owners.setdefault((pc.hf_name, pc.block), rank)
+        engine._owner_cache = owners
+    return engine._owner_cache
+
+
+def as_sharded(engine, tensors_of: dict[str, list[tuple[Piece, torch.Tensor]]], owners: dict | None = None) -> dict:
+    """HF name -> ShardedTensor over the owners' pieces, with this rank's owned pieces as local shards.
+    owners: (HF name, block) -> saving rank; default the model parameters' (_owners)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    dev = "cpu" if engine.device.type == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    owners = block_owners(engine) if owners is None else owners
+    by_name: dict[str, list] = {}
+    for (name, block), rank in owners.items():
+        by_name.setdefault(name, []).append(ShardMetadata(list(block[0]), list(block[1]), f"rank:{rank}/{dev}"))
+    shapes = dict(hf_param_shapes(engine.dims))
+    out = {}
+    me = engine.mesh.rank
+    for name, pairs in tensors_of.items():
+        local = [Shard(t, ShardMetadata(list(pc.block[0]), list(pc.block[1]), f"rank:{me}/{dev}"))
+                 for pc, t in pairs if owners[(pc.hf_name, pc.block)] == me and t.numel()]
+        metas = [m for m in by_name[name] if math.prod(m.shard_sizes)]
+        props = TensorProperties(dtype=pairs[0][1].dtype)
+        md = ShardedTensorMetadata(metas, torch.Size(shapes[name]), props)
+        out[name] = ShardedTensor._init_from_local_shards_and_global_metadata(local, md)
+    return out
+
+
+def piece_views(engine, of=lambda p: p.data) -> dict[str, list[tuple[Piece, torch.Tensor]]]:
+    out: dict[str, list] = {}
+    for _, p, pieces in engine._local_params():
+        src = of(p)
+        for pc in pieces:
+            out.setdefault(pc.hf_name, []).append((pc, src[pc.rows[0]: pc.rows[1]]))
+    return out
+
+
+def checkpoint_state(engine) -> tuple[dict, dict]:
+    """({"model": {HF name: ShardedTensor}, "optim": {HF name.exp_avg / .exp_avg_sq: ShardedTensor}},
+    {param_groups, step, scheduler}); on GPU also "main": {HF name: float32 ShardedTensor} (master weights)."""
+    tensors = {"model": as_sharded(engine, piece_views(engine))}
+    if engine.optimizer is None:
+        return tensors, {}
+    if getattr(engine, "dist_optim", False):
+        return distributed_optimizer_state(engine, tensors)
+    state = engine.optimizer.state
+    for p in engine.optimizer.param_groups[0]["params"]:
+        if p not in state or not state[p]:  # AdamW's lazy init, done now so a fresh engine can load into it
+            state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    optim = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        views = piece_views(engine, lambda p, key=key: state[p][key])
+        optim.update({f"{n}.{key}": t for n, t in as_sharded(engine, views).items()})
+    tensors["optim"] = optim
+    steps = {float(state[p]["step"]) for p in engine.optimizer.param_groups[0]["params"]}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    meta = {"param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups],
+            "step": max(steps), "scheduler": {"last_epoch": engine.scheduler.last_epoch,
+                                              "_step_count": getattr(engine.scheduler, "_step_count", 0)}}
+    return tensors, meta
+
+
+def distributed_optimizer_state(engine, tensors: dict) -> tuple[dict, dict]:
+    from . import dist_optim as do
+
+    dopt = do.distributed_optimizer(engine.optimizer)
+    do.init_state(dopt)
+    owners = do.rect_owners(engine)
+    views = do.views(engine)
+    tensors["main"] = as_sharded(engine, views["main"], owners)
+    tensors["optim"] = {f"{n}.{key}": t for key in ("exp_avg", "exp_avg_sq")
+                        for n, t in as_sharded(engine, views[key], owners).items()}
+    meta = {"optimizer": "megatron-distributed", "param_groups": do.group_meta(dopt), "step": do.step_of(dopt),
+            "scheduler": {"last_epoch": engine.scheduler.last_epoch}}
+    return tensors, meta
+
+
+def load_checkpoint_state(engine, tensors: dict, meta: dict) -> None:
+    """DCP filled the owners' pieces in place; copy them to the replicas and restore the JSON state."""
+    params = [p for _, p, _ in engine._local_params()]
+    if getattr(engine, "dist_optim", False) and engine.optimizer is not None and meta:
         from . import dist_optim as do
 
-        dopt = do.distributed_optimizer(self.optimizer)
-        do.init_state(dopt)
-        owners = do.rect_owners(self)
-        views = do.views(self)
-        tensors["main"] = self._sharded(views["main"], owners)
-        tensors["optim"] = {f"{n}.{key}": t for key in ("exp_avg", "exp_avg_sq")
-                            for n, t in self._sharded(views[key], owners).items()}
-        meta = {"optimizer": "megatron-distributed", "param_groups": do.group_meta(dopt), "step": do.step_of(dopt),
-                "scheduler": {"last_epoch": self.scheduler.last_epoch}}
-        return tensors, meta
+        dopt = do.distributed_optimizer(engine.optimizer)
+        do.load_meta(dopt, meta)
+        engine.scheduler.load_state_dict({"last_epoch": meta["scheduler"]["last_epoch"]})
+        sync_replicas(engine, params, [lambda p: p.data])
+        if engine.mesh.tp_size > 1:
+            g = engine.mesh.group("tp")
+            with torch.no_grad():
+                for t in do.replicated_shards(engine):
+                    dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
+        return
+    kinds = [lambda p: p.data]
+    if engine.optimizer is not None and meta:
+        state = engine.optimizer.state
+        kinds += [lambda p: state[p]["exp_avg"], lambda p: state[p]["exp_avg_sq"]]
+        for p in engine.optimizer.param_groups[0]["params"]:
+            state[p]["step"] = torch.tensor(float(meta["step"]))
+        for g, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+            g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
+        engine.scheduler.last_epoch = meta["scheduler"]["last_epoch"]
+        if hasattr(engine.scheduler, "_step_count"):
+            engine.scheduler._step_count = meta["scheduler"]["_step_count"]
+        if hasattr(engine.scheduler, "_last_lr"):
+            engine.scheduler._last_lr = [g["lr"] for g in engine.optimizer.param_groups]
+    sync_replicas(engine, params, kinds)
 
-    def load_checkpoint_state(self, tensors: dict, meta: dict) -> None:
-        """DCP filled the owners' pieces in place; copy them to the replicas and restore the JSON state."""
-        params = [p for _, p, _ in self._local_params()]
-        if getattr(self, "dist_optim", False) and self.optimizer is not None and meta:
-            from . import dist_optim as do
 
-            dopt = do.distributed_optimizer(self.optimizer)
-            do.load_meta(dopt, meta)
-            self.scheduler.load_state_dict({"last_epoch": meta["scheduler"]["last_epoch"]})
-            self._sync_replicas(params, [lambda p: p.data])
-            if self.mesh.tp_size > 1:
-                g = self.mesh.group("tp")
-                with torch.no_grad():
-                    for t in do.replicated_shards(self):
-                        dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
-            return
-        kinds = [lambda p: p.data]
-        if self.optimizer is not None and meta:
-            state = self.optimizer.state
-            kinds += [lambda p: state[p]["exp_avg"], lambda p: state[p]["exp_avg_sq"]]
-            for p in self.optimizer.param_groups[0]["params"]:
-                state[p]["step"] = torch.tensor(float(meta["step"]))
-            for g, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
-                g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
-            self.scheduler.last_epoch = meta["scheduler"]["last_epoch"]
-            if hasattr(self.scheduler, "_step_count"):
-                self.scheduler._step_count = meta["scheduler"]["_step_count"]
-            if hasattr(self.scheduler, "_last_lr"):
-                self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
-        self._sync_replicas(params, kinds)
+def sync_replicas(engine, params, kinds) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate  # noqa: F401
 
-    def _sync_replicas(self, params, kinds) -> None:
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate  # noqa: F401
-
-        with torch.no_grad():
-            for p in params:
-                for of in kinds:
-                    t = of(p)
-                    if self.mesh.dp_size > 1:
-                        g = self.mesh.group("dp")
-                        dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
-                    if self.mesh.tp_size > 1 and not getattr(p, "tensor_model_parallel", False):
-                        g = self.mesh.group("tp")
-                        dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
-            gpt = self.stage.gpt
-            if self.mesh.pp_size > 1 and gpt.share_embeddings_and_output_weights and (gpt.pre_process or gpt.post_process):
-                w = gpt.shared_embedding_or_output_weight()
-                g = ps.get_embedding_group()
-                for of in kinds:
-                    dist.broadcast(of(w), src=dist.get_process_group_ranks(g)[0], group=g)
+    with torch.no_grad():
+        for p in params:
+            for of in kinds:
+                t = of(p)
+                if engine.mesh.dp_size > 1:
+                    g = engine.mesh.group("dp")
+                    dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
+                if engine.mesh.tp_size > 1 and not getattr(p, "tensor_model_parallel", False):
+                    g = engine.mesh.group("tp")
+                    dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
+        gpt = engine.stage.gpt
+        if engine.mesh.pp_size > 1 and gpt.share_embeddings_and_output_weights and (gpt.pre_process or gpt.post_process):
+            w = gpt.shared_embedding_or_output_weight()
+            g = ps.get_embedding_group()
+            for of in kinds:
+                dist.broadcast(of(w), src=dist.get_process_group_ranks(g)[0], group=g)

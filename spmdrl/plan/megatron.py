@@ -13,7 +13,7 @@ most micro-batches in flight, the last the output layer, its logits and the valu
               per dp rank). With full recompute (model.gradient_checkpointing) a micro-batch keeps each layer's
               input (bf16, divided by tp under sequence parallelism, which the engine turns on with TP on GPU),
               plus one layer's recomputed activations during its backward; without recompute every layer's
-              activations (`plan.layer_activation_bytes`, its sequence-parallel part divided by tp). The last
+              activations (`plan.estimate.layer_activation_bytes`, its sequence-parallel part divided by tp). The last
               stage adds one chunk of actor.logprob_chunk_size tokens of vocab-parallel logits (the engine
               projects response tokens chunk by chunk under checkpointing: Vp / tp columns, fp32, three tensors:
               logits, exponentials, gradient).

@@ -23,7 +23,7 @@ from spmdrl.algos import agg_loss, kl_penalty, masked_mean
 from spmdrl.algos.agg import agg_units
 from spmdrl.algos.losses import resolve_agg_mode, value_loss
 from spmdrl.batch import Batch
-from spmdrl.correction import sampler_truncates
+from spmdrl.loop.correction import sampler_truncates
 from spmdrl.dist.collectives import reduce_max, reduce_sum
 from spmdrl.engines import TokenBatch, TrainEngine, pack_sequences
 from spmdrl.engines.packing import balanced_partition, micro_batch_count
@@ -137,7 +137,7 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
             old = mb["old_log_probs"][:, :R].to(dev)
         else:  # on-policy: the parameters have not moved since the rollout, so these are the old log-probs
             old = logp.detach()
-            if not truncated:  # with a truncating sampler spmdrl/correction.py measures it like with like
+            if not truncated:  # with a truncating sampler loop/correction.py measures it like with like
                 diff = (mb["rollout_log_probs"][:, :R].to(dev) - old).abs()
                 stats["rollout/logprob_diff_mean"] = masked_mean(diff, mask)
         kw = extra

@@ -7,24 +7,42 @@ import time
 import torch
 import torch.distributed as dist
 
+from spmdrl.data.prompts import PromptDataset
 from spmdrl.dist.collectives import reduce_mean, reduce_sum
+from spmdrl.dist.meshes import RoleMesh
+from spmdrl.hooks import StageHooks
+from spmdrl.loop.build import Specs
+from spmdrl.loop.generate import request_seeds, rollout_to_batch
+from spmdrl.loop.memory import MemoryLifecycle
+from spmdrl.loop.scoring import Scorer
+from spmdrl.loop.split import BatchStream
 from spmdrl.metrics import StageTimer
-from spmdrl.stages import request_seeds
 
 log = logging.getLogger("spmdrl")
 
 
-class Validation:
+class Validator:
+    """Generates on the rollout ranks (engine: this rank's rollout engine, None where it holds none) and sums
+    the scores over every rank. stream: split placement's batch stream (the rollout ranks take in pending
+    weights first), else None."""
+
+    def __init__(self, cfg, mesh: RoleMesh, dataset: PromptDataset, engine, memory: MemoryLifecycle, specs: Specs,
+                 scorer: Scorer, hooks: StageHooks, pad_id: int, stream: BatchStream | None):
+        self.cfg, self.mesh, self.dataset, self.engine, self.memory = cfg, mesh, dataset, engine, memory
+        self.specs, self.scorer, self.hooks, self.pad_id, self.stream = specs, scorer, hooks, pad_id, stream
+        # the same sorted list on every rank: it orders the all-reduce
+        self.sources = sorted(set(dataset.batch(list(range(len(dataset)))).data_source))
+
     @torch.no_grad()
-    def validate(self) -> dict[str, float]:
+    def run(self, step: int) -> dict[str, float]:
         """Accuracy per data source, reduced over all ranks. Validation batches stay in the rollout layout:
         each rollout dp rank takes a contiguous part of the set."""
-        r, ds = self.rollout_mesh, self.val_ds
+        r, ds = self.mesh, self.dataset
         t0 = time.perf_counter()
-        if self.split and r.active:  # split placement: the weights the training ranks posted last
+        if self.stream is not None and r.active:  # split placement: the weights the training ranks posted last
             self.stream.load_due_weights(StageTimer())
         rows = list(r.dp_range(len(ds))) if r.active else []  # split: the training ranks only join the sums
-        sources = self.val_sources
+        sources = self.sources
         sums = torch.zeros(2 * len(sources), dtype=torch.float64)
         hook_metrics: dict[str, float] = {}
         self.memory.for_rollout()  # stays awake: the next step's rollout follows
@@ -34,11 +52,11 @@ class Validation:
             part = rows[start: start + chunk]
             prompts = [ds.prompt_ids(i) for i in part]
             seeds = request_seeds(self.cfg.trainer.seed + 1, 0, part[0], len(part))
-            out = self.rollout.generate(prompts, self.specs.val, seeds)
-            batch = self.to_batch(prompts, part, out, self.specs.val.n)
-            self.attach_meta(batch, ds, mesh=r)
-            self.compute_reward(batch, shaping=False, mesh=r)
-            for k, v in self.run_hooks("on_validation", self.global_step, batch).items():  # mean over chunks
+            out = self.engine.generate(prompts, self.specs.val, seeds)
+            batch = rollout_to_batch(prompts, part, out, self.specs.val.n, self.pad_id)
+            self.scorer.attach_meta(batch, ds, r)
+            self.scorer.score(batch, r, shaping=False)
+            for k, v in self.hooks("on_validation", step, batch).items():  # mean over chunks
                 hook_metrics[k] = hook_metrics.get(k, 0.0) + v * len(part) / len(rows)
             w = r.leader_weight()  # the tp group holds the same samples: count them once
             for s, src in zip(batch["scores"].tolist(), batch.meta["data_source"]):

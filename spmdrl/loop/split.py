@@ -23,8 +23,11 @@ import collections
 import torch
 
 from spmdrl.batch import Batch
+from spmdrl.data.sampler import DistributedPromptSampler
+from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.dist.transfer import PendingSends, post_batch, recv_batch
 from spmdrl.errors import SpmdrlError
+from spmdrl.reshard.sync import WeightSync
 
 # every tensor of a rollout batch as it travels (dtype, 2-D?): the receiving ranks build an empty batch of it
 ROLLOUT_KEYS = {
@@ -40,11 +43,18 @@ def empty_rollout_batch() -> Batch:
 
 
 class BatchStream:
-    """Per step: the rollout ranks produce, the training ranks receive. One object on every rank."""
+    """Per step: the rollout ranks produce, the training ranks receive. One object on every rank.
 
-    def __init__(self, trainer, staleness: int):
-        self.t, self.k = trainer, staleness
-        self.meshes = trainer.meshes
+    generator: the rollout ranks' Generator (None on the training ranks); sampler: the prompt sampler (the
+    training ranks count the rollout ranks' draws, so a checkpoint saves the rollout's sampler state);
+    weight_sync: the actor -> rollout WeightSync (the rollout ranks load what the training ranks posted)."""
+
+    def __init__(self, cfg, meshes: RoleMeshes, generator, sampler: DistributedPromptSampler, weight_sync: WeightSync):
+        t = cfg.trainer
+        self.k, self.total_steps, self.critic_warmup = t.max_staleness, t.total_steps, t.critic_warmup
+        self.samples_per_step = cfg.data.train_batch_size * cfg.rollout.n
+        self.meshes, self.generator, self.sampler, self.weight_sync = meshes, generator, sampler, weight_sync
+        self.rollout_mesh, self.actor_mesh = meshes["rollout"], meshes["actor"]
         self.next_batch = 1  # rollout ranks: the next step whose batch is generated
         self.version = 0  # rollout ranks: the weight version vLLM holds
         self.weights_due: int | None = None  # rollout ranks: the version the training ranks posted, not yet loaded
@@ -55,19 +65,18 @@ class BatchStream:
     # ---- rollout ranks ---------------------------------------------------------------------------------
     def produce(self, step: int, timer) -> dict[str, float]:
         """Load due weights, then generate and post every batch up to step + k (the last step at most)."""
-        t, m = self.t, {}
-        m.update(self.load_due_weights(timer))
-        last = min(step + self.k, t.cfg.trainer.total_steps)
+        m = self.load_due_weights(timer)
+        last = min(step + self.k, self.total_steps)
         while self.next_batch <= last:
             s = self.next_batch
             with timer("rollout"):
-                batch = t.generate(next(t.sampler), s, 0)
+                batch = self.generator.generate(next(self.sampler), s, 0)
             batch["weight_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
             if set(batch.tensors) != set(ROLLOUT_KEYS):  # the training ranks unpack by this list
-                raise SpmdrlError(f"a rollout batch has tensors {sorted(batch.tensors)} but spmdrl.split.ROLLOUT_KEYS "
+                raise SpmdrlError(f"a rollout batch has tensors {sorted(batch.tensors)} but spmdrl.loop.split.ROLLOUT_KEYS "
                                   f"lists {sorted(ROLLOUT_KEYS)}: add new rollout tensors there")
             with timer("post_batch"):
-                self.sent.append((s, post_batch(batch, t.rollout_mesh, t.actor_mesh, self.meshes.batch_group, tag=s)))
+                self.sent.append((s, post_batch(batch, self.rollout_mesh, self.actor_mesh, self.meshes.batch_group, tag=s)))
             self.next_batch += 1
         return m
 
@@ -76,14 +85,14 @@ class BatchStream:
         if self.weights_due is None:
             return {}
         with timer("wait_weights"):
-            m = self.t.weight_sync()
+            m = self.weight_sync()
         self.version, self.weights_due = self.weights_due, None
         return {"weight_sync/bytes_recv": m["weight_sync/bytes_recv"], "timing/weight_sync_transport_s": m["timing/weight_sync_transport_s"]}
 
     def after_step(self, step: int, trained: bool) -> None:
         """At the step's meeting point: the training ranks have posted version `step` if they trained, and have
         taken in every batch up to `step` (so those sends are complete)."""
-        if not self.t.rollout_mesh.active:
+        if not self.rollout_mesh.active:
             return
         if trained:
             self.weights_due = step
@@ -102,17 +111,16 @@ class BatchStream:
 
     def fetch(self, step: int) -> tuple[Batch, int]:
         """Receive batch `step` from the rollout ranks: (this rank's share, bytes received)."""
-        cfg = self.t.cfg
-        per_src = self.t.rollout_mesh.dp_share(cfg.data.train_batch_size * cfg.rollout.n, "rollout samples")
-        next(self.t.sampler)  # count the draw the rollout ranks made for it: the sampler state a checkpoint saves
-        return recv_batch(empty_rollout_batch(), self.t.rollout_mesh, self.t.actor_mesh, per_src,
+        per_src = self.rollout_mesh.dp_share(self.samples_per_step, "rollout samples")
+        next(self.sampler)  # count the draw the rollout ranks made for it: the sampler state a checkpoint saves
+        return recv_batch(empty_rollout_batch(), self.rollout_mesh, self.actor_mesh, per_src,
                           self.meshes.batch_group, tag=step)
 
     def in_flight(self, step: int) -> dict[str, torch.Tensor]:
         """Training ranks, at a checkpoint after `step`: take in the batches already posted (steps step+1 ..
         step+k) and return them as flat tensors to save."""
         out = {}
-        last = min(step + self.k, self.t.cfg.trainer.total_steps)
+        last = min(step + self.k, self.total_steps)
         for s in range(step + 1, last + 1):
             if s not in self.inbox:
                 self.inbox[s] = self.fetch(s)  # its bytes count in the step that trains on it
@@ -127,8 +135,8 @@ class BatchStream:
             s, key = name.split("/", 1)
             by_step.setdefault(int(s), {})[key] = v
         self.inbox = {s: (Batch(d), _wire_bytes(Batch(d))) for s, d in by_step.items()}
-        self.next_batch = min(step + self.k, self.t.cfg.trainer.total_steps) + 1
-        self.version = step if step > self.t.cfg.trainer.critic_warmup else 0
+        self.next_batch = min(step + self.k, self.total_steps) + 1
+        self.version = step if step > self.critic_warmup else 0
 
     def take_bytes(self) -> int:
         """Batch bytes this training rank received for the current step's batch (float64 rows, as sent)."""

@@ -5,10 +5,10 @@ on the meta device), rank sets from `dist.layout.plan_layout`, the weight-sync f
 `reshard.plan.plan_sync` call that `WeightSync` makes at run time.
 
 Roles on the Megatron backend (trainer.backend = "megatron") take their per-rank state and pipeline activations
-from `spmdrl.plan_megatron` and their weight-sync sources from `reshard.plan.megatron_blocks`.
+from `spmdrl.plan.megatron` and their weight-sync sources from `reshard.plan.megatron_blocks`.
 
 Memory is an estimate per rank (GPU) and per node (host), in GiB (2^30 bytes), for the colocated phase order
-that `spmdrl.memory.MemoryLifecycle` runs:
+that `spmdrl.loop.memory.MemoryLifecycle` runs:
 
     load -> rollout -> ref_forward -> train_critic -> train_actor -> sync -> rollout ...
 
@@ -20,56 +20,16 @@ per token per layer follow `layer_activation_bytes` (bf16 tensors saved for back
 """
 from __future__ import annotations
 
-import copy
-import json
 import math
-import os
 
-from spmdrl.errors import ConfigError
+from spmdrl.engines.loading import load_hf_config, model_param_shapes
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspaces and NCCL buffers per GPU, outside torch's allocator
 PROCESS_HOST_GIB = 6.0  # one rank's host process: interpreter, torch/CUDA/vLLM libraries, tokenizer, data
-BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs")
 
 
 # ------------------------------------------------------------------------------------------------ the model
-
-
-def load_hf_config(path: str, trust_remote_code: bool = False):
-    """The HF config of model.path: a local directory, the HF cache, or a bundled copy of a published config.json
-    for the shipped example models (spmdrl/model_configs), so the plan runs offline."""
-    from transformers import AutoConfig
-
-    bundled = os.path.join(BUNDLED, path.replace("/", "--") + ".json")
-    if not os.path.isdir(path) and os.path.isfile(bundled):
-        with open(bundled) as f:
-            d = json.load(f)
-        return AutoConfig.for_model(d.pop("model_type"), **d)
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"model.path = {path!r}: no config.json found ({str(e).splitlines()[0]}); give a local model directory "
-            "(only config.json is read) or a hub id in the HF cache"
-        ) from None
-
-
-def model_param_shapes(hf_config, value_head: bool = False) -> list[tuple[str, tuple[int, ...]]]:
-    """(HF name, shape) of every parameter, in named_parameters order, from a meta-device model: the same list
-    FSDPEngine.param_shapes() returns for a model loaded from that config."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-    c = copy.deepcopy(hf_config)
-    with torch.device("meta"):
-        if value_head:
-            c.num_labels = 1
-            m = AutoModelForTokenClassification.from_config(c)
-        else:
-            m = AutoModelForCausalLM.from_config(c)
-    return [(n, tuple(p.shape)) for n, p in m.named_parameters()]
-
 
 def layer_activation_bytes(c, tp: int) -> int:
     """Bytes saved for backward per token in one decoder layer (bf16, RMSNorm inputs kept in fp32):
@@ -130,8 +90,7 @@ def load_bytes_per_rank(params, lay, store_eb: int, ckpt_eb: int) -> int:
 def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int, backend: str = "fsdp"):
     """The SyncPlan WeightSync builds at run time: the actor's source blocks (FSDP2 x DTensor tp, or Megatron
     tp x pp x dp), vLLM TP targets."""
-    from spmdrl.reshard.plan import ModelDims, fsdp_blocks, megatron_blocks, plan_sync
-    from spmdrl.reshard.sync import rollout_targets
+    from spmdrl.reshard.plan import ModelDims, fsdp_blocks, megatron_blocks, plan_sync, rollout_targets
     from spmdrl.rollout import vllm_available
 
     dims = ModelDims.from_hf_config(hf_config)
@@ -240,7 +199,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     for role, r in roles.items():
         c = r.get("hf", hf)
         if backends.get(role) == "megatron":
-            from spmdrl.plan_megatron import megatron_memory, megatron_stats, micro_batches_in_flight
+            from spmdrl.plan.megatron import megatron_memory, megatron_stats, micro_batches_in_flight
 
             st = megatron_stats(r["params"], layout[role], c)
             mem = megatron_memory(
@@ -342,7 +301,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
 def split_figures(cfg, layout: dict) -> dict:
     """Split placement: who does what, and the batch bytes a training rank receives per step (an upper bound:
     rows padded to the longest prompt and response; every tensor travels as float64 columns)."""
-    from spmdrl.split import ROLLOUT_KEYS
+    from spmdrl.loop.split import ROLLOUT_KEYS
 
     d = cfg.data
     width = {"prompts": d.max_prompt_length, "responses": d.max_response_length,

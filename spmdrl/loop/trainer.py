@@ -2,11 +2,13 @@
 
     rollout -> reward -> old logprobs -> ref logprobs -> values -> advantages -> updates -> weight sync -> metrics
 
-Split placement (placement.mode = "split"): the rollout ranks run `BatchStream.produce` (spmdrl/split.py) and
-the training ranks everything from the reward on (`train`); they meet at the metric reduction.
+The Trainer builds every component once, in `__init__`, and calls each through a named attribute:
+`collector` (rollout -> batch -> reward, loop/collect.py), `learner` (forward passes, advantages, updates,
+loop/learner.py), `validator` (loop/validate.py), `checkpointer` and `bad_steps` (loop/run_state.py),
+`memory` (loop/memory.py), `weight_sync` (reshard/sync.py), `hooks` (hooks.py).
 
-The stages live in stages.py, validation in validation.py, checkpoint and fault glue in run_state.py,
-construction in build.py.
+Split placement (placement.mode = "split"): the rollout ranks run `stream.produce` (loop/split.py) and the
+training ranks everything from the reward on (`train`); they meet at the metric reduction.
 """
 from __future__ import annotations
 
@@ -16,37 +18,38 @@ import time
 
 import torch
 
-from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES
 from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
-from spmdrl.build import (
-    build_engines, build_rollout, rollout_dtype, rollout_load_format, rollout_loads_shards, sampling_specs,
-)
 from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume
 from spmdrl.config import Config, to_toml
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.collectives import reduce_max, reduce_mean
 from spmdrl.dist.meshes import RoleMeshes
-from spmdrl.faults import named_failures, set_collective_timeout
-from spmdrl.hooks import HookContext, HookRunner
-from spmdrl.memory import MemoryLifecycle, offload_kinds
+from spmdrl.engines.loading import load_hf_config
+from spmdrl.faults import inject_fault_if_asked, named_failures, set_collective_timeout
+from spmdrl.hooks import HookRunner, StageHooks
+from spmdrl.loop.build import (
+    build_engines, build_rollout, rollout_dtype, rollout_load_format, rollout_loads_shards, sampling_specs,
+)
+from spmdrl.loop.collect import Collector
+from spmdrl.loop.generate import Generator
+from spmdrl.loop.learner import Learner
+from spmdrl.loop.memory import MemoryLifecycle, offload_kinds
+from spmdrl.loop.run_state import BadSteps, RunCheckpointer
+from spmdrl.loop.scoring import Scorer
+from spmdrl.loop.split import BatchStream
+from spmdrl.loop.validate import Validator
 from spmdrl.metrics import MetricsLogger, StageTimer, device_peak_tflops, flops_metrics, peak_memory_gb
 from spmdrl.reshard.sync import WeightSync
 from spmdrl.rewards import default_compute_score, load_reward_fn
 from spmdrl.rewards.custom import GuardedReward
 from spmdrl.rng import seed_everything
-from spmdrl.plan import load_hf_config
-from spmdrl.run_state import RunState
-from spmdrl.split import BatchStream
-from spmdrl.stages import Stages, request_seeds  # noqa: F401  (request_seeds: public, used by tests)
-from spmdrl.update import actor_body, critic_body
-from spmdrl.validation import Validation
 
 log = logging.getLogger("spmdrl")
 
 
-class Trainer(Stages, Validation, RunState):
+class Trainer:
     def __init__(self, cfg: Config, layout: dict, rank: int, world_size: int, device: torch.device):
         from transformers import AutoTokenizer
 
@@ -56,63 +59,74 @@ class Trainer(Stages, Validation, RunState):
         print(f"[rank{rank}] {self.meshes.describe()}", flush=True)  # every rank: its place in every mesh
         self.rollout_mesh, self.actor_mesh = self.meshes["rollout"], self.meshes["actor"]
         # split placement: this rank does the stages of the roles it holds (rollout, or the training roles)
-        self.split, self.trains = self.meshes.split, self.actor_mesh.active
-        self.stream = BatchStream(self, cfg.trainer.max_staleness) if self.split else None
+        split, self.trains = self.meshes.split, self.actor_mesh.active
         tok_path = cfg.model.tokenizer_path or cfg.model.path
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.model.trust_remote_code)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.model.trust_remote_code)
+        pad_id = self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         d = cfg.data
         ds_kw = dict(
             max_prompt_length=d.max_prompt_length, truncation=d.truncation, filter_overlong=d.filter_overlong,
             prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template,
         )
-        self.train_ds = PromptDataset(d.train_files, self.tokenizer, **ds_kw)
-        self.val_ds = PromptDataset(d.val_files, self.tokenizer, **ds_kw) if d.val_files else None
-        # the same sorted list on every rank: it orders validation's all-reduce
-        self.val_sources = sorted(set(self.val_ds.batch(list(range(len(self.val_ds)))).data_source)) if self.val_ds else []
-        self.sampler = DistributedPromptSampler(  # training ranks of a split layout only count its draws
-            len(self.train_ds), dp_rank=self.rollout_mesh.dp_rank if self.rollout_mesh.active else 0,
+        train_ds = self.train_ds = PromptDataset(d.train_files, tokenizer, **ds_kw)
+        val_ds = PromptDataset(d.val_files, tokenizer, **ds_kw) if d.val_files else None
+        sampler = self.sampler = DistributedPromptSampler(  # training ranks of a split layout only count its draws
+            len(train_ds), dp_rank=self.rollout_mesh.dp_rank if self.rollout_mesh.active else 0,
             dp_size=self.rollout_mesh.dp_size,
             batch_size=d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle,
         )
-        self.reward_fn = load_reward_fn(cfg.reward.custom_fn) if cfg.reward.custom_fn else default_compute_score
+        reward_fn = load_reward_fn(cfg.reward.custom_fn) if cfg.reward.custom_fn else default_compute_score
+        if cfg.reward.on_error != "raise" or cfg.reward.timeout_s > 0:
+            reward_fn = GuardedReward(reward_fn, on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
         engines = build_engines(cfg, self.meshes, device) if self.trains else None
         self.actor, self.ref, self.critic = (engines.actor, engines.ref, engines.critic) if engines else (None,) * 3
         self.memory = MemoryLifecycle(device, {"actor": self.actor, "ref": self.ref, "critic": self.critic},
-                                      {} if self.split else offload_kinds(cfg))  # split: nothing shares a device
+                                      {} if split else offload_kinds(cfg))  # split: nothing shares a device
         self.memory.settle()  # configured state to host memory before vLLM sizes itself to the free GPU memory
         alg, a = cfg.algorithm, cfg.actor
-        self.kl_ctrl = (
+        kl_ctrl = (
             AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon) if alg.kl_ctrl == "adaptive"
             else FixedKLController(alg.kl_coef)
         )
-        self.hooks = HookRunner(cfg.hooks.files)
+        self.hooks = StageHooks(HookRunner(cfg.hooks.files), cfg, self.meshes, tokenizer)
         mini = a.ppo_mini_batch_size or d.train_batch_size
+        # on-policy (one epoch, one mini-batch) the update's own log-probs are the old ones
         self.on_policy = a.ppo_epochs == 1 and mini == d.train_batch_size and not alg.use_kl_in_reward
-        self.reward_model = None
+        reward_model = None
         if cfg.reward.model_path and self.trains:
             from spmdrl.rewards.model import RewardModelScorer
 
-            self.reward_model = RewardModelScorer(
+            reward_model = RewardModelScorer(
                 cfg.reward.model_path, self.meshes["reward"], device, tokenizer_path=cfg.reward.model_tokenizer_path,
-                policy_tokenizer=self.tokenizer, micro_batch_size=cfg.reward.model_micro_batch_size,
+                policy_tokenizer=tokenizer, micro_batch_size=cfg.reward.model_micro_batch_size,
                 trust_remote_code=cfg.model.trust_remote_code, dtype=cfg.model.dtype,
             )
-        self.resumed_from = resolve_resume(cfg)
-        load_format = rollout_load_format(cfg, device, resuming=self.resumed_from is not None)
-        self.rollout = None
+        resume_from = resolve_resume(cfg)
+        load_format = rollout_load_format(cfg, device, resuming=resume_from is not None)
+        rollout = self.rollout = None  # this rank's rollout engine (a rollout rank only)
         if self.rollout_mesh.active:
-            self.rollout = self.memory.rollout = build_rollout(cfg, self.meshes, device, tok_path, load_format)
+            rollout = self.rollout = self.memory.rollout = build_rollout(cfg, self.meshes, device, tok_path, load_format)
         seed_everything(cfg.trainer.seed)  # building the engine reseeds the global RNG
         self.weight_sync = WeightSync(
-            self.actor, self.rollout, self.rollout_mesh, dtype=rollout_dtype(cfg, device),
-            bucket_mb=cfg.rollout.weight_sync_bucket_mb, memory=self.memory, split=self.split,
-            actor_grid=layout["actor"].mesh_ranks(), hf_config=load_hf_config(cfg.model.path, cfg.model.trust_remote_code) if self.split else None,
+            self.actor, rollout, self.rollout_mesh, dtype=rollout_dtype(cfg, device),
+            bucket_mb=cfg.rollout.weight_sync_bucket_mb, memory=self.memory, split=split,
+            actor_grid=layout["actor"].mesh_ranks(),
+            hf_config=load_hf_config(cfg.model.path, cfg.model.trust_remote_code) if split else None,
             rollout_shards=rollout_loads_shards(cfg), group=self.meshes.weight_group,
         )
-        self.specs = sampling_specs(cfg, self.tokenizer.eos_token_id)
-        self.adv_fn = ADV_ESTIMATORS.get(alg.adv_estimator)
-        self.loss_fn = POLICY_LOSSES.get(a.policy_loss)
+        specs = sampling_specs(cfg, tokenizer.eos_token_id)
+        self.learner = Learner(cfg, self.meshes, self.actor, self.ref, self.critic, kl_ctrl, pad_id)
+        scorer = self.scorer = Scorer(cfg, tokenizer, reward_fn, reward_model)
+        generator = None
+        if rollout is not None:
+            generator = Generator(cfg, self.rollout_mesh, rollout, self.memory, specs, train_ds, pad_id, scorer,
+                                  greedy_baseline="baseline_rewards" in getattr(self.learner.adv_fn, "requires", ()))
+        self.stream = BatchStream(cfg, self.meshes, generator, sampler, self.weight_sync) if split else None
+        self.collector = Collector(cfg, self.meshes, train_ds, sampler, generator, self.stream, scorer, self.hooks)
+        self.validator = None
+        if val_ds is not None:
+            self.validator = Validator(cfg, self.rollout_mesh, val_ds, rollout, self.memory, specs, scorer, self.hooks,
+                                       pad_id, self.stream)
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         if rank == 0:
             with open(os.path.join(cfg.trainer.output_dir, "config.toml"), "w") as f:
@@ -120,23 +134,31 @@ class Trainer(Stages, Validation, RunState):
         lg = cfg.logging
         self.logger = MetricsLogger(
             cfg.trainer.output_dir, tensorboard=lg.tensorboard, jsonl=lg.jsonl, console=lg.console, rank=rank,
-            append=resolve_resume(cfg) is not None, progress_total=cfg.trainer.total_steps if lg.progress else 0,
+            append=resume_from is not None, progress_total=cfg.trainer.total_steps if lg.progress else 0,
         )
         self.global_step = 0
         self.actor_version = 0  # the step of the actor's last update (split placement's weight versions)
         # reliability (docs/reliability.md): checkpoints, bounded collectives, reward guard, resume
-        self.checkpoints = CheckpointManager(checkpoint_root(cfg.trainer.output_dir), keep_last=cfg.checkpoint.keep_last,
-                                             device=device, fallback=cfg.checkpoint.resume == "auto",
-                                             writer=self.actor_mesh.layout.ranks[0])  # it holds the engines
-        self.bad_steps = self.bad_steps_total = 0
-        if cfg.reward.on_error != "raise" or cfg.reward.timeout_s > 0:
-            self.reward_fn = GuardedReward(self.reward_fn, on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
+        root = checkpoint_root(cfg.trainer.output_dir)
+        manager = CheckpointManager(root, keep_last=cfg.checkpoint.keep_last, device=device,
+                                    fallback=cfg.checkpoint.resume == "auto",
+                                    writer=self.actor_mesh.layout.ranks[0])  # it holds the engines
+        self.bad_steps = BadSteps(cfg.trainer.max_bad_steps, root)
+        trained = {} if self.actor is None else {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        self.checkpointer = RunCheckpointer(cfg, manager, trained, tokenizer, sampler, kl_ctrl, self.bad_steps,
+                                            self.weight_sync, self.stream, rank)
         set_collective_timeout(cfg.trainer.dist_timeout_s)
-        if self.resumed_from:
-            self.load_checkpoint(self.resumed_from)  # ends with a weight sync
+        self.resumed_from = resume_from
+        if resume_from:
+            self.resume(resume_from)
         elif load_format == "dummy":
             self.weight_sync()  # vLLM holds random weights until the actor's arrive
 
+    def resume(self, path: str) -> None:
+        """Continue from checkpoint `path` (loop/run_state.py), the actor's weights synced to the rollout engine."""
+        self.global_step = self.checkpointer.load(path)
+        if self.trains and self.global_step > self.cfg.trainer.critic_warmup:
+            self.actor_version = self.global_step
 
     # ---- the loop -----------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -146,31 +168,32 @@ class Trainer(Stages, Validation, RunState):
         set_collective_timeout(cfg.trainer.dist_timeout_s)
         try:
             with named_failures(lambda: self.global_step, cfg.trainer.dist_timeout_s):
-                if self.val_ds is not None and cfg.trainer.val_before_train and not self.resumed_from:
+                if self.validator is not None and cfg.trainer.val_before_train and not self.resumed_from:
                     with timer("validation"):
-                        self.logger.log(0, self.validate())
+                        self.logger.log(0, self.validator.run(self.global_step))
                 if self.global_step >= cfg.trainer.total_steps:
                     log.info("at step %d of trainer.total_steps = %d: nothing to train (raise it to go on)",
                              self.global_step, cfg.trainer.total_steps)
                 while self.global_step < cfg.trainer.total_steps:
                     self.global_step += 1
                     StageTimer.failed = StageTimer.last = None
-                    self.inject_test_fault(self.global_step)
+                    inject_fault_if_asked(self.rank, self.global_step, self.actor)  # tests only (spmdrl/faults.py)
                     metrics = self.step(self.global_step)
-                    metrics.update(self.reward_error_metrics())
-                    bad = self.count_bad_step(metrics)
+                    metrics.update(self.scorer.error_metrics())
+                    bad = self.bad_steps.count(metrics)
                     done = self.global_step == cfg.trainer.total_steps
-                    if self.val_ds is not None and (done or (cfg.trainer.test_freq and self.global_step % cfg.trainer.test_freq == 0)):
+                    freq = cfg.trainer.test_freq
+                    if self.validator is not None and (done or (freq and self.global_step % freq == 0)):
                         with timer("validation"):
-                            metrics.update(self.validate())
+                            metrics.update(self.validator.run(self.global_step))
                     self.logger.log(self.global_step, metrics)
                     last = metrics
-                    self.check_bad_steps()
+                    self.bad_steps.check(self.global_step)
                     freq = cfg.checkpoint.save_freq
                     if not bad and freq >= 0 and (done or (freq > 0 and self.global_step % freq == 0)):
                         with timer("checkpoint"):
-                            self.save_checkpoint()
-                if self.split:  # the last weights reach vLLM, and every posted send completes
+                            self.checkpointer.save(self.global_step)
+                if self.stream is not None:  # the last weights reach vLLM, and every posted send completes
                     if self.rollout_mesh.active:
                         self.stream.load_due_weights(timer)
                     self.weight_sync.wait_sent()
@@ -185,64 +208,54 @@ class Trainer(Stages, Validation, RunState):
         timer, t0 = StageTimer(self.device), time.perf_counter()
         train_actor = step > self.cfg.trainer.critic_warmup
         batch, metrics = None, {}
-        if self.split and self.rollout_mesh.active:
-            metrics.update(self.stream.produce(step, timer))  # spmdrl/split.py
+        if self.stream is not None and self.rollout_mesh.active:
+            metrics.update(self.stream.produce(step, timer))  # loop/split.py
         if self.trains:
-            batch, collected = self.collect(step, timer)  # rollout -> batch to the actor layout -> reward
+            batch, collected = self.collector.collect(step, timer)  # rollout -> batch to the actor layout -> reward
             metrics.update(collected)
             metrics.update(self.train(step, batch, timer, train_actor))
         metrics = self.reduce_step_metrics(batch, metrics, timer, t0)
-        if self.split:
+        if self.stream is not None:
             self.stream.after_step(step, train_actor)
         return metrics
 
     def train(self, step: int, batch: Batch, timer: StageTimer, train_actor: bool) -> dict[str, float]:
         """The training roles' stages: forward passes -> advantages -> updates -> weight sync."""
-        cfg, metrics = self.cfg, {}
-        self.memory.for_training("actor", update=False, keep_rollout_weights=not train_actor)  # spmdrl/memory.py
-        if not self.on_policy:  # on-policy (one epoch, one mini-batch) the update's own log-probs are the old ones
+        learner, memory, hooks, metrics = self.learner, self.memory, self.hooks, {}
+        memory.for_training("actor", update=False, keep_rollout_weights=not train_actor)  # loop/memory.py
+        if not self.on_policy:
             with timer("old_logprob"):
-                batch["old_log_probs"] = self.forward_logprobs(self.actor, batch)
+                batch["old_log_probs"] = learner.logprobs(self.actor, batch)
         if self.ref is not None:
-            self.memory.for_training("ref", update=False)
+            memory.for_training("ref", update=False)
             with timer("ref_logprob"):
-                batch["ref_log_probs"] = self.forward_logprobs(self.ref, batch)
+                batch["ref_log_probs"] = learner.logprobs(self.ref, batch)
         if self.critic is not None:
-            self.memory.for_training("critic", update=False)
+            memory.for_training("critic", update=False)
             with timer("values"):
-                batch["values"] = self.forward_values(batch)
+                batch["values"] = learner.values(batch)
         with timer("advantage"):
-            metrics.update(self.apply_kl_in_reward(batch))
-            metrics.update(self.compute_advantages(batch))
-        metrics.update(self.run_hooks("after_advantage", step, batch))
-        metrics.update(self.run_hooks("before_update", step, batch))
+            metrics.update(learner.kl_in_reward(batch))
+            metrics.update(learner.advantages(batch))
+        metrics.update(hooks("after_advantage", step, batch))
+        metrics.update(hooks("before_update", step, batch))
         if self.critic is not None:
-            self.memory.for_training("critic")
+            memory.for_training("critic")
             with timer("update_critic"):
-                metrics.update(self.update(self.critic, batch, critic_body(cfg), "critic"))
+                metrics.update(learner.update_critic(batch))
         if train_actor:
-            self.memory.for_training("actor")
+            memory.for_training("actor")
             with timer("update_actor"):
-                metrics.update(self.update(self.actor, batch, actor_body(cfg, self.loss_fn, cfg.rollout.temperature), "actor"))
-        metrics.update(self.run_hooks("after_update", step, batch))
-        metrics.update(self.batch_metrics(batch))  # before the sync: the weight version lag is the pre-update one
+                metrics.update(learner.update_actor(batch))
+        metrics.update(hooks("after_update", step, batch))
+        metrics.update(learner.batch_metrics(batch, self.actor_version))  # before the sync: the pre-update lag
         if train_actor:
             with timer("weight_sync"):
                 metrics.update(self.weight_sync())
             self.actor_version = step
-        metrics.update(self.memory.step_metrics())
-        metrics.update(self.run_hooks("after_step", step, batch, metrics=dict(metrics)))
+        metrics.update(memory.step_metrics())
+        metrics.update(hooks("after_step", step, batch, metrics=dict(metrics)))
         return metrics
-
-    def compute_advantages(self, batch: Batch) -> dict[str, float]:
-        alg = self.cfg.algorithm
-        batch["advantages"], batch["returns"] = self.adv_fn(
-            batch["token_level_rewards"], batch["response_mask"], index=batch["uid"],
-            values=batch.tensors.get("values"), baseline_rewards=batch.tensors.get("baseline_rewards"),
-            gamma=alg.gamma, lam=alg.lam, epsilon=alg.epsilon, norm_by_std=alg.norm_adv_by_std,
-            reduce=self.dp_reduce,  # batch statistics (whitening) over the global batch
-        )
-        return {}
 
     def reduce_step_metrics(self, batch: Batch | None, metrics: dict, timer: StageTimer, t0: float) -> dict[str, float]:
         """One all-reduce of every metric (tp copies weighted out); the token count rides along. Split placement:
@@ -253,16 +266,17 @@ class Trainer(Stages, Validation, RunState):
             metrics["_tokens"] = float(batch["response_mask"].sum() + batch["prompt_len"].sum())
             metrics["_seq_sq"] = float(((batch["response_mask"].sum(-1) + batch["prompt_len"]).double() ** 2).sum())
         mesh = self.actor_mesh if self.trains else self.rollout_mesh
-        if self.split:
+        split = self.stream is not None
+        if split:
             with timer("train_wait" if self.trains else "rollout_wait"):
                 split_max = self.split_maxima(metrics)
             metrics.update(timer.as_metrics())
         metrics = reduce_mean(metrics, weight=mesh.leader_weight())
-        if self.split:
+        if split:
             metrics.update(split_max)
         tokens = metrics.pop("_tokens") * self.actor_mesh.dp_size
         seq_sq = metrics.pop("_seq_sq") * self.actor_mesh.dp_size
-        if not self.split:
+        if not split:
             metrics.update(timer.as_metrics())
         step_s = time.perf_counter() - t0
         metrics["timing/step_s"] = step_s
@@ -286,11 +300,3 @@ class Trainer(Stages, Validation, RunState):
         weights_max, batch_max = reduce_max(torch.tensor([recv, batch_bytes], dtype=torch.float64))
         return {"weight_sync/bytes_recv_max": weights_max, "weight_sync/bytes_lower_bound": float(self.weight_sync.lower_bound),
                 "batch_move/bytes_recv_max": batch_max}
-
-    def run_hooks(self, stage: str, step: int, batch: Batch, metrics: dict | None = None) -> dict[str, float]:
-        if not self.hooks.by_stage[stage]:
-            return {}
-        ctx = HookContext(stage, step, self.cfg, batch, self.meshes, self.tokenizer, metrics=metrics or {})
-        before = set(ctx.metrics)
-        self.hooks.run(stage, ctx)
-        return {k: v for k, v in ctx.metrics.items() if k not in before}

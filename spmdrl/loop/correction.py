@@ -6,7 +6,7 @@ Two things need the actor's log-probs of the sampled tokens before its parameter
   log-probs (after temperature, top-k and top-p), so when the sampler truncates (rollout.top_p < 1 or
   rollout.top_k > 0) the actor's log-probs are recomputed with the same truncation (one extra forward pass
   without gradients); without truncation the old log-probs (or, on-policy, the update's own) already are the
-  same quantity and spmdrl/stages.py and spmdrl/update.py measure it there.
+  same quantity and loop/learner.py and loop/update.py measure it there.
 - The [rollout_correction] section (spmdrl/algos/rollout_correction.py) turns pi_old / pi_rollout into
   importance weights and a rejection mask. pi_old is the untruncated, temperature-scaled actor policy that the
   loss's ratio uses; on-policy (no separate old-log-prob pass) it is computed here.

@@ -1,0 +1,115 @@
+"""The training roles' stages of a step: forward passes (old, ref log-probs; values), the KL penalty in the
+reward, advantages, the critic and actor updates, and the batch's training metrics."""
+from __future__ import annotations
+
+import torch
+
+from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES, kl_penalty, masked_mean
+from spmdrl.algos.kl import AdaptiveKLController, FixedKLController, controller_kl
+from spmdrl.batch import Batch
+from spmdrl.dist.collectives import reduce_max, reduce_sum
+from spmdrl.dist.meshes import RoleMeshes
+from spmdrl.engines import TrainEngine
+from spmdrl.loop.correction import prepare_actor_update, sampler_truncates
+from spmdrl.loop.update import actor_body, critic_body, forward_all, run_updates
+
+
+class Learner:
+    """actor, ref, critic: the training engines (ref and critic None when the config has none); kl_ctrl: the
+    KL-in-reward coefficient's controller (its state goes into checkpoints)."""
+
+    def __init__(self, cfg, meshes: RoleMeshes, actor: TrainEngine, ref: TrainEngine | None,
+                 critic: TrainEngine | None, kl_ctrl: AdaptiveKLController | FixedKLController, pad_id: int):
+        self.cfg, self.meshes, self.pad_id, self.kl_ctrl = cfg, meshes, pad_id, kl_ctrl
+        self.actor, self.ref, self.critic = actor, ref, critic
+        self.adv_fn = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
+        self.loss_fn = POLICY_LOSSES.get(cfg.actor.policy_loss)
+
+    def dp_sum(self, stats: torch.Tensor) -> torch.Tensor:
+        """Sum over the actor's data-parallel ranks (one rank per TP group: TP peers hold the same samples)."""
+        return reduce_sum(stats, group=self.meshes["actor"].group("dp"))
+
+    # ---- forward passes --------------------------------------------------------------------------------
+    def logprobs(self, engine: TrainEngine, batch: Batch, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+        """Log-probs of the sampled tokens at the rollout temperature; with top_k / top_p, of the truncated
+        sampling distribution (what the rollout engine's processed log-probs are)."""
+        a = self.cfg.actor
+        return forward_all(
+            engine, batch, a.forward_micro_batch_size or a.micro_batch_size, self.pad_id,
+            lambda eng, tb: eng.logprobs(tb, temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size,
+                                         top_k=top_k, top_p=top_p)[0],
+            max_tokens=a.forward_max_tokens_per_micro_batch or a.max_tokens_per_micro_batch, packed=a.use_packing,
+        )
+
+    def values(self, batch: Batch) -> torch.Tensor:
+        c = self.cfg.critic
+        return forward_all(self.critic, batch, c.micro_batch_size, self.pad_id, lambda eng, tb: eng.values(tb),
+                           max_tokens=c.max_tokens_per_micro_batch, packed=c.use_packing)
+
+    # ---- rewards and advantages ----------------------------------------------------------------------------
+    def kl_in_reward(self, batch: Batch) -> dict[str, float]:
+        """token_level_rewards: the token-level scores, minus beta * KL(old || ref) with algorithm.use_kl_in_reward."""
+        if not self.cfg.algorithm.use_kl_in_reward:
+            batch["token_level_rewards"] = batch["token_level_scores"]
+            return {}
+        mask = batch["response_mask"]
+        kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_penalty) * mask
+        beta = self.kl_ctrl.value
+        batch["token_level_rewards"] = batch["token_level_scores"] - beta * kl
+        current = controller_kl(kl, mask, reduce=self.dp_sum)  # global mean of per-sequence means
+        self.kl_ctrl.update(current, self.cfg.data.train_batch_size * self.cfg.rollout.n)
+        return {"actor/reward_kl": current, "actor/kl_coef": beta}
+
+    def advantages(self, batch: Batch) -> dict[str, float]:
+        alg = self.cfg.algorithm
+        batch["advantages"], batch["returns"] = self.adv_fn(
+            batch["token_level_rewards"], batch["response_mask"], index=batch["uid"],
+            values=batch.tensors.get("values"), baseline_rewards=batch.tensors.get("baseline_rewards"),
+            gamma=alg.gamma, lam=alg.lam, epsilon=alg.epsilon, norm_by_std=alg.norm_adv_by_std,
+            reduce=self.dp_sum,  # batch statistics (whitening) over the global batch
+        )
+        return {}
+
+    # ---- updates ---------------------------------------------------------------------------------------
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self._update(self.critic, batch, critic_body(self.cfg), "critic")
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """The actor update, after measuring (and, with [rollout_correction], correcting) the rollout/trainer
+        mismatch before the first optimizer step (loop/correction.py)."""
+        mesh = self.meshes["actor"]
+        batch, extra = prepare_actor_update(self.cfg, self.actor, batch, self.logprobs, self.dp_sum,
+                                            lambda t: reduce_max(t, group=mesh.group("dp")))
+        body = actor_body(self.cfg, self.loss_fn, self.cfg.rollout.temperature)
+        return {**self._update(self.actor, batch, body, "actor"), **extra}
+
+    def _update(self, engine: TrainEngine, batch: Batch, body, role: str) -> dict[str, float]:
+        sec = getattr(self.cfg, role)
+        mesh = self.meshes[role]
+        mini = mesh.dp_share((self.cfg.actor.ppo_mini_batch_size or self.cfg.data.train_batch_size) * self.cfg.rollout.n,
+                             "mini-batch samples")
+        return run_updates(
+            engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=sec.micro_batch_size, pad_id=self.pad_id,
+            dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix=role,
+            max_tokens=sec.max_tokens_per_micro_batch, packed=sec.use_packing,
+        )
+
+    # ---- metrics ---------------------------------------------------------------------------------------
+    def batch_metrics(self, batch: Batch, actor_version: int) -> dict[str, float]:
+        """The batch's rewards, lengths and advantages; in split placement how many actor versions old its
+        weights are (actor_version: the step of the actor's last update); the rollout/trainer log-prob gap."""
+        mask = batch["response_mask"]
+        m = {
+            "train/reward_mean": float(batch["scores"].mean()),
+            "train/reward_std": float(batch["scores"].std()) if len(batch) > 1 else 0.0,
+            "train/response_length_mean": float(batch["response_len"].float().mean()),
+            "train/response_clip_ratio": float(batch["truncated"].mean()),
+            "train/advantage_mean": float(masked_mean(batch["advantages"], mask)),
+        }
+        if "weight_version" in batch:
+            m["train/weight_version_lag"] = actor_version - float(batch["weight_version"].double().mean())
+        if "old_log_probs" in batch and not sampler_truncates(self.cfg):  # else the update measured it
+            lp_diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()
+            m["rollout/logprob_diff_mean"] = float(masked_mean(lp_diff, mask))
+            m["rollout/logprob_diff_max"] = float((lp_diff * mask).max())
+        return m

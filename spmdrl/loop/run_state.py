@@ -1,0 +1,107 @@
+"""What a run carries from step to step besides the models (docs/reliability.md): its checkpoints (save and
+exact resume) and its count of bad steps."""
+from __future__ import annotations
+
+import copy
+import logging
+
+from spmdrl.checkpoint import CheckpointManager, latest_checkpoint
+from spmdrl.config import to_toml
+from spmdrl.data.sampler import DistributedPromptSampler
+from spmdrl.errors import SpmdrlError
+from spmdrl.faults import is_bad_step
+from spmdrl.loop.split import BatchStream
+from spmdrl.metrics import StageTimer
+from spmdrl.reshard.sync import WeightSync
+from spmdrl.rng import rng_state, seed_everything, set_rng_state
+
+log = logging.getLogger("spmdrl")
+
+
+class BadSteps:
+    """Steps with a non-finite loss or grad norm (the engine skipped their update): consecutive and total
+    counts; trainer.max_bad_steps in a row stop the run."""
+
+    def __init__(self, limit: int, checkpoint_root: str):
+        self.limit, self.checkpoint_root = limit, checkpoint_root
+        self.consecutive = self.total = 0
+
+    def count(self, metrics: dict[str, float]) -> bool:
+        """Count the step whose metrics these are (they agree on every rank, so every rank counts the same);
+        adds train/bad_steps. True when the step was bad."""
+        bad = is_bad_step(metrics)
+        self.consecutive = self.consecutive + 1 if bad else 0
+        self.total += int(bad)
+        metrics["train/bad_steps"] = float(self.total)
+        return bad
+
+    def check(self, step: int) -> None:
+        """Raise once trainer.max_bad_steps steps in a row were bad, naming the last good checkpoint."""
+        if self.consecutive >= self.limit:
+            last = latest_checkpoint(self.checkpoint_root)
+            raise SpmdrlError(
+                f"{self.consecutive} consecutive steps (up to step {step}) had a non-finite loss or grad "
+                f"norm and were skipped (trainer.max_bad_steps = {self.limit}); the last good checkpoint is "
+                f"{last or 'none (none was saved)'}; lower actor.lr or check the data and reward of those steps"
+            )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"bad_steps": self.consecutive, "bad_steps_total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consecutive, self.total = int(state.get("bad_steps", 0)), int(state.get("bad_steps_total", 0))
+
+
+class RunCheckpointer:
+    """Saves everything a step depends on and restores it, so a resumed run continues exactly as if it had not
+    stopped: the trainable engines (through `manager`), the sampler, the KL controller, the bad-step counts, the
+    RNG states and, in split placement, the batches in flight (`stream`). engines: {"actor": ..., "critic": ...}
+    (empty on a split layout's rollout ranks)."""
+
+    def __init__(self, cfg, manager: CheckpointManager, engines: dict, tokenizer, sampler: DistributedPromptSampler,
+                 kl_ctrl, bad_steps: BadSteps, weight_sync: WeightSync, stream: BatchStream | None, rank: int):
+        self.cfg, self.manager, self.engines, self.tokenizer, self.sampler = cfg, manager, engines, tokenizer, sampler
+        self.kl_ctrl, self.bad_steps, self.weight_sync, self.stream, self.rank = kl_ctrl, bad_steps, weight_sync, stream, rank
+
+    def save(self, step: int) -> str:
+        """The checkpoint after `step`; its path."""
+        in_flight = None
+        if self.stream is not None:  # split placement: batches already generated for the next steps go into the
+            # checkpoint (taken in first: the training ranks' sampler counts their draws, and the writer saves its state)
+            if self.engines:
+                in_flight = self.stream.in_flight(step)
+            else:
+                self.stream.load_due_weights(StageTimer())
+        state = {"sampler": self.sampler.state_dict(), **self.bad_steps.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+
+        def hf_files(out_dir: str) -> None:  # what `spmdrl export` needs besides the weights
+            config = copy.deepcopy(self.engines["actor"].hf_config())
+            config.use_cache = True  # the engine turns the KV cache off for training; an exported model wants it
+            config.save_pretrained(out_dir)
+            self.tokenizer.save_pretrained(out_dir)
+
+        return self.manager.save(step, engines=self.engines, trainer_state=state, config_toml=to_toml(self.cfg),
+                                 rng=rng_state(), hf_files=hf_files, rank_tensors=in_flight)
+
+    def load(self, path: str) -> int:
+        """Restore the run from checkpoint `path` and sync its actor weights to the rollout engine; the step it
+        was saved after."""
+        state = self.manager.load(path, engines=self.engines, config_toml=to_toml(self.cfg))
+        self.sampler.load_state_dict(state["sampler"])
+        step = int(state["step"])
+        self.bad_steps.load_state_dict(state)
+        if state.get("kl_ctrl") is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.weight_sync()
+        if self.stream is not None:
+            if self.engines and self.cfg.trainer.max_staleness and "rank_tensors" not in state:
+                raise SpmdrlError(f"checkpoint {state.get('path', path)} has no in-flight batches for rank {self.rank}: "
+                                  "a split run with trainer.max_staleness > 0 resumes on the same world size only")
+            self.stream.restore(step, state.get("rank_tensors", {}))
+        if "rng" in state:
+            set_rng_state(state["rng"])
+        else:  # another world size: per-rank RNG streams cannot carry over
+            seed_everything(self.cfg.trainer.seed + step)
+            log.warning("resumed on a different world size: RNG states reseeded, not restored")
+        log.info("resumed from %s at step %d", state.get("path", path), step)
+        return step

@@ -1,0 +1,97 @@
+"""The reward stage: per-sample metadata and decoded text, the rule (or custom) score, the reward model and
+reward shaping. Each sample is decoded and scored once: the ranks of a TP group (which hold the same samples)
+split the work and share the results."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from spmdrl.algos.sampling import overlong_penalty
+from spmdrl.batch import Batch
+from spmdrl.data.prompts import PromptDataset
+from spmdrl.dist.collectives import all_gather_strings, gather_tp_slices, reduce_sum
+from spmdrl.dist.meshes import RoleMesh
+from spmdrl.rewards.custom import GuardedReward, compute_rewards
+from spmdrl.rewards.model import RewardModelScorer, combine_rewards
+
+
+class Scorer:
+    """reward_fn: the rule or custom score (GuardedReward when reward.on_error / timeout_s guard it);
+    reward_model: a RewardModelScorer whose score is added with reward.model_weight, or None."""
+
+    def __init__(self, cfg, tokenizer, reward_fn: Callable, reward_model: RewardModelScorer | None):
+        self.cfg, self.tokenizer, self.reward_fn, self.reward_model = cfg, tokenizer, reward_fn, reward_model
+
+    def attach_meta(self, batch: Batch, ds: PromptDataset, mesh: RoleMesh) -> None:
+        """Per-sample metadata, re-derived locally from the dataset row in `index`. Responses are decoded once
+        per sample: each rank of a tp group (which holds the same samples) decodes its share, and the texts are
+        shared over the group as one packed byte tensor."""
+        rows = batch["index"].tolist()
+        uniq = sorted(set(rows))
+        pb = ds.batch(uniq)
+        pos = {row: i for i, row in enumerate(uniq)}
+        batch.meta["data_source"] = [pb.data_source[pos[r]] for r in rows]
+        batch.meta["ground_truth"] = [pb.ground_truth[pos[r]] for r in rows]
+        batch.meta["extra_info"] = [pb.extra_info[pos[r]] for r in rows]
+        batch.meta["raw_prompt"] = [pb.raw_prompt[pos[r]] for r in rows]
+        mine = mesh.tp_range(len(batch))
+        texts = self.tokenizer.batch_decode(
+            [batch["responses"][i, : int(batch["response_len"][i])].tolist() for i in mine], skip_special_tokens=True,
+        )
+        batch.meta["response_text"] = all_gather_strings(texts, mesh, len(batch)) if mesh.tp_size > 1 else texts
+
+    def score(self, batch: Batch, mesh: RoleMesh, shaping: bool = True) -> dict[str, float]:
+        """batch["scores"] [B]: rule/custom score, weighted, plus DAPO overlong shaping (shaping=False: the raw
+        rule score, which validation reports as accuracy). The rule scorer runs once per sample: each rank of a
+        tp group scores its share and the scores are all-gathered over the group."""
+        r = self.cfg.reward
+        mine = mesh.tp_range(len(batch))
+        meta = batch.meta
+        scores, _ = compute_rewards(
+            self.reward_fn, *([meta[k][i] for i in mine] for k in ("data_source", "response_text", "ground_truth", "extra_info")),
+        )
+        if mesh.tp_size > 1:
+            scores = gather_tp_slices(scores.float(), mesh, len(batch))
+        metrics = {}
+        batch["rule_scores"] = scores  # before weighting, reward model and shaping: dynamic sampling's default signal
+        if not shaping:
+            batch["scores"] = scores
+            return metrics
+        if self.reward_model is not None:  # a weighted sum with the rule score
+            lens = batch["prompt_len"].tolist(), batch["response_len"].tolist()
+            rm = self.reward_model.score(
+                meta["raw_prompt"], meta["response_text"],
+                [batch["prompts"][i, :p].tolist() for i, p in enumerate(lens[0])],
+                [batch["responses"][i, :n].tolist() for i, n in enumerate(lens[1])],
+            )
+            metrics["reward/model_score_mean"] = float(rm.mean())
+            metrics["reward/rule_score_mean"] = float(scores.mean())
+            scores = combine_rewards(scores, rm, r.rule_weight, r.model_weight)
+        else:
+            scores = r.rule_weight * scores
+        if r.overlong_buffer_len > 0:
+            penalty = overlong_penalty(batch["response_len"], self.cfg.data.max_response_length, r.overlong_buffer_len,
+                                       r.overlong_penalty_factor)
+            scores = scores + penalty
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+        batch["scores"] = scores
+        return metrics
+
+    @staticmethod
+    def place_token_scores(batch: Batch) -> None:
+        """Outcome score on the last response token (what token-level estimators consume)."""
+        R = batch["responses"].shape[1]
+        last = (batch["response_len"] - 1).clamp(min=0)
+        token_scores = torch.zeros(len(batch), R)
+        token_scores[torch.arange(len(batch)), last] = batch["scores"] * (batch["response_len"] > 0)
+        batch["token_level_scores"] = token_scores
+
+    def error_metrics(self) -> dict[str, float]:
+        """reward/errors and reward/timeouts since the last call, summed over ranks (reward.on_error = zero).
+        Every sample is scored on exactly one rank (tp groups split the scoring), so every rank's count adds."""
+        if not isinstance(self.reward_fn, GuardedReward) or self.reward_fn.on_error != "zero":
+            return {}
+        errors, timeouts = self.reward_fn.take_counts()
+        t = reduce_sum(torch.tensor([float(errors), float(timeouts)]))
+        return {"reward/errors": float(t[0]), "reward/timeouts": float(t[1])}
