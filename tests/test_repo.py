@@ -46,6 +46,13 @@ def _py_files(outside: str):
             yield rel, path.read_text()
 
 
+def test_every_package_directory_is_a_regular_package():
+    """setuptools' package discovery skips a directory without __init__.py: an installed spmdrl would lack it."""
+    dirs = {p.parent for p in (ROOT / "spmdrl").rglob("*.py")}
+    missing = sorted(str(d.relative_to(ROOT)) for d in dirs if not (d / "__init__.py").is_file())
+    assert not missing, missing
+
+
 def test_no_rank_arithmetic_outside_dist():
     hits = [f"{rel}:{i}: {line.strip()}" for rel, text in _py_files("spmdrl/dist/")
             for i, line in enumerate(text.splitlines(), 1)

@@ -50,6 +50,20 @@ log = logging.getLogger("spmdrl")
 
 
 class Trainer:
+    """One rank's RL run. Every component is built in `__init__`; `fit` / `step` / `train` call them by name."""
+
+    collector: Collector  # rollout -> batch in the actor layout -> reward
+    learner: Learner  # forward passes, advantages, updates
+    validator: Validator | None  # None without data.val_files
+    checkpointer: RunCheckpointer  # save / exact resume
+    bad_steps: BadSteps
+    scorer: Scorer  # reward error counts
+    memory: MemoryLifecycle
+    weight_sync: WeightSync
+    stream: BatchStream | None  # split placement only
+    hooks: StageHooks
+    logger: MetricsLogger
+
     def __init__(self, cfg: Config, layout: dict, rank: int, world_size: int, device: torch.device):
         from transformers import AutoTokenizer
 
