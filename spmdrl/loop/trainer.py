@@ -74,6 +74,7 @@ class Trainer:
         self.rollout_mesh, self.actor_mesh = self.meshes["rollout"], self.meshes["actor"]
         # split placement: this rank does the stages of the roles it holds (rollout, or the training roles)
         split, self.trains = self.meshes.split, self.actor_mesh.active
+        # ---- data: tokenizer, prompt datasets, sampler, reward function
         tok_path = cfg.model.tokenizer_path or cfg.model.path
         tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.model.trust_remote_code)
         pad_id = self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -92,6 +93,7 @@ class Trainer:
         reward_fn = load_reward_fn(cfg.reward.custom_fn) if cfg.reward.custom_fn else default_compute_score
         if cfg.reward.on_error != "raise" or cfg.reward.timeout_s > 0:
             reward_fn = GuardedReward(reward_fn, on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
+        # ---- models: training engines (training ranks), memory lifecycle, reward model, rollout engine, weight sync
         engines = build_engines(cfg, self.meshes, device) if self.trains else None
         self.actor, self.ref, self.critic = (engines.actor, engines.ref, engines.critic) if engines else (None,) * 3
         self.memory = MemoryLifecycle(device, {"actor": self.actor, "ref": self.ref, "critic": self.critic},
@@ -128,6 +130,7 @@ class Trainer:
             hf_config=load_hf_config(cfg.model.path, cfg.model.trust_remote_code) if split else None,
             rollout_shards=rollout_loads_shards(cfg), group=self.meshes.weight_group,
         )
+        # ---- the loop's components, each given what it needs (docs/architecture.md, "The loop")
         specs = sampling_specs(cfg, tokenizer.eos_token_id)
         self.learner = Learner(cfg, self.meshes, self.actor, self.ref, self.critic, kl_ctrl, pad_id)
         scorer = self.scorer = Scorer(cfg, tokenizer, reward_fn, reward_model)
@@ -141,6 +144,7 @@ class Trainer:
         if val_ds is not None:
             self.validator = Validator(cfg, self.rollout_mesh, val_ds, rollout, self.memory, specs, scorer, self.hooks,
                                        pad_id, self.stream)
+        # ---- outputs and run state: config copy, metrics, checkpoints, resume
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         if rank == 0:
             with open(os.path.join(cfg.trainer.output_dir, "config.toml"), "w") as f:
@@ -158,7 +162,9 @@ class Trainer:
                                     fallback=cfg.checkpoint.resume == "auto",
                                     writer=self.actor_mesh.layout.ranks[0])  # it holds the engines
         self.bad_steps = BadSteps(cfg.trainer.max_bad_steps, root)
-        trained = {} if self.actor is None else {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        trained = {} if self.actor is None else {"actor": self.actor}  # what a checkpoint holds
+        if self.critic is not None:
+            trained["critic"] = self.critic
         self.checkpointer = RunCheckpointer(cfg, manager, trained, tokenizer, sampler, kl_ctrl, self.bad_steps,
                                             self.weight_sync, self.stream, rank)
         set_collective_timeout(cfg.trainer.dist_timeout_s)

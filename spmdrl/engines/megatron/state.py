@@ -133,7 +133,7 @@ def block_owners(engine) -> dict[tuple[str, Block], int]:
 
 def as_sharded(engine, tensors_of: dict[str, list[tuple[Piece, torch.Tensor]]], owners: dict | None = None) -> dict:
     """HF name -> ShardedTensor over the owners' pieces, with this rank's owned pieces as local shards.
-    owners: (HF name, block) -> saving rank; default the model parameters' (_owners)."""
+    owners: (HF name, block) -> saving rank; default the model parameters' (block_owners)."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
