@@ -3,14 +3,15 @@
 
     python launch/same_metrics.py OUT_A OUT_B
 """
-import json
 import sys
 
-MEASURED = ("timing/", "perf/", "memory/")
+from spmdrl.metrics import read_jsonl
+
+MEASURED = ("timing/", "perf/", "memory/", "weight_sync/transport_s")  # wall times and memory readings
 
 
 def rows(path: str) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(MEASURED)} for line in open(path)]
+    return [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in read_jsonl(path)]
 
 
 def main(a: str, b: str) -> int:

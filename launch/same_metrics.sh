@@ -19,6 +19,7 @@ COMMON=(model.path="$OUT/tiny" data.train_files="[\"$OUT/data/train.parquet\"]" 
 CRITIC=(critic.enable=true actor.use_kl_loss=true actor.ppo_mini_batch_size=4 actor.micro_batch_size=4 critic.micro_batch_size=4)
 spmdrl train --nproc 2 --config configs/quickstart/grpo.toml "${COMMON[@]}" "${CRITIC[@]}" \
   trainer.output_dir="$OUT/colocated" > "$OUT/colocated.log" 2>&1
+# keep steps 0-2 of the copied metrics.jsonl: steps 3-4 must come from the resumed run
 cp -r "$OUT/colocated" "$OUT/resumed"; rm -rf "$OUT/resumed/checkpoints/step_00000004"
 python - "$OUT/resumed/metrics.jsonl" <<'PY'
 import json, sys

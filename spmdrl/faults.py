@@ -274,7 +274,7 @@ def slow_save_if_injected(rank: int, step: int) -> None:
 
 
 __all__ = [
-    "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Terminated", "inject_fault", "inject_fault_if_asked", "injected_fault", "is_bad_step",
-    "is_collective_failure", "named_failures", "set_collective_timeout", "slow_save_if_injected", "stop_handled",
-    "stop_requested", "stop_signals",
+    "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Terminated", "inject_fault", "inject_fault_if_asked",
+    "injected_fault", "is_bad_step", "is_collective_failure", "named_failures", "set_collective_timeout",
+    "slow_save_if_injected", "stop_handled", "stop_requested", "stop_signals",
 ]

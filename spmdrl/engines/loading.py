@@ -43,37 +43,36 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
         ) from None
 
 
+def meta_model(config, *, value_head: bool, **kw):
+    """The HF causal LM of `config` (value_head: a one-label token classifier, the critic's and reward model's
+    form) with every parameter on the meta device; `config` itself is left as it is."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    config = copy.deepcopy(config)
+    with torch.device("meta"):
+        if value_head:
+            config.num_labels = 1
+            return AutoModelForTokenClassification.from_config(config, **kw)
+        return AutoModelForCausalLM.from_config(config, **kw)
+
+
 def model_param_shapes(hf_config, value_head: bool = False) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every parameter, in named_parameters order, from a meta-device model: the same list
     FSDPEngine.param_shapes() returns for a model loaded from that config."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-    c = copy.deepcopy(hf_config)
-    with torch.device("meta"):
-        if value_head:
-            c.num_labels = 1
-            m = AutoModelForTokenClassification.from_config(c)
-        else:
-            m = AutoModelForCausalLM.from_config(c)
-    return [(n, tuple(p.shape)) for n, p in m.named_parameters()]
+    return [(n, tuple(p.shape)) for n, p in meta_model(hf_config, value_head=value_head).named_parameters()]
 
 
 def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bool, dtype: torch.dtype = torch.float32):
     """The HF model with every parameter on the meta device (no memory), in the storage dtype, and real buffers
     on the host."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
-    kw = dict(trust_remote_code=trust_remote_code, attn_implementation="sdpa", dtype=dtype)
-    with torch.device("meta"):
-        if value_head:
-            config.num_labels = 1
-            hf = AutoModelForTokenClassification.from_config(config, **kw)
-        else:
-            hf = AutoModelForCausalLM.from_config(config, **kw)
+    hf = meta_model(config, value_head=value_head, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
+                    dtype=dtype)
     _real_buffers(hf)
     return hf
 

@@ -27,6 +27,7 @@ from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.dist.transfer import PendingSends, post_batch, recv_batch
 from spmdrl.errors import SpmdrlError
+from spmdrl.loop.generate import Generator
 from spmdrl.reshard.sync import WeightSync
 
 # every tensor of a rollout batch as it travels (dtype, 2-D?): the receiving ranks build an empty batch of it
@@ -49,7 +50,8 @@ class BatchStream:
     training ranks count the rollout ranks' draws, so a checkpoint saves the rollout's sampler state);
     weight_sync: the actor -> rollout WeightSync (the rollout ranks load what the training ranks posted)."""
 
-    def __init__(self, cfg, meshes: RoleMeshes, generator, sampler: DistributedPromptSampler, weight_sync: WeightSync):
+    def __init__(self, cfg, meshes: RoleMeshes, generator: Generator | None, sampler: DistributedPromptSampler,
+                 weight_sync: WeightSync):
         t = cfg.trainer
         self.k, self.total_steps, self.critic_warmup = t.max_staleness, t.total_steps, t.critic_warmup
         self.samples_per_step = cfg.data.train_batch_size * cfg.rollout.n

@@ -119,9 +119,10 @@ class Trainer:
             )
         resume_from = resolve_resume(cfg)
         load_format = rollout_load_format(cfg, device, resuming=resume_from is not None)
-        rollout = self.rollout = None  # this rank's rollout engine (a rollout rank only)
+        rollout = None  # this rank's rollout engine (a rollout rank only)
         if self.rollout_mesh.active:
-            rollout = self.rollout = self.memory.rollout = build_rollout(cfg, self.meshes, device, tok_path, load_format)
+            rollout = self.memory.rollout = build_rollout(cfg, self.meshes, device, tok_path, load_format)
+        self.rollout = rollout
         seed_everything(cfg.trainer.seed)  # building the engine reseeds the global RNG
         self.weight_sync = WeightSync(
             self.actor, rollout, self.rollout_mesh, dtype=rollout_dtype(cfg, device),
