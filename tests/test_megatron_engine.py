@@ -80,6 +80,17 @@ def test_logprobs_match_unsharded_hf(runs, layout):
                     assert float(lp[i, n:].abs().sum()) == 0.0
 
 
+def test_tp2_ran_the_gpu_configuration(runs):
+    """The tp 2 layout's engine is built as on a GPU: sequence parallelism on, and every norm (two per layer, the
+    final one) spmdrl's SP-capable RMSNorm with its weight marked for finalize_model_grads' tp all-reduce
+    (megatron's own torch norm asserts that sequence parallelism is off). The gradient test below fails when
+    that mark is missing."""
+    for res in runs["tp2_pp2_tied"][2]:
+        assert res["config"] == {"sequence_parallel": True, "norms": [("RMSNorm", True)]}
+    for res in runs["pp2_dp2_local_recompute"][2]:  # tp 1: nothing to split the sequence over
+        assert res["config"] == {"sequence_parallel": False, "norms": [("RMSNorm", False)]}
+
+
 def _assemble(ranks, key, mode, shapes):
     full = {n: torch.full(s, float("nan")) for n, s in shapes.items()}
     for res in ranks:

@@ -123,6 +123,11 @@ def main():
                                   gradient_checkpointing=args.recompute, attention=args.attention, optim=dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip))
 
     eng = engine()
+    # the configuration a GPU gets (sequence parallelism with tp > 1, the spec's norms): checked by the test
+    res["config"] = {"sequence_parallel": eng.tcfg.sequence_parallel,
+                     "norms": sorted({(type(m).__name__, bool(getattr(m.weight, "sequence_parallel", False)))
+                                      for n, m in eng.stage.named_modules()
+                                      if n.endswith("layernorm") and hasattr(m, "weight")})}
     prompts, resps = fixed_batch()
     res["logprobs"] = {}
     for packed in (False, True):

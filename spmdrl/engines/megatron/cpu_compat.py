@@ -14,6 +14,8 @@ megatron-core assumes CUDA in a few hard-coded places. Each patch below names wh
      the engine always passes one, this keeps the fallback working);
    - tensor_parallel.layers: sequence-parallel gather buffers and GPU-initialised weights use
      `torch.cuda.current_device()` (the engine builds with use_cpu_initialization on CPU; kept for safety);
+   - tensor_parallel.mappings: sequence parallelism's reduce-scatter / all-gather output buffers are
+     allocated on `torch.cuda.current_device()`;
    - distributed.param_and_grad_buffer: megatron DDP's contiguous param/grad buffers are allocated on
      `torch.cuda.current_device()`;
    - utils: GlobalMemoryBuffer (the attention's matmul scratch buffer) allocates on
@@ -47,6 +49,7 @@ MODULES = (
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.transformer.utils",
     "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
     "megatron.core.transformer.attention",

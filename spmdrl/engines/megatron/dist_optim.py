@@ -20,20 +20,46 @@ layout, so identical ranges) are saved by the first holder in [dp][pp][tp] grid 
 group's first rank broadcasts them. Every rank's block list is all-gathered once (cached) to build the global
 ShardedTensor metadata, which megatron's range map gives only for the own rank.
 
-Not supported (refused at engine build by `check_checkpointable`, before any training): an inner optimizer
-other than torch's Adam/AdamW (TransformerEngine / apex FusedAdam keep the step in the param groups and may
-keep master weights inside the optimizer), megatron's precision-aware optimizer, more than one chained
-optimizer (MoE), and PP > 1 with tied embeddings (the last stage's copy of the embedding has its own
-dp-sharded main param and moments, with ranges that differ from the first stage's).
+The inner optimizer is always torch's Adam/AdamW (`torch_inner_adam`), also where TransformerEngine or apex is
+installed and megatron would pick their FusedAdam: one optimizer state layout (per-parameter exp_avg /
+exp_avg_sq, step per parameter) for every install, the one these checkpoints are tested with on CPU and on one
+GPU. The cost is torch's multi-tensor (foreach) Adam instead of a fused kernel, once per optimizer step.
+
+Not supported (refused at engine build by `check_checkpointable`, before any training): megatron's
+precision-aware optimizer, more than one chained optimizer (MoE), and PP > 1 with tied embeddings (the last
+stage's copy of the embedding has its own dp-sharded main param and moments, with ranges that differ from the
+first stage's).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from contextlib import contextmanager
+
 from spmdrl.errors import CheckpointError, ConfigError
 
 from .convert import Piece
+
+
+@contextmanager
+def torch_inner_adam():
+    """While megatron builds its optimizer: torch's Adam/AdamW as the distributed optimizer's inner optimizer,
+    whatever is installed. megatron-core 0.16.1 picks TransformerEngine's or apex's FusedAdam at import time when
+    either imports, and reads that choice from one module flag, `USING_PYTORCH_OPTIMIZER`, at one place
+    (_get_megatron_optimizer_based_on_param_groups); the flag is set for the call and restored. A megatron that
+    no longer has the flag is refused here, and `check_checkpointable` checks the optimizer actually built."""
+    from megatron.core import optimizer as mopt
+
+    if not hasattr(mopt, "USING_PYTORCH_OPTIMIZER"):
+        raise ConfigError("megatron backend: this megatron-core has no USING_PYTORCH_OPTIMIZER switch; spmdrl "
+                          "supports megatron-core 0.16.1 (pip install megatron-core==0.16.1)")
+    saved = mopt.USING_PYTORCH_OPTIMIZER
+    mopt.USING_PYTORCH_OPTIMIZER = True
+    try:
+        yield
+    finally:
+        mopt.USING_PYTORCH_OPTIMIZER = saved
 
 
 def distributed_optimizer(optimizer):
@@ -50,9 +76,9 @@ def check_checkpointable(engine) -> None:
     dopt = distributed_optimizer(engine.optimizer)
     inner = getattr(dopt, "optimizer", None)
     if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
-        raise ConfigError(f"megatron backend: checkpoints of the distributed optimizer need torch's Adam/AdamW as its "
-                          f"inner optimizer, this megatron uses {type(inner).__name__} (TransformerEngine or apex "
-                          "installed); uninstall them or use trainer.backend = 'fsdp'")
+        raise ConfigError(f"megatron backend: the distributed optimizer's inner optimizer is {type(inner).__name__}, "
+                          "expected torch's Adam/AdamW (spmdrl chooses it at build); this megatron-core is not "
+                          "0.16.1: pip install megatron-core==0.16.1")
     if getattr(dopt.config, "use_precision_aware_optimizer", False):
         raise ConfigError("megatron backend: checkpoints of the precision-aware distributed optimizer are not "
                           "implemented")

@@ -96,15 +96,16 @@ class MegatronEngine:
         if cuda:
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+            from .dist_optim import check_checkpointable, torch_inner_adam
+
             ocfg = OptimizerConfig(optimizer="adam", lr=o.get("lr", 1e-6), weight_decay=o.get("weight_decay", 0.0),
                                    adam_beta1=tuple(o.get("betas", (0.9, 0.999)))[0],
                                    adam_beta2=tuple(o.get("betas", (0.9, 0.999)))[1], adam_eps=o.get("eps", 1e-8),
                                    clip_grad=self.grad_clip, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
                                    use_distributed_optimizer=True)
-            self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+            with torch_inner_adam():
+                self.optimizer = get_megatron_optimizer(ocfg, [self.model])
             self.scheduler = _MegatronLR(self.optimizer, sched, o.get("lr", 1e-6))
-            from .dist_optim import check_checkpointable
-
             self.dist_optim = True  # checkpointed through dist_optim.py
             check_checkpointable(self)  # a layout whose checkpoints cannot be saved fails here, not at the first save
         else:

@@ -69,7 +69,10 @@ def init_parallel_state(mesh, device: torch.device, seed: int) -> None:
 
 
 def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, recompute: bool = False):
-    """recompute: megatron's full activation recompute, one layer per checkpoint (model.gradient_checkpointing)."""
+    """recompute: megatron's full activation recompute, one layer per checkpoint (model.gradient_checkpointing).
+
+    The same configuration on every device: sequence parallelism is on whenever tp > 1 (CPU included, so the CPU
+    tests run the layout a GPU gets); only where the weights are first allocated depends on the device."""
     from megatron.core.transformer import TransformerConfig
 
     cuda = device.type == "cuda"
@@ -80,7 +83,7 @@ def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype:
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=dims.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=mesh.tp_size, pipeline_model_parallel_size=mesh.pp_size,
-        sequence_parallel=cuda and mesh.tp_size > 1,
+        sequence_parallel=mesh.tp_size > 1,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=not cuda, perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
@@ -96,15 +99,9 @@ def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dt
     """The GPTModel of this rank's PP stage (weights uninitialised), on `device`. attention (local spec only):
     "sdpa" (torch scaled_dot_product_attention, SdpaAttention) or "local" (megatron's DotProductAttention)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
 
     cfg = transformer_config(dims, hf_config, mesh, device, dtype, recompute)
-    spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec(normalization="RMSNorm")
-    if not use_te and attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
-    elif not use_te and attention != "local":
-        raise ConfigError(f"megatron backend: attention {attention!r} is not one of sdpa, local")
+    spec = block_spec(cfg, use_te, attention, len(stage_layers(dims.layers, mesh.pp_size, mesh.pp_rank)))
     first, last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp_size - 1
     kw = dict(config=cfg, transformer_layer_spec=spec, vocab_size=dims.vocab_padded,
               max_sequence_length=hf_config.max_position_embeddings, pre_process=first, post_process=last,
@@ -121,14 +118,54 @@ def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dt
     if dims.value_head and last:
         del gpt.output_layer  # a critic reads the value head, never the vocabulary
         gpt.output_layer = None
-    # megatron's torch norms (WrappedTorchNorm) are built in float32 whatever params_dtype is; in the compute
-    # dtype they take torch's fused RMSNorm kernel on CUDA, like every other parameter
-    gpt.to(device=device, dtype=dtype)
+    gpt.to(device=device, dtype=dtype)  # every parameter in the compute dtype (Module.to keeps the Parameter objects)
     want = list(stage_layers(dims.layers, mesh.pp_size, mesh.pp_rank))
     got = [layer.layer_number - 1 for layer in gpt.decoder.layers]
     if got != want:
         raise RuntimeError(f"megatron put layers {got} on pp stage {mesh.pp_rank}, the converter expects {want}")
     return gpt, cfg
+
+
+def block_spec(cfg, use_te: bool, attention: str, num_layers: int):
+    """The decoder block spec of one PP stage with `num_layers` layers.
+
+    TransformerEngine installed: megatron's TE spec (TE's fused norm + linear; its norms support sequence
+    parallelism). Otherwise megatron's local spec with two changes: core attention through torch SDPA
+    (`attention="sdpa"`), and every RMSNorm (the two per layer and the final one) is `RMSNorm` below, which
+    supports sequence parallelism; megatron's own torch norm (WrappedTorchNorm) refuses it."""
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec()
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "sdpa":
+        layer.submodules.self_attention.submodules.core_attention = SdpaAttention
+    elif attention != "local":
+        raise ConfigError(f"megatron backend: attention {attention!r} is not one of sdpa, local")
+    layer.submodules.input_layernorm = RMSNorm
+    layer.submodules.pre_mlp_layernorm = RMSNorm
+    return ModuleSpec(module=TransformerBlock,
+                      submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm))
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm for megatron's local spec that works with sequence parallelism: under SP every tp rank normalises
+    its own slice of the sequence with a replicated weight, so the weight's gradient is a partial sum; its
+    `sequence_parallel` attribute makes megatron's finalize_model_grads all-reduce it over the tp group (what
+    TransformerEngine's norms do). torch's fused rms_norm kernel on CUDA; the weight is created in the config's
+    params_dtype."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def _mark_tensor_parallel(gpt) -> None:

@@ -1,0 +1,69 @@
+"""The Megatron configuration a GPU gets, built and checked on CPU.
+
+The engine builds the same TransformerConfig and layer spec on every device (sequence parallelism whenever
+tp > 1, an RMSNorm that supports it), so the CPU runs of tests/test_megatron_engine.py at tp 2 exercise the GPU's
+configuration against an unsharded float64 reference; this file checks that the two configurations are the same
+(tests/test_megatron_engine.py checks that its tp 2 run was built that way), and that the distributed
+optimizer's inner optimizer is torch's Adam whatever megatron found installed.
+"""
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+
+def _configs(tp):
+    from spmdrl.engines.megatron.convert import dims_from_hf
+    from spmdrl.engines.megatron.model import transformer_config
+    from spmdrl.tiny import build_model
+
+    hf = build_model(None).config
+    dims = dims_from_hf(hf, tp=tp, divisible_by=128, value_head=False)
+    mesh = SimpleNamespace(tp_size=tp, pp_size=2)
+    # TransformerConfig is a plain dataclass: building it for a CUDA device needs no GPU
+    return (transformer_config(dims, hf, mesh, torch.device("cuda"), torch.bfloat16),
+            transformer_config(dims, hf, mesh, torch.device("cpu"), torch.bfloat16))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cpu_builds_the_transformer_config_cuda_gets(tp):
+    cuda, cpu = _configs(tp)
+    assert cuda.sequence_parallel is (tp > 1)
+    differ = {f.name for f in dataclasses.fields(cuda)
+              if not f.name.endswith("init_method")  # functions built per instance
+              and getattr(cuda, f.name) != getattr(cpu, f.name)}
+    assert differ == {"use_cpu_initialization"}  # where the weights are first allocated, nothing else
+
+
+def test_inner_optimizer_is_torch_adam_even_where_megatron_would_pick_fused_adam(monkeypatch):
+    """megatron-core 0.16.1 picks TransformerEngine's / apex's FusedAdam at import time when either imports (the
+    GPU install has TransformerEngine). Here that import-time choice is replayed with a stand-in class, and
+    megatron's optimizer factory is called as the engine calls it (through torch_inner_adam)."""
+    from megatron.core import optimizer as mopt
+    from megatron.core.optimizer import OptimizerConfig
+
+    from spmdrl.engines.megatron.dist_optim import torch_inner_adam
+
+    class FusedAdamStandIn(torch.optim.Optimizer):
+        def __init__(self, params, adam_w_mode=True, **kw):
+            super().__init__(params, dict(lr=kw["lr"]))
+
+    monkeypatch.setattr(mopt, "USING_PYTORCH_OPTIMIZER", False)
+    monkeypatch.setattr(mopt, "Adam", FusedAdamStandIn)
+    # megatron's FP32Optimizer wrapper allocates on CUDA: return the inner optimizer it is given instead
+    monkeypatch.setattr(mopt, "FP32Optimizer", lambda inner, config, init_state_fn: inner)
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, use_distributed_optimizer=False)
+
+    def build():
+        p = torch.nn.Parameter(torch.zeros(3))
+        return mopt._get_megatron_optimizer_based_on_param_groups(cfg, model_chunks=[], param_groups=[{"params": [p]}],
+                                                                pg_collection=SimpleNamespace(tp=None))
+
+    assert type(build()) is FusedAdamStandIn  # what megatron builds on its own with TE installed
+    with torch_inner_adam():
+        inner = build()
+    assert type(inner) is torch.optim.AdamW  # decoupled weight decay: AdamW
+    assert mopt.USING_PYTORCH_OPTIMIZER is False  # restored
