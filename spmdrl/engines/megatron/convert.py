@@ -102,9 +102,7 @@ def hf_pieces(mname: str, dims: Dims, tp: int, t: int, first_layer: int, *, last
     H, hd = dims.hidden, dims.head_dim
     m = _LAYER.match(mname)
     if m:
-        layer = first_layer + int(m.group(1))
         rest, pre = m.group(2), f"model.layers.{first_layer + int(m.group(1))}."
-        del layer
         if rest in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
             return [Piece(pre + "input_layernorm.weight", ((0,), (H,)), (0, H))]
         if rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
