@@ -13,7 +13,7 @@ import os
 import torch
 
 from spmdrl.checkpoint.dcp import dcp_error, safe_reader, single_process_quiet, tensor_only_planner
-from spmdrl.checkpoint.files import find_checkpoint, sha256
+from spmdrl.checkpoint.files import find_checkpoint, sha256, state_dir
 from spmdrl.checkpoint.verify import check_files, read_manifest
 from spmdrl.errors import CheckpointError
 
@@ -33,7 +33,7 @@ def _stored(path: str, engine: str, verify: bool):
     if engine not in manifest["engines"]:
         raise CheckpointError(f"checkpoint {path} has no {engine!r} model (it holds {', '.join(manifest['engines'])})")
     prefix = manifest["engines"][engine].get("hf_prefix", "")
-    reader = safe_reader(os.path.join(path, "state"))
+    reader = safe_reader(state_dir(path, engine))
     md = reader.read_metadata().state_dict_metadata
     head = f"{engine}.model.{prefix}"
     out = []

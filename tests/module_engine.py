@@ -1,5 +1,6 @@
 """A plain torch module + optimizer (+ scheduler) behind the checkpoint half of the engine protocol
 (spmdrl/engines/base.py): what checkpoint unit tests save and load without building an FSDP2 model."""
+import contextlib
 import types
 
 from spmdrl.checkpoint.dcp import load_module_state, module_state, param_spec
@@ -7,6 +8,9 @@ from spmdrl.checkpoint.dcp import load_module_state, module_state, param_spec
 
 class ModuleEngine(types.SimpleNamespace):
     trainable = True
+
+    def checkpoint_access(self):
+        return contextlib.nullcontext()
 
     def checkpoint_state(self):
         return module_state(self.module, self.optimizer, getattr(self, "scheduler", None))

@@ -185,7 +185,7 @@ save({str(root)!r}, 2)
                           env={**os.environ, "PYTHONPATH": REPO})
     assert proc.returncode == 17, proc.stderr[-2000:]
     tmp = root / ".tmp-step_00000002"
-    assert (tmp / "manifest.json").exists() and (tmp / "state" / ".metadata").exists()  # fully written, not committed
+    assert (tmp / "manifest.json").exists() and (tmp / "state" / "actor" / ".metadata").exists()  # fully written, not committed
     assert latest_checkpoint(str(root)).endswith("step_00000001")
     with pytest.raises(CheckpointError, match="incomplete|no complete checkpoint"):
         ck.find_checkpoint(str(tmp))
@@ -199,13 +199,13 @@ def _rewrite_manifest(path, rel):
 
 
 def _distcp(path):
-    return "state/" + next(n for n in os.listdir(os.path.join(path, "state")) if n.endswith(".distcp"))
+    return "state/actor/" + next(n for n in os.listdir(os.path.join(path, "state", "actor")) if n.endswith(".distcp"))
 
 
 @pytest.mark.parametrize("damage, message", [
-    ("remove_shard", r"file state/__0_0\.distcp is missing"),
-    ("truncate_shard", r"state/__0_0\.distcp has \d+ bytes, the manifest says \d+"),
-    ("flip_byte", r"state/__0_0\.distcp failed the checksum"),
+    ("remove_shard", r"file state/actor/__0_0\.distcp is missing"),
+    ("truncate_shard", r"state/actor/__0_0\.distcp has \d+ bytes, the manifest says \d+"),
+    ("flip_byte", r"state/actor/__0_0\.distcp failed the checksum"),
     ("manifest_garbage", r"manifest\.json is corrupted"),
     ("no_marker", r"incomplete \(no COMPLETE marker\)"),
     ("rng_garbage_rehashed", r"RNG state is malformed"),
@@ -230,8 +230,8 @@ def test_damaged_checkpoint_is_a_one_line_error(saved, damage, message):
         open(os.path.join(path, "rng", "rank_0.json"), "w").write('{"python": 1}')
         _rewrite_manifest(path, "rng/rank_0.json")
     elif damage == "metadata_garbage_rehashed":
-        open(os.path.join(path, "state", ".metadata"), "wb").write(b"\x80\x04garbage")
-        _rewrite_manifest(path, "state/.metadata")
+        open(os.path.join(path, "state", "actor", ".metadata"), "wb").write(b"\x80\x04garbage")
+        _rewrite_manifest(path, "state/actor/.metadata")
     with pytest.raises(CheckpointError, match=message) as info:
         load(path)
     assert "\n" not in str(info.value)
@@ -278,8 +278,8 @@ def test_loading_never_unpickles_arbitrary_objects(saved, tmp_path, monkeypatch)
     load(path)
     assert calls and all(w is True for w in calls)  # tensors only through weights_only=True
     # a tampered checkpoint whose manifest was rewritten to match: DCP's .metadata carries a payload
-    open(os.path.join(path, "state", ".metadata"), "wb").write(pickle.dumps(_Payload()))
-    _rewrite_manifest(path, "state/.metadata")
+    open(os.path.join(path, "state", "actor", ".metadata"), "wb").write(pickle.dumps(_Payload()))
+    _rewrite_manifest(path, "state/actor/.metadata")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match=r"refers to posix\.system.*refusing to unpickle"):
         load(path)
@@ -324,8 +324,8 @@ def test_crafted_metadata_is_refused_on_resume_and_export(saved, tmp_path, monke
 
     data, message = PAYLOADS[name]
     _, path, _ = saved
-    open(os.path.join(path, "state", ".metadata"), "wb").write(data)
-    _rewrite_manifest(path, "state/.metadata")  # whoever can write the file can update size and sha256
+    open(os.path.join(path, "state", "actor", ".metadata"), "wb").write(data)
+    _rewrite_manifest(path, "state/actor/.metadata")  # whoever can write the file can update size and sha256
     os.makedirs(os.path.join(path, "hf"), exist_ok=True)
     open(os.path.join(path, "hf", "config.json"), "w").write("{}")
     monkeypatch.chdir(tmp_path)
@@ -385,5 +385,60 @@ def test_auto_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplo
                                                              config_toml=CONFIG)
     assert state["step"] == 1 and state["path"] == str(root / "step_00000001")
     assert "failed the checksum" in caplog.text and "resuming from" in caplog.text
-    with pytest.raises(CheckpointError, match=r"step_00000002: state/__0_0\.distcp failed the checksum"):
+    with pytest.raises(CheckpointError, match=r"step_00000002: state/actor/__0_0\.distcp failed the checksum"):
         load(str(step2))  # an explicit path: no fallback
+
+
+def test_engines_are_saved_and_loaded_one_at_a_time(tmp_path):
+    """Each engine's state is read (saved) and filled (loaded) inside its own checkpoint_access, never while
+    another engine's is open: what lets a GPU run bring back one engine's parked state at a time."""
+    import contextlib
+
+    open_now, seen = [], []
+
+    def tracked(name, seed):
+        e = make_engine(seed)
+
+        @contextlib.contextmanager
+        def access():
+            assert not open_now, f"{name} opened while {open_now} is open"
+            open_now.append(name)
+            try:
+                yield
+            finally:
+                open_now.remove(name)
+
+        def state():
+            assert open_now == [name]
+            seen.append(name)
+            return ModuleEngine.checkpoint_state(e)
+
+        e.checkpoint_access, e.checkpoint_state = access, state
+        return e
+
+    engines = {"actor": tracked("actor", 1), "critic": tracked("critic", 2)}
+    path = CheckpointManager(str(tmp_path)).save(1, engines=engines, trainer_state={}, config_toml=CONFIG)
+    assert seen == ["actor", "critic"] and sorted(os.listdir(os.path.join(path, "state"))) == ["actor", "critic"]
+    fresh = {"actor": tracked("actor", 8), "critic": tracked("critic", 9)}
+    seen.clear()
+    CheckpointManager(str(tmp_path)).load(path, engines=fresh, config_toml=CONFIG)
+    assert seen == ["actor", "critic"]
+    for n in engines:
+        for a, b in zip(engines[n].module.parameters(), fresh[n].module.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_a_checkpoint_with_one_dcp_directory_for_all_engines_still_loads(saved):
+    """Checkpoints written before each engine had its own DCP directory (state/ holds every engine) load."""
+    _, path, engine = saved
+    actor = os.path.join(path, "state", "actor")
+    for name in os.listdir(actor):
+        os.rename(os.path.join(actor, name), os.path.join(path, "state", name))
+    os.rmdir(actor)
+    m = json.load(open(os.path.join(path, "manifest.json")))
+    m["files"] = {k.replace("state/actor/", "state/"): v for k, v in m["files"].items()}
+    json.dump(m, open(os.path.join(path, "manifest.json"), "w"))
+    fresh = make_engine(9)
+    load(path, engine=fresh)
+    for a, b in zip(engine.module.parameters(), fresh.module.parameters()):
+        assert torch.equal(a, b)

@@ -122,7 +122,7 @@ def test_checkpoints_are_complete_sharded_and_kept(runs):
         d = root / name
         m = json.load(open(d / "manifest.json"))
         assert (d / "COMPLETE").exists() and m["world_size"] == 2
-        assert {"state/__0_0.distcp", "state/__1_0.distcp", "rng/rank_0.json", "rng/rank_1.json", "trainer.json",
+        assert {"state/actor/__0_0.distcp", "state/actor/__1_0.distcp", "rng/rank_0.json", "rng/rank_1.json", "trainer.json",
                 "config.toml", "hf/config.json"} <= set(m["files"])
         assert not any(f.endswith((".pt", ".pkl", ".bin")) for f in m["files"])  # no pickles besides DCP's metadata
     rows = read_jsonl(str(run_a / "metrics.jsonl"))

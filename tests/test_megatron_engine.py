@@ -188,6 +188,9 @@ def test_resume_is_bitwise_and_spmdrl_export_reads_the_checkpoint(runs, layout, 
 
     model, d, ranks = runs[layout]
     assert all(res["resume_equal"] for res in ranks)
+    for res in ranks:  # saved and loaded from a fully parked engine: gradients never came back, all parked again
+        for op in ("ckpt_save", "ckpt_load"):
+            assert res[op] == {"unparked": ["optimizer", "params"], "parked_after": ["params", "grads", "optimizer"]}
     assert max(res["moved"] for res in ranks) > 1e-4  # the steps really changed the weights
     ckpt = [os.path.join(d, "ckpt", x) for x in os.listdir(d / "ckpt") if x.startswith("step_")]
     out = export_hf(ckpt[0], str(tmp_path / "exported"), dtype="float32")

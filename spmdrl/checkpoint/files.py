@@ -24,6 +24,13 @@ def checkpoint_root(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 
 
+def state_dir(path: str, engine: str) -> str:
+    """The DCP directory of `engine`'s tensors in checkpoint `path`: state/<engine>/, or state/ itself in a
+    checkpoint written before each engine had its own (one DCP directory for every engine)."""
+    legacy = os.path.join(path, "state")
+    return legacy if os.path.isfile(os.path.join(legacy, ".metadata")) else os.path.join(legacy, engine)
+
+
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
 

@@ -1,6 +1,7 @@
 """CheckpointManager: atomic sharded save, verified load, keep-last retention."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -20,7 +21,7 @@ from .dcp import (
 )
 from .files import (
     FORMAT, MANIFEST, MARKER, TMP_PREFIX, fsync_dir, is_complete, jsonable, latest_checkpoint, list_checkpoints,
-    read_json, rng_from_json, rng_to_json, sha256, step_dir, write_bytes, write_json,
+    read_json, rng_from_json, rng_to_json, sha256, state_dir, step_dir, write_bytes, write_json,
 )
 from .verify import check_compatible, check_files, intact, read_manifest
 
@@ -71,17 +72,19 @@ class CheckpointManager:
 
     # -- save
     def save(self, step: int, *, engines: dict[str, Any], trainer_state: dict, config_toml: str,
-             rng: dict | None = None, hf_files=None, rank_tensors: dict | None = None) -> str:
-        """Write checkpoint `step`. engines: name -> engine; trainer_state: JSON-able (rank 0's is kept);
+             rng: dict | None = None, hf_files=None, rank_tensors: dict | None = None,
+             roles: list[str] | None = None) -> str:
+        """Write checkpoint `step`. engines: name -> engine (those this rank holds); roles: every engine name of
+        the run, the same on every rank (default: sorted(engines)); trainer_state: JSON-able (rank 0's is kept);
         rng: this rank's spmdrl.rng.rng_state(); hf_files(dir): rank 0 writes the HF config and tokenizer."""
         # SIGTERM/SIGINT wait for the next agreement point: a rank leaving mid-save would leave the others in
         # a collective it never joins (DCP's or ours)
         with DeferredStop() as stop:
             return self._save(stop, step, engines=engines, trainer_state=trainer_state, config_toml=config_toml,
-                              rng=rng, hf_files=hf_files, rank_tensors=rank_tensors)
+                              rng=rng, hf_files=hf_files, rank_tensors=rank_tensors, roles=roles)
 
     def _save(self, stop: DeferredStop, step: int, *, engines: dict[str, Any], trainer_state: dict, config_toml: str,
-              rng: dict | None, hf_files, rank_tensors: dict | None = None) -> str:
+              rng: dict | None, hf_files, rank_tensors: dict | None = None, roles: list[str] | None = None) -> str:
         t0 = time.perf_counter()
         self.run_id = self.run_id or uuid.uuid4().hex
         final, tmp = step_dir(self.root, step), os.path.join(self.root, f"{TMP_PREFIX}step_{step:08d}")
@@ -99,11 +102,17 @@ class CheckpointManager:
         try:
             from torch.distributed.checkpoint import FileSystemWriter, save as dcp_save
 
-            tensors, meta = {}, {}
-            for name, engine in engines.items():
-                tensors[name], meta[name] = engine_state(engine)
-            with single_process_quiet():
-                dcp_save(tensors, storage_writer=FileSystemWriter(os.path.join(tmp, "state")), no_dist=not self.dist)
+            # one engine at a time, each in its own DCP directory: an engine that parks state in host memory
+            # brings back only what a checkpoint holds, and parks it again before the next engine's turn
+            meta = {}
+            for name in roles if roles is not None else sorted(engines):
+                engine = engines.get(name)  # None on ranks that do not hold it (split placement's rollout ranks)
+                with engine.checkpoint_access() if engine is not None else contextlib.nullcontext():
+                    tensors = {}
+                    if engine is not None:
+                        tensors[name], meta[name] = engine_state(engine)
+                    with single_process_quiet():
+                        dcp_save(tensors, storage_writer=FileSystemWriter(state_dir(tmp, name)), no_dist=not self.dist)
             slow_save_if_injected(self.rank, step)
         except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
             err = dcp_error(e)
@@ -233,22 +242,38 @@ class CheckpointManager:
         bad = self._first_failure(err is not None)
         if bad >= 0:
             raise err or CheckpointError(f"checkpoint {path}: rank {bad}'s RNG state is unreadable (see its error)")
+        if os.path.isfile(os.path.join(path, "state", ".metadata")):
+            self._load_together(path, engines, state)  # written before engines were saved one at a time
+        else:
+            for name in sorted(manifest["engines"]):  # one engine's state on the device at a time, as saved
+                engine = engines.get(name)
+                with engine.checkpoint_access() if engine is not None else contextlib.nullcontext():
+                    targets = {name: engine_state(engine)[0]} if engine is not None else {}
+                    self._dcp_load(path, state_dir(path, name), targets)
+                    if engine is not None:
+                        engine.load_checkpoint_state(targets[name], state.get("engines", {}).get(name, {}))
+        state["path"] = path
+        return state
+
+    def _load_together(self, path: str, engines: dict[str, Any], state: dict) -> None:
+        """A checkpoint whose engines share one DCP directory (state/): every engine loaded at once."""
+        targets = {name: engine_state(e)[0] for name, e in engines.items()}
+        self._dcp_load(path, os.path.join(path, "state"), targets)
+        for name, engine in engines.items():
+            engine.load_checkpoint_state(targets[name], state.get("engines", {}).get(name, {}))
+
+    def _dcp_load(self, path: str, directory: str, targets: dict) -> None:
         from torch.distributed.checkpoint import load as dcp_load
 
-        targets = {name: engine_state(e)[0] for name, e in engines.items()}
         try:
             with single_process_quiet():
-                dcp_load(targets, storage_reader=safe_reader(os.path.join(path, "state")),
-                         planner=tensor_only_planner(), no_dist=not self.dist)
+                dcp_load(targets, storage_reader=safe_reader(directory), planner=tensor_only_planner(),
+                         no_dist=not self.dist)
         except (Exception, CheckpointException) as e:
             inner = dcp_error(e)
             if isinstance(inner, CheckpointError):
                 raise inner from None
             raise CheckpointError(f"checkpoint {path}: loading tensors failed ({describe_error(inner)})") from None
-        for name, engine in engines.items():
-            engine.load_checkpoint_state(targets[name], state.get("engines", {}).get(name, {}))
-        state["path"] = path
-        return state
 
     def _older_intact(self, path: str) -> str | None:
         """The newest complete, intact checkpoint under this root older than `path` (same on every rank)."""

@@ -12,7 +12,7 @@ The engine adds no scaling of its own (no division by the number of micro-batche
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -67,6 +67,11 @@ class TrainEngine(Protocol):
         """Write an HF model directory; every rank of the mesh calls it, one rank writes."""
 
     # ---- checkpoints --------------------------------------------------------------------------------
+    def checkpoint_access(self) -> ContextManager[None]:
+        """A context in which checkpoint_state's tensors can be read and loaded into: an engine that parks state
+        in host memory brings back what a checkpoint holds (params, optimizer; never gradients) and parks it
+        again on exit. The checkpoint manager enters it for one engine at a time."""
+
     def checkpoint_state(self) -> tuple[dict, dict]:
         """(tensors for torch.distributed.checkpoint, JSON-able metadata: optimizer param groups, scheduler)."""
 

@@ -5,6 +5,7 @@ and applies an optimizer step from a loss callback; the trainer decides what the
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -341,6 +342,10 @@ class FSDPEngine:
                 tokenizer.save_pretrained(out_dir)
 
     # ---- checkpoints ----------------------------------------------------------------------------------
+    def checkpoint_access(self):
+        """Nothing to bring back: DCP reads and loads the shards wherever offload left them (host or device)."""
+        return contextlib.nullcontext()
+
     def checkpoint_state(self) -> tuple[dict, dict]:
         from spmdrl.checkpoint.dcp import module_state
 

@@ -35,6 +35,19 @@ TRUNC = [(-1, 0.9), (160, 1.0), (160, 0.9)]  # (top_k, top_p) of the sampler, at
 ALL_KINDS = ("params", "grads", "optimizer")
 
 
+def watch_unpark(engine) -> set:
+    """The kinds the engine's host stash unparks from now on (recorded while it still unparks them)."""
+    seen, real = set(), engine._stash.unpark
+
+    def unpark(kind):
+        if engine._stash.parked(kind):
+            seen.add(kind)
+        real(kind)
+
+    engine._stash.unpark = unpark
+    return seen
+
+
 def fixed_batch():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 300, (n,), generator=g) for n in (3, 5, 2, 4)]
@@ -208,14 +221,24 @@ def main():
         step(a)
         root = os.path.join(args.out, "ckpt")
         mgr = CheckpointManager(root, keep_last=1)
+        # save and load with every kind parked, as a GPU run's memory lifecycle leaves them: the manager brings
+        # back params and optimizer state only (never the gradients) and parks them again
+        a._park(ALL_KINDS)
+        unparked = watch_unpark(a)
         path = mgr.save(1, engines={"actor": a}, trainer_state={"step": 1}, config_toml="",
                         hf_files=lambda d: a.hf_config().save_pretrained(d))
+        res["ckpt_save"] = {"unparked": sorted(unparked), "parked_after": [k for k in ALL_KINDS if a._stash.parked(k)]}
+        a._unpark(ALL_KINDS)
         a.export_hf(os.path.join(args.out, "export_step1"))
         at_save = hf_blocks(a, lambda prm: prm.data)
         want_metrics = step(a)
         want = hf_blocks(a, lambda prm: prm.data)
         b = engine(lr=1e-2, weight_decay=0.01, grad_clip=0.5)
+        b._park(ALL_KINDS)
+        unparked = watch_unpark(b)
         CheckpointManager(root, keep_last=1).load(path, engines={"actor": b}, config_toml="")
+        res["ckpt_load"] = {"unparked": sorted(unparked), "parked_after": [k for k in ALL_KINDS if b._stash.parked(k)]}
+        b._unpark(ALL_KINDS)
         loaded = hf_blocks(b, lambda prm: prm.data)
         res["load_differs"] = sorted({n for n in at_save for x, y in zip(at_save[n], loaded[n]) if not torch.equal(x[1], y[1])})
         offload_round_trip(b, pack_sequences(prompts, resps, 0), res)  # then the next step must still equal a's

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -38,6 +39,7 @@ from .model import (StageModel, build_gpt, have_te, init_parallel_state, megatro
 from . import state as hfstate
 
 log = logging.getLogger("spmdrl")
+CHECKPOINTED = ("params", "optimizer")  # the offload kinds a checkpoint holds (gradients never)
 
 
 class MegatronEngine:
@@ -374,13 +376,24 @@ class MegatronEngine:
     def param_manifest(self) -> list:
         return hfstate.param_manifest(self)
 
+    @contextmanager
+    def checkpoint_access(self):
+        """Unpark what a checkpoint holds (params, optimizer state; gradients are never saved and stay where
+        they are) and park it again on exit: one engine's state at a time on the device during a save or a load."""
+        stash = getattr(self, "_stash", None)
+        parked = [k for k in CHECKPOINTED if stash is not None and stash.parked(k)]
+        self._unpark(parked)
+        try:
+            yield
+        finally:
+            self._park(parked)
+
     def checkpoint_state(self) -> tuple[dict, dict]:
-        # a checkpoint reads the parked state; the memory lifecycle's next phase parks it again
-        self._unpark(("params", "grads", "optimizer"))
+        self._unpark(CHECKPOINTED)  # outside checkpoint_access (tests, export): stays unparked
         return hfstate.checkpoint_state(self)
 
     def load_checkpoint_state(self, tensors: dict, meta: dict) -> None:
-        self._unpark(("params", "grads", "optimizer"))
+        self._unpark(CHECKPOINTED)
         hfstate.load_checkpoint_state(self, tensors, meta)
 
 
