@@ -33,10 +33,53 @@ def test_phase_order_and_metrics_on_cpu():
     assert rollout.calls == [("wake", ("weights", "kv_cache")), ("sleep", 2), ("sleep", 2), ("wake", ("weights",))]
     for phase in ("load", "rollout", "actor_forward", "train_actor", "sync"):
         assert m[f"memory/{phase}_allocated_gb"] == 0.0 and m[f"memory/{phase}_reserved_gb"] == 0.0  # CPU: 0
-    assert 0 < m["memory/host_rss_gb"] == m["memory/host_rss_gb"]
+    assert m["memory/host_rss_gb"] > 0
     mem.for_rollout()
     assert set(mem.step_metrics()) == {"memory/sync_allocated_gb", "memory/sync_reserved_gb", "memory/rollout_allocated_gb",
                                        "memory/rollout_reserved_gb", "memory/host_rss_gb"}  # reset per step
+
+
+class EngineRecorder:
+    """A training engine stand-in: records offload / onload calls into a shared event list."""
+
+    def __init__(self, role, events):
+        self.role, self.events = role, events
+
+    def offload(self, kinds):
+        self.events.append(("offload", self.role, tuple(kinds)))
+
+    def onload(self, kinds):
+        self.events.append(("onload", self.role, tuple(kinds)))
+
+
+def test_each_engine_is_parked_as_soon_as_it_is_built():
+    """build: an engine's configured kinds go to host memory before the next engine is built (the build peak is
+    one engine's full state), then settle() before vLLM; a role without configured kinds is left alone."""
+    events = []
+    mem = MemoryLifecycle(torch.device("cpu"), {}, {"actor": ["params", "optimizer"], "ref": [], "critic": ["grads"]})
+    mem.begin_build()
+    for role in ("actor", "ref", "critic"):
+        events.append(("built", role))
+        mem.adopt(role, EngineRecorder(role, events))
+    mem.settle()
+    assert events == [("built", "actor"), ("offload", "actor", ("params", "optimizer")), ("built", "ref"),
+                      ("built", "critic"), ("offload", "critic", ("grads",)),
+                      ("offload", "actor", ("params", "optimizer")), ("offload", "critic", ("grads",))]
+    assert {"memory/build_allocated_gb", "memory/load_allocated_gb"} <= set(mem.step_metrics())
+
+
+def test_checkpoint_phases_put_vllm_to_sleep_and_park_every_role():
+    events, rollout = [], Recorder()
+    mem = MemoryLifecycle(torch.device("cpu"), {"actor": EngineRecorder("actor", events)}, {"actor": ["optimizer"]},
+                          rollout=rollout)
+    mem.for_checkpoint("checkpoint_save", keep_rollout_weights=True)  # the synced weights stay (on the host)
+    mem.for_checkpoint("resume", keep_rollout_weights=False)  # a weight sync follows the load
+    assert rollout.calls == [("sleep", 1), ("sleep", 2)]
+    assert events == [("offload", "actor", ("optimizer",))] * 2
+    assert {"memory/checkpoint_save_allocated_gb", "memory/resume_allocated_gb"} <= set(mem.step_metrics())
+    split_rollout = Recorder()  # split placement's rollout ranks: vLLM has the device to itself, it stays awake
+    MemoryLifecycle(torch.device("cpu"), {}, {}, rollout=split_rollout).for_checkpoint("checkpoint_save", True)
+    assert split_rollout.calls == []
 
 
 def test_critic_warmup_keeps_rollout_weights():

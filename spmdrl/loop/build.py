@@ -22,8 +22,11 @@ class Engines:
     critic: TrainEngine | None
 
 
-def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device) -> Engines:
+def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_built=None) -> Engines:
+    """actor, then ref, then critic; on_built(role, engine) runs right after each (the memory lifecycle parks
+    the engine's configured state before the next one is built)."""
     a, c, d = cfg.actor, cfg.critic, cfg.data
+    on_built = on_built or (lambda role, engine: None)
     mini = a.ppo_mini_batch_size or d.train_batch_size
     updates_per_step = a.ppo_epochs * (d.train_batch_size // mini)
     common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
@@ -35,10 +38,12 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device) -> Engi
         gradient_checkpointing=cfg.model.gradient_checkpointing, defer_grad_sync=cfg.memory.defer_grad_sync,
         total_steps=cfg.trainer.total_steps * updates_per_step, **common,
     )
+    on_built("actor", actor)
     ref = None
     if a.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref = build_train_engine(backend["ref"], cfg.model.path, meshes["ref"], device, trainable=False,
                                  offload=cfg.ref.offload, **common)
+        on_built("ref", ref)
     critic = None
     if c.enable:
         critic = build_train_engine(
@@ -47,6 +52,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device) -> Engi
             optim=dict(lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip=c.grad_clip),
             defer_grad_sync=cfg.memory.defer_grad_sync, **common,
         )
+        on_built("critic", critic)
     return Engines(actor, ref, critic)
 
 

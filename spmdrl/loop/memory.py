@@ -2,6 +2,10 @@
 
 The trainer only says which phase comes next; this object moves state so the phase fits:
 
+    begin_build / adopt  each training engine's configured kinds go to host memory as soon as it is built
+    settle()             before vLLM is built: every role's configured kinds in host memory
+    for_checkpoint(..)   vLLM sleeps, every role's configured kinds in host memory; the checkpoint manager brings
+                         back one engine's params and optimizer state at a time (never gradients)
     for_rollout()        every role's configured kinds to host, training buffers freed (empty_cache); vLLM wakes
                          its KV cache (its weights came with the sync)
     for_training(role)   vLLM sleeps at level 2 (weights and KV dropped: the next sync restores the weights);
@@ -18,7 +22,8 @@ Every transition closes the current phase and opens the next: the phase's peak a
 (torch's allocator, reset at each phase; plus vLLM's cuMem pool where vLLM reports it) become
 memory/<phase>_allocated_gb and memory/<phase>_reserved_gb, maxed over the step; memory/host_rss_gb is this
 rank's resident set. On CPU, sleep and offload are no-ops and allocated/reserved report 0; RSS is real.
-The CUDA branches have not run on a GPU (none was available while writing them).
+The CUDA branches ran on one H100 for the FSDP2 and Megatron engines without vLLM (docs/performance.md,
+docs/megatron.md); next to vLLM's sleep mode, and adopt / for_checkpoint, they have not run on a GPU.
 """
 from __future__ import annotations
 
@@ -62,17 +67,47 @@ class MemoryLifecycle:
 
     def __init__(self, device: torch.device, engines: dict, offload: dict[str, list[str]], rollout=None):
         self.device, self.cuda = device, device.type == "cuda"
-        self.engines = {role: e for role, e in engines.items() if e is not None}
-        self.offload = {role: tuple(k for k in offload.get(role, ()) if k in ALL_KINDS) for role in self.engines}
+        self._kinds = offload
+        self.engines: dict = {}
+        self.offload: dict[str, tuple[str, ...]] = {}
         self.rollout = rollout
         self.phase: str | None = None
         self._peaks: dict[str, tuple[float, float]] = {}
+        for role, engine in engines.items():
+            if engine is not None:
+                self.engines[role] = engine
+                self.offload[role] = tuple(k for k in offload.get(role, ()) if k in ALL_KINDS)
 
     # ---- transitions ----------------------------------------------------------------------------------
+    def begin_build(self) -> None:
+        """Before the first training engine is built: the "build" phase, which `adopt` fills engine by engine."""
+        self._enter("build")
+
+    def adopt(self, role: str, engine) -> None:
+        """Right after `engine` is built: its configured kinds go to host memory before the next engine is built,
+        so the build's peak is one engine's full state next to what the others keep on the device."""
+        self.engines[role] = engine
+        self.offload[role] = tuple(k for k in self._kinds.get(role, ()) if k in ALL_KINDS)
+        self._offload(role, self.offload[role])
+        self._empty_cache()
+
     def settle(self) -> None:
-        """After building the training engines, before vLLM is built: move every role's configured kinds to host
-        memory, so vLLM finds its share of the GPU free."""
+        """After building the training engines, before vLLM is built: every role's configured kinds in host
+        memory (adopt already moved them), so vLLM finds its share of the GPU free."""
         self._enter("load")
+        for role in self.engines:
+            self._offload(role, self.offload[role])
+        self._empty_cache()
+
+    def for_checkpoint(self, phase: str, keep_rollout_weights: bool) -> None:
+        """Before a checkpoint is saved ("checkpoint_save") or loaded ("resume"): vLLM sleeps where it shares the
+        device with training engines (level 1 keeps its weights in host memory for the next wake; level 2 drops
+        them, for a resume whose weight sync refills them), and every role's configured kinds are in host memory.
+        The checkpoint manager then brings back one engine's checkpointed state at a time
+        (TrainEngine.checkpoint_access)."""
+        self._enter(phase)
+        if self.rollout is not None and self.engines:
+            self.rollout.sleep(level=1 if keep_rollout_weights else 2)
         for role in self.engines:
             self._offload(role, self.offload[role])
         self._empty_cache()
@@ -149,12 +184,11 @@ class MemoryLifecycle:
         self._peaks[self.phase] = (max(a, alloc), max(r, reserved))
 
     def _offload(self, role: str, kinds: tuple[str, ...]) -> None:
-        if self.cuda and kinds:
+        if kinds:  # the engines decide what moves (nothing on CPU, where the state is in host memory already)
             self.engines[role].offload(kinds)
 
     def _onload(self, role: str, kinds: tuple[str, ...] = ALL_KINDS) -> None:
-        if self.cuda:
-            self.engines[role].onload(kinds)
+        self.engines[role].onload(kinds)
 
     def _empty_cache(self) -> None:
         if self.cuda:

@@ -10,6 +10,7 @@ from spmdrl.config import to_toml
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.errors import SpmdrlError
 from spmdrl.faults import is_bad_step
+from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.split import BatchStream
 from spmdrl.metrics import StageTimer
 from spmdrl.reshard.sync import WeightSync
@@ -59,9 +60,13 @@ class RunCheckpointer:
     (empty on a split layout's rollout ranks)."""
 
     def __init__(self, cfg, manager: CheckpointManager, engines: dict, tokenizer, sampler: DistributedPromptSampler,
-                 kl_ctrl, bad_steps: BadSteps, weight_sync: WeightSync, stream: BatchStream | None, rank: int):
+                 kl_ctrl, bad_steps: BadSteps, weight_sync: WeightSync, stream: BatchStream | None, rank: int,
+                 memory: MemoryLifecycle | None = None):
         self.cfg, self.manager, self.engines, self.tokenizer, self.sampler = cfg, manager, engines, tokenizer, sampler
         self.kl_ctrl, self.bad_steps, self.weight_sync, self.stream, self.rank = kl_ctrl, bad_steps, weight_sync, stream, rank
+        self.memory = memory
+        # every rank saves and loads the same engine names, whichever of them it holds (split placement)
+        self.roles = ["actor", "critic"] if cfg.critic.enable else ["actor"]
 
     def save(self, step: int) -> str:
         """The checkpoint after `step`; its path."""
@@ -80,12 +85,16 @@ class RunCheckpointer:
             config.save_pretrained(out_dir)
             self.tokenizer.save_pretrained(out_dir)
 
+        if self.memory is not None:  # vLLM asleep (weights kept), configured state parked: spmdrl/loop/memory.py
+            self.memory.for_checkpoint("checkpoint_save", keep_rollout_weights=True)
         return self.manager.save(step, engines=self.engines, trainer_state=state, config_toml=to_toml(self.cfg),
-                                 rng=rng_state(), hf_files=hf_files, rank_tensors=in_flight)
+                                 rng=rng_state(), hf_files=hf_files, rank_tensors=in_flight, roles=self.roles)
 
     def load(self, path: str) -> int:
         """Restore the run from checkpoint `path` and sync its actor weights to the rollout engine; the step it
         was saved after."""
+        if self.memory is not None:  # vLLM asleep (its weights are about to be replaced), configured state parked
+            self.memory.for_checkpoint("resume", keep_rollout_weights=False)
         state = self.manager.load(path, engines=self.engines, config_toml=to_toml(self.cfg))
         self.sampler.load_state_dict(state["sampler"])
         step = int(state["step"])

@@ -94,10 +94,10 @@ class Trainer:
         if cfg.reward.on_error != "raise" or cfg.reward.timeout_s > 0:
             reward_fn = GuardedReward(reward_fn, on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
         # ---- models: training engines (training ranks), memory lifecycle, reward model, rollout engine, weight sync
-        engines = build_engines(cfg, self.meshes, device) if self.trains else None
+        self.memory = MemoryLifecycle(device, {}, {} if split else offload_kinds(cfg))  # split: nothing shares a device
+        self.memory.begin_build()
+        engines = build_engines(cfg, self.meshes, device, on_built=self.memory.adopt) if self.trains else None
         self.actor, self.ref, self.critic = (engines.actor, engines.ref, engines.critic) if engines else (None,) * 3
-        self.memory = MemoryLifecycle(device, {"actor": self.actor, "ref": self.ref, "critic": self.critic},
-                                      {} if split else offload_kinds(cfg))  # split: nothing shares a device
         self.memory.settle()  # configured state to host memory before vLLM sizes itself to the free GPU memory
         alg, a = cfg.algorithm, cfg.actor
         kl_ctrl = (
@@ -167,7 +167,7 @@ class Trainer:
         if self.critic is not None:
             trained["critic"] = self.critic
         self.checkpointer = RunCheckpointer(cfg, manager, trained, tokenizer, sampler, kl_ctrl, self.bad_steps,
-                                            self.weight_sync, self.stream, rank)
+                                            self.weight_sync, self.stream, rank, self.memory)
         set_collective_timeout(cfg.trainer.dist_timeout_s)
         self.resumed_from = resume_from
         if resume_from:
