@@ -59,8 +59,10 @@ class RunCheckpointer:
     (empty on a split layout's rollout ranks)."""
 
     def __init__(self, cfg, manager: CheckpointManager, engines: dict, tokenizer, sampler: DistributedPromptSampler,
-                 kl_ctrl, bad_steps: BadSteps, weight_sync: WeightSync, stream: BatchStream | None, rank: int):
+                 kl_ctrl, bad_steps: BadSteps, weight_sync: WeightSync, stream: BatchStream | None, rank: int,
+                 config_toml: str | None = None):
         self.cfg, self.manager, self.engines, self.tokenizer, self.sampler = cfg, manager, engines, tokenizer, sampler
+        self.config_toml = to_toml(cfg) if config_toml is None else config_toml  # what checkpoints record and compare
         self.kl_ctrl, self.bad_steps, self.weight_sync, self.stream, self.rank = kl_ctrl, bad_steps, weight_sync, stream, rank
 
     def save(self, step: int) -> str:
@@ -80,13 +82,13 @@ class RunCheckpointer:
             config.save_pretrained(out_dir)
             self.tokenizer.save_pretrained(out_dir)
 
-        return self.manager.save(step, engines=self.engines, trainer_state=state, config_toml=to_toml(self.cfg),
+        return self.manager.save(step, engines=self.engines, trainer_state=state, config_toml=self.config_toml,
                                  rng=rng_state(), hf_files=hf_files, rank_tensors=in_flight)
 
     def load(self, path: str) -> int:
         """Restore the run from checkpoint `path` and sync its actor weights to the rollout engine; the step it
         was saved after."""
-        state = self.manager.load(path, engines=self.engines, config_toml=to_toml(self.cfg))
+        state = self.manager.load(path, engines=self.engines, config_toml=self.config_toml)
         self.sampler.load_state_dict(state["sampler"])
         step = int(state["step"])
         self.bad_steps.load_state_dict(state)
