@@ -101,6 +101,22 @@ def test_host_checks():
     assert "\n" not in line
 
 
+def test_check_host_reads_the_job_and_the_host(monkeypatch):
+    """The preflight step every rank runs: a 2-node srun job on a host whose name resolves to loopback only."""
+    import socket
+
+    from spmdrl.config import load_config
+    from spmdrl.preflight import check_host
+
+    cfg = load_config(None, ["trainer.device=cpu"])
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
+    job = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NNODES": "2"}
+    with pytest.raises(ConfigError, match=r"^this job spans 2 nodes and the host name 'localhost' resolves to 127\.0\.0\.1"):
+        check_host(cfg, job)
+    check_host(cfg, {**job, "GLOO_SOCKET_IFNAME": "lo"})
+    check_host(cfg, {**job, "SLURM_NNODES": "1"})
+
+
 @pytest.mark.parametrize("path", ["./models/none", "../none", "~/no-such-model", "/no/such/model", "a/b/c"])
 def test_a_local_looking_path_that_is_missing_is_one_line(path):
     for key in ("critic.path", "reward.model_path"):
