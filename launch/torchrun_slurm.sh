@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Start torchrun on every node of a Slurm allocation, rendezvous on the first node.
 #   srun --ntasks-per-node=1 launch/torchrun_slurm.sh -m spmdrl.train --config configs/grpo.toml [overrides]
-# One task per node; torchrun starts GPUS_PER_NODE ranks on each (default: the node's visible GPUs).
+# One task per node; torchrun starts GPUS_PER_NODE ranks on each (default: the GPUs the task sees, so request
+# them per node, not per task). Every rank of a node sees the same GPUs and drives GPU <LOCAL_RANK>.
+# Multi-NIC nodes: export GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (the interface the nodes reach each other on)
+# before srun; srun passes the environment on (docs/cluster.md).
 set -euo pipefail
 : "${SLURM_JOB_NODELIST:?run this under srun inside a Slurm allocation}"
 NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}

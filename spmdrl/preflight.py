@@ -1,6 +1,8 @@
 """Checks on disk, run before any process group, model load or engine build (by `spmdrl train` before it
 launches, and by every rank before it initialises): the model and tokenizer, the context length, the output
-directory, and what `checkpoint.resume` will load. Each failure is one ConfigError/CheckpointError line.
+directory, and what `checkpoint.resume` will load; and, for a job that spans several nodes, the host (an
+address gloo can bind that the other nodes reach, the locked-memory limit NCCL's InfiniBand transport needs).
+Each failure is one ConfigError/CheckpointError line.
 
 A run never mixes with another: a fresh run (resume=off, or auto finding no checkpoint) into an output_dir
 that holds another run's checkpoints or metrics is refused unless trainer.overwrite clears them. One case
@@ -10,15 +12,19 @@ checkpoint; its partial metrics and events are cleared.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
+import resource
 import shutil
+import socket
 import tomllib
 from dataclasses import dataclass
 
 from spmdrl.checkpoint.files import checkpoint_root, find_checkpoint, list_checkpoints
 from spmdrl.checkpoint.verify import check_saved_config, config_differences, intact, newest_intact, read_manifest
+from spmdrl.dist.node import nodes_in_job
 from spmdrl.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("spmdrl")
@@ -35,7 +41,7 @@ class Plan:
     clear: tuple[str, ...] = ()  # another run's files that trainer.overwrite removes (rank 0, before start)
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     """A path the user means on disk (a hub id is 'org/name' or 'name')."""
     return path.startswith(("/", ".", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
 
@@ -46,7 +52,7 @@ def check_model_dir(key: str, path: str, *, tokenizer: bool = False, trust_remot
         return None
     full = os.path.expanduser(path)
     if not os.path.exists(full):
-        if _looks_local(path):
+        if looks_local(path):
             raise ConfigError(f"{key} = {path!r}: no such directory; give an HF model directory or a hub id")
         return None
     if not os.path.isdir(full):
@@ -172,11 +178,84 @@ def check_resume(cfg, config_toml: str) -> Plan:
     return Plan(path, int(manifest.get("step", 0)))
 
 
+MEMLOCK_MIN = 1 << 30  # bytes of locked memory below which NCCL over InfiniBand is refused (NCCL asks for unlimited)
+
+
+def gloo_address_problem(environ, nodes: int, hostname: str, addresses: list[str]) -> str | None:
+    """Why gloo would hang across `nodes` nodes: without GLOO_SOCKET_IFNAME it binds the address the host name
+    resolves to, or the loopback address when it resolves to none; the other nodes cannot reach a loopback."""
+    if nodes <= 1 or environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    if addresses and not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        return None
+    found = f"resolves to {', '.join(sorted(addresses))}" if addresses else "does not resolve"
+    return (f"this job spans {nodes} nodes and the host name {hostname!r} {found}, so gloo (the CPU groups of "
+            "megatron-core and vLLM) would bind a loopback address the other nodes cannot reach and hang at "
+            "start-up; set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to the network interface the nodes reach "
+            "each other on (`ip -br addr`)")
+
+
+def memlock_problem(environ, nodes: int, memlock: int, rdma_devices: list[str], hostname: str) -> str | None:
+    """Why NCCL would fail between nodes: its InfiniBand/RoCE transport registers memory with the NIC, which
+    counts against RLIMIT_MEMLOCK (`memlock` bytes, resource.RLIM_INFINITY for unlimited). Pinned host memory
+    (offload, vLLM's sleep) does not: the NVIDIA driver pins it without charging the limit."""
+    if nodes <= 1 or not rdma_devices or environ.get("NCCL_IB_DISABLE") == "1" or \
+            environ.get("NCCL_NET", "").lower() == "socket":
+        return None
+    if memlock == resource.RLIM_INFINITY or memlock >= MEMLOCK_MIN:
+        return None
+    return (f"the locked-memory limit (ulimit -l) is {memlock // 1024} KiB on {hostname}, and NCCL between this "
+            f"job's {nodes} nodes uses the InfiniBand/RoCE devices {', '.join(rdma_devices)}, whose memory "
+            "registration fails under a small limit ('ibv_reg_mr' / 'ibv_create_cq: Cannot allocate memory'); "
+            "raise it to unlimited (Slurm: memlock unlimited for slurmd and PropagateResourceLimitsExcept=MEMLOCK), "
+            "or set NCCL_IB_DISABLE=1 to run NCCL over TCP")
+
+
+def _host_addresses(hostname: str) -> list[str]:
+    try:
+        return sorted({a[4][0] for a in socket.getaddrinfo(hostname, None)})
+    except OSError:
+        return []
+
+
+def _raised_memlock() -> int:
+    """RLIMIT_MEMLOCK after raising this process's soft limit to its hard limit (allowed to any process; the
+    ranks' NCCL inherits it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def check_host(cfg, environ=None) -> None:
+    """A job over several nodes (spmdrl.dist.node.nodes_in_job): gloo's address, and on GPUs with RDMA
+    devices, the locked-memory limit. One ConfigError line each."""
+    from spmdrl.dist.init import resolve_device
+
+    env = os.environ if environ is None else environ
+    nodes = nodes_in_job(env)
+    if nodes <= 1:
+        return
+    host = socket.gethostname()
+    problem = gloo_address_problem(env, nodes, host, _host_addresses(host))
+    if problem is None and resolve_device(cfg.trainer.device).type == "cuda":
+        rdma = sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
+        problem = memlock_problem(env, nodes, _raised_memlock(), rdma, host)
+    if problem:
+        raise ConfigError(problem)
+
+
 def preflight(cfg, config_toml: str) -> Plan:
-    """Every disk check, in the order a user would fix them."""
+    """Every disk and host check, in the order a user would fix them."""
     check_models(cfg)
     check_writable(cfg.trainer.output_dir)
-    return check_resume(cfg, config_toml)
+    plan = check_resume(cfg, config_toml)
+    check_host(cfg)
+    return plan
 
 
 def clear_previous_run(plan: Plan) -> None:

@@ -148,10 +148,14 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
 
 
 def main(argv=None) -> int:
+    from spmdrl.hub import localise_models
     from spmdrl.train import run_entry
 
+    def run(cfg, layout, env, device):  # hub ids -> node-local snapshot directories, one download per node
+        run_sft(localise_models(cfg), layout, env.rank, device)
+
     return run_entry(argv, prog="spmdrl.sft", description=__doc__.split("\n\n")[0], root_cls=SFTConfig,
-                     validate_fn=validate_sft, run_fn=lambda cfg, layout, env, device: run_sft(cfg, layout, env.rank, device))
+                     validate_fn=validate_sft, run_fn=run)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .node import device_index, launched_by, node_local_rank
+
 log = logging.getLogger("spmdrl")
 
 
@@ -50,17 +52,18 @@ def _free_port() -> int:
 def detect_env(environ=None) -> DistEnv:
     """Rank/world/master from torchrun's variables, else Slurm's (srun without torchrun), else a world of one."""
     env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
+    launcher, local_rank = launched_by(env), node_local_rank(env)
+    if launcher == "torchrun":
         return DistEnv(
-            int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+            int(env["RANK"]), int(env["WORLD_SIZE"]), local_rank,
             env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun",
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if launcher == "slurm":
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
         hosts = expand_nodelist(nodelist) if nodelist else ["127.0.0.1"]
         job = int(env.get("SLURM_JOB_ID", "0") or 0)
         return DistEnv(
-            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), local_rank,
             env.get("MASTER_ADDR", hosts[0]), int(env.get("MASTER_PORT", 20000 + job % 20000)), "slurm",
         )
     return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 0)) or _free_port(), "single")
@@ -78,8 +81,10 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def init_distributed(device_spec: str = "auto", timeout_s: float = 600.0) -> tuple[DistEnv, torch.device]:
-    """Initialise the default process group (NCCL on CUDA, gloo on CPU); export the env vars vLLM reads."""
+    """Initialise the default process group (NCCL on CUDA, gloo on CPU); export the env vars vLLM reads (on
+    CUDA, LOCAL_RANK is the index of this rank's GPU among the visible ones)."""
     env = detect_env()
+    launch_env = dict(os.environ)  # as the launcher set it: the exports below make an srun task look like torchrun's
     for k, v in (
         ("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
         ("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port),
@@ -89,8 +94,12 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 600.0) -> tup
             os.environ[k] = str(v)
     device = resolve_device(device_spec)
     if device.type == "cuda":
-        torch.cuda.set_device(env.local_rank)
-        device = torch.device("cuda", env.local_rank)
+        # the GPU among those this task sees (all of the node's, or only its own: spmdrl.dist.node); vLLM's
+        # external_launcher drives cuda:LOCAL_RANK, so LOCAL_RANK names the same one
+        index = device_index(launch_env, torch.cuda.device_count())
+        os.environ["LOCAL_RANK"] = str(index)
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",

@@ -61,8 +61,9 @@ class RunCheckpointer:
 
     def __init__(self, cfg, manager: CheckpointManager, engines: dict, tokenizer, sampler: DistributedPromptSampler,
                  kl_ctrl, bad_steps: BadSteps, weight_sync: WeightSync, stream: BatchStream | None, rank: int,
-                 memory: MemoryLifecycle | None = None):
+                 config_toml: str | None = None, memory: MemoryLifecycle | None = None):
         self.cfg, self.manager, self.engines, self.tokenizer, self.sampler = cfg, manager, engines, tokenizer, sampler
+        self.config_toml = to_toml(cfg) if config_toml is None else config_toml  # what checkpoints record and compare
         self.kl_ctrl, self.bad_steps, self.weight_sync, self.stream, self.rank = kl_ctrl, bad_steps, weight_sync, stream, rank
         self.memory = memory
         # every rank saves and loads the same engine names, whichever of them it holds (split placement)
@@ -87,7 +88,7 @@ class RunCheckpointer:
 
         if self.memory is not None:  # vLLM asleep (weights kept), configured state parked: spmdrl/loop/memory.py
             self.memory.for_checkpoint("checkpoint_save", keep_rollout_weights=True)
-        return self.manager.save(step, engines=self.engines, trainer_state=state, config_toml=to_toml(self.cfg),
+        return self.manager.save(step, engines=self.engines, trainer_state=state, config_toml=self.config_toml,
                                  rng=rng_state(), hf_files=hf_files, rank_tensors=in_flight, roles=self.roles)
 
     def load(self, path: str) -> int:
@@ -95,7 +96,7 @@ class RunCheckpointer:
         was saved after."""
         if self.memory is not None:  # vLLM asleep (its weights are about to be replaced), configured state parked
             self.memory.for_checkpoint("resume", keep_rollout_weights=False)
-        state = self.manager.load(path, engines=self.engines, config_toml=to_toml(self.cfg))
+        state = self.manager.load(path, engines=self.engines, config_toml=self.config_toml)
         self.sampler.load_state_dict(state["sampler"])
         step = int(state["step"])
         self.bad_steps.load_state_dict(state)

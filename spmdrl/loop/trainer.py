@@ -64,10 +64,15 @@ class Trainer:
     hooks: StageHooks
     logger: MetricsLogger
 
-    def __init__(self, cfg: Config, layout: dict, rank: int, world_size: int, device: torch.device):
+    def __init__(self, cfg: Config, layout: dict, rank: int, world_size: int, device: torch.device,
+                 config_toml: str | None = None):
+        """config_toml: the run's config as the user gave it, recorded in output_dir/config.toml and in every
+        checkpoint (default: to_toml(cfg); spmdrl.train passes the config before its hub ids became local
+        snapshot directories, spmdrl.hub)."""
         from transformers import AutoTokenizer
 
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
+        self.config_toml = to_toml(cfg) if config_toml is None else config_toml
         seed_everything(cfg.trainer.seed)
         self.meshes = RoleMeshes(layout, rank, device.type)
         print(f"[rank{rank}] {self.meshes.describe()}", flush=True)  # every rank: its place in every mesh
@@ -149,7 +154,7 @@ class Trainer:
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         if rank == 0:
             with open(os.path.join(cfg.trainer.output_dir, "config.toml"), "w") as f:
-                f.write(to_toml(cfg))
+                f.write(self.config_toml)
         lg = cfg.logging
         self.logger = MetricsLogger(
             cfg.trainer.output_dir, tensorboard=lg.tensorboard, jsonl=lg.jsonl, console=lg.console, rank=rank,
@@ -167,7 +172,7 @@ class Trainer:
         if self.critic is not None:
             trained["critic"] = self.critic
         self.checkpointer = RunCheckpointer(cfg, manager, trained, tokenizer, sampler, kl_ctrl, self.bad_steps,
-                                            self.weight_sync, self.stream, rank, self.memory)
+                                            self.weight_sync, self.stream, rank, self.config_toml, self.memory)
         set_collective_timeout(cfg.trainer.dist_timeout_s)
         self.resumed_from = resume_from
         if resume_from:
