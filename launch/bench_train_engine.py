@@ -161,6 +161,7 @@ def main() -> int:
     tokens = float(lens.sum())
     peak = device_peak_tflops(device)
     f = flops_metrics(engine.hf_config(), seq_lens_sum=tokens, seq_sq_sum=float((lens ** 2).sum()),
+                      head_tokens=float(batch["response_len"].sum()),
                       update_s=times["train_step"], rollout_s=times["logprobs"], devices=1, peak_tflops=peak)
     out.update({
         "params": sum(math.prod(s) for _, s in engine.param_shapes()),

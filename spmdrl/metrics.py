@@ -242,10 +242,10 @@ def format_table(rows: list[tuple[str, dict[str, float]]]) -> str:
 _PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
 
 
-def forward_flops_per_token(hf_config, context: float) -> float:
+def forward_flops_per_token(hf_config, context: float, head: bool = True) -> float:
     """Forward FLOPs of one token of a decoder-only transformer (Qwen2/Llama layout) that attends to `context`
-    earlier tokens on average: 2 x (q, k, v, o, gate, up, down and lm_head weights) + 2 x 2 x hidden x context
-    per layer for QK^T and AV. Embedding lookups, norms and activations are not counted."""
+    earlier tokens on average: 2 x (q, k, v, o, gate, up, down weights, and the lm_head's when `head`) + 2 x 2 x
+    hidden x context per layer for QK^T and AV. Embedding lookups, norms and activations are not counted."""
     h = hf_config.hidden_size
     layers = hf_config.num_hidden_layers
     heads = hf_config.num_attention_heads
@@ -253,7 +253,7 @@ def forward_flops_per_token(hf_config, context: float) -> float:
     kv = getattr(hf_config, "num_key_value_heads", heads) * head_dim
     q = heads * head_dim
     per_layer = h * q + 2 * h * kv + q * h + 3 * h * hf_config.intermediate_size
-    matmul_params = layers * per_layer + hf_config.vocab_size * h
+    matmul_params = layers * per_layer + (hf_config.vocab_size * h if head else 0)
     return 2.0 * matmul_params + 4.0 * layers * q * context
 
 
@@ -270,19 +270,22 @@ def device_peak_tflops(device, configured: float = 0.0) -> float:
     return 0.0
 
 
-def flops_metrics(hf_config, *, seq_lens_sum: float, seq_sq_sum: float, update_s: float, rollout_s: float,
-                  devices: int, peak_tflops: float, update_passes: int = 1) -> dict[str, float]:
+def flops_metrics(hf_config, *, seq_lens_sum: float, seq_sq_sum: float, head_tokens: float, update_s: float,
+                  rollout_s: float, devices: int, peak_tflops: float, update_passes: int = 1) -> dict[str, float]:
     """perf/actor_tflops and perf/rollout_tflops (achieved, per device) and, with a known peak, perf/mfu_actor
     and perf/mfu_rollout = achieved / peak.
 
-    Actor update: 3 x forward (forward + backward) over every prompt + response token, update_passes times
-    (ppo_epochs); the attention context of the token at position t is t, so the summed context is
-    sum_s len_s^2 / 2 (seq_sq_sum / 2). Rollout: one forward per prompt and response token (prefill + decode,
-    the same count with a KV cache). Figures over all `devices` ranks; divided per device.
+    The transformer layers run on every prompt and response token (seq_lens_sum); the lm_head only on the
+    `head_tokens` positions whose logits are computed: the response tokens (the training engines project response
+    positions only, and a sampler computes logits for the token it samples). Actor update: 3 x forward (forward
+    + backward), update_passes times (ppo_epochs); the attention context of the token at position t is t, so
+    the summed context is sum_s len_s^2 / 2 (seq_sq_sum / 2). Rollout: one forward (prefill + decode, the same
+    count with a KV cache). Figures over all `devices` ranks; divided per device.
     """
-    dense = forward_flops_per_token(hf_config, 0.0)
-    attn_per_ctx = forward_flops_per_token(hf_config, 1.0) - dense
-    fwd = dense * seq_lens_sum + attn_per_ctx * seq_sq_sum / 2
+    body = forward_flops_per_token(hf_config, 0.0, head=False)
+    lm_head = forward_flops_per_token(hf_config, 0.0) - body
+    attn_per_ctx = forward_flops_per_token(hf_config, 1.0) - body - lm_head
+    fwd = body * seq_lens_sum + lm_head * head_tokens + attn_per_ctx * seq_sq_sum / 2
     out = {}
     for name, flops, secs in (("actor", 3.0 * fwd * update_passes, update_s), ("rollout", fwd, rollout_s)):
         if secs > 0:

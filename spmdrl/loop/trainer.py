@@ -291,6 +291,7 @@ class Trainer:
         if batch is not None:
             metrics["_tokens"] = float(batch["response_mask"].sum() + batch["prompt_len"].sum())
             metrics["_seq_sq"] = float(((batch["response_mask"].sum(-1) + batch["prompt_len"]).double() ** 2).sum())
+            metrics["_response_tokens"] = float(batch["response_mask"].sum())
         mesh = self.actor_mesh if self.trains else self.rollout_mesh
         split = self.stream is not None
         if split:
@@ -302,13 +303,14 @@ class Trainer:
             metrics.update(split_max)
         tokens = metrics.pop("_tokens") * self.actor_mesh.dp_size
         seq_sq = metrics.pop("_seq_sq") * self.actor_mesh.dp_size
+        response_tokens = metrics.pop("_response_tokens") * self.actor_mesh.dp_size
         if not split:
             metrics.update(timer.as_metrics())
         step_s = time.perf_counter() - t0
         metrics["timing/step_s"] = step_s
         metrics["perf/tokens_per_s"] = tokens / step_s
         metrics.update(flops_metrics(
-            self.weight_sync.hf_config, seq_lens_sum=tokens, seq_sq_sum=seq_sq,
+            self.weight_sync.hf_config, seq_lens_sum=tokens, seq_sq_sum=seq_sq, head_tokens=response_tokens,
             update_s=metrics.get("timing/update_actor_s", 0.0), rollout_s=metrics.get("timing/rollout_s", 0.0),
             devices=self.world_size, peak_tflops=device_peak_tflops(self.device, self.cfg.trainer.device_peak_tflops),
             update_passes=self.cfg.actor.ppo_epochs,
