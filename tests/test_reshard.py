@@ -120,6 +120,21 @@ def test_replicas_share_the_sending():
     assert len(senders) > 2
 
 
+def test_verify_differences_name_each_tensor_that_is_not_bitwise_equal():
+    from spmdrl.reshard.verify import differences
+
+    a = {"w": torch.arange(6.0).reshape(2, 3), "n": torch.tensor([1.0, float("nan")]), "i": torch.tensor([1, 2])}
+    assert differences(a, {k: v.clone() for k, v in a.items()}) == []  # NaN where both have NaN is equal
+    b = {**a, "w": a["w"].clone(), "i": torch.tensor([1, 3])}
+    b["w"][1, 2] += 0.5
+    nan = {**a, "w": a["w"].clone()}
+    nan["w"][0, 0] = float("nan")
+    assert differences(a, b) == ["i: 1 of 2 elements differ, max abs diff 1", "w: 1 of 6 elements differ, max abs diff 0.5"]
+    assert differences(nan, a) == ["w: 1 of 6 elements differ, max abs diff nan (the engine read buffer memory the sync "
+                                   "did not fill)"]
+    assert differences(a, {"w": a["w"], "n": a["n"]}) == ["i: missing"]
+
+
 # ---- real syncs: vLLM in-process, FSDP2 actor, gloo ----------------------------------------------------------
 
 
