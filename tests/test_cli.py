@@ -192,6 +192,15 @@ def dry(tiny, out, *overrides):
                "data.max_prompt_length=256", "data.max_response_length=256", *overrides)
 
 
+def test_an_unverified_architecture_is_refused_before_launch(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("gpt2", vocab_size=320, n_embd=64, n_layer=2, n_head=4).save_pretrained(tmp_path / "gpt2")
+    result = run("train", "--config", GRPO, "--dry-run", "--nproc", 8, f"model.path={tmp_path / 'gpt2'}",
+                 "rollout.engine=vllm")
+    assert_user_error(result, "'gpt2' model", "supports llama, mistral, qwen2 only")
+
+
 def test_model_tokenizer_and_context_are_checked_before_launch(tiny, tmp_path):
     out = tmp_path / "run"
     assert dry(tiny, out).exit_code == 0

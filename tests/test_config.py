@@ -344,6 +344,58 @@ def test_empty_model_path_and_train_files():
     assert "data.train_files" in config_error(validate, load_config(None, ["model.path=m"]), 1)
 
 
+# ------------------------------------------------------------------------------ architectures (the weight path)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """model_type -> a directory holding only a small config.json of that architecture (what validation reads)."""
+    from transformers import AutoConfig
+
+    root = tmp_path_factory.mktemp("architectures")
+    small = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    out = {}
+    for model_type, kw in (("llama", small), ("qwen2", small), ("mistral", small), ("gemma", small),
+                           ("mixtral", dict(small, num_local_experts=4, num_experts_per_tok=2)),
+                           ("gpt2", dict(vocab_size=320, n_embd=64, n_layer=2, n_head=4))):
+        AutoConfig.for_model(model_type, **kw).save_pretrained(root / model_type)
+        out[model_type] = str(root / model_type)
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "mixtral", "gemma"])
+def test_vllm_sync_refuses_unverified_architectures(model_dirs, model_type):
+    """The FSDP2 -> vLLM slicing rules cover dense Llama, Mistral and Qwen2; anything else stops at validation,
+    before any process group or engine exists."""
+    msg = validate_error(2, f"model.path={model_dirs[model_type]}", "rollout.engine=vllm", "placement.rollout_tp=2")
+    assert f"model.path = '{model_dirs[model_type]}' is a '{model_type}' model" in msg
+    assert "llama, mistral, qwen2" in msg and "rollout.engine = 'hf'" in msg
+    validate(valid(f"model.path={model_dirs[model_type]}", "rollout.engine=hf"), 2)  # whole tensors: any architecture
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_vllm_sync_accepts_verified_architectures(model_dirs, model_type):
+    validate(valid(f"model.path={model_dirs[model_type]}", "rollout.engine=vllm", "placement.rollout_tp=2"), 2)
+
+
+def test_megatron_backend_refuses_other_architectures_at_validation(model_dirs):
+    msg = validate_error(2, f"model.path={model_dirs['mistral']}", "trainer.backend=megatron")
+    assert "'mistral' model" in msg and "Megatron backend converts llama, qwen2 only" in msg
+    validate(valid(f"model.path={model_dirs['llama']}", "trainer.backend=megatron"), 2)
+    msg = validate_error(2, f"model.path={model_dirs['llama']}", "critic.enable=true", "trainer.critic_backend=megatron",
+                         f"critic.path={model_dirs['gemma']}")
+    assert msg.startswith(f"critic.path = '{model_dirs['gemma']}' is a 'gemma' model")
+
+
+def test_model_type_is_read_from_bundled_configs_and_skipped_when_absent():
+    from spmdrl.config.validate import hf_model_type
+
+    assert hf_model_type("Qwen/Qwen2.5-7B-Instruct") == "qwen2"
+    assert hf_model_type("meta-llama/Llama-3.3-70B-Instruct") == "llama"
+    assert hf_model_type("/models/not-here") is None and hf_model_type("no such/hub id") is None
+
+
 # -------------------------------------------------------------------------------------- shipped configs
 
 

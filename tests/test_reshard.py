@@ -1,6 +1,7 @@
 """Weight resharding: the pure plan against independent references, and real syncs on 2 and 4 processes."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -61,6 +62,25 @@ def _params():
             ("model.layers.0.input_layernorm.weight", (16,)), ("lm_head.weight", (100, 16))]
 
 
+def test_vllm_targets_refuse_unverified_architectures():
+    """The backstop for a model whose config.json validation could not read (a hub id not downloaded yet): the
+    plan of a sync into vLLM's shards refuses it; whole-tensor targets (the transformers engine) take it."""
+    from transformers import AutoConfig
+
+    from spmdrl.errors import ConfigError
+    from spmdrl.reshard.plan import rollout_targets
+
+    small = dict(vocab_size=100, hidden_size=16, num_attention_heads=4, num_key_value_heads=2)
+    for model_type, kw in (("mixtral", small), ("gemma", small), ("gpt2", dict(vocab_size=100, n_embd=16, n_head=4))):
+        dims = ModelDims.from_hf_config(AutoConfig.for_model(model_type, **kw))
+        with pytest.raises(ConfigError, match=f"the actor model is a '{model_type}' model"):
+            rollout_targets(_params(), [[0, 1]], dims, loads_tp_shards=True)
+        assert rollout_targets(_params(), [[0, 1]], dims, loads_tp_shards=False)
+    for model_type in ("llama", "qwen2", "mistral"):
+        dims = ModelDims.from_hf_config(AutoConfig.for_model(model_type, **small))
+        assert rollout_targets(_params(), [[0, 1]], dims, loads_tp_shards=True) == vllm_blocks(_params(), [[0, 1]], dims)
+
+
 @pytest.mark.parametrize("world,actor_tp,rollout_tp", [(2, 1, 2), (2, 2, 2), (4, 1, 2), (4, 2, 2), (4, 2, 4), (8, 4, 2)])
 def test_plan_covers_each_needed_element_once_at_the_lower_bound(world, actor_tp, rollout_tp):
     dims = ModelDims(num_heads=8, num_kv_heads=2, head_dim=4, vocab_size=100)
@@ -100,6 +120,21 @@ def test_replicas_share_the_sending():
     assert len(senders) > 2
 
 
+def test_verify_differences_name_each_tensor_that_is_not_bitwise_equal():
+    from spmdrl.reshard.verify import differences
+
+    a = {"w": torch.arange(6.0).reshape(2, 3), "n": torch.tensor([1.0, float("nan")]), "i": torch.tensor([1, 2])}
+    assert differences(a, {k: v.clone() for k, v in a.items()}) == []  # NaN where both have NaN is equal
+    b = {**a, "w": a["w"].clone(), "i": torch.tensor([1, 3])}
+    b["w"][1, 2] += 0.5
+    nan = {**a, "w": a["w"].clone()}
+    nan["w"][0, 0] = float("nan")
+    assert differences(a, b) == ["i: 1 of 2 elements differ, max abs diff 1", "w: 1 of 6 elements differ, max abs diff 0.5"]
+    assert differences(nan, a) == ["w: 1 of 6 elements differ, max abs diff nan (the engine read buffer memory the sync "
+                                   "did not fill)"]
+    assert differences(a, {"w": a["w"], "n": a["n"]}) == ["i: missing"]
+
+
 # ---- real syncs: vLLM in-process, FSDP2 actor, gloo ----------------------------------------------------------
 
 
@@ -117,9 +152,12 @@ def tiny_model(tmp_path_factory):
 def test_sync_moves_only_the_lower_bound(tiny_model, tmp_path, world, actor_tp, rollout_tp):
     from launching import run
 
+    verify = world == 2  # rollout.verify_sync on the 2-rank run, plus two deliberately wrong syncs it must stop
     run([os.path.join(HERE, "dist_scripts", "reshard_sync.py"), "--model", tiny_model, "--out", str(tmp_path),
-         "--actor-tp", str(actor_tp), "--rollout-tp", str(rollout_tp)], nproc=world)
+         "--actor-tp", str(actor_tp), "--rollout-tp", str(rollout_tp)] + ["--verify"] * verify, nproc=world)
     res = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+    if verify:
+        check_verify_sync(res)
     for r in res:
         m = r["metrics"]
         assert r["n_tokens"] > 0 and r["logprob_max_diff"] < 1e-5, r
@@ -133,6 +171,22 @@ def test_sync_moves_only_the_lower_bound(tiny_model, tmp_path, world, actor_tp, 
     else:
         # what the old full gather moved per rank (every parameter, fp32) versus now
         assert res[0]["metrics"]["weight_sync/bytes_recv_max"] < 0.5 * res[0]["model_bytes"]
+
+
+def check_verify_sync(res):
+    """rollout.verify_sync let the right sync through (the run got past it) and stopped both wrong ones on every rank,
+    naming the parameter (vLLM's name), the rank and the difference."""
+    for r in res:
+        rule, swap = r["wrong_rule"], r["swapped_rows"]
+        # a wrong slicing rule: vLLM narrows its own q rows, where the sync left the NaN fill
+        assert "rank 0's rollout engine differs" in rule and "ranks [0, 1] differ" in rule, rule
+        assert "model.layers.0.self_attn.qkv_proj.weight" in rule and "max abs diff nan" in rule, rule
+        assert "did not fill" in rule, rule
+        # two swapped rows on rank 1 only: finite values in the wrong place
+        assert "rank 1's rollout engine differs" in swap and "ranks [" not in swap, swap
+        m = re.search(r"model\.layers\.1\.mlp\.down_proj\.weight: (\d+) of \d+ elements differ, max abs diff ([0-9.e-]+)$",
+                      swap)
+        assert m and int(m.group(1)) > 0 and float(m.group(2)) > 0, swap
 
 
 @pytest.mark.dist

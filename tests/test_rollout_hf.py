@@ -175,9 +175,13 @@ def test_update_weights_by_name(engine, tmp_path):
     other_dir = build_tiny(str(tmp_path / "other"), seed=1)
     other = HFEngine(other_dir)
     state = sorted(other.model.state_dict().items())
+    before = engine.weight_snapshot()
     engine.update_weights(state[0::2])
     engine.update_weights(state[1::2])
     engine.finish_weight_update()
+    # the snapshot (rollout.verify_sync reads it) is a host copy by HF name: the update did not change it
+    after = engine.weight_snapshot()
+    assert all(torch.equal(after[k], v) for k, v in state) and not torch.equal(before[state[0][0]], state[0][1])
     prompt = prompts_of(engine)[2]
     spec = SamplingSpec(n=1, temperature=0, max_tokens=8)
     assert engine.generate([prompt], spec, [0]).response_ids == other.generate([prompt], spec, [0]).response_ids

@@ -62,8 +62,9 @@ def runs(tmp_path_factory):
     try:
         train(s0, 4, overrides(model, data, s0, **SPLIT, **TRUNCATED), mp)
         train(col, 2, overrides(model, data, col, **{"placement.rollout_tp": 2}, **TRUNCATED), mp)
+        # rollout.verify_sync: the rollout ranks check every sync's weights against the actor's (reshard/verify.py)
         s1_args = dict(SPLIT, **{"trainer.max_staleness": 1, "trainer.total_steps": 4, "checkpoint.save_freq": 2,
-                                 "checkpoint.keep_last": 0})
+                                 "checkpoint.keep_last": 0, "rollout.verify_sync": "true"})
         proc = train(s1, 4, overrides(model, data, s1, **s1_args), mp)
         # the same run, stopped after its step-2 checkpoint: drop what came later, then resume
         shutil.copytree(s1, s1r, ignore=shutil.ignore_patterns("dump", "step_00000004"))
@@ -109,6 +110,8 @@ def test_staleness1_batch_of_step_k_was_generated_by_the_weights_after_step_k_mi
         seen = {s: set(v["versions"]) for s, v in versions(runs.s1, rank).items()}
         assert seen == {1: {0}, 2: {0}, 3: {1}, 4: {2}}
     assert [r["train/weight_version_lag"] for r in rows[1:]] == [0.0, 1.0, 1.0, 1.0]
+    # every sync the rollout ranks loaded (the initial one and versions 1-3) passed rollout.verify_sync on rank 0
+    assert runs.s1_log.count("rollout.verify_sync: the rollout engine holds the actor's weights exactly") == 4, runs.s1_log
     # the actor (one update ahead) disagrees with the tokens' log-probs from step 2 on
     assert rows[1]["rollout/logprob_diff_mean"] < 1e-5 and all(r["rollout/logprob_diff_mean"] > 1e-3 for r in rows[2:])
     # independent check: batch 4's vLLM log-probs are those of the step-2 checkpoint's weights (transformers,

@@ -218,6 +218,8 @@ class RolloutConfig:
     """Rollout dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."""
     load_format: str = "auto"
     """How vLLM gets its first weights: auto (dummy on CUDA and on resume, else the checkpoint) | dummy (random weights; the trainer syncs the actor's before the first rollout, so the checkpoint is read once) | checkpoint."""
+    verify_sync: bool = False
+    """Debug: after every weight sync, each rollout rank checks that its engine holds exactly the actor's weights (every parameter whole, loaded through the engine's own loaders, compared byte for byte with what the sync left) and stops naming the parameter, rank and largest difference on a mismatch. Costs two host copies of the rollout weights and a second load per sync."""
 
 
 @dataclass

@@ -195,6 +195,7 @@ def validate(cfg, world_size: int):
     validate_objective(cfg, layout)
     validate_rollout_correction(cfg)
     validate_split(cfg)
+    validate_architecture(cfg)
     return layout
 
 
@@ -315,3 +316,66 @@ def validate_memory(cfg) -> None:
             raise ConfigError(f"memory.{key} must be > 0, found {getattr(m, key)}")
     if not 0 < m.margin <= 1:
         raise ConfigError(f"memory.margin must be in (0, 1], found {m.margin}")
+
+
+def hf_model_type(path: str) -> str | None:
+    """The model_type in a model's config.json, read without loading anything: from a local model directory,
+    a bundled copy of a published config (spmdrl/model_configs), or the HF cache. None when none of them has
+    it (a path that does not exist, which preflight names; a hub id not downloaded yet)."""
+    import json
+    import os
+
+    full = os.path.expanduser(path)
+    if os.path.isdir(full):
+        found = os.path.join(full, "config.json")
+    elif full.startswith(("/", ".", "~")) or os.path.exists(full):
+        return None
+    else:  # a hub id
+        from spmdrl.engines.loading import BUNDLED
+
+        found = os.path.join(BUNDLED, path.replace("/", "--") + ".json")
+        if not os.path.isfile(found):
+            from huggingface_hub import try_to_load_from_cache
+
+            try:
+                cached = try_to_load_from_cache(path, "config.json")
+            except ValueError:  # not a valid hub id either: preflight names it
+                return None
+            found = cached if isinstance(cached, str) else ""
+    try:
+        with open(found, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # missing or unreadable: preflight names it
+    return model_type if isinstance(model_type, str) else None
+
+
+def validate_architecture(cfg) -> None:
+    """The weight path's architecture guards, from the models' config.json (when it is on disk):
+    * the sync into vLLM's tensor-parallel shards (rollout.engine vllm, or auto with vLLM installed) slices HF
+      tensors by rules verified for VLLM_SHARD_MODEL_TYPES only (spmdrl/reshard/plan.py); the transformers
+      rollout engine takes whole tensors by name and checks every shape, so it takes any architecture;
+    * the Megatron backend converts MEGATRON_MODEL_TYPES only (its engine refuses others at build, minutes later).
+    A hub id whose config is not on disk yet is checked by the weight sync's plan, before any weight moves."""
+    from spmdrl.dist.layout import role_backends
+    from spmdrl.reshard.plan import MEGATRON_MODEL_TYPES, check_vllm_model_type
+    from spmdrl.rollout import vllm_available
+
+    backends = role_backends(cfg)
+    vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
+    checks = [("model.path", cfg.model.path, vllm, backends["actor"] == "megatron")]  # actor, ref, rollout
+    if cfg.critic.enable and backends["critic"] == "megatron":
+        checks.append(("critic.path" if cfg.critic.path else "model.path", cfg.critic.path or cfg.model.path, False, True))
+    for key, path, vllm_shards, megatron in checks:
+        model_type = hf_model_type(path)
+        if model_type is None:
+            continue
+        source = f"{key} = {path!r}"
+        if vllm_shards:
+            check_vllm_model_type(model_type, source)
+        if megatron and model_type not in MEGATRON_MODEL_TYPES:
+            raise ConfigError(
+                f"{source} is a {model_type!r} model (config.json model_type), but the Megatron backend converts "
+                f"{', '.join(MEGATRON_MODEL_TYPES)} only; use trainer.backend = 'fsdp' (trainer.critic_backend for the "
+                "critic) or a model of one of those architectures"
+            )

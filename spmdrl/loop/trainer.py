@@ -134,7 +134,7 @@ class Trainer:
             bucket_mb=cfg.rollout.weight_sync_bucket_mb, memory=self.memory, split=split,
             actor_grid=layout["actor"].mesh_ranks(),
             hf_config=load_hf_config(cfg.model.path, cfg.model.trust_remote_code) if split else None,
-            rollout_shards=rollout_loads_shards(cfg), group=self.meshes.weight_group,
+            rollout_shards=rollout_loads_shards(cfg), group=self.meshes.weight_group, verify=cfg.rollout.verify_sync,
         )
         # ---- the loop's components, each given what it needs (docs/architecture.md, "The loop")
         specs = sampling_specs(cfg, tokenizer.eos_token_id)

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from spmdrl.errors import LayoutError
+from spmdrl.errors import ConfigError, LayoutError
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the full tensor
 
@@ -112,6 +112,7 @@ def fsdp_blocks(params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[
 # (megatron's LanguageModule.setup_embeddings_and_output_layer). DP replicas hold identical copies (the
 # distributed optimizer shards only optimizer state and fp32 main weights, which the sync does not read).
 
+MEGATRON_MODEL_TYPES = ("llama", "qwen2")  # what spmdrl/engines/megatron converts (its engine refuses others at build)
 MEGATRON_COL = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 MEGATRON_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 MEGATRON_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
@@ -211,6 +212,26 @@ def megatron_blocks(
 # ------------------------------------------------------------------------------------- target: vLLM tensor parallel
 
 
+# The HF model types (config.json "model_type") whose parameter names and layouts vllm_block encodes, checked
+# against vLLM's loaders for dense Llama, Mistral and Qwen2: q/k/v into QKVParallelLinear (kv heads replicated
+# when fewer than tp), gate/up into MergedColumnParallelLinear, o/down into RowParallelLinear, embed/lm_head into
+# VocabParallelEmbedding / ParallelLMHead, norms whole. Any other architecture (a MoE's experts, GPT-2's fused
+# c_attn, Gemma) would have vLLM narrow a full-shaped buffer where the sync did not put its slice.
+VLLM_SHARD_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def check_vllm_model_type(model_type: str, source: str) -> None:
+    """ConfigError unless the sync into vLLM's TP shards supports `model_type`; `source` names the model in the
+    message (e.g. "model.path = '/models/x'")."""
+    if model_type not in VLLM_SHARD_MODEL_TYPES:
+        raise ConfigError(
+            f"{source} is a {model_type!r} model (config.json model_type), but the weight sync into vLLM's "
+            f"tensor-parallel shards supports {', '.join(VLLM_SHARD_MODEL_TYPES)} only (its slicing rules are "
+            f"verified for those; another architecture would load wrong slices silently); use a model of one of "
+            f"those architectures, or rollout.engine = 'hf' (whole tensors, slow)"
+        )
+
+
 @dataclass(frozen=True)
 class ModelDims:
     """What vLLM's TP sharding of a Llama/Qwen2/Mistral-family model depends on (from the HF config)."""
@@ -220,6 +241,7 @@ class ModelDims:
     head_dim: int
     vocab_size: int
     vocab_pad_to: int = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it over tp
+    model_type: str | None = None  # HF model_type (from_hf_config); None: dimensions given by hand
 
     @staticmethod
     def from_hf_config(c) -> "ModelDims":
@@ -227,6 +249,7 @@ class ModelDims:
         return ModelDims(
             num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
+            model_type=getattr(c, "model_type", ""),
         )
 
 
@@ -275,8 +298,12 @@ def vllm_blocks(params: list[tuple[str, tuple[int, ...]]], groups: list[list[int
 
 def rollout_targets(params, tp_groups: list[list[int]], dims: ModelDims, loads_tp_shards: bool) -> dict:
     """What each rollout rank needs: its vLLM TP shard, or the whole tensor for engines that hold full weights.
-    tp_groups: the rollout role's TP groups (global ranks, vLLM TP order); WeightSync and `spmdrl plan` call this."""
+    tp_groups: the rollout role's TP groups (global ranks, vLLM TP order); WeightSync and `spmdrl plan` call this.
+    vLLM targets refuse a model type outside VLLM_SHARD_MODEL_TYPES (config validation refuses it first when the
+    model's config.json is on disk)."""
     if loads_tp_shards:
+        if dims.model_type is not None:
+            check_vllm_model_type(dims.model_type, "the actor model")
         return vllm_blocks(params, tp_groups, dims)
     ranks = [r for g in tp_groups for r in g]
     return {name: [(r, full_block(shape)) for r in ranks] for name, shape in params}

@@ -16,6 +16,7 @@ from spmdrl.errors import LayoutError
 
 from .plan import ModelDims, SyncPlan, fsdp_blocks, plan_sync, rollout_targets
 from .transport import execute
+from .verify import verify_sync
 
 
 def check_shards(plan: SyncPlan, shards: dict, rank: int) -> None:
@@ -41,11 +42,14 @@ class WeightSync:
     A rank without the actor engine (a rollout rank in split placement) plans from the arithmetic:
     `fsdp_blocks` of the actor layout over the parameter shapes of `hf_config`; the actor ranks check that the
     engine holds exactly those blocks, so both sides execute the same plan.
+    `verify=True` (rollout.verify_sync, debug) checks after every sync that each rollout rank's engine holds the
+    actor's weights (reshard/verify.py); every rank of the sync takes part.
     """
 
     def __init__(self, actor, rollout, rollout_mesh: RoleMesh, *, dtype: torch.dtype, bucket_mb: int, memory=None,
-                 split: bool = False, actor_grid=None, hf_config=None, rollout_shards: bool | None = None, group=None):
-        self.actor, self.rollout, self.dtype, self.memory = actor, rollout, dtype, memory
+                 split: bool = False, actor_grid=None, hf_config=None, rollout_shards: bool | None = None, group=None,
+                 verify: bool = False):
+        self.actor, self.rollout, self.dtype, self.memory, self.verify = actor, rollout, dtype, memory, verify
         self.split, self.group, self.pending = split, group, []
         self.bucket_bytes = bucket_mb << 20
         if rollout_shards is None:
@@ -85,13 +89,17 @@ class WeightSync:
             check_shards(self.plan, shards, dist.get_rank())
             self.checked = True
         deliver = self.rollout.update_weights if self.rollout is not None else None
+        device = comm_device(self.group)
         stats = execute(
-            self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=comm_device(self.group),
+            self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=device,
             bucket_bytes=self.bucket_bytes, deliver=deliver, group=self.group,
-            pending=self.pending if self.split else None,
+            pending=self.pending if self.split else None, fill=float("nan") if self.verify else None,
         )
         if self.rollout is not None:
             self.rollout.finish_weight_update()  # vLLM: finalize the layerwise reload (repack CPU weights, reset prefix cache)
+        if self.verify:
+            verify_sync(self.plan, shards, self.rollout, dtype=self.dtype, device=device, bucket_bytes=self.bucket_bytes,
+                        group=self.group, pending=self.pending if self.split else None)
         if self.split:  # no world collective here: the roles are at different points; the step reduces these
             return {"weight_sync/bytes_recv": float(stats.bytes_recv), "weight_sync/bytes_sent": float(stats.bytes_sent),
                     "weight_sync/collectives": float(stats.collectives), "timing/weight_sync_transport_s": stats.seconds}

@@ -56,12 +56,15 @@ def execute(
     deliver,
     group=None,
     pending: list | None = None,
+    fill: float | None = None,
 ) -> SyncStats:
     """Run `plan` on this rank. shards: name -> (local tensor, its block) for what this rank holds.
     deliver(list of (name, full-shaped tensor)) is called once per bucket on ranks that receive weights.
     pending: a list to put the works of buckets this rank only sends in, instead of waiting for them (split
     placement: the training ranks go on while the rollout ranks receive; the send buffers are copies, so
-    the parameters may change meanwhile). The caller waits for them before the next sync."""
+    the parameters may change meanwhile). The caller waits for them before the next sync.
+    fill: a value for the part of each full-shaped tensor outside this rank's shard (rollout.verify_sync fills
+    NaN, so a loader reading outside the shard shows); None leaves it uninitialised."""
     stats = SyncStats()
     t0 = time.perf_counter()
     esize = torch.empty((), dtype=dtype).element_size()
@@ -101,6 +104,8 @@ def execute(
             if want is None:
                 continue
             full = torch.empty(plan.shapes[name], dtype=dtype, device=comm_device)  # vLLM reads only its slice
+            if fill is not None:
+                full.fill_(fill)
             for t in plan.local[name]:
                 if t.dst == rank:
                     local, held = shards[name]

@@ -87,6 +87,11 @@ class RolloutEngine(Protocol):
         """Apply what update_weights left pending (the next generate does it anyway); no-op when nothing is."""
         ...
 
+    def weight_snapshot(self) -> dict[str, torch.Tensor]:
+        """Host copies of the weights this rank's engine computes with, by the engine's own names (after
+        finish_weight_update); rollout.verify_sync compares two of them."""
+        ...
+
     def sleep(self, level: int = 1) -> None:
         """Release weights (level 1: kept on host; level 2: dropped) and KV cache memory until wake_up (no-op
         where unsupported)."""

@@ -199,6 +199,13 @@ class HFEngine:
     def finish_weight_update(self) -> None:
         """Nothing pending: update_weights copies immediately."""
 
+    @torch.no_grad()
+    def weight_snapshot(self) -> dict[str, torch.Tensor]:
+        """Host copies of every parameter and buffer, by HF name."""
+        tensors = dict(self.model.named_parameters())
+        tensors.update(self.model.named_buffers())
+        return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+
     # ---------------------------------------------------------------------------------------------- lifecycle
 
     def sleep(self, level: int = 1) -> None:

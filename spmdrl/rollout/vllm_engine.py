@@ -300,6 +300,14 @@ class VLLMEngine:
         self._reloading = False
         self.llm.reset_prefix_cache()
 
+    def weight_snapshot(self) -> dict[str, torch.Tensor]:
+        """Host copies of what this rank's vLLM computes with, by vLLM's names (its TP shard, fused qkv_proj /
+        gate_up_proj): every parameter and buffer of the model, and for a linear layer whose weight the backend
+        repacked out of its parameter (the CPU backend leaves an empty one), the effective weight, read as
+        (I @ W^T)^T through the layer's own GEMM."""
+        self.finish_weight_update()
+        return self.llm.collective_rpc(_weight_snapshot)[0]
+
     # ---------------------------------------------------------------------------------------------- lifecycle
 
     def sleep(self, level: int = 1) -> None:
@@ -366,6 +374,23 @@ def _finish_reload(worker) -> None:
 
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
         finalize_layerwise_reload(_model(worker), worker.vllm_config.model_config)
+
+
+@torch.no_grad()
+def _weight_snapshot(worker) -> dict[str, torch.Tensor]:
+    from vllm.model_executor.layers.linear import LinearBase
+
+    model = _model(worker)
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    out = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items() if t.numel()}
+    for name, layer in model.named_modules():
+        w = getattr(layer, "weight", None)
+        if isinstance(layer, LinearBase) and isinstance(w, torch.Tensor) and w.numel() == 0:
+            k = getattr(layer, "input_size_per_partition", layer.input_size)
+            eye = torch.eye(k, dtype=w.dtype, device=w.device)
+            out[f"{name}.weight"] = layer.quant_method.apply(layer, eye).t().to("cpu", copy=True)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- shutdown

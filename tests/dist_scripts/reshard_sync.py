@@ -4,7 +4,11 @@ Builds the FSDP2 (+ DTensor TP) actor and the in-process vLLM engine on the layo
 so the weights differ from the checkpoint vLLM loaded, syncs, and compares vLLM's log-probs of sampled tokens
 with the actor's. Writes OUT/rank{r}.json with the sync metrics, the plan's figures and the comparison.
 
-torchrun --nproc-per-node N reshard_sync.py --model M --out DIR --actor-tp A --rollout-tp R
+--verify: that sync runs with rollout.verify_sync, and two deliberately wrong syncs follow, each of which the
+check must stop on every rank: a wrong vLLM slicing rule (rank r's q_proj rows taken as rank r+1's) and, on
+rank 1 only, two rows of one parameter swapped on their way into vLLM. Their messages go into the json.
+
+torchrun --nproc-per-node N reshard_sync.py --model M --out DIR --actor-tp A --rollout-tp R [--verify]
 """
 import argparse
 import json
@@ -21,6 +25,7 @@ def main():
     ap.add_argument("--actor-tp", type=int, default=1)
     ap.add_argument("--rollout-tp", type=int, default=1)
     ap.add_argument("--bucket-mb", type=int, default=1)
+    ap.add_argument("--verify", action="store_true")
     args = ap.parse_args()
 
     from spmdrl.config.schema import PlacementConfig
@@ -50,7 +55,8 @@ def main():
         return -(logp * batch.resp_mask).sum(), {}
 
     actor.train_step([tb], loss_fn)
-    sync = WeightSync(actor, rollout, meshes["rollout"], dtype=torch.float32, bucket_mb=args.bucket_mb)
+    sync = WeightSync(actor, rollout, meshes["rollout"], dtype=torch.float32, bucket_mb=args.bucket_mb,
+                      verify=args.verify)
     metrics = sync()
 
     # vLLM samples from the synced weights; the actor scores the same tokens
@@ -76,10 +82,63 @@ def main():
         "tp_sharded_bytes_moved": tp_bytes,
         "model_bytes": sum(torch.Size(s).numel() * 4 for _, s in actor.param_shapes()),
     }
+    if args.verify:
+        res["wrong_rule"] = wrong_sync(lambda: wrong_rule(actor, rollout, meshes, args.bucket_mb))
+        res["swapped_rows"] = wrong_sync(lambda: swapped_rows(sync, rank))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.barrier()
     return 0
+
+
+def wrong_sync(run) -> str:
+    """The SyncMismatch message a deliberately wrong sync ends with ('' if it passes)."""
+    from spmdrl.reshard.verify import SyncMismatch
+
+    try:
+        run()
+    except SyncMismatch as e:
+        return str(e)
+    return ""
+
+
+def wrong_rule(actor, rollout, meshes, bucket_mb):
+    """A sync planned with a wrong vLLM slicing rule: rank r of the TP group is sent the q_proj rows of rank r+1."""
+    from spmdrl.reshard import plan
+    from spmdrl.reshard.sync import WeightSync
+
+    right = plan.vllm_block
+
+    def wrong(name, shape, dims, tp, r):
+        return right(name, shape, dims, tp, (r + 1) % tp if name.endswith("q_proj.weight") else r)
+
+    plan.vllm_block = wrong
+    try:
+        sync = WeightSync(actor, rollout, meshes["rollout"], dtype=torch.float32, bucket_mb=bucket_mb, verify=True)
+    finally:
+        plan.vllm_block = right
+    sync()
+
+
+def swapped_rows(sync, rank):
+    """The right plan, but on rank 1 two rows of layer 1's down_proj are swapped on their way into vLLM."""
+    from spmdrl.reshard import sync as sync_module
+
+    execute = sync_module.execute
+
+    def swapping(*args, deliver, **kwargs):
+        def deliver_swapped(bucket):
+            for name, t in bucket:
+                if rank == 1 and name == "model.layers.1.mlp.down_proj.weight":
+                    t[[0, 1]] = t[[1, 0]]
+            deliver(bucket)
+        return execute(*args, deliver=deliver_swapped, **kwargs)
+
+    sync_module.execute = swapping
+    try:
+        sync()
+    finally:
+        sync_module.execute = execute
 
 
 if __name__ == "__main__":
