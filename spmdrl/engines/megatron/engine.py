@@ -31,6 +31,7 @@ from spmdrl.dist.meshes import RoleMesh
 from spmdrl.engines.base import clipped_step, step_metrics
 from spmdrl.engines.fsdp import TokenBatch, lr_lambda
 from spmdrl.errors import ConfigError
+from spmdrl.reshard.plan import MEGATRON_MODEL_TYPES
 
 from . import forward as fw
 from .convert import Piece, dims_from_hf, hf_param_shapes, hf_pieces, stage_layers, vocab_rows
@@ -59,7 +60,7 @@ class MegatronEngine:
             self.config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.path = {model_path!r}: cannot load the model config ({e})") from None
-        if self.config.model_type not in ("llama", "qwen2"):
+        if self.config.model_type not in MEGATRON_MODEL_TYPES:  # config validation refuses it first
             raise ConfigError(f"megatron backend: model_type {self.config.model_type!r} is not supported "
                               "(Llama / Qwen2 family); use trainer.backend = 'fsdp'")
         if value_head:
