@@ -8,15 +8,30 @@ Roles on the Megatron backend (trainer.backend = "megatron") take their per-rank
 from `spmdrl.plan.megatron` and their weight-sync sources from `reshard.plan.megatron_blocks`.
 
 Memory is an estimate per rank (GPU) and per node (host), in GiB (2^30 bytes), for the colocated phase order
-that `spmdrl.loop.memory.MemoryLifecycle` runs:
+that `spmdrl.loop.memory.MemoryLifecycle` runs, plus the moments around it:
 
-    load -> rollout -> ref_forward -> train_critic -> train_actor -> sync -> rollout ...
+    build -> load -> (sync) -> rollout -> ref_forward -> train_critic -> train_actor -> sync -> rollout ...
+    checkpoint_save at the end of a step; resume in a new process instead of build/load
 
 A phase's GPU figure is what the active role needs (state onloaded, FSDP2 all-gather buffers, activations)
-plus what the other roles keep resident (the kinds not listed in memory.<role>_offload) plus vLLM's share.
-Assumptions (each is a named constant below): the CUDA context and NCCL buffers cost CUDA_CONTEXT_GIB per
-GPU; a rank's host process (Python, torch, vLLM, tokenizer, data) costs PROCESS_HOST_GIB; activation bytes
-per token per layer follow `layer_activation_bytes` (bf16 tensors saved for backward, fp32 RMSNorm inputs).
+plus what the other roles keep resident (the kinds not listed in memory.<role>_offload) plus vLLM's share, the
+CUDA context and NCCL's buffers (`spmdrl.plan.overheads`):
+  build            training engines built one at a time (actor, ref, critic), each one's configured kinds moved
+                   to the host right after it is built: the worst engine at its construction peak next to what
+                   the earlier ones left. vLLM then starts only if gpu_memory_utilization x GPU is free
+                   (vllm_start; vLLM 0.32 v1/worker/utils.py request_memory refuses to start otherwise).
+  load             the residents next to vLLM's pool, before the first step
+  sync             the actor's weights next to vLLM's pool: the first sync after a build or a resume runs with
+                   vLLM's KV cache awake; the weight sync's buffers (`spmdrl.plan.sync_memory`)
+  checkpoint_save  every engine saved from where it lives (offloaded kinds from their host copies) at the end of
+                   a step: the worst of the states a save can follow (the sync; validation, with vLLM's whole pool
+                   awake; a critic-warmup update), plus DCP staging one tensor (the largest shard) to the host
+  resume           the residents of a build, vLLM's pool, the checkpoint loaded in place (Adam moments created
+                   where their kind lives), DCP staging
+Assumptions (each is a named constant, in `spmdrl.plan.overheads` where it is not a model dimension): the CUDA
+context costs CUDA_CONTEXT_GIB per GPU; a rank's host process (Python, torch, vLLM, tokenizer, data) costs
+PROCESS_HOST_GIB; activation bytes per token per layer follow `layer_activation_bytes` (bf16 tensors saved for
+backward, fp32 RMSNorm inputs). None of these figures has been measured on a GPU.
 """
 from __future__ import annotations
 
@@ -434,8 +449,14 @@ def render(p: dict) -> str:
               "", f"memory per phase (GiB): {'phase':14s} {'GPU/rank':>9s} {'host/node':>10s}  fits  breakdown (GPU)"]
     for name, ph in p["memory"].items():
         parts = ", ".join(f"{k} {v:g}" for k, v in ph["gpu"].items())
-        lines.append(f"  {name:36s} {ph['gpu_gb']:9.2f} {ph['host_gb']:10.1f}  {'yes' if ph['fits'] else 'NO ':4s}  {parts}")
-    lines += ["", f"fits: {str(p['fits']).lower()}"]
+        after = f" ({ph['after']})" if "after" in ph else ""
+        lines.append(f"  {name + after:36s} {ph['gpu_gb']:9.2f} {ph['host_gb']:10.1f}  {'yes' if ph['fits'] else 'NO ':4s}  {parts}")
+    vs, n = p["memory"]["build"]["vllm_start"], p["nccl"]
+    lines += [f"  vLLM start: {vs['gpu_used_gb']:.2f} GiB in use, needs {vs['gpu_free_needed_gb']:.2f} GiB free "
+              f"(gpu_memory_utilization x GPU): {'yes' if vs['ok'] else 'NO'}",
+              f"  NCCL per rank: communicators {n['communicators']} x {n['comm_gb']} GiB; weight-sync peers "
+              f"{p['weight_sync']['p2p_peers_max']} (in node, other nodes) x {n['p2p_peer_gb']} GiB",
+              "", f"fits: {str(p['fits']).lower()}"]
     return "\n".join(lines)
 
 

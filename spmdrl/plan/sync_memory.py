@@ -62,9 +62,10 @@ def sync_peak(plan, bucket_bytes: int, ranks) -> dict[str, int]:
     best: dict[str, int] = {}
     for r in ranks:
         targeted = {n for n, tg in plan.target_of.items() if r in tg}
-        remaining: dict[str, set[str]] = {}
+        members: dict[str, set[str]] = {}
         for n in targeted:
-            remaining.setdefault(vllm_layer(n), set()).add(n)
+            members.setdefault(vllm_layer(n), set()).add(n)
+        remaining = {layer: set(ns) for layer, ns in members.items()}
         held: dict[str, int] = {}
         for names in buckets:
             mine = [n for n in names if n in targeted]
@@ -73,7 +74,7 @@ def sync_peak(plan, bucket_bytes: int, ranks) -> dict[str, int]:
                 layer = vllm_layer(n)
                 if remaining[layer] <= set(mine) and layer not in done:
                     done.add(layer)
-                    copy = max(copy, sum(math.prod(plan.target_of[m][r][1]) for m in remaining[layer]) * eb)
+                    copy = max(copy, sum(math.prod(plan.target_of[m][r][1]) for m in members[layer]) * eb)
             fig = {"bucket_full_tensors": sum(math.prod(plan.shapes[n]) for n in mine) * eb,
                    "reload_retained": sum(held.values()),
                    "reload_layer_copy": copy,
