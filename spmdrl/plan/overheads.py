@@ -116,8 +116,15 @@ def p2p_peers(plan, gpus_per_node: int) -> dict[int, tuple[int, int]]:
             if t.src != t.dst:
                 peers.setdefault(t.src, set()).add(t.dst)
                 peers.setdefault(t.dst, set()).add(t.src)
-    node = lambda r: r // gpus_per_node  # noqa: E731
-    return {r: (sum(node(p) == node(r) for p in ps), sum(node(p) != node(r) for p in ps)) for r, ps in peers.items()}
+    return {r: _split_by_node(r, ps, gpus_per_node) for r, ps in peers.items()}
+
+
+def _split_by_node(rank: int, others, gpus_per_node: int) -> tuple[int, int]:
+    """(how many of `others` share rank's node, how many do not)."""
+    from spmdrl.dist.layout import node_of
+
+    same = sum(node_of(o, gpus_per_node) == node_of(rank, gpus_per_node) for o in others)
+    return same, len(others) - same
 
 
 def nccl_bytes(comms: dict, peers: tuple[int, int], pipeline_peers: tuple[int, int] = (0, 0)) -> dict[str, int]:
@@ -134,9 +141,7 @@ def pipeline_peers(lay, rank: int, gpus_per_node: int) -> tuple[int, int]:
     if c is None or lay.pp == 1:
         return 0, 0
     g = lay.mesh_ranks()[c[0]]
-    nbrs = {g[p][c[2]] for p in (c[1] - 1, c[1] + 1) if 0 <= p < lay.pp}
-    return (sum(n // gpus_per_node == rank // gpus_per_node for n in nbrs),
-            sum(n // gpus_per_node != rank // gpus_per_node for n in nbrs))
+    return _split_by_node(rank, {g[p][c[2]] for p in (c[1] - 1, c[1] + 1) if 0 <= p < lay.pp}, gpus_per_node)
 
 
 # ------------------------------------------------------------------------------------------------ vLLM
