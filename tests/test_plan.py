@@ -59,19 +59,22 @@ def test_plan_equals_real_sync(tmp_path, actor_tp):
     assert plan["roles"]["actor"]["tp"] == actor_tp
 
 
-@pytest.mark.parametrize("config", ["configs/grpo.toml", "configs/ppo_70b.toml"])
+@pytest.mark.parametrize("config", ["configs/grpo.toml", "configs/ppo.toml", "configs/ppo_70b.toml"])
 def test_shipped_configs_fit(config):
-    """The example GPU configs fit an 80 GB H100 node by the plan: every phase under 0.9 x GPU and host memory."""
+    """The example GPU configs fit an 80 GB H100 node by the plan: every phase, building the engines, saving a
+    checkpoint and resuming included, under 0.9 x GPU and host memory, and vLLM finds its share free at start."""
     p = plan_json(os.path.join(REPO, config))
     assert p["fits"] is True, {k: (v["gpu_gb"], v["host_gb"]) for k, v in p["memory"].items()}
     for phase, m in p["memory"].items():
         assert m["gpu_gb"] <= 0.9 * 80, phase
         assert m["host_gb"] <= 0.9 * p["hardware"]["host_memory_gb"], phase
-    assert {"rollout", "sync", "train_actor"} <= set(p["memory"])
+    assert {"build", "load", "rollout", "sync", "train_actor", "checkpoint_save", "resume"} <= set(p["memory"])
+    assert p["memory"]["build"]["vllm_start"]["ok"] is True
     ws = p["weight_sync"]
     assert ws["bytes_recv_max"] <= 1.1 * ws["bytes_lower_bound"]
     # parameter counts of the published checkpoints (their safetensors totals)
-    published = {"configs/grpo.toml": 7_615_616_512, "configs/ppo_70b.toml": 70_553_706_496}[config]
+    published = {"configs/grpo.toml": 7_615_616_512, "configs/ppo.toml": 7_615_616_512,
+                 "configs/ppo_70b.toml": 70_553_706_496}[config]
     assert p["model"]["params"] == published
     if config == "configs/grpo.toml":  # actor FSDP2 over 8 ranks, no TP: an eighth each, fp32 master + AdamW
         train = p["memory"]["train_actor"]["gpu"]

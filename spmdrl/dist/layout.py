@@ -140,6 +140,11 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = True,
     return out
 
 
+def node_of(rank: int, gpus_per_node: int) -> int:
+    """The node a global rank runs on (ranks fill nodes in order, gpus_per_node each)."""
+    return rank // gpus_per_node
+
+
 def is_split(layouts: dict[str, RoleLayout]) -> bool:
     """Whether the rollout ranks and the training ranks are disjoint (split placement)."""
     return not set(layouts["rollout"].ranks) & set(layouts["actor"].ranks)

@@ -8,15 +8,30 @@ Roles on the Megatron backend (trainer.backend = "megatron") take their per-rank
 from `spmdrl.plan.megatron` and their weight-sync sources from `reshard.plan.megatron_blocks`.
 
 Memory is an estimate per rank (GPU) and per node (host), in GiB (2^30 bytes), for the colocated phase order
-that `spmdrl.loop.memory.MemoryLifecycle` runs:
+that `spmdrl.loop.memory.MemoryLifecycle` runs, plus the moments around it:
 
-    load -> rollout -> ref_forward -> train_critic -> train_actor -> sync -> rollout ...
+    build -> load -> (sync) -> rollout -> ref_forward -> train_critic -> train_actor -> sync -> rollout ...
+    checkpoint_save at the end of a step; resume in a new process instead of build/load
 
 A phase's GPU figure is what the active role needs (state onloaded, FSDP2 all-gather buffers, activations)
-plus what the other roles keep resident (the kinds not listed in memory.<role>_offload) plus vLLM's share.
-Assumptions (each is a named constant below): the CUDA context and NCCL buffers cost CUDA_CONTEXT_GIB per
-GPU; a rank's host process (Python, torch, vLLM, tokenizer, data) costs PROCESS_HOST_GIB; activation bytes
-per token per layer follow `layer_activation_bytes` (bf16 tensors saved for backward, fp32 RMSNorm inputs).
+plus what the other roles keep resident (the kinds not listed in memory.<role>_offload) plus vLLM's share, the
+CUDA context and NCCL's buffers (`spmdrl.plan.overheads`):
+  build            training engines built one at a time (actor, ref, critic), each one's configured kinds moved
+                   to the host right after it is built: the worst engine at its construction peak next to what
+                   the earlier ones left. vLLM then starts only if gpu_memory_utilization x GPU is free
+                   (vllm_start; vLLM 0.32 v1/worker/utils.py request_memory refuses to start otherwise).
+  load             the residents next to vLLM's pool, before the first step
+  sync             the actor's weights next to vLLM's pool: the first sync after a build or a resume runs with
+                   vLLM's KV cache awake; the weight sync's buffers (`spmdrl.plan.sync_memory`)
+  checkpoint_save  every engine saved from where it lives (offloaded kinds from their host copies) at the end of
+                   a step: the worst of the states a save can follow (the sync; validation, with vLLM's whole pool
+                   awake; a critic-warmup update), plus DCP staging one tensor (the largest shard) to the host
+  resume           the residents of a build, vLLM's pool, the checkpoint loaded in place (Adam moments created
+                   where their kind lives), DCP staging
+Assumptions (each is a named constant, in `spmdrl.plan.overheads` where it is not a model dimension): the CUDA
+context costs CUDA_CONTEXT_GIB per GPU; a rank's host process (Python, torch, vLLM, tokenizer, data) costs
+PROCESS_HOST_GIB; activation bytes per token per layer follow `layer_activation_bytes` (bf16 tensors saved for
+backward, fp32 RMSNorm inputs). None of these figures has been measured on a GPU.
 """
 from __future__ import annotations
 
@@ -24,9 +39,9 @@ import math
 
 from spmdrl.engines.loading import load_hf_config, model_param_shapes
 
-GIB = 2**30
-CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspaces and NCCL buffers per GPU, outside torch's allocator
-PROCESS_HOST_GIB = 6.0  # one rank's host process: interpreter, torch/CUDA/vLLM libraries, tokenizer, data
+from .overheads import (CUDA_CONTEXT_GIB, GIB, NCCL_COMM_BYTES, NCCL_NET_PEER_BYTES, NCCL_NVLINK_PEER_BYTES,
+                        PROCESS_HOST_GIB, communicators, nccl_bytes, p2p_peers, pipeline_peers, vllm_outside_pool)
+from .sync_memory import pending_send_bytes, sync_peak
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -71,7 +86,8 @@ def shard_stats(params, lay) -> dict:
         if ".layers." in n:
             key = n.split(".layers.")[1].split(".")[0]
             layers[key] = layers.get(key, 0) + numel(fsdp_block(s, fsdp_tp_style(n), 1, lay.tp, 0, 0))
-    return {"shard": max(per_rank.values()), "tp_local": tp_local, "root": root,
+    largest = max(numel(fsdp_block(s, fsdp_tp_style(n), lay.dp, lay.tp, 0, 0)) for n, s in params)
+    return {"shard": max(per_rank.values()), "tp_local": tp_local, "root": root, "largest": largest,
             "layer": max(layers.values(), default=0), "total": sum(math.prod(s) for _, s in params)}
 
 
@@ -103,22 +119,6 @@ def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int, back
     else:
         sources = fsdp_blocks(params, grid)
     return plan_sync(params, sources, targets, elem_bytes)
-
-
-def transport_peak_bytes(plan, bucket_bytes: int) -> int:
-    """Largest per-bucket buffer footprint on one rank: the full-shaped tensors it assembles (a bucket holds at
-    least one parameter, so a big embedding makes its own bucket) plus the bytes it receives and sends."""
-    peak = 0
-    for names in plan.buckets(bucket_bytes):
-        full = sum(math.prod(plan.shapes[n]) for n in names) * plan.elem_bytes
-        moved: dict[int, int] = {}
-        for n in names:
-            for t in plan.transfers[n]:
-                k = math.prod(t.block[1]) * plan.elem_bytes
-                moved[t.dst] = moved.get(t.dst, 0) + k
-                moved[t.src] = moved.get(t.src, 0) + k
-        peak = max(peak, full + max(moved.values(), default=0))
-    return peak
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -164,6 +164,7 @@ def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, mast
 def build_plan(cfg, world_size: int | None = None) -> dict:
     """Everything `spmdrl plan` prints, as one JSON-able dict."""
     from spmdrl.dist.layout import is_split, plan_layout, role_backends
+    from spmdrl.rollout import vllm_available
 
     m = cfg.memory
     on_gpu = cfg.trainer.device != "cpu"
@@ -174,7 +175,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     actor_params = model_param_shapes(hf)
     rollout_eb = 2 if cfg.rollout.dtype == "bfloat16" or (cfg.rollout.dtype == "auto" and on_gpu) else 4
     compute_eb = 2 if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu) else 4
-    master_eb = 2 if cfg.model.dtype == "bfloat16" else 4  # auto keeps float32 master weights under bf16 compute
+    master_eb = 4  # FSDPEngine keeps float32 master shards for a trainable role whatever model.dtype (engines/fsdp.py)
     plan = weight_sync_plan(actor_params, hf, layout, cfg, rollout_eb, backend=backends["actor"])
     bucket = cfg.rollout.weight_sync_bucket_mb << 20
     sync = plan.summary(bucket)
@@ -194,7 +195,10 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                                micro=cfg.reward.model_micro_batch_size, lm_head=False, hf=rhf)
     for role, r in roles.items():
         r["role"] = role
+    split = is_split(layout)  # rollout ranks hold vLLM only, training ranks never hold it
     offload = {"actor": m.actor_offload, "critic": m.critic_offload, "ref": m.ref_offload, "reward": []}
+    if split:  # nothing shares a device: the lifecycle offloads nothing (loop/trainer.py)
+        offload = {k: [] for k in offload}
     state = {}
     for role, r in roles.items():
         c = r.get("hf", hf)
@@ -208,16 +212,25 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                 in_flight=micro_batches_in_flight(cfg, role, layout[role]), layer_bytes=layer_activation_bytes,
                 chunk=cfg.actor.logprob_chunk_size)
             kinds, train, forward, host_always = mem["kinds"], mem["train"], mem["forward"], False
+            build, build_kinds = mem["build"], mem["build_kinds"]
             st["worst_stage"] = mem["worst_stage"]
         else:
             st = shard_stats(r["params"], layout[role])
             kinds, train, forward, host_always = _fsdp_memory(cfg, r, st, c, layout[role], seq, compute_eb, master_eb)
+            # FSDP2 at construction: the sharded weights only (gradients are None, AdamW's state is created at
+            # the first step); under CPUOffloadPolicy (ref.offload) not even those
+            build_kinds = {} if host_always else {"params": kinds["params"]}
+            build = dict(build_kinds)
         resident = {k: v for k, v in kinds.items() if k not in offload[role] and not host_always}
         # the Megatron engine frees its grad buffers on offload (regrown as zeros), so they take no host memory
         freed = ("grads",) if backends.get(role) == "megatron" else ()
         host = {k: v for k, v in kinds.items() if (k in offload[role] and k not in freed) or host_always}
+        # DCP stages one tensor at a time to the host: the largest shard, float32 for a trained role's master
+        # weights and Adam moments
+        staging = st["largest"] * (4 if r["trainable"] else compute_eb)
         state[role] = dict(kinds=kinds, train=train, forward=forward, resident=resident, host_when_idle=host,
-                           host_always=({"params": kinds["params"]} if host_always else {}), stats=st)
+                           host_always=({"params": kinds["params"]} if host_always else {}), stats=st,
+                           build=build, build_kinds=build_kinds, staging=staging)
 
     from spmdrl.reshard.plan import numel
 
@@ -230,8 +243,31 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     rt = layout["rollout"].tp
     vllm_act = (cfg.rollout.max_num_batched_tokens * (4 * hf.hidden_size + 2 * hf.intermediate_size // rt) * rollout_eb
                 + cfg.rollout.max_num_seqs * hf.vocab_size * 4)
-    kv_cache = vllm_pool - vllm_w - vllm_act
-    transport = transport_peak_bytes(plan, bucket)
+    vllm_on = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
+    asleep = vllm_outside_pool(cfg, hf, rt, rollout_eb) if vllm_on else {}  # what vLLM keeps while it sleeps
+    awake = {k: v for k, v in asleep.items() if k == "vllm_allreduce_buffers"}  # outside its budget when awake
+    # vLLM sizes its KV cache to what its budget leaves after weights, activations, graphs and runner buffers
+    kv_cache = vllm_pool - vllm_w - vllm_act - asleep.get("vllm_cudagraph_pool", 0) - asleep.get("vllm_runner_buffers", 0)
+
+    # NCCL per rank: communicators and point-to-point peers; the worst rank of a set
+    gpus_node = min(m.gpus_per_node, world)
+    comms = communicators(layout, backends, world, split, vllm_on)
+    peers = p2p_peers(plan, m.gpus_per_node)
+    mega = next((layout[r] for r in ("actor", "ref", "critic") if r in roles and backends.get(r) == "megatron"), None)
+
+    def nccl(ranks, vllm: bool = True, p2p: bool = True) -> dict[str, int]:
+        worst: dict[str, int] = {}
+        for rank in ranks:
+            c = {**comms[rank], **({} if vllm else {"vllm": 0})}
+            pipe = pipeline_peers(mega, rank, m.gpus_per_node) if mega is not None and p2p else (0, 0)
+            f = nccl_bytes(c, peers.get(rank, (0, 0)) if p2p else (0, 0), pipe)
+            if sum(f.values()) > sum(worst.values()):
+                worst = f
+        return worst
+
+    train_ranks, rollout_ranks = layout["actor"].ranks, layout["rollout"].ranks
+    nccl_train, nccl_rollout = nccl(train_ranks), nccl(rollout_ranks)
+    nccl_start = nccl(train_ranks if not split else rollout_ranks, p2p=False)  # before any point-to-point
 
     def idle(active: set[str]) -> tuple[dict, dict]:
         gpu, host = {}, {}
@@ -244,28 +280,69 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                 host[f"{role}_{k}"] = v
         return gpu, host
 
-    split = is_split(layout)  # rollout ranks hold vLLM only, training ranks never hold it
+    def prefixed(role: str, kinds: dict) -> dict:
+        return {f"{role}_{k}": v for k, v in kinds.items()}
+
+    def transport(ranks) -> dict:
+        return {f"sync_{k}": v for k, v in sync_peak(plan, bucket, ranks).items()}
+
+    pending = {"weight_sync_pending_sends": pending_send_bytes(plan, train_ranks)} if split else {}
+    vllm_idle = {} if split else asleep  # on a training rank
     phases: dict[str, tuple[dict, dict]] = {}
-    g, h = idle(set())
-    phases["load"] = ({**g, **({} if split else {"vllm_pool": vllm_pool})},
-                      {**h, "load_largest_slice": max(math.prod(s) for _, s in actor_params) * 4 // max(1, layout["actor"].dp)})
-    phases["rollout"] = ({**({} if split else g), "vllm_weights": vllm_w, "vllm_kv_cache_and_activations": vllm_pool - vllm_w},
-                         {} if split else h)
+    notes: dict[str, str] = {}
+    g0, h0 = idle(set())
+    # build: each engine constructed next to what the ones before it left on the GPU, then vLLM's start-up
+    build_gpu, before_vllm = _build_phase(state, offload)
+    phases["build"] = ({**build_gpu, **nccl(train_ranks, vllm=False, p2p=False)}, h0)
+    start_used = sum(({} if split else before_vllm).values()) + sum(nccl_start.values()) + sum(awake.values())
+    vllm_start = {"gpu_used_gb": _gib(start_used + CUDA_CONTEXT_GIB * GIB),
+                  "gpu_free_needed_gb": _gib(cfg.rollout.gpu_memory_utilization * m.gpu_memory_gb * GIB)}
+    vllm_start["ok"] = bool(not vllm_on or not on_gpu
+                            or start_used + CUDA_CONTEXT_GIB * GIB <= (1 - cfg.rollout.gpu_memory_utilization) * m.gpu_memory_gb * GIB)
+    phases["load"] = ({**({} if split else g0), "vllm_pool": vllm_pool, **awake, **nccl_start},
+                      {**h0, "load_largest_slice": max(math.prod(s) for _, s in actor_params) * 4 // max(1, layout["actor"].dp)})
+    phases["rollout"] = ({**({} if split else g0), "vllm_weights": vllm_w, "vllm_kv_cache_and_activations": vllm_pool - vllm_w,
+                          **awake, **nccl_rollout}, {} if split else h0)
     for role in ("ref", "reward"):
         if role in state:
             g, h = idle({role})
-            phases[f"{role}_forward"] = ({**g, **{f"{role}_{k}": v for k, v in state[role]["forward"].items()}}, h)
+            phases[f"{role}_forward"] = ({**g, **prefixed(role, state[role]["forward"]), **vllm_idle, **pending, **nccl_train}, h)
     for role in ("critic", "actor"):
         if role in state:
             g, h = idle({role})
-            phases[f"train_{role}"] = ({**g, **{f"{role}_{k}": v for k, v in state[role]["train"].items()}}, h)
+            phases[f"train_{role}"] = ({**g, **prefixed(role, state[role]["train"]), **vllm_idle, **pending, **nccl_train}, h)
+    # sync: the actor's params (and its kinds not offloaded) next to the other roles' residents; the first sync
+    # after a build or a resume runs with vLLM's whole pool awake (nothing has put it to sleep yet), later ones
+    # with its weights only: the phase shows the first
     g, h = idle({"actor"})
-    phases["sync"] = ({**g, "actor_params": state["actor"]["kinds"]["params"], **({} if split else {"vllm_weights": vllm_w}),
-                       "transport_buckets": transport}, {**h, **{f"actor_{k}": v for k, v in state["actor"]["host_when_idle"].items() if k != "params"}})
+    actor = {**prefixed("actor", state["actor"]["resident"]), "actor_params": state["actor"]["kinds"]["params"]}
+    actor_host = {f"actor_{k}": v for k, v in state["actor"]["host_when_idle"].items() if k != "params"}
+    phases["sync"] = ({**g, **actor, **({} if split else {"vllm_pool": vllm_pool, **awake}), **transport(train_ranks),
+                       **nccl_train}, {**h, **actor_host})
     if split:  # the receiving side of the sync: vLLM keeps its KV cache (nothing else shares the device)
-        phases["sync_rollout_ranks"] = ({"vllm_pool": vllm_pool, "transport_buckets": transport}, {})
+        phases["sync_rollout_ranks"] = ({"vllm_pool": vllm_pool, **awake, **transport(rollout_ranks), **nccl_rollout}, {})
+    # checkpoint save: every engine saved from where it lives, at the end of a step; the worst state it can follow
+    saved = [r for r in ("actor", "critic") if r in state]
+    staging = {"dcp_staging": max(state[r]["staging"] for r in saved)}
+    after = {}
+    if split:
+        after["sync"] = {**{f"{role}_{k}": v for role in state for k, v in state[role]["kinds"].items()}, **pending}
+    else:
+        after["sync"] = {**g, **actor, "vllm_weights": vllm_w, **asleep}
+        if cfg.data.val_files and cfg.checkpoint.save_freq >= 0:  # validation runs right before the last save
+            after["validation"] = {**g0, "vllm_pool": vllm_pool, **awake}
+        f, w = cfg.checkpoint.save_freq, cfg.trainer.critic_warmup
+        if "critic" in state and w > 0 and (0 < f <= w or cfg.trainer.total_steps <= w):  # no sync yet that step
+            gc_, _ = idle({"critic"})
+            after["critic_warmup_update"] = {**gc_, **prefixed("critic", state["critic"]["kinds"]), **asleep}
+    which = max(after, key=lambda k: sum(after[k].values()))
+    notes["checkpoint_save"] = f"after {which.replace('_', ' ')}"
+    phases["checkpoint_save"] = ({**after[which], **staging, **nccl_train}, h0)
+    # resume: a new process; engines built and offloaded as in build, vLLM built with its pool, then the
+    # checkpoint loaded in place (host copies for offloaded kinds, Adam moments created where their kind lives)
+    resume = {f"{role}_{k}": v for role in state for k, v in state[role]["kinds"].items()} if split else g0
+    phases["resume"] = ({**resume, **({} if split else {"vllm_pool": vllm_pool, **awake}), **staging, **nccl_start}, h0)
 
-    gpus_node = min(m.gpus_per_node, world)
     memory, fits = {}, True
     for name, (gpu, host) in phases.items():
         gpu = {**gpu, "cuda_context": CUDA_CONTEXT_GIB * GIB}
@@ -274,10 +351,14 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         ok = gpu_total <= m.margin * m.gpu_memory_gb * GIB and host_node <= m.margin * m.host_memory_gb * GIB
         fits &= ok
         memory[name] = {"gpu_gb": _gib(gpu_total), "host_gb": _gib(host_node), "fits": ok,
+                        **({"after": notes[name]} if name in notes else {}),
                         "gpu": {k: _gib(v) for k, v in gpu.items() if v},
                         "host_per_rank": {**{k: _gib(v) for k, v in host.items() if v}, "process": PROCESS_HOST_GIB}}
+    memory["build"]["vllm_start"] = vllm_start
+    fits &= vllm_start["ok"]
     kv_ok = kv_cache >= 2 * hf.num_hidden_layers * _kv_per_token(hf, rt) * seq  # at least one full sequence
     fits &= kv_ok
+    worst_comms = max(comms.values(), key=lambda c: sum(c.values()))
     return {
         "world_size": world,
         "hardware": {"gpu_memory_gb": m.gpu_memory_gb, "gpus_per_node": m.gpus_per_node,
@@ -291,11 +372,32 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         "placement": {"mode": "split" if split else "colocate", **(split_figures(cfg, layout) if split else {})},
         "weight_sync": {k: sync[k] for k in ("bytes_recv_max", "bytes_lower_bound", "collectives", "buckets",
                                              "bytes_recv_total", "bytes_sent_max")}
-                       | {"elem_bytes": rollout_eb, "full_gather_bytes_per_rank": state["actor"]["stats"]["total"] * 4},
+                       | {"elem_bytes": rollout_eb, "full_gather_bytes_per_rank": state["actor"]["stats"]["total"] * 4,
+                          "p2p_peers_max": list(max(peers.values(), key=sum, default=(0, 0)))},
         "rollout": {"vllm_weights_gb": _gib(vllm_w), "kv_cache_gb": _gib(kv_cache), "kv_cache_fits_one_sequence": kv_ok},
+        "nccl": {"communicators": worst_comms, "comm_gb": _gib(NCCL_COMM_BYTES),
+                 "p2p_peer_gb": {"nvlink": _gib(NCCL_NVLINK_PEER_BYTES), "network": _gib(NCCL_NET_PEER_BYTES)}},
         "memory": memory,
         "fits": bool(fits),
     }
+
+
+def _build_phase(state: dict, offload: dict) -> tuple[dict, dict]:
+    """Training engines built one at a time (actor, ref, critic; loop/build.py), each one's configured kinds
+    moved to the host right after it is built: the worst moment (one engine at its construction peak next to
+    what the earlier ones left on the GPU) and what is on the GPU when vLLM starts (the reward model, built
+    after them, stays)."""
+    before: dict[str, int] = {}
+    worst: dict[str, int] = {}
+    for role in ("actor", "ref", "critic", "reward"):
+        if role not in state:
+            continue
+        s = state[role]
+        now = {**before, **{f"{role}_{k}": v for k, v in s["build"].items()}}
+        if sum(now.values()) > sum(worst.values()):
+            worst = now
+        before.update({f"{role}_{k}": v for k, v in s["build_kinds"].items() if k not in offload[role]})
+    return worst, before
 
 
 def split_figures(cfg, layout: dict) -> dict:
@@ -347,8 +449,14 @@ def render(p: dict) -> str:
               "", f"memory per phase (GiB): {'phase':14s} {'GPU/rank':>9s} {'host/node':>10s}  fits  breakdown (GPU)"]
     for name, ph in p["memory"].items():
         parts = ", ".join(f"{k} {v:g}" for k, v in ph["gpu"].items())
-        lines.append(f"  {name:36s} {ph['gpu_gb']:9.2f} {ph['host_gb']:10.1f}  {'yes' if ph['fits'] else 'NO ':4s}  {parts}")
-    lines += ["", f"fits: {str(p['fits']).lower()}"]
+        after = f" ({ph['after']})" if "after" in ph else ""
+        lines.append(f"  {name + after:36s} {ph['gpu_gb']:9.2f} {ph['host_gb']:10.1f}  {'yes' if ph['fits'] else 'NO ':4s}  {parts}")
+    vs, n = p["memory"]["build"]["vllm_start"], p["nccl"]
+    lines += [f"  vLLM start: {vs['gpu_used_gb']:.2f} GiB in use, needs {vs['gpu_free_needed_gb']:.2f} GiB free "
+              f"(gpu_memory_utilization x GPU): {'yes' if vs['ok'] else 'NO'}",
+              f"  NCCL per rank: communicators {n['communicators']} x {n['comm_gb']} GiB; weight-sync peers "
+              f"{p['weight_sync']['p2p_peers_max']} (in node, other nodes) x {n['p2p_peer_gb']} GiB",
+              "", f"fits: {str(p['fits']).lower()}"]
     return "\n".join(lines)
 
 

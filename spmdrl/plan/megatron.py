@@ -35,6 +35,7 @@ def megatron_stats(params, lay, hf, padded_vocab: int | None = None) -> dict:
     blocks = megatron_blocks(params, grid, num_layers=hf.num_hidden_layers, padded_vocab=pv)
     stage_of = {grid[0][p][t]: (p, t) for p in range(lay.pp) for t in range(lay.tp)}
     per: dict[tuple[int, int], int] = {}
+    largest = 0  # the largest single tensor a rank holds
     for name, bs in blocks.items():
         for rank, b in bs:
             if rank not in stage_of:  # dp replicas hold the same as dp rank 0
@@ -43,9 +44,10 @@ def megatron_stats(params, lay, hf, padded_vocab: int | None = None) -> dict:
             if MEGATRON_VOCAB.search(name):  # megatron also holds the padding rows, Vp / tp in all
                 n = pv // lay.tp * math.prod(b[1][1:])
             per[stage_of[rank]] = per.get(stage_of[rank], 0) + n
+            largest = max(largest, n)
     stage = [max(per.get((p, t), 0) for t in range(lay.tp)) for p in range(lay.pp)]
     layers = pp_stage_layers(hf.num_hidden_layers, lay.pp)
-    return {"stage": stage, "shard": max(stage), "layers_per_stage": [len(x) for x in layers],
+    return {"stage": stage, "shard": max(stage), "layers_per_stage": [len(x) for x in layers], "largest": largest,
             "padded_vocab": pv, "total": sum(math.prod(s) for _, s in params)}
 
 
@@ -92,4 +94,21 @@ def megatron_memory(st: dict, *, c, lay, trainable: bool, micro: int, seq: int, 
         if sum(f.values()) > worst_f:
             worst_f, forward, stages["forward"] = sum(f.values()), f, p
     kinds = kinds_of(max(st["stage"]))
-    return {"kinds": kinds, "train": train, "forward": forward, "worst_stage": stages}
+    return {"kinds": kinds, "train": train, "forward": forward, "worst_stage": stages,
+            **megatron_build(max(st["stage"]), trainable, compute_eb, lay.dp)}
+
+
+def megatron_build(n: int, trainable: bool, compute_eb: int, dp: int) -> dict:
+    """What constructing the engine allocates for a stage of n parameters (per rank, bytes): "build" at its
+    peak, "build_kinds" once built. A frozen engine holds its weights. A trainable one: megatron DDP allocates
+    its contiguous param buffer (compute dtype) and float32 grad buffer at once, then copies each parameter
+    into the param buffer and frees the original (megatron-core 0.16.1 distributed/param_and_grad_buffer.py),
+    so for a moment the weights exist twice; then the distributed optimizer clones its float32 main-param
+    shard (1/dp; none when the weights are float32). Adam's moments are created at the first step or at a
+    checkpoint load (torch Adam's lazy state; spmdrl/engines/megatron/dist_optim.py init_state)."""
+    if not trainable:
+        return {"build": {"params": n * compute_eb}, "build_kinds": {"params": n * compute_eb}}
+    main = n * (4 if compute_eb != 4 else 0) // dp
+    kinds = {"params": n * compute_eb, "grads": n * 4, "optimizer": main}
+    copying = {"params": n * compute_eb, "grads": n * 4, "ddp_param_copy": n * compute_eb}
+    return {"build": copying if sum(copying.values()) > sum(kinds.values()) else kinds, "build_kinds": kinds}
