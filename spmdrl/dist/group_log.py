@@ -105,8 +105,8 @@ def _install() -> None:
         a.apply_defaults()
         a = a.arguments
         ranks = list(range(c10d._get_default_group().size())) if a["ranks"] is None else list(a["ranks"])
-        _record("new_group", sorted(ranks) if a["sort_ranks"] else ranks, bool(a["use_local_synchronization"]),
-                a["backend"], pg)
+        _record("new_group", sorted(ranks) if a.get("sort_ranks", True) else ranks,
+                bool(a.get("use_local_synchronization")), a.get("backend"), pg)
         return pg
 
     def logged_split_group(*args, **kwargs):
@@ -114,11 +114,11 @@ def _install() -> None:
         a = bind_split(*args, **kwargs)
         a.apply_defaults()
         a = a.arguments
-        parent = a["parent_pg"] or c10d._get_default_group()
-        to_global = c10d.get_process_group_ranks(parent)
+        parent = a.get("parent_pg") or c10d._get_default_group()
+        to_global = c10d.get_process_group_ranks(parent)  # group rank -> global rank
         splits = [sorted(to_global[r] for r in s) for s in a["split_ranks"]]
         mine = next((s for s in splits if _state["rank"] in s), [])
-        _record("split_group", mine, False, a["backend"], pg, parent=sorted(to_global), splits=splits)
+        _record("split_group", mine, False, a.get("backend"), pg, parent=sorted(to_global), splits=splits)
         return pg
 
     c10d._new_group_with_tag = logged_new_group_with_tag
