@@ -46,6 +46,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
     args = p.parse_args(argv)
     from spmdrl.config.loader import load_config
     from spmdrl.dist.init import destroy_distributed, detect_env, init_distributed
+    from spmdrl.dist.layout import is_split
 
     env = detect_env()
     setup_logging(env.rank)
@@ -65,7 +66,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
         if plan is False:  # nothing to do (said so)
             return 0
         try:
-            env, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+            env, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s, split=is_split(layout))
             logging.getLogger("spmdrl").info("%s: %d rank(s) via %s on %s; output %s", prog, env.world_size,
                                              env.launcher, device.type, cfg.trainer.output_dir)
             run_fn(cfg, layout, env, device)

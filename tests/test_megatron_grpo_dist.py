@@ -60,17 +60,26 @@ def check_steps(out, steps: int, critic: bool = False) -> list[dict]:
     return rows
 
 
-def test_grpo_megatron_tp2_pp2(assets, tmp_path):
+def test_grpo_megatron_tp2_pp2(assets, tmp_path, monkeypatch):
     """Actor TP=2 x PP=2 on 4 ranks -> vLLM TP=2 x DP=2: each rollout rank holds its own stage's layers and
-    receives the other stage's; the bytes equal what `spmdrl plan` computes from config.json alone."""
+    receives the other stage's; the bytes equal what `spmdrl plan` computes from config.json alone. Every
+    process-group creation (role meshes, megatron-core's parallel state, vLLM's build) follows NCCL's rule for
+    a device-bound default group: every rank makes the same creations in the same order."""
     import json
     import subprocess
     import sys
 
     from launching import REPO
+    from spmdrl.dist.group_log import check_nccl_rules, read_group_logs
 
     cfg = run_config(assets, tmp_path / "run", **{"placement.actor_tp": 2, "placement.actor_pp": 2})
+    monkeypatch.setenv("SPMDRL_GROUP_LOG", str(tmp_path / "groups"))
     run(["spmdrl.train", "--config", cfg], nproc=4, module=True, timeout=900)
+    logs, bound = read_group_logs(str(tmp_path / "groups"))
+    assert bound is True and check_nccl_rules(logs, bound) == []
+    for rank, rows in logs.items():
+        assert {g["caller"] for g in rows} == {"spmdrl", "megatron", "vllm"}, rank
+        assert not any(g["local"] for g in rows)
     rows = check_steps(tmp_path / "run", 2)
     assert rows[0]["weight_sync/bytes_recv_max"] > 0
     proc = subprocess.run([sys.executable, "-m", "spmdrl", "plan", "--config", cfg, "--json"], capture_output=True,

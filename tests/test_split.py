@@ -1,7 +1,8 @@
 """Split placement and k-step off-policy with real processes: 4 gloo ranks, vLLM TP=2 on ranks 0-1 (built on a
 sub-world of the 4), FSDP2 dp=2 on ranks 2-3, GRPO. Four runs shared by the tests below (about 3 minutes on 2
 cores): split with max_staleness 0, colocated on 2 ranks with the same seed, split with max_staleness 1 (4
-steps, checkpoints at steps 2 and 4), and that run resumed from its step-2 checkpoint."""
+steps, checkpoints at steps 2 and 4), and that run resumed from its step-2 checkpoint. Every run logs its
+process-group creations (SPMDRL_GROUP_LOG), checked against NCCL's rules."""
 import glob
 import json
 import os
@@ -45,6 +46,7 @@ def train(out, nproc, args, monkeypatch):
     dump = out / "dump"
     dump.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("SPMDRL_TEST_DUMP", str(dump))
+    monkeypatch.setenv("SPMDRL_GROUP_LOG", str(out / "groups"))  # every process-group creation, per rank
     return run(["spmdrl.train", *args], nproc=nproc, module=True)
 
 
@@ -153,7 +155,7 @@ def test_transferred_bytes_equal_the_plan(runs):
     for f in glob.glob(os.path.join(runs.model, "*.safetensors")):
         tensors.update(load_file(f))
     shard = 4 * sum(t.numel() if "norm" in k else t.numel() // 2 for k, t in tensors.items())
-    assert [r["weight_sync/bytes_recv_max"] for r in rows[1:]] == [0.0, shard, shard]  # none before step 1's update
+    assert [r["weight_sync/bytes_recv_max"] for r in rows[1:]] == [shard] * 3  # each step's update, within the step
     assert rows[1]["weight_sync/bytes_lower_bound"] == shard
     # batches: each training rank receives its 8 samples once, every tensor as float64 columns of its width
     for rank in (2, 3):
@@ -177,3 +179,27 @@ def test_resume_keeps_the_in_flight_batch_and_is_bitwise(runs):
     for rank in (2, 3):
         assert versions(runs.s1r, rank)[3]["all"] == versions(runs.s1, rank)[3]["all"]
         assert versions(runs.s1r, rank)[4]["all"] == versions(runs.s1, rank)[4]["all"]
+
+
+def test_group_creations_follow_nccl_rules(runs):
+    """Every process-group creation of the runs (role meshes, transfer groups, vLLM's build), checked against
+    the rule of the mode a CUDA run of the same configuration uses (spmdrl.dist.group_log). Split placement
+    leaves the default group unbound: vLLM's groups are created by the rollout ranks alone, which a
+    device-bound default group (what spmdrl used to do for every run) would hang on."""
+    from spmdrl.dist.group_log import check_nccl_rules, read_group_logs
+
+    for out in (runs.s0, runs.s1, runs.s1r):
+        logs, bound = read_group_logs(str(out / "groups"))
+        assert bound is False
+        assert check_nccl_rules(logs, bound) == []
+        callers = {r: {g["caller"] for g in logs[r]} for r in logs}
+        assert callers[0] == callers[1] == {"spmdrl", "vllm"} and callers[2] == callers[3] == {"spmdrl"}
+        assert all(g["local"] for r in (0, 1) for g in logs[r] if g["caller"] == "vllm")  # beneath vllm_world's new_group
+        assert any(g.get("via") == "DeviceMesh" and g["site"].startswith("spmdrl/dist/meshes.py") for g in logs[2])
+        old = check_nccl_rules(logs, device_bound=True)  # the same creations with the default group device-bound
+        assert any(v.startswith("group [0, 1] is created member-local (vllm at vllm/") for v in old), old
+        assert any(v.startswith("ranks 0 and 2 differ") and "rank 2 makes no more" in v for v in old), old
+    logs, bound = read_group_logs(str(runs.col / "groups"))
+    assert bound is True
+    assert check_nccl_rules(logs, bound) == []
+    assert {g["caller"] for g in logs[0]} == {g["caller"] for g in logs[1]} == {"spmdrl", "vllm"}

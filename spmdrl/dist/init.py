@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .group_log import start_group_log
 from .node import device_index, launched_by, node_local_rank
 
 log = logging.getLogger("spmdrl")
@@ -80,9 +81,24 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device_spec: str = "auto", timeout_s: float = 600.0) -> tuple[DistEnv, torch.device]:
+def binds_device(split: bool) -> bool:
+    """Whether the default process group is bound to this rank's CUDA device (`init_process_group(device_id=)`).
+
+    Bound, torch creates the world's NCCL communicator at init and every later NCCL group by `ncclCommSplit`
+    of it: a collective over every rank of the world, so every rank must make the same group creations in
+    the same order. Colocated placement does (every rank builds every role and vLLM). Split placement does
+    not: vLLM is built on the rollout ranks only, its groups created by their members alone
+    (rollout/vllm_world.py), so the default group stays unbound and each NCCL group connects its members
+    (`ncclCommInitRank`) at its first collective. `spmdrl.dist.group_log` checks both rules on CPU runs."""
+    return not split
+
+
+def init_distributed(device_spec: str = "auto", timeout_s: float = 600.0, *,
+                     split: bool = False) -> tuple[DistEnv, torch.device]:
     """Initialise the default process group (NCCL on CUDA, gloo on CPU); export the env vars vLLM reads (on
-    CUDA, LOCAL_RANK is the index of this rank's GPU among the visible ones)."""
+    CUDA, LOCAL_RANK is the index of this rank's GPU among the visible ones).
+    split: the run uses split placement (the default group is then not bound to the device, see
+    `binds_device`)."""
     env = detect_env()
     launch_env = dict(os.environ)  # as the launcher set it: the exports below make an srun task look like torchrun's
     for k, v in (
@@ -107,8 +123,9 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 600.0) -> tup
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
+            device_id=device if device.type == "cuda" and binds_device(split) else None,
         )
+    start_group_log(env.rank, env.world_size, device_bound=binds_device(split))  # SPMDRL_GROUP_LOG=<dir> only
     return env, device
 
 

@@ -12,7 +12,6 @@ from spmdrl.errors import SpmdrlError
 from spmdrl.faults import is_bad_step
 from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.split import BatchStream
-from spmdrl.metrics import StageTimer
 from spmdrl.reshard.sync import WeightSync
 from spmdrl.rng import rng_state, seed_everything, set_rng_state
 
@@ -72,12 +71,10 @@ class RunCheckpointer:
     def save(self, step: int) -> str:
         """The checkpoint after `step`; its path."""
         in_flight = None
-        if self.stream is not None:  # split placement: batches already generated for the next steps go into the
-            # checkpoint (taken in first: the training ranks' sampler counts their draws, and the writer saves its state)
-            if self.engines:
-                in_flight = self.stream.in_flight(step)
-            else:
-                self.stream.load_due_weights(StageTimer())
+        if self.stream is not None and self.engines:  # split placement: batches already generated for the next
+            # steps go into the checkpoint (the training ranks took them in during the step: their sampler counted
+            # those draws, and the writer saves its state)
+            in_flight = self.stream.in_flight(step)
         state = {"sampler": self.sampler.state_dict(), **self.bad_steps.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
 
         def hf_files(out_dir: str) -> None:  # what `spmdrl export` needs besides the weights

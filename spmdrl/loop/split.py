@@ -1,24 +1,28 @@
 """Split placement: the rollout ranks' side of a step, and the stream of batches between the roles.
 
-The rollout ranks and the training ranks run the same program but different stages: per step s the rollout
-ranks (`produce`) load the weights the training ranks sent at the end of step s-1, generate the batches up to
-step s + k (k = trainer.max_staleness) and post them to the training ranks without waiting; the training
-ranks (`receive`) take batch s, train on it and post the new weights. Both meet once per step, at the metric
-reduction. With k = 0 batch s is generated with the weights after step s-1 (on-policy, as colocated); with
-k = 1 batch s+1 is generated (with the weights after step s-1) while the training ranks update on batch s.
+The rollout ranks and the training ranks run the same program but different stages. Per step s:
+  * the rollout ranks (`produce`) generate the batches up to step s + k (k = trainer.max_staleness) with the
+    weights they hold and post each to the training ranks without waiting;
+  * the training ranks (`receive`) take batch s, train on it, take in the batches already posted for steps
+    s+1 .. s+k (`take_in`) and then send the new weights;
+  * the rollout ranks (`settle`) receive and load those weights and wait until their batch sends are complete;
+  * both meet at the metric reduction, with nothing posted on either side.
+Each side makes its blocking transfers in the same order (batches, then weights, then the meeting), so no rank
+waits for a transfer whose other end waits behind it, even where the device runs communication kernels one
+after another (docs/architecture.md, "What the meeting point needs"). With k = 0 batch s is generated with the
+weights after step s-1 (on-policy, as colocated); with k = 1 batch s+1 is generated (with the weights after step
+s-1) while the training ranks update on batch s.
 
 Weight versions: version v is the actor after the update of step v (0: the initial weights); with critic
 warmup a step without an actor update keeps the version. Batch s carries, per sample, the version that
 generated it (`weight_version`): s-1-k in steady state; the training ranks log the lag
 (`train/weight_version_lag` = actor version before the update - batch version; k in steady state).
 
-In flight across a checkpoint: at a checkpoint after step s the training ranks take in every batch the
-rollout ranks already posted (steps s+1 .. s+k) and save them with the checkpoint (per rank, safetensors);
-a resumed run trains on those and the rollout ranks go on from batch s+k+1, so resume is exact.
+In flight across a checkpoint: at a checkpoint after step s the training ranks hold every batch the rollout
+ranks already posted (steps s+1 .. s+k) and save them with the checkpoint (per rank, safetensors); a resumed
+run trains on those and the rollout ranks go on from batch s+k+1, so resume is exact.
 """
 from __future__ import annotations
-
-import collections
 
 import torch
 
@@ -48,7 +52,7 @@ class BatchStream:
 
     generator: the rollout ranks' Generator (None on the training ranks); sampler: the prompt sampler (the
     training ranks count the rollout ranks' draws, so a checkpoint saves the rollout's sampler state);
-    weight_sync: the actor -> rollout WeightSync (the rollout ranks load what the training ranks posted)."""
+    weight_sync: the actor -> rollout WeightSync (the rollout ranks load what the training ranks send)."""
 
     def __init__(self, cfg, meshes: RoleMeshes, generator: Generator | None, sampler: DistributedPromptSampler,
                  weight_sync: WeightSync):
@@ -59,15 +63,13 @@ class BatchStream:
         self.rollout_mesh, self.actor_mesh = meshes["rollout"], meshes["actor"]
         self.next_batch = 1  # rollout ranks: the next step whose batch is generated
         self.version = 0  # rollout ranks: the weight version vLLM holds
-        self.weights_due: int | None = None  # rollout ranks: the version the training ranks posted, not yet loaded
-        self.sent: collections.deque[tuple[int, PendingSends]] = collections.deque()  # rollout ranks: (step, sends)
-        self.inbox: dict[int, tuple[Batch, int]] = {}  # training ranks: batches taken in early (checkpoint) or restored, bytes
+        self.sent: list[PendingSends] = []  # rollout ranks: batch sends posted this step
+        self.inbox: dict[int, tuple[Batch, int]] = {}  # training ranks: batches taken in ahead or restored, bytes
         self.batch_bytes = 0  # training ranks: bytes received this step
 
     # ---- rollout ranks ---------------------------------------------------------------------------------
-    def produce(self, step: int, timer) -> dict[str, float]:
-        """Load due weights, then generate and post every batch up to step + k (the last step at most)."""
-        m = self.load_due_weights(timer)
+    def produce(self, step: int, timer) -> None:
+        """Generate and post every batch up to step + k (the last step at most)."""
         last = min(step + self.k, self.total_steps)
         while self.next_batch <= last:
             s = self.next_batch
@@ -78,28 +80,25 @@ class BatchStream:
                 raise SpmdrlError(f"a rollout batch has tensors {sorted(batch.tensors)} but spmdrl.loop.split.ROLLOUT_KEYS "
                                   f"lists {sorted(ROLLOUT_KEYS)}: add new rollout tensors there")
             with timer("post_batch"):
-                self.sent.append((s, post_batch(batch, self.rollout_mesh, self.actor_mesh, self.meshes.batch_group, tag=s)))
+                self.sent.append(post_batch(batch, self.rollout_mesh, self.actor_mesh, self.meshes.batch_group, tag=s))
             self.next_batch += 1
-        return m
 
-    def load_due_weights(self, timer) -> dict[str, float]:
-        """Receive the weights the training ranks posted (if any): before a rollout, validation or a checkpoint."""
-        if self.weights_due is None:
-            return {}
-        with timer("wait_weights"):
-            m = self.weight_sync()
-        self.version, self.weights_due = self.weights_due, None
-        return {"weight_sync/bytes_recv": m["weight_sync/bytes_recv"], "timing/weight_sync_transport_s": m["timing/weight_sync_transport_s"]}
-
-    def after_step(self, step: int, trained: bool) -> None:
-        """At the step's meeting point: the training ranks have posted version `step` if they trained, and have
-        taken in every batch up to `step` (so those sends are complete)."""
-        if not self.rollout_mesh.active:
-            return
+    def settle(self, step: int, trained: bool, timer) -> dict[str, float]:
+        """Before the step's meeting point: receive and load the weights of this step's update (when the training
+        ranks updated the actor), and wait until every batch posted is received (the training ranks take them
+        all in before they send the weights)."""
+        m = {}
         if trained:
-            self.weights_due = step
-        while self.sent and self.sent[0][0] <= step:
-            self.sent.popleft()[1].wait()
+            with timer("wait_weights"):
+                got = self.weight_sync()
+            self.version = step
+            m = {"weight_sync/bytes_recv": got["weight_sync/bytes_recv"],
+                 "timing/weight_sync_transport_s": got["timing/weight_sync_transport_s"]}
+        with timer("rollout_wait"):
+            for sends in self.sent:
+                sends.wait()
+            self.sent = []
+        return m
 
     # ---- training ranks --------------------------------------------------------------------------------
     def receive(self, step: int) -> Batch:
@@ -118,14 +117,19 @@ class BatchStream:
         return recv_batch(empty_rollout_batch(), self.rollout_mesh, self.actor_mesh, per_src,
                           self.meshes.batch_group, tag=step)
 
-    def in_flight(self, step: int) -> dict[str, torch.Tensor]:
-        """Training ranks, at a checkpoint after `step`: take in the batches already posted (steps step+1 ..
-        step+k) and return them as flat tensors to save."""
-        out = {}
-        last = min(step + self.k, self.total_steps)
-        for s in range(step + 1, last + 1):
+    def take_in(self, step: int) -> None:
+        """Training ranks, before the weights of `step` go out: receive every batch the rollout ranks posted for
+        the next steps (step+1 .. step+k), so that no transfer is pending at the meeting point."""
+        for s in range(step + 1, min(step + self.k, self.total_steps) + 1):
             if s not in self.inbox:
                 self.inbox[s] = self.fetch(s)  # its bytes count in the step that trains on it
+
+    def in_flight(self, step: int) -> dict[str, torch.Tensor]:
+        """Training ranks, at a checkpoint after `step`: the batches posted for steps step+1 .. step+k (taken in
+        during the step) as flat tensors to save."""
+        self.take_in(step)
+        out = {}
+        for s in range(step + 1, min(step + self.k, self.total_steps) + 1):
             out.update({f"{s}/{k}": v.contiguous() for k, v in self.inbox[s][0].tensors.items()})
         return out
 

@@ -7,8 +7,9 @@ The Trainer builds every component once, in `__init__`, and calls each through a
 loop/learner.py), `validator` (loop/validate.py), `checkpointer` and `bad_steps` (loop/run_state.py),
 `memory` (loop/memory.py), `weight_sync` (reshard/sync.py), `hooks` (hooks.py).
 
-Split placement (placement.mode = "split"): the rollout ranks run `stream.produce` (loop/split.py) and the
-training ranks everything from the reward on (`train`); they meet at the metric reduction.
+Split placement (placement.mode = "split"): the rollout ranks run `stream.produce` and `stream.settle`
+(loop/split.py) and the training ranks everything from the reward on (`train`); they meet at the metric
+reduction, with no transfer pending on either side.
 """
 from __future__ import annotations
 
@@ -149,7 +150,7 @@ class Trainer:
         self.validator = None
         if val_ds is not None:
             self.validator = Validator(cfg, self.rollout_mesh, val_ds, rollout, self.memory, specs, scorer, self.hooks,
-                                       pad_id, self.stream)
+                                       pad_id)
         # ---- outputs and run state: config copy, metrics, checkpoints, resume
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         if rank == 0:
@@ -219,31 +220,28 @@ class Trainer:
                     if not bad and freq >= 0 and (done or (freq > 0 and self.global_step % freq == 0)):
                         with timer("checkpoint"):
                             self.checkpointer.save(self.global_step)
-                if self.stream is not None:  # the last weights reach vLLM, and every posted send completes
-                    if self.rollout_mesh.active:
-                        self.stream.load_due_weights(timer)
-                    self.weight_sync.wait_sent()
         finally:
             self.logger.close()
         return last
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step; every stage is one call, timed. Colocated: every rank does every stage. Split placement:
-        the rollout ranks produce (load the last weights, generate up to step + max_staleness, post the batches)
-        while the training ranks train on this step's batch; both meet at the metric reduction."""
+        the rollout ranks produce (generate up to step + max_staleness, post the batches) while the training
+        ranks train on this step's batch; the training ranks take in the posted batches and send the new
+        weights, the rollout ranks load them, and both meet at the metric reduction with nothing in flight."""
         timer, t0 = StageTimer(self.device), time.perf_counter()
         train_actor = step > self.cfg.trainer.critic_warmup
         batch, metrics = None, {}
-        if self.stream is not None and self.rollout_mesh.active:
-            metrics.update(self.stream.produce(step, timer))  # loop/split.py
+        rolls = self.stream is not None and self.rollout_mesh.active
+        if rolls:
+            self.stream.produce(step, timer)  # loop/split.py
         if self.trains:
             batch, collected = self.collector.collect(step, timer)  # rollout -> batch to the actor layout -> reward
             metrics.update(collected)
             metrics.update(self.train(step, batch, timer, train_actor))
-        metrics = self.reduce_step_metrics(batch, metrics, timer, t0)
-        if self.stream is not None:
-            self.stream.after_step(step, train_actor)
-        return metrics
+        if rolls:  # this step's weights in, every batch sent: the meeting point finds no transfer pending
+            metrics.update(self.stream.settle(step, train_actor, timer))
+        return self.reduce_step_metrics(batch, metrics, timer, t0)
 
     def train(self, step: int, batch: Batch, timer: StageTimer, train_actor: bool) -> dict[str, float]:
         """The training roles' stages: forward passes -> advantages -> updates -> weight sync."""
@@ -275,6 +273,9 @@ class Trainer:
                 metrics.update(learner.update_actor(batch))
         metrics.update(hooks("after_update", step, batch))
         metrics.update(learner.batch_metrics(batch, self.actor_version))  # before the sync: the pre-update lag
+        if self.stream is not None:  # split placement: the batches posted for the next steps in before the weights go
+            with timer("wait_batch"):
+                self.stream.take_in(step)
         if train_actor:
             with timer("weight_sync"):
                 metrics.update(self.weight_sync())

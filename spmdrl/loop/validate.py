@@ -15,21 +15,19 @@ from spmdrl.loop.build import Specs
 from spmdrl.loop.generate import request_seeds, rollout_to_batch
 from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.scoring import Scorer
-from spmdrl.loop.split import BatchStream
-from spmdrl.metrics import StageTimer
 
 log = logging.getLogger("spmdrl")
 
 
 class Validator:
     """Generates on the rollout ranks (engine: this rank's rollout engine, None where it holds none) and sums
-    the scores over every rank. stream: split placement's batch stream (the rollout ranks take in pending
-    weights first), else None."""
+    the scores over every rank. In split placement it runs between steps, where no transfer is pending and the
+    rollout ranks hold the last weights (loop/split.py)."""
 
     def __init__(self, cfg, mesh: RoleMesh, dataset: PromptDataset, engine, memory: MemoryLifecycle, specs: Specs,
-                 scorer: Scorer, hooks: StageHooks, pad_id: int, stream: BatchStream | None):
+                 scorer: Scorer, hooks: StageHooks, pad_id: int):
         self.cfg, self.mesh, self.dataset, self.engine, self.memory = cfg, mesh, dataset, engine, memory
-        self.specs, self.scorer, self.hooks, self.pad_id, self.stream = specs, scorer, hooks, pad_id, stream
+        self.specs, self.scorer, self.hooks, self.pad_id = specs, scorer, hooks, pad_id
         # the same sorted list on every rank: it orders the all-reduce
         self.sources = sorted(set(dataset.batch(list(range(len(dataset)))).data_source))
 
@@ -39,8 +37,6 @@ class Validator:
         each rollout dp rank takes a contiguous part of the set."""
         r, ds = self.mesh, self.dataset
         t0 = time.perf_counter()
-        if self.stream is not None and r.active:  # split placement: the weights the training ranks posted last
-            self.stream.load_due_weights(StageTimer())
         rows = list(r.dp_range(len(ds))) if r.active else []  # split: the training ranks only join the sums
         sources = self.sources
         sums = torch.zeros(2 * len(sources), dtype=torch.float64)

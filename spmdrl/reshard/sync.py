@@ -36,9 +36,9 @@ def check_shards(plan: SyncPlan, shards: dict, rank: int) -> None:
 class WeightSync:
     """Planned once, run after every actor update (and after a resume).
 
-    Colocated: every rank runs the whole exchange and waits for it. Split placement (`split=True`): the
-    actor ranks post their sends on the sync's own process group and go on (the sends complete while the
-    rollout ranks receive; `wait_sent` is called before the next sync); the rollout ranks receive and load.
+    Every rank runs the whole exchange and waits for it, bucket by bucket. Split placement (`split=True`):
+    the exchange runs on the sync's own process group, the actor ranks send and the rollout ranks receive and
+    load, and no world collective follows (the step's meeting point reduces the figures).
     A rank without the actor engine (a rollout rank in split placement) plans from the arithmetic:
     `fsdp_blocks` of the actor layout over the parameter shapes of `hf_config`; the actor ranks check that the
     engine holds exactly those blocks, so both sides execute the same plan.
@@ -50,7 +50,7 @@ class WeightSync:
                  split: bool = False, actor_grid=None, hf_config=None, rollout_shards: bool | None = None, group=None,
                  verify: bool = False):
         self.actor, self.rollout, self.dtype, self.memory, self.verify = actor, rollout, dtype, memory, verify
-        self.split, self.group, self.pending = split, group, []
+        self.split, self.group = split, group
         self.bucket_bytes = bucket_mb << 20
         if rollout_shards is None:
             rollout_shards = getattr(rollout, "loads_tp_shards", False)
@@ -72,18 +72,11 @@ class WeightSync:
         self.lower_bound = max(self.plan.lower_bound().values(), default=0)
         self.checked = False
 
-    def wait_sent(self) -> None:
-        """Split placement: block until this rank's posted sends are complete."""
-        for work, _ in self.pending:
-            work.wait()
-        self.pending = []
-
     def __call__(self) -> dict[str, float]:
         if self.memory is not None:
             self.memory.for_sync()  # training state out, empty_cache, vLLM weights (not KV) awake: spmdrl/loop/memory.py
         elif self.rollout is not None:
             self.rollout.wake_up()
-        self.wait_sent()
         shards = {name: (t, block) for name, t, block in self.actor.weight_shards()} if self.actor is not None else {}
         if not self.checked:
             check_shards(self.plan, shards, dist.get_rank())
@@ -93,13 +86,13 @@ class WeightSync:
         stats = execute(
             self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=device,
             bucket_bytes=self.bucket_bytes, deliver=deliver, group=self.group,
-            pending=self.pending if self.split else None, fill=float("nan") if self.verify else None,
+            fill=float("nan") if self.verify else None,
         )
         if self.rollout is not None:
             self.rollout.finish_weight_update()  # vLLM: finalize the layerwise reload (repack CPU weights, reset prefix cache)
         if self.verify:
             verify_sync(self.plan, shards, self.rollout, dtype=self.dtype, device=device, bucket_bytes=self.bucket_bytes,
-                        group=self.group, pending=self.pending if self.split else None)
+                        group=self.group, agree=not self.split)
         if self.split:  # no world collective here: the roles are at different points; the step reduces these
             return {"weight_sync/bytes_recv": float(stats.bytes_recv), "weight_sync/bytes_sent": float(stats.bytes_sent),
                     "weight_sync/collectives": float(stats.collectives), "timing/weight_sync_transport_s": stats.seconds}

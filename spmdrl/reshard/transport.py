@@ -55,14 +55,12 @@ def execute(
     bucket_bytes: int,
     deliver,
     group=None,
-    pending: list | None = None,
     fill: float | None = None,
 ) -> SyncStats:
     """Run `plan` on this rank. shards: name -> (local tensor, its block) for what this rank holds.
     deliver(list of (name, full-shaped tensor)) is called once per bucket on ranks that receive weights.
-    pending: a list to put the works of buckets this rank only sends in, instead of waiting for them (split
-    placement: the training ranks go on while the rollout ranks receive; the send buffers are copies, so
-    the parameters may change meanwhile). The caller waits for them before the next sync.
+    Every bucket's exchange is complete before the next one starts, on senders too: one bucket's buffers
+    are alive at a time, and nothing is left posted when this returns.
     fill: a value for the part of each full-shaped tensor outside this rank's shard (rollout.verify_sync fills
     NaN, so a loader reading outside the shard shows); None leaves it uninitialised."""
     stats = SyncStats()
@@ -90,12 +88,8 @@ def execute(
             stats.bytes_recv += n * esize
             ops.append(dist.P2POp(dist.irecv, recv_bufs[peer], peer, group=group))
         if ops:
-            works = dist.batch_isend_irecv(ops)
-            if pending is not None and not recv_layout:
-                pending.extend((w, [op.tensor for op in ops]) for w in works)
-            else:
-                for work in works:
-                    work.wait()
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
             stats.collectives += 1
         # assemble this rank's rollout tensors for the bucket
         out = []

@@ -36,11 +36,12 @@ class SyncMismatch(RuntimeError):
 
 
 def gather_whole(plan: SyncPlan, names: list[str], shards: dict, *, dtype: torch.dtype, device: torch.device,
-                 group=None, pending: list | None = None) -> list[tuple[str, torch.Tensor]]:
+                 group=None) -> list[tuple[str, torch.Tensor]]:
     """Parameters `names` whole, in `dtype`, on every rollout rank (the ranks the plan has targets on; other ranks
     get []). Each distinct block of the actor's sources (what the actor engine's ranks hold, checked against the
     engine at the first sync) goes from the lowest rank holding it to every rollout rank, point to point, cast
-    where it is held as the sync casts. pending: as in transport.execute (a rank that only sends does not wait)."""
+    where it is held as the sync casts. Every rank waits for its sends and receives before returning, as the
+    sync itself does."""
     rank = dist.get_rank()
     ops, recvs, out = [], [], []
     for name in names:
@@ -66,12 +67,8 @@ def gather_whole(plan: SyncPlan, names: list[str], shards: dict, *, dtype: torch
                 ops.append(dist.P2POp(dist.irecv, buf, src, group=group))
                 recvs.append((full, covered, where, buf))
     if ops:
-        works = dist.batch_isend_irecv(ops)
-        if pending is not None and not recvs:
-            pending.extend((w, [op.tensor for op in ops]) for w in works)
-        else:
-            for w in works:
-                w.wait()
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
     for full, covered, where, buf in recvs:
         full[where], covered[where] = buf, True
     for name, _, covered in out:
@@ -100,16 +97,16 @@ def differences(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor])
 
 
 def verify_sync(plan: SyncPlan, shards: dict, rollout, *, dtype: torch.dtype, device: torch.device,
-                bucket_bytes: int, group=None, pending: list | None = None) -> None:
+                bucket_bytes: int, group=None, agree: bool = True) -> None:
     """Run the check after a sync, on every rank of the sync (the actor's ranks send, the rollout ranks check).
-    Colocated (pending None): the ranks then agree, and every rank raises SyncMismatch naming the first rollout
-    rank that differs. Split placement (pending: the training ranks post their sends and go on): a rollout rank
-    that differs raises by itself (its launcher then stops the job)."""
+    agree (colocated): the ranks then agree, and every rank raises SyncMismatch naming the first rollout rank that
+    differs. Split placement (agree False: no collective beyond the transfers at this point of the schedule): a
+    rollout rank that differs raises by itself (its launcher then stops the job)."""
     t0 = time.perf_counter()
     before = rollout.weight_snapshot() if rollout is not None else {}
     esize = torch.empty((), dtype=dtype).element_size()
     for names in plan.buckets(bucket_bytes, full_elem_bytes=esize):
-        bucket = gather_whole(plan, names, shards, dtype=dtype, device=device, group=group, pending=pending)
+        bucket = gather_whole(plan, names, shards, dtype=dtype, device=device, group=group)
         if rollout is not None and bucket:
             rollout.update_weights(bucket)
         del bucket
@@ -118,7 +115,7 @@ def verify_sync(plan: SyncPlan, shards: dict, rollout, *, dtype: torch.dtype, de
         rollout.finish_weight_update()
         found = differences(before, rollout.weight_snapshot())
     del before
-    if pending is None:
+    if agree:
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, (dist.get_rank(), found), group=group)
     else:

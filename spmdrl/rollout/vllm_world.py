@@ -11,6 +11,9 @@ Routes considered (vLLM 0.32, external_launcher):
      members of each group. It relies on two public torch behaviours (the world size query and
      `new_group(use_local_synchronization=True)`, in torch since 2.1) and on vLLM reading its world from
      torch.distributed, which external_launcher has done since it exists; nothing of vLLM is patched.
+     On NCCL it needs the default group unbound (`spmdrl.dist.init.binds_device` is False for split
+     placement): bound, torch would create each NCCL group by splitting the world communicator, which the
+     other ranks never join. `spmdrl.dist.group_log` records every creation and checks this on CPU runs.
 """
 from __future__ import annotations
 
