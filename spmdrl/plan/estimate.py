@@ -23,11 +23,12 @@ CUDA context and NCCL's buffers (`spmdrl.plan.overheads`):
   load             the residents next to vLLM's pool, before the first step
   sync             the actor's weights next to vLLM's pool: the first sync after a build or a resume runs with
                    vLLM's KV cache awake; the weight sync's buffers (`spmdrl.plan.sync_memory`)
-  checkpoint_save  every engine saved from where it lives (offloaded kinds from their host copies) at the end of
-                   a step: the worst of the states a save can follow (the sync; validation, with vLLM's whole pool
-                   awake; a critic-warmup update), plus DCP staging one tensor (the largest shard) to the host
-  resume           the residents of a build, vLLM's pool, the checkpoint loaded in place (Adam moments created
-                   where their kind lives), DCP staging
+  checkpoint_save  at the end of a step, after the sync: vLLM's weights awake (level-1 sleep after validation
+                   frees them too), every role's configured kinds in host memory, then one engine at a time
+                   brings back its params and optimizer state (never gradients), plus DCP staging one tensor
+                   (the largest shard) to the host
+  resume           a new process: the residents of a build, vLLM asleep (level 2, the sync after the load
+                   refills its weights), one engine's params and optimizer state at a time, DCP staging
 Assumptions (each is a named constant, in `spmdrl.plan.overheads` where it is not a model dimension): the CUDA
 context costs CUDA_CONTEXT_GIB per GPU; a rank's host process (Python, torch, vLLM, tokenizer, data) costs
 PROCESS_HOST_GIB; activation bytes per token per layer follow `layer_activation_bytes` (bf16 tensors saved for
@@ -41,7 +42,7 @@ from spmdrl.engines.loading import load_hf_config, model_param_shapes
 
 from .overheads import (CUDA_CONTEXT_GIB, GIB, NCCL_COMM_BYTES, NCCL_NET_PEER_BYTES, NCCL_NVLINK_PEER_BYTES,
                         PROCESS_HOST_GIB, communicators, nccl_bytes, p2p_peers, pipeline_peers, vllm_outside_pool)
-from .sync_memory import pending_send_bytes, sync_peak
+from .sync_memory import sync_peak
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -286,10 +287,8 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     def transport(ranks) -> dict:
         return {f"sync_{k}": v for k, v in sync_peak(plan, bucket, ranks).items()}
 
-    pending = {"weight_sync_pending_sends": pending_send_bytes(plan, train_ranks)} if split else {}
     vllm_idle = {} if split else asleep  # on a training rank
     phases: dict[str, tuple[dict, dict]] = {}
-    notes: dict[str, str] = {}
     g0, h0 = idle(set())
     # build: each engine constructed next to what the ones before it left on the GPU, then vLLM's start-up
     build_gpu, before_vllm = _build_phase(state, offload)
@@ -306,11 +305,11 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     for role in ("ref", "reward"):
         if role in state:
             g, h = idle({role})
-            phases[f"{role}_forward"] = ({**g, **prefixed(role, state[role]["forward"]), **vllm_idle, **pending, **nccl_train}, h)
+            phases[f"{role}_forward"] = ({**g, **prefixed(role, state[role]["forward"]), **vllm_idle, **nccl_train}, h)
     for role in ("critic", "actor"):
         if role in state:
             g, h = idle({role})
-            phases[f"train_{role}"] = ({**g, **prefixed(role, state[role]["train"]), **vllm_idle, **pending, **nccl_train}, h)
+            phases[f"train_{role}"] = ({**g, **prefixed(role, state[role]["train"]), **vllm_idle, **nccl_train}, h)
     # sync: the actor's params (and its kinds not offloaded) next to the other roles' residents; the first sync
     # after a build or a resume runs with vLLM's whole pool awake (nothing has put it to sleep yet), later ones
     # with its weights only: the phase shows the first
@@ -321,27 +320,31 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                        **nccl_train}, {**h, **actor_host})
     if split:  # the receiving side of the sync: vLLM keeps its KV cache (nothing else shares the device)
         phases["sync_rollout_ranks"] = ({"vllm_pool": vllm_pool, **awake, **transport(rollout_ranks), **nccl_rollout}, {})
-    # checkpoint save: every engine saved from where it lives, at the end of a step; the worst state it can follow
+    # checkpoint save / resume (MemoryLifecycle.for_checkpoint, then one engine at a time inside its
+    # checkpoint_access): vLLM asleep (level 1 after validation; after a sync only its weights are awake and stay),
+    # every role's configured kinds in host memory, then each saved engine in turn brings back its params and
+    # optimizer state (never its gradients): the worst engine's, next to the others' residents
     saved = [r for r in ("actor", "critic") if r in state]
     staging = {"dcp_staging": max(state[r]["staging"] for r in saved)}
-    after = {}
-    if split:
-        after["sync"] = {**{f"{role}_{k}": v for role in state for k, v in state[role]["kinds"].items()}, **pending}
+
+    def one_engine_back(base: dict) -> dict:
+        worst: dict = {}
+        for role in saved:
+            back = {f"{role}_{k}": v for k, v in state[role]["kinds"].items()
+                    if k in ("params", "optimizer") or k in state[role]["resident"]}
+            if sum(back.values()) > sum(worst.values()):
+                worst = back
+        return {**{k: v for k, v in base.items() if not any(k.startswith(f"{r}_") for r in saved)},
+                **{k: v for k, v in base.items() if k in worst}, **worst}
+
+    if split:  # training ranks: nothing offloaded, no vLLM
+        every = {f"{role}_{k}": v for role in state for k, v in state[role]["kinds"].items()}
+        phases["checkpoint_save"] = ({**every, **staging, **nccl_train}, h0)
+        phases["resume"] = ({**every, **staging, **nccl_start}, h0)
     else:
-        after["sync"] = {**g, **actor, "vllm_weights": vllm_w, **asleep}
-        if cfg.data.val_files and cfg.checkpoint.save_freq >= 0:  # validation runs right before the last save
-            after["validation"] = {**g0, "vllm_pool": vllm_pool, **awake}
-        f, w = cfg.checkpoint.save_freq, cfg.trainer.critic_warmup
-        if "critic" in state and w > 0 and (0 < f <= w or cfg.trainer.total_steps <= w):  # no sync yet that step
-            gc_, _ = idle({"critic"})
-            after["critic_warmup_update"] = {**gc_, **prefixed("critic", state["critic"]["kinds"]), **asleep}
-    which = max(after, key=lambda k: sum(after[k].values()))
-    notes["checkpoint_save"] = f"after {which.replace('_', ' ')}"
-    phases["checkpoint_save"] = ({**after[which], **staging, **nccl_train}, h0)
-    # resume: a new process; engines built and offloaded as in build, vLLM built with its pool, then the
-    # checkpoint loaded in place (host copies for offloaded kinds, Adam moments created where their kind lives)
-    resume = {f"{role}_{k}": v for role in state for k, v in state[role]["kinds"].items()} if split else g0
-    phases["resume"] = ({**resume, **({} if split else {"vllm_pool": vllm_pool, **awake}), **staging, **nccl_start}, h0)
+        phases["checkpoint_save"] = ({**one_engine_back(g0), "vllm_weights": vllm_w, **asleep, **staging,
+                                      **nccl_train}, h0)
+        phases["resume"] = ({**one_engine_back(g0), **asleep, **staging, **nccl_start}, h0)
 
     memory, fits = {}, True
     for name, (gpu, host) in phases.items():
@@ -351,7 +354,6 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         ok = gpu_total <= m.margin * m.gpu_memory_gb * GIB and host_node <= m.margin * m.host_memory_gb * GIB
         fits &= ok
         memory[name] = {"gpu_gb": _gib(gpu_total), "host_gb": _gib(host_node), "fits": ok,
-                        **({"after": notes[name]} if name in notes else {}),
                         "gpu": {k: _gib(v) for k, v in gpu.items() if v},
                         "host_per_rank": {**{k: _gib(v) for k, v in host.items() if v}, "process": PROCESS_HOST_GIB}}
     memory["build"]["vllm_start"] = vllm_start

@@ -20,9 +20,8 @@ gate/up_proj form gate_up_proj; every other parameter is its own layer. A vocabu
 what the rank loads (a vocabulary that is not a multiple of 64) would stay buffered until the sync ends; that is
 not modelled (the shipped models' vocabularies are multiples of 64).
 
-Split placement: a training rank does not wait for its sends; `execute(pending=...)` keeps every bucket's
-concatenated send buffers until the next sync (`WeightSync.wait_sent`), i.e. for a whole step:
-`pending_send_bytes`.
+Every rank waits for a bucket's exchange before the next one, in split placement too: one bucket's buffers at a
+time.
 """
 from __future__ import annotations
 
@@ -89,10 +88,3 @@ def sync_peak(plan, bucket_bytes: int, ranks) -> dict[str, int]:
                 if not remaining[layer]:
                     del held[layer]
     return best or {"bucket_full_tensors": 0}
-
-
-def pending_send_bytes(plan, ranks) -> int:
-    """Split placement: the largest total a training rank sends in one sync (its concatenated send buffers,
-    alive until the next sync)."""
-    sent = plan.bytes_sent()
-    return max((sent.get(r, 0) for r in ranks), default=0)
