@@ -388,6 +388,14 @@ def test_megatron_backend_refuses_other_architectures_at_validation(model_dirs):
     assert msg.startswith(f"critic.path = '{model_dirs['gemma']}' is a 'gemma' model")
 
 
+def test_fsdp_tensor_parallel_needs_whole_heads_per_rank(model_dirs):
+    """The small llama has 4 heads and 2 key/value heads: tp 2 splits both evenly; tp 4 would give each rank
+    half a key/value head, which HF's attention cannot reshape: refused at validation."""
+    validate(valid(f"model.path={model_dirs['llama']}", "placement.actor_tp=2", "rollout.engine=hf"), 4)
+    msg = validate_error(4, f"model.path={model_dirs['llama']}", "placement.actor_tp=4", "rollout.engine=hf")
+    assert msg.startswith("placement.actor_tp = 4: model.path = ") and "4 attention heads and 2 key/value heads" in msg
+
+
 def test_model_type_is_read_from_bundled_configs_and_skipped_when_absent():
     from spmdrl.config.validate import hf_model_type
 

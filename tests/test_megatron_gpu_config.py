@@ -67,3 +67,21 @@ def test_inner_optimizer_is_torch_adam_even_where_megatron_would_pick_fused_adam
         inner = build()
     assert type(inner) is torch.optim.AdamW  # decoupled weight decay: AdamW
     assert mopt.USING_PYTORCH_OPTIMIZER is False  # restored
+
+
+def test_packing_with_transformer_engine_is_refused_before_launch(monkeypatch):
+    """On a GPU with TransformerEngine installed the Megatron backend takes TE's layers, which would refuse packed
+    rows at the first forward; preflight says so first. (TE does not build on CPU: its presence is replayed by
+    answering have_te's question.)"""
+    from spmdrl.config import load_config
+    from spmdrl.engines.megatron import model
+    from spmdrl.errors import ConfigError
+    from spmdrl.preflight import check_engine_install
+
+    cfg = load_config(None, ["trainer.backend=megatron", "actor.use_packing=true", "trainer.device=cuda"])
+    monkeypatch.setattr(model, "have_te", lambda: False)
+    check_engine_install(cfg)  # the local spec packs rows
+    monkeypatch.setattr(model, "have_te", lambda: True)
+    with pytest.raises(ConfigError, match=r"^actor.use_packing = true with the Megatron backend: TransformerEngine"):
+        check_engine_install(cfg)
+    check_engine_install(load_config(None, ["trainer.backend=megatron", "actor.use_packing=true", "trainer.device=cpu"]))

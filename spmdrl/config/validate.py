@@ -318,10 +318,10 @@ def validate_memory(cfg) -> None:
         raise ConfigError(f"memory.margin must be in (0, 1], found {m.margin}")
 
 
-def hf_model_type(path: str) -> str | None:
-    """The model_type in a model's config.json, read without loading anything: from a local model directory,
-    a bundled copy of a published config (spmdrl/model_configs), or the HF cache. None when none of them has
-    it (a path that does not exist, which preflight names; a hub id not downloaded yet)."""
+def hf_config_json(path: str) -> dict | None:
+    """A model's config.json as a dict, read without loading anything: from a local model directory, a bundled
+    copy of a published config (spmdrl/model_configs), or the HF cache. None when none of them has it (a path
+    that does not exist, which preflight names; a hub id not downloaded yet)."""
     import json
     import os
 
@@ -344,9 +344,15 @@ def hf_model_type(path: str) -> str | None:
             found = cached if isinstance(cached, str) else ""
     try:
         with open(found, encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError):
+            data = json.load(f)
+    except (OSError, ValueError):
         return None  # missing or unreadable: preflight names it
+    return data if isinstance(data, dict) else None
+
+
+def hf_model_type(path: str) -> str | None:
+    """The model_type in a model's config.json (hf_config_json), None where it is not readable."""
+    model_type = (hf_config_json(path) or {}).get("model_type")
     return model_type if isinstance(model_type, str) else None
 
 
@@ -373,9 +379,30 @@ def validate_architecture(cfg) -> None:
         source = f"{key} = {path!r}"
         if vllm_shards:
             check_vllm_model_type(model_type, source)
+        if not megatron and key == "model.path":
+            _check_fsdp_tp_heads(cfg, source, hf_config_json(path) or {})
         if megatron and model_type not in MEGATRON_MODEL_TYPES:
             raise ConfigError(
                 f"{source} is a {model_type!r} model (config.json model_type), but the Megatron backend converts "
                 f"{', '.join(MEGATRON_MODEL_TYPES)} only; use trainer.backend = 'fsdp' (trainer.critic_backend for the "
                 "critic) or a model of one of those architectures"
+            )
+
+
+def _check_fsdp_tp_heads(cfg, source: str, hf: dict) -> None:
+    """FSDP2 + DTensor TP shards q/k/v by heads: every TP rank must hold whole heads of each (HF's attention
+    reshapes a shard into [-1, head_dim] and would fail at the first forward, after vLLM is built)."""
+    from spmdrl.dist.layout import role_backends
+
+    backends = role_backends(cfg)
+    heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads", hf.get("num_attention_heads"))
+    if not isinstance(heads, int) or not isinstance(kv, int):
+        return
+    p = cfg.placement
+    for role, tp in (("actor", p.actor_tp), ("ref", p.ref_tp), ("critic", p.critic_tp)):
+        if backends.get(role) == "fsdp" and tp > 1 and (heads % tp or kv % tp):
+            raise ConfigError(
+                f"placement.{role}_tp = {tp}: {source} has {heads} attention heads and {kv} key/value heads, and the "
+                f"FSDP2 backend's tensor parallelism needs both divisible by the tp size; use a tp that divides {kv} "
+                "(more data parallelism instead)"
             )

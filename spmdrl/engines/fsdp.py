@@ -89,13 +89,11 @@ def pack_sequences(
 
 
 def _backbone_hidden(hf: nn.Module, b: TokenBatch) -> torch.Tensor:
-    """Last hidden states [N, L, H]. A packed batch's 4-D mask goes to SDPA/eager attention as is; flash-attention
-    implementations get none and find the sequence boundaries from the position ids (never run here: no GPU)."""
-    mask = b.attention_mask
-    if mask.dim() == 4 and "flash" in str(getattr(hf.config, "_attn_implementation", "")):
-        mask = None
+    """Last hidden states [N, L, H]. The model is built with SDPA attention (engines/loading.py): a padded batch's
+    [N, L] mask and a packed batch's 4-D block-diagonal mask go to it as they are (no varlen / flash path yet)."""
     backbone = getattr(hf, hf.base_model_prefix)
-    return backbone(input_ids=b.input_ids, attention_mask=mask, position_ids=b.position_ids, use_cache=False).last_hidden_state
+    return backbone(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+                    use_cache=False).last_hidden_state
 
 
 class _LogprobHead(nn.Module):
@@ -370,7 +368,7 @@ class FSDPEngine:
     def offload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
         """Move this rank's shards of the named kinds to host memory (CUDA only; a no-op on CPU and for an engine
         built with CPUOffloadPolicy, whose params already live on the host). Gradients are None between
-        train_steps (zero_grad(set_to_none=True)), so "grads" moves nothing. UNRUN on a GPU."""
+        train_steps (zero_grad(set_to_none=True)), so "grads" moves nothing. Ran on one H100 (single rank)."""
         if self.device.type != "cuda" or self.host_offload_policy:
             return
         if "optimizer" in kinds and self.optimizer is not None:
@@ -380,7 +378,7 @@ class FSDPEngine:
         torch.cuda.synchronize(self.device)
 
     def onload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
-        """Bring offloaded kinds back to the device (see offload). UNRUN on a GPU."""
+        """Bring offloaded kinds back to the device (see offload). Ran on one H100 (single rank)."""
         if self.device.type != "cuda" or self.host_offload_policy:
             return
         if "params" in kinds:

@@ -10,7 +10,9 @@ Routes considered (vLLM 0.32, external_launcher):
      engine is built `torch.distributed.get_world_size()` answers R and `new_group` synchronises only the
      members of each group. It relies on two public torch behaviours (the world size query and
      `new_group(use_local_synchronization=True)`, in torch since 2.1) and on vLLM reading its world from
-     torch.distributed, which external_launcher has done since it exists; nothing of vLLM is patched.
+     torch.distributed, which external_launcher has done since it exists; no vLLM code is replaced for it (the
+     engine wrapper, rollout/vllm_engine.py, replaces vLLM's engine-core finalizer and distributed teardown and
+     names its CPU shared memory, for other reasons).
      On NCCL it needs the default group unbound (`spmdrl.dist.init.binds_device` is False for split
      placement): bound, torch would create each NCCL group by splitting the world communicator, which the
      other ranks never join. `spmdrl.dist.group_log` records every creation and checks this on CPU runs.
