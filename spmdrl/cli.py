@@ -378,11 +378,15 @@ def export(
     dtype: str = typer.Option(
         "auto", "--dtype", help="auto (the original model's dtype) | float32 | bfloat16 | float16."
     ),
+    merged: bool = typer.Option(
+        False, "--merged", help="LoRA checkpoints: write the base model with the adapters merged in, not the adapters."
+    ),
 ):
-    """Write a checkpoint's actor (the policy) as an HF model directory; one plain process, no torchrun."""
+    """Write a checkpoint's actor (the policy) as an HF model directory (a LoRA run's: a PEFT adapter directory,
+    or with --merged the merged model); one plain process, no torchrun."""
     from spmdrl.export import export_hf
 
-    typer.echo(export_hf(checkpoint, out, dtype=dtype))
+    typer.echo(export_hf(checkpoint, out, dtype=dtype, merged=merged))
 
 
 def main() -> None:

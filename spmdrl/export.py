@@ -1,4 +1,5 @@
-"""`spmdrl export`: a checkpoint's model as an HF model directory (safetensors, config, tokenizer).
+"""`spmdrl export`: a checkpoint's model as an HF model directory (safetensors, config, tokenizer); a LoRA
+checkpoint's adapters as a PEFT adapter directory, or merged into its base model as an HF model directory.
 
 Runs in one plain process, no torchrun: DCP reads the sharded tensors without a process group and reshards
 them into full tensors, one bucket of parameters at a time, each written as one safetensors file (with the
@@ -68,13 +69,35 @@ def load_model_tensors(path: str, engine: str = "actor", *, verify: bool = True)
     return _read(path, reader, entries)
 
 
+def _target_dtype(dtype: str, config) -> torch.dtype:
+    """The export dtype; auto: the original model's (config.json)."""
+    if dtype == "auto":
+        target = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        if not isinstance(target, torch.dtype):
+            target = DTYPES.get(str(target).removeprefix("torch."), torch.float32)
+        return target
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise CheckpointError(f"export dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+
+
+def _save_tokenizer(path: str, hf_dir: str, out_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
+    except (OSError, ValueError) as e:
+        log.warning("checkpoint %s: no tokenizer exported (%s)", path, e)
+
+
 def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str = "actor", verify: bool = True,
-              bucket_bytes: int = 1 << 30) -> str:
+              bucket_bytes: int = 1 << 30, merged: bool = False) -> str:
     """Write `engine`'s weights from `checkpoint` (a checkpoint dir, or a run's output_dir: its latest) as an
     HF model directory `out_dir`, streamed: DCP reads one bucket of parameters (about bucket_bytes in the export
     dtype) at a time, which is cast and written as one safetensors file (engines/hf_writer.py). dtype auto keeps
-    the original model's dtype (config.json)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    the original model's dtype (config.json). A LoRA checkpoint gives a PEFT adapter directory, or with `merged`
+    the base model with the adapters merged in (export_lora)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from spmdrl.engines.hf_writer import ShardWriter
     from spmdrl.reshard.plan import group_by_bytes
@@ -83,16 +106,13 @@ def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str
     hf_dir = os.path.join(path, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise CheckpointError(f"checkpoint {path}: hf/config.json is missing; it cannot be exported")
+    if "adapter" in read_manifest(path)["engines"].get(engine, {}):
+        return export_lora(path, out_dir, dtype=dtype, engine=engine, verify=verify, merged=merged)
+    if merged:
+        raise CheckpointError(f"checkpoint {path} holds the whole {engine} model, not LoRA adapters; export it without --merged")
     reader, entries = _stored(path, engine, verify)
     config = AutoConfig.from_pretrained(hf_dir)
-    if dtype == "auto":
-        target = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-        if not isinstance(target, torch.dtype):
-            target = DTYPES.get(str(target).removeprefix("torch."), torch.float32)
-    elif dtype in DTYPES:
-        target = DTYPES[dtype]
-    else:
-        raise CheckpointError(f"export dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+    target = _target_dtype(dtype, config)
     with torch.device("meta"):  # the names and shapes the model in hf/config.json expects: nothing allocated
         expected = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(config, dtype=target).named_parameters()}
     stored = {name: shape for name, _, shape, _ in entries}
@@ -113,10 +133,48 @@ def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str
     writer.finish()
     config.use_cache = True
     config.save_pretrained(out_dir)
-    try:
-        AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
-    except (OSError, ValueError) as e:
-        log.warning("checkpoint %s: no tokenizer exported (%s)", path, e)
+    _save_tokenizer(path, hf_dir, out_dir)
     log.info("exported %s (%s) from %s to %s in %d file(s)", engine, str(target).removeprefix("torch."), path, out_dir,
              len(buckets))
+    return out_dir
+
+
+def export_lora(path: str, out_dir: str, *, dtype: str = "auto", engine: str = "actor", verify: bool = True,
+                merged: bool = False) -> str:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors,
+    what peft.PeftModel.from_pretrained and vLLM's LoRARequest load; dtype auto keeps the stored float32), or
+    with `merged` an HF model directory: the base model (adapter_config's base_model_name_or_path, loaded whole in
+    the export dtype) with W + (alpha / r) B A merged in by PEFT, so peak memory is the whole model."""
+    import tempfile
+
+    from spmdrl.engines.lora import is_adapter, peft_name, write_adapter
+
+    hf_dir = os.path.join(path, "hf")
+    config = read_manifest(path)["engines"][engine]["adapter"]
+    reader, entries = _stored(path, engine, verify)
+    tensors = _read(path, reader, [e for e in entries if is_adapter(e[0])])
+    if not merged:
+        cast = None if dtype == "auto" else _target_dtype(dtype, None)
+        write_adapter(out_dir, [(peft_name(n), t if cast is None else t.to(cast)) for n, t in tensors.items()], config)
+        _save_tokenizer(path, hf_dir, out_dir)
+        log.info("exported %s's LoRA adapters (%d tensors) from %s to %s", engine, len(tensors), path, out_dir)
+        return out_dir
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = config.get("base_model_name_or_path") or ""
+    target = _target_dtype(dtype, AutoConfig.from_pretrained(hf_dir))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=target)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot load its base model {base!r} to merge the adapters into "
+                              f"({str(e).splitlines()[0]}); make it readable at that path") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        write_adapter(tmp, [(peft_name(n), t) for n, t in tensors.items()], config)
+        model = PeftModel.from_pretrained(model, tmp).merge_and_unload()
+    model.config.use_cache = True
+    model.save_pretrained(out_dir)
+    _save_tokenizer(path, hf_dir, out_dir)
+    log.info("exported %s merged with its LoRA adapters (%s) from %s to %s", base, str(target).removeprefix("torch."),
+             path, out_dir)
     return out_dir

@@ -156,31 +156,38 @@ def _spec_hash(spec: list) -> str:
     return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
 
 
-def module_state(module, optimizer=None, scheduler=None) -> tuple[dict, dict]:
+def _options(trainable_only: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+
+
+def module_state(module, optimizer=None, scheduler=None, trainable_only: bool = False) -> tuple[dict, dict]:
     """(tensors for DCP, JSON: optimizer param groups + LR scheduler) of a module and its optimizer, through
-    DCP's state-dict API so FSDP2 shards save and reshard."""
+    DCP's state-dict API so FSDP2 shards save and reshard. trainable_only: the parameters that require grad
+    (LoRA adapters; the frozen base comes from the base model)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
-        return {"model": get_model_state_dict(module)}, {}
-    msd, osd = get_state_dict(module, optimizer)
+        return {"model": get_model_state_dict(module, options=_options(trainable_only))}, {}
+    msd, osd = get_state_dict(module, optimizer, options=_options(trainable_only))
     meta = {"param_groups": jsonable(osd["param_groups"])}
     if scheduler is not None:
         meta["scheduler"] = jsonable({k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"})
     return {"model": msd, "optim": osd["state"]}, meta
 
 
-def load_module_state(module, optimizer, scheduler, tensors: dict, meta: dict) -> None:
+def load_module_state(module, optimizer, scheduler, tensors: dict, meta: dict, trainable_only: bool = False) -> None:
     """Put DCP-loaded tensors (and the JSON metadata) back into a module, its optimizer and scheduler."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     if optimizer is None:
-        set_model_state_dict(module, tensors["model"])
+        set_model_state_dict(module, tensors["model"], options=_options(trainable_only))
         return
     groups = [{k: tuple(v) if isinstance(optimizer.defaults.get(k), tuple) else v for k, v in g.items()}
               for g in meta["param_groups"]]  # JSON made tuples (betas) lists
     set_state_dict(module, optimizer, model_state_dict=tensors["model"],
-                   optim_state_dict={"state": tensors["optim"], "param_groups": groups})
+                   optim_state_dict={"state": tensors["optim"], "param_groups": groups}, options=_options(trainable_only))
     if scheduler is not None and "scheduler" in meta:
         scheduler.load_state_dict({**scheduler.state_dict(), **meta["scheduler"]})
 
@@ -192,5 +199,8 @@ def engine_state(engine) -> tuple[dict, dict]:
 
 def engine_manifest(engine) -> dict:
     spec = engine.param_manifest()
-    return {"params": spec, "params_hash": _spec_hash(spec), "hf_prefix": engine.hf_prefix(),
-            "optimizer": "AdamW" if engine.trainable else None}
+    out = {"params": spec, "params_hash": _spec_hash(spec), "hf_prefix": engine.hf_prefix(),
+           "optimizer": "AdamW" if engine.trainable else None}
+    if engine.lora is not None:  # adapters only: the base weights are the model at adapter_config's base path
+        out["adapter"] = engine.adapter_config()
+    return out

@@ -10,6 +10,7 @@ from .schema import (
     DataConfig,
     HooksConfig,
     LoggingConfig,
+    LoRAConfig,
     MemoryConfig,
     ModelConfig,
     PlacementConfig,
@@ -22,6 +23,6 @@ from .validate import validate
 
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "Config", "CriticConfig", "DataConfig", "HooksConfig",
-    "LoggingConfig", "MemoryConfig", "ModelConfig", "PlacementConfig", "RefConfig", "RewardConfig", "RolloutConfig",
+    "LoggingConfig", "LoRAConfig", "MemoryConfig", "ModelConfig", "PlacementConfig", "RefConfig", "RewardConfig", "RolloutConfig",
     "TrainerConfig", "config_reference", "field_docs", "load_config", "to_toml", "validate",
 ]

@@ -53,6 +53,27 @@ class ModelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (PEFT LoRA) instead of full fine-tuning: the base weights are frozen, and the reference
+    policy is the actor with its adapters disabled (no ref model is built). FSDP2 backend only; see docs/lora.md."""
+
+    enable: bool = False
+    """Train LoRA adapters on the actor (and with critic = true on the critic) instead of every weight."""
+    rank: int = 16
+    """Adapter rank r."""
+    alpha: int = 32
+    """Scaling numerator: the adapter's update is (alpha / rank) B A."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input during updates (forward-only passes run without it)."""
+    target_modules: list[str] = field(default_factory=list)
+    """Names (last component) of the linear layers that get adapters, e.g. ["q_proj", "v_proj"]; empty means every linear layer of the decoder blocks (the LM head and embeddings are never adapted)."""
+    init: str = "default"
+    """Adapter initialisation: default (A Kaiming-uniform, B zero; PEFT's default) | gaussian (A normal(0, 1/rank), B zero). Both start as the base model."""
+    critic: bool = False
+    """The critic trains LoRA adapters too (its value head is trained in full)."""
+
+
+@dataclass
 class ActorConfig:
     """The policy's optimisation."""
 
@@ -438,6 +459,7 @@ class Config:
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)

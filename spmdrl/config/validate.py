@@ -17,6 +17,7 @@ CHOICES = {
     "trainer.device": ("auto", "cuda", "cpu"),
     "trainer.backend": ("fsdp", "megatron"),
     "trainer.critic_backend": ("", "fsdp", "megatron"),
+    "lora.init": ("default", "gaussian"),  # spmdrl.engines.lora.INITS
 }
 MEMORY_KINDS = ("params", "grads", "optimizer")
 
@@ -154,7 +155,8 @@ def validate(cfg, world_size: int):
 
     validate_memory(cfg)
     layout = plan_layout(cfg.placement, world_size, backends=role_backends(cfg))
-    built = ["actor"] + (["ref"] if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else []) + (
+    validate_lora(cfg, layout)
+    built = ["actor"] + (["ref"] if builds_ref(cfg) else []) + (
         ["critic"] if cfg.critic.enable else [])
     check_megatron_roles(layout, role_backends(cfg), built)
     if cfg.reward.model_path and layout["reward"].tp != layout["actor"].tp:
@@ -235,6 +237,50 @@ def rollout_correction_active(cfg) -> bool:
     """Whether the update computes importance weights or a rejection mask (and so needs pi_old before it)."""
     rc = cfg.rollout_correction
     return rc.rollout_is != "none" or rc.rollout_rs != "none" or rc.rollout_token_veto_threshold > 0
+
+
+def uses_ref(cfg) -> bool:
+    """Whether the run needs the reference policy's log-probs (a KL loss or a KL penalty in the reward)."""
+    return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def builds_ref(cfg) -> bool:
+    """Whether the run builds a ref model: it needs the reference policy and the actor is not LoRA (whose
+    reference is the actor with its adapters disabled)."""
+    return uses_ref(cfg) and not cfg.lora.enable
+
+
+def validate_lora(cfg, layout) -> None:
+    """The [lora] section (spmdrl/engines/lora.py): FSDP2 without tensor parallelism, no separate ref."""
+    from spmdrl.dist.layout import role_backends
+
+    lo = cfg.lora
+    if not lo.enable:
+        if lo.critic:
+            raise ConfigError("lora.critic = true needs lora.enable = true (LoRA on the actor)")
+        return
+    if lo.rank <= 0:
+        raise ConfigError(f"lora.rank must be > 0, found {lo.rank}")
+    if lo.alpha <= 0:
+        raise ConfigError(f"lora.alpha must be > 0, found {lo.alpha}")
+    if not 0 <= lo.dropout < 1:
+        raise ConfigError(f"lora.dropout must be in [0, 1), found {lo.dropout}")
+    if not all(t.strip() for t in lo.target_modules):
+        raise ConfigError(f"lora.target_modules = {lo.target_modules}: give module names such as q_proj (empty list: every linear layer)")
+    roles = ["actor"] + (["critic"] if cfg.critic.enable and lo.critic else [])
+    backends = role_backends(cfg)
+    for role in roles:
+        if backends[role] != "fsdp":
+            key = "trainer.critic_backend" if role == "critic" and cfg.trainer.critic_backend else "trainer.backend"
+            raise ConfigError(f"lora.enable = true: {key} = {backends[role]!r} has no LoRA (megatron-core 0.16.1 has none); "
+                              f"use {key} = 'fsdp'")
+        if layout[role].tp > 1:
+            raise ConfigError(f"lora.enable = true: LoRA under FSDP2 tensor parallelism is not supported yet; set "
+                              f"placement.{role}_tp = 1 (placement.{role}_tp = {layout[role].tp})")
+    p = cfg.placement
+    if p.ref_ranks or p.ref_tp != 1 or p.ref_pp != 1 or cfg.ref.offload or cfg.memory.ref_offload:
+        raise ConfigError("lora.enable = true: the reference policy is the actor with its adapters disabled (no ref "
+                          "model is built); leave placement.ref_ranks, ref_tp, ref_pp, ref.offload and memory.ref_offload unset")
 
 
 def validate_split(cfg) -> None:

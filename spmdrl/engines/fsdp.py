@@ -184,6 +184,7 @@ class FSDPEngine:
         optim: dict | None = None,
         total_steps: int = 1,
         defer_grad_sync: bool = False,
+        lora=None,
     ):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         self.device = device
@@ -192,13 +193,25 @@ class FSDPEngine:
             raise ConfigError(f"the FSDP2 backend has no pipeline parallelism: {mesh.layout.role}_pp = {mesh.pp_size}; set it to 1")
         cuda = device.type == "cuda"
         param_dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
-        # trainable: float32 master shards (bf16 compute under mixed precision); frozen (ref): the compute dtype
-        store_dtype = torch.float32 if trainable else param_dtype
+        # trainable: float32 master shards (bf16 compute under mixed precision); frozen (ref, or the base under
+        # LoRA adapters): the compute dtype
+        store_dtype = torch.float32 if trainable and lora is None else param_dtype
         hf = build_meta_model(model_path, value_head=value_head, trust_remote_code=trust_remote_code, dtype=store_dtype)
         hf.config.use_cache = False
         if gradient_checkpointing and trainable:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if not trainable:
+        self.lora = None  # the resolved LoRA settings (spmdrl.engines.lora.LoraSettings) when adapters are trained
+        self.model_path = model_path
+        init_fresh = None
+        if lora is not None:
+            from . import lora as lora_mod
+
+            if not trainable or mesh.tp_size > 1:
+                raise ConfigError(f"LoRA adapters need a trainable engine without tensor parallelism (tp = {mesh.tp_size}); "
+                                  "set the role's placement tp to 1")
+            self.lora = lora_mod.inject(hf, lora, trainable_head=value_head)
+            init_fresh = lora_mod.adapter_init(self.lora)
+        elif not trainable:
             hf.requires_grad_(False)
         if mesh.tp_size > 1:
             from torch.distributed.tensor.parallel import parallelize_module
@@ -216,7 +229,8 @@ class FSDPEngine:
         fully_shard(self.module, **kw)
         # each rank reads only its blocks of the checkpoint (spmdrl/engines/loading.py)
         self.load_stats = materialise(self.module, hf, model_path, torch.device("cpu") if self.host_offload_policy else device,
-                                      initializer_range=getattr(hf.config, "initializer_range", 0.02))
+                                      initializer_range=getattr(hf.config, "initializer_range", 0.02),
+                                      init_fresh=init_fresh)
         self.hf = hf
         self.trainable = trainable
         self.defer_grad_sync = defer_grad_sync
@@ -226,7 +240,7 @@ class FSDPEngine:
         if trainable:
             o = optim or {}
             self.optimizer = torch.optim.AdamW(
-                self.module.parameters(), lr=o.get("lr", 1e-6), betas=tuple(o.get("betas", (0.9, 0.999))),
+                [p for p in self.module.parameters() if p.requires_grad], lr=o.get("lr", 1e-6), betas=tuple(o.get("betas", (0.9, 0.999))),
                 eps=o.get("eps", 1e-8), weight_decay=o.get("weight_decay", 0.0),
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -239,6 +253,15 @@ class FSDPEngine:
     def logprobs(self, b: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024,
                  top_k: int = -1, top_p: float = 1.0):
         return self.module(b.to(self.device), temperature, with_entropy, chunk_size, top_k, top_p)
+
+    def adapters_disabled(self):
+        """A context in which the forward heads compute the base model alone: with LoRA, the reference policy
+        (the same weights, no second copy). Without adapters there is nothing to disable (a ConfigError)."""
+        if self.lora is None:
+            raise ConfigError("adapters_disabled() needs an engine built with LoRA adapters (lora.enable = true)")
+        from .lora import disabled
+
+        return disabled(self.hf)
 
     def values(self, b: TokenBatch) -> torch.Tensor:
         """Critic values [B, R] at response positions (zero on padding)."""
@@ -339,6 +362,25 @@ class FSDPEngine:
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
 
+    # ---- LoRA adapters out (collective over the mesh: every rank calls these in the same order) -------------
+    def adapter_tensors(self, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Every adapter tensor, whole (gathered over the mesh), on CPU, named as PEFT's save_pretrained names them
+        in adapter_model.safetensors, in parameter order; on every rank. Copies: later updates leave them as they are."""
+        from .lora import is_adapter, peft_name
+
+        out = []
+        for name, p in self.hf.named_parameters():
+            if is_adapter(name):
+                full = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                out.append((peft_name(name), full.to("cpu", dtype=dtype or full.dtype, copy=True)))  # never the param
+        return out
+
+    def adapter_config(self) -> dict:
+        """The adapter_config.json PEFT writes for these adapters (base_model_name_or_path: model.path)."""
+        from .lora import adapter_config
+
+        return adapter_config(self.lora, self.model_path)
+
     # ---- checkpoints ----------------------------------------------------------------------------------
     def checkpoint_access(self):
         """Nothing to bring back: DCP reads and loads the shards wherever offload left them (host or device)."""
@@ -347,15 +389,17 @@ class FSDPEngine:
     def checkpoint_state(self) -> tuple[dict, dict]:
         from spmdrl.checkpoint.dcp import module_state
 
-        return module_state(self.module, self.optimizer, self.scheduler)
+        return module_state(self.module, self.optimizer, self.scheduler, trainable_only=self.lora is not None)
 
     def load_checkpoint_state(self, tensors: dict, meta: dict) -> None:
         from spmdrl.checkpoint.dcp import load_module_state
 
-        load_module_state(self.module, self.optimizer, self.scheduler, tensors, meta)
+        load_module_state(self.module, self.optimizer, self.scheduler, tensors, meta, trainable_only=self.lora is not None)
 
     def param_manifest(self) -> list:
-        return [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in self.module.named_parameters()]
+        """The saved parameters: all of them, or with LoRA the trained ones (adapters, a critic's value head)."""
+        return [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in self.module.named_parameters()
+                if self.lora is None or p.requires_grad]
 
     def hf_prefix(self) -> str:
         """Prefix of the HF model's parameter names inside the checkpointed root module."""

@@ -128,11 +128,13 @@ def local_block(p) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def materialise(root: nn.Module, hf: nn.Module, model_path: str, device: torch.device,
-                initializer_range: float = 0.02) -> dict[str, int]:
+                initializer_range: float = 0.02, init_fresh=None) -> dict[str, int]:
     """Allocate `root`'s (sharded) parameters on `device` (in the dtype they were built in) and fill this rank's blocks from the
     checkpoint; returns {"bytes_read": ...}. Parameters missing from the checkpoint are allowed only for a
     value head, initialised like HF's _init_weights (normal(0, initializer_range), zero bias) from the global
-    RNG, which every rank seeds alike."""
+    RNG, which every rank seeds alike. init_fresh(name, shape) -> full tensor or None: parameters that do not come
+    from the checkpoint (LoRA adapters, spmdrl/engines/lora.py); with it, a LoRA-wrapped layer's `.base_layer.`
+    weight is read under the checkpoint's own name."""
     buffers = {n: b.clone() for n, b in root.named_buffers()}
     root.to_empty(device=device)
     with torch.no_grad():
@@ -148,8 +150,12 @@ def materialise(root: nn.Module, hf: nn.Module, model_path: str, device: torch.d
         for name, p in hf.named_parameters():
             offs, shape = local_block(p)
             local = p.to_local() if isinstance(p, DTensor) else p
-            file = index.get(name)
-            if file is None:
+            fresh = init_fresh(name, p.shape) if init_fresh is not None else None
+            source = name.replace(".base_layer.", ".") if init_fresh is not None else name
+            file = None if fresh is not None else index.get(source)
+            if fresh is not None:
+                block = fresh[tuple(slice(o, o + s) for o, s in zip(offs, shape))]
+            elif file is None:
                 if not name.startswith(HEAD_PREFIXES):
                     raise ConfigError(f"model.path = {model_path!r}: the checkpoint has no parameter {name!r} ({prefix}{name})")
                 full = torch.zeros(p.shape) if name.endswith("bias") else torch.empty(p.shape).normal_(0.0, initializer_range)
@@ -157,7 +163,7 @@ def materialise(root: nn.Module, hf: nn.Module, model_path: str, device: torch.d
             else:
                 if file not in files:
                     files[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-                sl = files[file].get_slice(name)
+                sl = files[file].get_slice(source)
                 if tuple(sl.get_shape()) != tuple(p.shape):
                     raise ConfigError(f"{name}: checkpoint shape {tuple(sl.get_shape())} != model shape {tuple(p.shape)}")
                 block = sl[tuple(slice(o, o + s) for o, s in zip(offs, shape))] if math.prod(shape) else torch.empty(shape)

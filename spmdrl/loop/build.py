@@ -24,23 +24,32 @@ class Engines:
 
 def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_built=None) -> Engines:
     """actor, then ref, then critic; on_built(role, engine) runs right after each (the memory lifecycle parks
-    the engine's configured state before the next one is built)."""
+    the engine's configured state before the next one is built). With lora.enable the actor (and with
+    lora.critic the critic) trains adapters, and no ref is built: the reference policy is the actor with its
+    adapters disabled (Learner.ref_logprobs)."""
+    from spmdrl.config.validate import builds_ref
+
     a, c, d = cfg.actor, cfg.critic, cfg.data
     on_built = on_built or (lambda role, engine: None)
     mini = a.ppo_mini_batch_size or d.train_batch_size
     updates_per_step = a.ppo_epochs * (d.train_batch_size // mini)
     common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    lora = {}
+    if cfg.lora.enable:
+        from spmdrl.engines.lora import settings_from_config
+
+        lora = dict(lora=settings_from_config(cfg))
     backend = role_backends(cfg)
     actor = build_train_engine(
         backend["actor"], cfg.model.path, meshes["actor"], device, trainable=True,
         optim=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
                    lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip),
         gradient_checkpointing=cfg.model.gradient_checkpointing, defer_grad_sync=cfg.memory.defer_grad_sync,
-        total_steps=cfg.trainer.total_steps * updates_per_step, **common,
+        total_steps=cfg.trainer.total_steps * updates_per_step, **common, **lora,
     )
     on_built("actor", actor)
     ref = None
-    if a.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    if builds_ref(cfg):
         ref = build_train_engine(backend["ref"], cfg.model.path, meshes["ref"], device, trainable=False,
                                  offload=cfg.ref.offload, **common)
         on_built("ref", ref)
@@ -50,7 +59,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
             backend["critic"], c.path or cfg.model.path, meshes["critic"], device, trainable=True, value_head=True,
             gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=cfg.trainer.total_steps * c.ppo_epochs,
             optim=dict(lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip=c.grad_clip),
-            defer_grad_sync=cfg.memory.defer_grad_sync, **common,
+            defer_grad_sync=cfg.memory.defer_grad_sync, **common, **(lora if cfg.lora.critic else {}),
         )
         on_built("critic", critic)
     return Engines(actor, ref, critic)

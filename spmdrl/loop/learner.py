@@ -41,6 +41,14 @@ class Learner:
             max_tokens=a.forward_max_tokens_per_micro_batch or a.max_tokens_per_micro_batch, packed=a.use_packing,
         )
 
+    def ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The reference policy's log-probs: the ref engine's, or with LoRA (no ref engine) the actor's with its
+        adapters disabled, which is exactly the base model."""
+        if self.ref is not None:
+            return self.logprobs(self.ref, batch)
+        with self.actor.adapters_disabled():
+            return self.logprobs(self.actor, batch)
+
     def values(self, batch: Batch) -> torch.Tensor:
         c = self.cfg.critic
         return forward_all(self.critic, batch, c.micro_batch_size, self.pad_id, lambda eng, tb: eng.values(tb),

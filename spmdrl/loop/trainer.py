@@ -23,6 +23,7 @@ from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
 from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume
 from spmdrl.config import Config, to_toml
+from spmdrl.config.validate import uses_ref
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.collectives import reduce_max, reduce_mean
@@ -114,6 +115,8 @@ class Trainer:
         mini = a.ppo_mini_batch_size or d.train_batch_size
         # on-policy (one epoch, one mini-batch) the update's own log-probs are the old ones
         self.on_policy = a.ppo_epochs == 1 and mini == d.train_batch_size and not alg.use_kl_in_reward
+        # the reference policy's log-probs: the ref engine's, or with LoRA the actor's with its adapters disabled
+        self.uses_ref = self.trains and uses_ref(cfg)
         reward_model = None
         if cfg.reward.model_path and self.trains:
             from spmdrl.rewards.model import RewardModelScorer
@@ -250,10 +253,10 @@ class Trainer:
         if not self.on_policy:
             with timer("old_logprob"):
                 batch["old_log_probs"] = learner.logprobs(self.actor, batch)
-        if self.ref is not None:
-            memory.for_training("ref", update=False)
+        if self.uses_ref:
+            memory.for_training("ref" if self.ref is not None else "actor", update=False)
             with timer("ref_logprob"):
-                batch["ref_log_probs"] = learner.logprobs(self.ref, batch)
+                batch["ref_log_probs"] = learner.ref_logprobs(batch)
         if self.critic is not None:
             memory.for_training("critic", update=False)
             with timer("values"):

@@ -46,6 +46,8 @@ CHECKPOINTED = ("params", "optimizer")  # the offload kinds a checkpoint holds (
 class MegatronEngine:
     """One HF Llama/Qwen2-family model as a megatron-core GPTModel sharded over a role mesh."""
 
+    lora = None  # megatron-core 0.16.1 has no LoRA; config validation refuses lora.enable with this backend
+
     def __init__(self, model_path: str, mesh: RoleMesh, device: torch.device, *, trainable: bool, dtype: str = "auto",
                  value_head: bool = False, optim: dict | None = None, total_steps: int = 1,
                  trust_remote_code: bool = False, seed: int = 0, make_vocab_size_divisible_by: int = 128,
