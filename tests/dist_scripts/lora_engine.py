@@ -119,7 +119,7 @@ def main():
     res["resume_bitwise"] = all_ranks(torch.equal(logprobs(b), want_next)
                                       and all(torch.equal(x, y) for (_, x), (_, y) in zip(a.adapter_tensors(), b.adapter_tensors())))
     if env.rank == 0:
-        torch.save({"tb": tb, "at_save": trained, "base": want_ref}, os.path.join(args.out, "lp.pt"))
+        torch.save({"tb": dict(vars(tb)), "at_save": trained, "base": want_ref}, os.path.join(args.out, "lp.pt"))
         res["adapter_config"] = a.adapter_config()
         res["checkpoint"] = path
         with open(os.path.join(args.out, "lora.json"), "w") as f:

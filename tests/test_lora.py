@@ -1,0 +1,165 @@
+"""LoRA training on the FSDP2 engine with real PEFT (spmdrl/engines/lora.py): one 2-rank run of
+dist_scripts/lora_engine.py shared by the tests (what is trained, the reference policy, bitwise resume through
+CheckpointManager), then `spmdrl export` of its checkpoint loaded back by PEFT itself, and the config checks."""
+import json
+import os
+
+import pytest
+import torch
+
+from launching import run
+from spmdrl.tiny import build_tiny
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+peft = pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    model = build_tiny(str(root / "model"), seed=0)
+    out = root / "out"
+    out.mkdir()
+    run([os.path.join(HERE, "dist_scripts", "lora_engine.py"), "--model", model, "--out", str(out)], nproc=2, timeout=300)
+    with open(out / "lora.json") as f:
+        res = json.load(f)
+    from spmdrl.engines import TokenBatch
+
+    lp = torch.load(out / "lp.pt")
+    lp["tb"] = TokenBatch(**lp["tb"])
+    return {"model": model, "out": out, "res": res, "lp": lp}
+
+
+def base_logprobs(model, tb):
+    """Log-probs of the response tokens under an HF (or PEFT) model, float64 softmax."""
+    with torch.no_grad():
+        logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, position_ids=tb.position_ids).logits
+    lp = torch.log_softmax(logits.double(), -1)
+    rows = torch.arange(tb.resp_ids.shape[0])[:, None]
+    return lp[rows, tb.resp_pos].gather(-1, tb.resp_ids[..., None])[..., 0] * tb.resp_mask
+
+
+@pytest.mark.dist
+def test_only_adapters_get_gradients_and_optimizer_state(lora_run):
+    r = lora_run["res"]
+    # every linear layer of the 4 decoder blocks: 7 modules x (A, B) x 4 layers
+    assert r["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert r["n_adapter_params"] == 56
+    assert r["grads_only_adapters"] and r["n_with_grad"] == 56
+    assert r["optimizer_state_only_adapters"] and r["optimizer_params"] == 56
+    assert r["frozen_dtypes"] == ["torch.float32"]  # the compute dtype on CPU
+
+
+@pytest.mark.dist
+def test_base_unchanged_and_disabled_adapters_are_the_base_model(lora_run):
+    r = lora_run["res"]
+    assert r["start_is_base"]  # B = 0 at init: the adapted model starts as the base model, bitwise
+    assert r["base_changed"] == []  # every frozen weight bitwise equal to the model file after 2 updates
+    assert r["trained_moved"] > 1e-2  # the adapters did change the policy ...
+    assert r["ref_equals_base"]  # ... and disabled they give exactly a plain engine's log-probs of the base model
+    assert r["grad_flags_kept"] and r["enabled_again"]
+    # the base engine's log-probs are the HF model's (independent reference: transformers, unsharded)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(lora_run["model"], dtype=torch.float32).eval()
+    lp = lora_run["lp"]
+    assert float((base_logprobs(hf, lp["tb"]) - lp["base"].double()).abs().max()) < 1e-5
+
+
+@pytest.mark.dist
+def test_checkpoint_holds_adapters_only_and_resume_is_bitwise(lora_run):
+    r = lora_run["res"]
+    assert r["saved_model_keys_adapters"] and r["saved_optim_keys_adapters"]
+    with open(os.path.join(r["checkpoint"], "manifest.json")) as f:
+        actor = json.load(f)["engines"]["actor"]
+    assert len(actor["params"]) == 56 and all(".lora_" in n for n, _, _ in actor["params"])
+    assert actor["adapter"]["base_model_name_or_path"] == lora_run["model"]
+    assert actor["adapter"]["peft_type"] == "LORA" and actor["adapter"]["r"] == 4
+    from spmdrl.checkpoint.dcp import safe_reader
+
+    keys = safe_reader(os.path.join(r["checkpoint"], "state", "actor")).read_metadata().state_dict_metadata
+    tensors = [k for k in keys if k.startswith("actor.model.")]
+    moments = [k for k in keys if k.startswith("actor.optim.") and k.endswith(("exp_avg", "exp_avg_sq"))]
+    assert len(tensors) == 56 and all(".lora_" in k for k in tensors)  # never a base weight
+    assert len(moments) == 2 * 56 and all(".lora_" in k for k in moments)
+    assert r["loaded_adapters_equal"] and r["resume_bitwise"]
+
+
+@pytest.mark.dist
+def test_names_and_config_are_what_peft_saves(lora_run, tmp_path):
+    """adapter_tensors' names and shapes and adapter_config() against PEFT's own save_pretrained of the same
+    adapters on the HF model."""
+    from peft import get_peft_model
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from spmdrl.engines.lora import LoraSettings, peft_config
+
+    r = lora_run["res"]
+    hf = AutoModelForCausalLM.from_pretrained(lora_run["model"], dtype=torch.float32)
+    settings = LoraSettings(rank=4, alpha=8, target_modules=r["target_modules"])
+    get_peft_model(hf, peft_config(settings, lora_run["model"])).save_pretrained(str(tmp_path))
+    with safe_open(str(tmp_path / "adapter_model.safetensors"), framework="pt") as f:
+        theirs = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert theirs == r["adapter_tensors"]
+    with open(tmp_path / "adapter_config.json") as f:
+        theirs = json.load(f)
+    theirs["target_modules"] = sorted(theirs["target_modules"])  # PEFT writes a set in hash order; ours is sorted
+    assert theirs == r["adapter_config"]
+
+
+@pytest.mark.dist
+def test_export_adapter_loads_in_peft_and_merged_model_reproduces_the_actor(lora_run, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from spmdrl.export import export_hf
+
+    r, lp = lora_run["res"], lora_run["lp"]
+    adapter = export_hf(r["checkpoint"], str(tmp_path / "adapter"))
+    assert sorted(os.listdir(adapter))[:2] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert {k: list(v.shape) for k, v in load_file(os.path.join(adapter, "adapter_model.safetensors")).items()} == r["adapter_tensors"]
+    base = AutoModelForCausalLM.from_pretrained(lora_run["model"], dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter).eval()
+    got = base_logprobs(model, lp["tb"])
+    assert float((got - lp["at_save"].double()).abs().max()) < 1e-5  # the actor's log-probs at the checkpoint
+    assert float((got - lp["base"].double()).abs().max()) > 1e-2
+    merged = export_hf(r["checkpoint"], str(tmp_path / "merged"), merged=True)
+    full = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    assert not any(".lora_" in n for n, _ in full.named_parameters())
+    assert float((base_logprobs(full, lp["tb"]) - lp["at_save"].double()).abs().max()) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def validate_error(*overrides) -> str:
+    from spmdrl.config import load_config, validate
+    from spmdrl.errors import ConfigError
+
+    cfg = load_config(None, ["model.path=/models/tiny", "data.train_files=[\"train.parquet\"]", *overrides])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, 2)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_lora_config_is_refused_where_it_cannot_run():
+    assert "megatron-core 0.16.1 has none" in validate_error("lora.enable=true", "trainer.backend=megatron")
+    assert "trainer.backend = 'fsdp'" in validate_error("lora.enable=true", "trainer.backend=megatron")
+    assert "placement.actor_tp = 1" in validate_error("lora.enable=true", "placement.actor_tp=2", "rollout.engine=hf")
+    assert "lora.critic = true needs lora.enable" in validate_error("lora.critic=true")
+    assert "no ref model is built" in validate_error("lora.enable=true", "ref.offload=true")
+    assert "lora.rank must be > 0" in validate_error("lora.enable=true", "lora.rank=0")
+    assert "lora.init = 'pissa'" in validate_error("lora.enable=true", "lora.init=pissa")
+
+
+def test_lora_run_builds_no_ref():
+    from spmdrl.config import load_config, validate
+    from spmdrl.config.validate import builds_ref, uses_ref
+
+    cfg = load_config(None, ["model.path=/models/tiny", "data.train_files=[\"train.parquet\"]", "lora.enable=true",
+                             "actor.use_kl_loss=true"])
+    validate(cfg, 2)
+    assert uses_ref(cfg) and not builds_ref(cfg)
