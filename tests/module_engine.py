@@ -8,6 +8,7 @@ from spmdrl.checkpoint.dcp import load_module_state, module_state, param_spec
 
 class ModuleEngine(types.SimpleNamespace):
     trainable = True
+    lora = None
 
     def checkpoint_access(self):
         return contextlib.nullcontext()

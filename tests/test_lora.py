@@ -67,6 +67,20 @@ def test_base_unchanged_and_disabled_adapters_are_the_base_model(lora_run):
 
 
 @pytest.mark.dist
+def test_learner_ref_is_the_actor_with_adapters_disabled(lora_run):
+    r = lora_run["res"]
+    assert r["learner_ref_is_base"]  # Learner.ref_logprobs with no ref engine: exactly the base model
+    assert r["learner_actor_is_adapted"]
+
+
+@pytest.mark.dist
+def test_lora_critic_trains_adapters_and_its_value_head(lora_run):
+    r = lora_run["res"]
+    assert r["critic_trained"] == ["adapter", "score.bias", "score.weight"]  # Qwen2's token-classification head
+    assert r["critic_optimizer_params"] == 56 + 2 and r["critic_manifest"] == 56 + 2
+
+
+@pytest.mark.dist
 def test_checkpoint_holds_adapters_only_and_resume_is_bitwise(lora_run):
     r = lora_run["res"]
     assert r["saved_model_keys_adapters"] and r["saved_optim_keys_adapters"]

@@ -118,6 +118,34 @@ def main():
     b.train_step([tb], loss_fn)
     res["resume_bitwise"] = all_ranks(torch.equal(logprobs(b), want_next)
                                       and all(torch.equal(x, y) for (_, x), (_, y) in zip(a.adapter_tensors(), b.adapter_tensors())))
+    # ---- the Learner's reference log-probs: the actor with its adapters disabled (no ref engine) ---------------
+    from spmdrl.algos.kl import FixedKLController
+    from spmdrl.batch import Batch
+    from spmdrl.loop.learner import Learner
+
+    def padded(seqs):
+        out = torch.zeros(len(seqs), max(len(x) for x in seqs), dtype=torch.long)
+        for i, x in enumerate(seqs):
+            out[i, : len(x)] = x
+        return out
+
+    batch = Batch({"prompts": padded(prompts), "responses": padded(responses),
+                   "prompt_len": torch.tensor([len(x) for x in prompts]),
+                   "response_len": torch.tensor([len(x) for x in responses])})
+    meshes = RoleMeshes(plan_layout(Config().placement, env.world_size), env.rank, "cpu")
+    learner = Learner(Config(), meshes, b, None, None, FixedKLController(0.0), pad_id=0)
+    res["learner_ref_is_base"] = all_ranks(torch.equal(learner.ref_logprobs(batch), want_ref))
+    res["learner_actor_is_adapted"] = all_ranks(torch.equal(learner.logprobs(b, batch), logprobs(b)))
+
+    # ---- a LoRA critic: adapters and its value head train, nothing else ---------------------------------------
+    critic = build_train_engine("fsdp", args.model, mesh, device, trainable=True, value_head=True, lora=settings,
+                                optim=dict(lr=1e-2), total_steps=10)
+    critic.module.train()
+    (critic.values(tb) ** 2).sum().backward()
+    with_grad = sorted(n for n, q in critic.hf.named_parameters() if q.grad is not None)
+    res["critic_trained"] = sorted({n if not is_adapter(n) else "adapter" for n in with_grad})
+    res["critic_optimizer_params"] = sum(len(gr["params"]) for gr in critic.optimizer.param_groups)
+    res["critic_manifest"] = len(critic.param_manifest())
     if env.rank == 0:
         torch.save({"tb": dict(vars(tb)), "at_save": trained, "base": want_ref}, os.path.join(args.out, "lp.pt"))
         res["adapter_config"] = a.adapter_config()
