@@ -67,6 +67,15 @@ def test_base_unchanged_and_disabled_adapters_are_the_base_model(lora_run):
 
 
 @pytest.mark.dist
+def test_gradient_checkpointing_and_bfloat16(lora_run):
+    r = lora_run["res"]
+    assert r["checkpointing_same"]  # model.gradient_checkpointing: the same two updates, bitwise
+    # model.dtype = bfloat16 (CUDA's default): the frozen base is stored in bf16, the adapters stay float32 masters
+    assert r["bf16_dtypes"] == [["adapter", "torch.float32"], ["base", "torch.bfloat16"]]
+    assert r["bf16_ref_equals_base"] and r["bf16_moved"] > 0
+
+
+@pytest.mark.dist
 def test_learner_ref_is_the_actor_with_adapters_disabled(lora_run):
     r = lora_run["res"]
     assert r["learner_ref_is_base"]  # Learner.ref_logprobs with no ref engine: exactly the base model

@@ -146,6 +146,23 @@ def main():
     res["critic_trained"] = sorted({n if not is_adapter(n) else "adapter" for n in with_grad})
     res["critic_optimizer_params"] = sum(len(gr["params"]) for gr in critic.optimizer.param_groups)
     res["critic_manifest"] = len(critic.param_manifest())
+    # ---- gradient checkpointing: the same updates ------------------------------------------------------------
+    ck = build_train_engine("fsdp", args.model, mesh, device, trainable=True, lora=settings, gradient_checkpointing=True,
+                            optim=dict(lr=1e-2, weight_decay=0.01, grad_clip=1.0), total_steps=10)
+    for _ in range(2):
+        ck.train_step([tb], loss_fn)
+    res["checkpointing_same"] = all_ranks(torch.equal(logprobs(ck), trained))
+
+    # ---- bfloat16 compute (what CUDA gets): base stored in bf16, adapters float32 masters, FSDP2 mixed precision
+    bf = build_train_engine("fsdp", args.model, mesh, device, trainable=True, lora=settings, dtype="bfloat16",
+                            optim=dict(lr=1e-2), total_steps=10)
+    res["bf16_dtypes"] = sorted({("adapter" if is_adapter(n) else "base", str(q.dtype)) for n, q in bf.hf.named_parameters()})
+    bf.train_step([tb], loss_fn)
+    bf_base = build_train_engine("fsdp", args.model, mesh, device, trainable=False, dtype="bfloat16")
+    with bf.adapters_disabled():
+        res["bf16_ref_equals_base"] = all_ranks(torch.equal(logprobs(bf), logprobs(bf_base)))
+    res["bf16_moved"] = float((logprobs(bf) - logprobs(bf_base)).abs().max())
+
     if env.rank == 0:
         torch.save({"tb": dict(vars(tb)), "at_save": trained, "base": want_ref}, os.path.join(args.out, "lp.pt"))
         res["adapter_config"] = a.adapter_config()
