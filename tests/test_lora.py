@@ -76,6 +76,23 @@ def test_gradient_checkpointing_and_bfloat16(lora_run):
 
 
 @pytest.mark.dist
+def test_tensor_parallel_lora_matches_data_parallel(lora_run):
+    """tp = 2: column-parallel layers get a column-parallel B, row-parallel layers a row-parallel A; the same two
+    updates as dp = 2 up to reduction order, and the adapters disabled are exactly a tp = 2 base engine."""
+    r = lora_run["res"]
+    pl = r["tp_placements"]
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        assert pl[f"{name}.lora_B.default.weight"].endswith("Shard(dim=0))") and pl[f"{name}.lora_B.default.weight"].count("Shard") == 2
+        assert pl[f"{name}.lora_A.default.weight"] == "(Shard(dim=0),)"  # FSDP only: A sees the whole input
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        assert pl[f"{name}.lora_A.default.weight"] == "(Shard(dim=0), Shard(dim=1))"
+        assert pl[f"{name}.lora_B.default.weight"] == "(Shard(dim=0),)"
+    assert r["tp_start_equal"] < 1e-5 and r["tp_vs_dp"] < 1e-5
+    assert r["tp_ref_equals_base"]
+    assert r["tp_adapter_shapes"] == r["adapter_tensors"]  # gathered whole over tp as over dp
+
+
+@pytest.mark.dist
 def test_learner_ref_is_the_actor_with_adapters_disabled(lora_run):
     r = lora_run["res"]
     assert r["learner_ref_is_base"]  # Learner.ref_logprobs with no ref engine: exactly the base model
@@ -171,7 +188,8 @@ def validate_error(*overrides) -> str:
 def test_lora_config_is_refused_where_it_cannot_run():
     assert "megatron-core 0.16.1 has none" in validate_error("lora.enable=true", "trainer.backend=megatron")
     assert "trainer.backend = 'fsdp'" in validate_error("lora.enable=true", "trainer.backend=megatron")
-    assert "placement.actor_tp = 1" in validate_error("lora.enable=true", "placement.actor_tp=2", "rollout.engine=hf")
+    assert "set lora.dropout = 0 or tp = 1" in validate_error("lora.enable=true", "lora.dropout=0.1", "placement.actor_tp=2",
+                                                              "rollout.engine=hf")
     assert "lora.critic = true needs lora.enable" in validate_error("lora.critic=true")
     assert "no ref model is built" in validate_error("lora.enable=true", "ref.offload=true")
     assert "lora.rank must be > 0" in validate_error("lora.enable=true", "lora.rank=0")

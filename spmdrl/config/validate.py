@@ -274,9 +274,9 @@ def validate_lora(cfg, layout) -> None:
             key = "trainer.critic_backend" if role == "critic" and cfg.trainer.critic_backend else "trainer.backend"
             raise ConfigError(f"lora.enable = true: {key} = {backends[role]!r} has no LoRA (megatron-core 0.16.1 has none); "
                               f"use {key} = 'fsdp'")
-        if layout[role].tp > 1:
-            raise ConfigError(f"lora.enable = true: LoRA under FSDP2 tensor parallelism is not supported yet; set "
-                              f"placement.{role}_tp = 1 (placement.{role}_tp = {layout[role].tp})")
+        if layout[role].tp > 1 and lo.dropout > 0:
+            raise ConfigError(f"lora.dropout = {lo.dropout} with placement.{role}_tp = {layout[role].tp}: each tensor-parallel "
+                              "rank would draw its own dropout mask on the replicated input; set lora.dropout = 0 or tp = 1")
     p = cfg.placement
     if p.ref_ranks or p.ref_tp != 1 or p.ref_pp != 1 or cfg.ref.offload or cfg.memory.ref_offload:
         raise ConfigError("lora.enable = true: the reference policy is the actor with its adapters disabled (no ref "

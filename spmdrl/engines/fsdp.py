@@ -206,9 +206,8 @@ class FSDPEngine:
         if lora is not None:
             from . import lora as lora_mod
 
-            if not trainable or mesh.tp_size > 1:
-                raise ConfigError(f"LoRA adapters need a trainable engine without tensor parallelism (tp = {mesh.tp_size}); "
-                                  "set the role's placement tp to 1")
+            if not trainable:
+                raise ConfigError("LoRA adapters need a trainable engine (the frozen base is the reference policy)")
             self.lora = lora_mod.inject(hf, lora, trainable_head=value_head)
             init_fresh = lora_mod.adapter_init(self.lora)
         elif not trainable:
@@ -217,7 +216,12 @@ class FSDPEngine:
             from torch.distributed.tensor.parallel import parallelize_module
 
             backbone = getattr(hf, hf.base_model_prefix)
-            parallelize_module(backbone, mesh.submesh("tp"), tp_plan())
+            plan = tp_plan()
+            if self.lora is not None:
+                from .lora import tp_plan as lora_tp_plan
+
+                plan = lora_tp_plan(plan, self.lora.target_modules)
+            parallelize_module(backbone, mesh.submesh("tp"), plan)
         self.module = _ValueHead(hf) if value_head else _LogprobHead(hf)
         self.host_offload_policy = offload and cuda
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype != torch.float32 else MixedPrecisionPolicy()

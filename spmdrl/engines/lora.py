@@ -132,6 +132,27 @@ def adapter_init(s: LoraSettings):
     return init
 
 
+def tp_plan(plan: dict, targets: list[str]) -> dict:
+    """The DTensor TP plan of a backbone whose `targets` layers are wrapped by LoRA layers. The base layer keeps
+    its style. A column-parallel layer's B is column-parallel too (A sees the replicated input whole, B's output is
+    sharded like the base layer's). A row-parallel layer's A is row-parallel (it reads the sharded input, its
+    r outputs are all-reduced) and B is replicated. Either way the adapter's output is laid out as the base
+    layer's, so PEFT's sum needs no change."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out = {}
+    for key, style in plan.items():
+        if key.rsplit(".", 1)[-1] not in targets:
+            out[key] = style
+        elif isinstance(style, ColwiseParallel):
+            out[f"{key}.base_layer"], out[f"{key}.lora_B.{ADAPTER}"] = style, ColwiseParallel()
+        elif isinstance(style, RowwiseParallel):
+            out[f"{key}.base_layer"], out[f"{key}.lora_A.{ADAPTER}"] = style, RowwiseParallel()
+        else:
+            raise ConfigError(f"LoRA on {key}: no adapter layout for its tensor-parallel style {type(style).__name__}")
+    return out
+
+
 def tuner_layers(hf: nn.Module) -> list[nn.Module]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 

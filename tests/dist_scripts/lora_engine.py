@@ -163,6 +163,24 @@ def main():
         res["bf16_ref_equals_base"] = all_ranks(torch.equal(logprobs(bf), logprobs(bf_base)))
     res["bf16_moved"] = float((logprobs(bf) - logprobs(bf_base)).abs().max())
 
+    # ---- tensor parallelism (tp = 2, dp = 1): the same two updates as dp = 2, up to reduction order -----------------
+    if env.world_size == 2:
+        placement = Config().placement
+        placement.actor_tp = 2
+        tp_mesh = RoleMeshes(plan_layout(placement, 2), env.rank, "cpu")["actor"]
+        tp = build_train_engine("fsdp", args.model, tp_mesh, device, trainable=True, lora=settings,
+                                optim=dict(lr=1e-2, weight_decay=0.01, grad_clip=1.0), total_steps=10)
+        res["tp_start_equal"] = float((logprobs(tp) - want_ref).abs().max())
+        for _ in range(2):
+            tp.train_step([tb], loss_fn)
+        res["tp_vs_dp"] = float((logprobs(tp) - trained).abs().max())
+        tp_base = build_train_engine("fsdp", args.model, tp_mesh, device, trainable=False)
+        with tp.adapters_disabled():
+            res["tp_ref_equals_base"] = all_ranks(torch.equal(logprobs(tp), logprobs(tp_base)))
+        res["tp_adapter_shapes"] = {n: list(t.shape) for n, t in tp.adapter_tensors()}
+        res["tp_placements"] = {n.split(".", 3)[-1]: str(getattr(q, "placements", None)) for n, q in tp.hf.named_parameters()
+                                if n.startswith("model.layers.0.") and is_adapter(n)}
+
     if env.rank == 0:
         torch.save({"tb": dict(vars(tb)), "at_save": trained, "base": want_ref}, os.path.join(args.out, "lp.pt"))
         res["adapter_config"] = a.adapter_config()
