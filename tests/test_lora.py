@@ -204,3 +204,23 @@ def test_lora_run_builds_no_ref():
                              "actor.use_kl_loss=true"])
     validate(cfg, 2)
     assert uses_ref(cfg) and not builds_ref(cfg)
+
+
+def test_plan_counts_frozen_base_and_adapter_state():
+    """`spmdrl plan` for GRPO on Qwen2.5-7B (bundled config, 8 ranks) with a KL loss: with LoRA no ref role, and
+    the actor's gradients and AdamW state are the adapters' only. By hand: rank 16 on the 7 linear layers of 28
+    blocks, r (in + out) each, is 28 x 16 x 90112 = 40,370,176 parameters."""
+    from spmdrl.config import load_config
+    from spmdrl.plan import build_plan
+
+    gib = 1 << 30
+    full = build_plan(load_config(os.path.join(HERE, "..", "configs", "grpo.toml"), ["actor.use_kl_loss=true"]), 8)
+    lora = build_plan(load_config(os.path.join(HERE, "..", "configs", "grpo.toml"),
+                                  ["actor.use_kl_loss=true", "lora.enable=true", "lora.rank=16"]), 8)
+    assert "ref" in full["roles"] and "ref" not in lora["roles"] and "ref_forward" not in lora["memory"]
+    adapters = 28 * 16 * 90112
+    gpu, gpu_full = lora["memory"]["train_actor"]["gpu"], full["memory"]["train_actor"]["gpu"]
+    assert abs(gpu["actor_optimizer"] - adapters * 8 / 8 / gib) < 2e-3
+    assert abs(gpu["actor_grads"] - adapters * 4 / 8 / gib) < 2e-3
+    # the frozen base in bf16 (half the full run's float32 masters) plus the float32 adapters
+    assert abs(gpu["actor_params"] - (gpu_full["actor_params"] / 2 + adapters * 4 / 8 / gib)) < 2e-3

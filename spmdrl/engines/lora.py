@@ -76,6 +76,21 @@ def linear_targets(backbone: nn.Module) -> list[str]:
     return out
 
 
+def adapter_shapes(params: list[tuple[str, tuple[int, ...]]], rank: int, targets: list[str]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the adapters LoRA adds to a model with parameters `params` (HF names and shapes, e.g.
+    engines.loading.model_param_shapes): r x in for A and out x r for B of every 2-D weight in a decoder block
+    whose module name is in `targets` (empty: every one), for plans made without building the model."""
+    out = []
+    for name, shape in params:
+        module, _, leaf = name.rpartition(".")
+        if ".layers." not in name or leaf != "weight" or len(shape) != 2:
+            continue
+        if targets and module.rsplit(".", 1)[-1] not in targets:
+            continue
+        out += [(f"{module}.lora_A.{ADAPTER}.weight", (rank, shape[1])), (f"{module}.lora_B.{ADAPTER}.weight", (shape[0], rank))]
+    return out
+
+
 def peft_config(s: LoraSettings, base_model: str = ""):
     """PEFT's LoraConfig for these settings (bias none, no modules_to_save: the base stays as it was loaded)."""
     from peft import LoraConfig

@@ -129,13 +129,18 @@ def _gib(x: float) -> float:
     return round(x / GIB, 3)
 
 
-def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, master_eb: int):
-    """(kinds, train, forward, host_always) in bytes per rank for an FSDP2 (x DTensor tp) role."""
+def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, master_eb: int, adapters: dict | None = None):
+    """(kinds, train, forward, host_always) in bytes per rank for an FSDP2 (x DTensor tp) role. adapters: the
+    shard_stats of its LoRA adapters (the base is then frozen in the compute dtype; only the adapters have float32
+    masters, gradients and AdamW state)."""
     m, role_ref = cfg.memory, r["role"] == "ref"
     eb = master_eb if r["trainable"] else compute_eb
+    trained = st if adapters is None else adapters
     kinds = {"params": st["shard"] * eb}
+    if adapters is not None:
+        kinds["params"] = st["shard"] * compute_eb + adapters["shard"] * master_eb
     if r["trainable"]:
-        kinds["optimizer"] = st["shard"] * 8  # AdamW exp_avg + exp_avg_sq, float32
+        kinds["optimizer"] = trained["shard"] * 8  # AdamW exp_avg + exp_avg_sq, float32
     host_always = role_ref and cfg.ref.offload  # FSDP2 CPUOffloadPolicy: weights live on the host
     tokens = r["micro"] * seq
     tp = lay.tp
@@ -149,11 +154,11 @@ def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, mast
     train = {}
     if r["trainable"]:
         # backward: the gathered layer's and the root's unsharded gradients (compute dtype + fp32 reduce copy)
-        unsharded_grads = (st["root"] + st["layer"]) * (compute_eb + 4)
+        unsharded_grads = (trained["root"] + trained["layer"]) * (compute_eb + 4)
         if m.defer_grad_sync:
-            unsharded_grads = st["tp_local"] * 4 + st["root"] * compute_eb
+            unsharded_grads = trained["tp_local"] * 4 + trained["root"] * compute_eb
         train = {
-            "params": kinds["params"], "grads": st["shard"] * master_eb, "optimizer": kinds["optimizer"],
+            "params": kinds["params"], "grads": trained["shard"] * master_eb, "optimizer": kinds["optimizer"],
             "gathered_params": gathered, "unsharded_grads": unsharded_grads,
             "activations": saved + (act_layer if ckpt else 0) + head + tokens * c.hidden_size * 4,
         }
@@ -164,6 +169,7 @@ def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, mast
 
 def build_plan(cfg, world_size: int | None = None) -> dict:
     """Everything `spmdrl plan` prints, as one JSON-able dict."""
+    from spmdrl.config.validate import builds_ref
     from spmdrl.dist.layout import is_split, plan_layout, role_backends
     from spmdrl.rollout import vllm_available
 
@@ -184,7 +190,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     d = cfg.data
     seq = d.max_prompt_length + d.max_response_length
     roles = {"actor": dict(params=actor_params, trainable=True, micro=cfg.actor.micro_batch_size, lm_head=True)}
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    if builds_ref(cfg):  # with LoRA the reference policy is the actor with its adapters disabled
         roles["ref"] = dict(params=actor_params, trainable=False, micro=cfg.ref.micro_batch_size, lm_head=True)
     if cfg.critic.enable:
         chf = load_hf_config(cfg.critic.path, cfg.model.trust_remote_code) if cfg.critic.path else hf
@@ -217,7 +223,14 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
             st["worst_stage"] = mem["worst_stage"]
         else:
             st = shard_stats(r["params"], layout[role])
-            kinds, train, forward, host_always = _fsdp_memory(cfg, r, st, c, layout[role], seq, compute_eb, master_eb)
+            adapters = None
+            if cfg.lora.enable and (role == "actor" or (role == "critic" and cfg.lora.critic)):
+                from spmdrl.engines.lora import adapter_shapes
+
+                adapters = shard_stats(adapter_shapes(r["params"], cfg.lora.rank, cfg.lora.target_modules), layout[role])
+                st["adapters"] = adapters["total"]
+            kinds, train, forward, host_always = _fsdp_memory(cfg, r, st, c, layout[role], seq, compute_eb, master_eb,
+                                                              adapters)
             # FSDP2 at construction: the sharded weights only (gradients are None, AdamW's state is created at
             # the first step); under CPUOffloadPolicy (ref.offload) not even those
             build_kinds = {} if host_always else {"params": kinds["params"]}
