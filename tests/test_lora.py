@@ -58,6 +58,7 @@ def test_base_unchanged_and_disabled_adapters_are_the_base_model(lora_run):
     assert r["trained_moved"] > 1e-2  # the adapters did change the policy ...
     assert r["ref_equals_base"]  # ... and disabled they give exactly a plain engine's log-probs of the base model
     assert r["grad_flags_kept"] and r["enabled_again"]
+    assert r["param_shapes_are_base"] and r["weight_shards_are_base"]  # what a full-weight sync or export reads
     # the base engine's log-probs are the HF model's (independent reference: transformers, unsharded)
     from transformers import AutoModelForCausalLM
 
@@ -126,6 +127,20 @@ def test_checkpoint_holds_adapters_only_and_resume_is_bitwise(lora_run):
 
 
 @pytest.mark.dist
+def test_lora_checkpoint_refused_by_a_full_model_run(lora_run):
+    from module_engine import ModuleEngine
+
+    from spmdrl.checkpoint.verify import check_compatible, read_manifest
+    from spmdrl.errors import CheckpointError
+
+    path = lora_run["res"]["checkpoint"]
+    full = ModuleEngine(module=torch.nn.Linear(2, 2), optimizer=None)
+    with pytest.raises(CheckpointError, match="holds LoRA adapters for actor, this run trains the whole model; set "
+                                              "lora.enable = true"):
+        check_compatible(path, read_manifest(path), {"actor": full}, None)
+
+
+@pytest.mark.dist
 def test_names_and_config_are_what_peft_saves(lora_run, tmp_path):
     """adapter_tensors' names and shapes and adapter_config() against PEFT's own save_pretrained of the same
     adapters on the HF model."""
@@ -165,6 +180,8 @@ def test_export_adapter_loads_in_peft_and_merged_model_reproduces_the_actor(lora
     got = base_logprobs(model, lp["tb"])
     assert float((got - lp["at_save"].double()).abs().max()) < 1e-5  # the actor's log-probs at the checkpoint
     assert float((got - lp["base"].double()).abs().max()) > 1e-2
+    engine_export = load_file(os.path.join(lora_run["out"], "engine_export", "adapter_model.safetensors"))
+    assert all(torch.equal(engine_export[k], v) for k, v in load_file(os.path.join(adapter, "adapter_model.safetensors")).items())
     merged = export_hf(r["checkpoint"], str(tmp_path / "merged"), merged=True)
     full = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     assert not any(".lora_" in n for n, _ in full.named_parameters())

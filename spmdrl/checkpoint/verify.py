@@ -68,6 +68,14 @@ def check_compatible(path: str, manifest: dict, engines: dict, config_toml: str 
                               "(e.g. a critic was enabled or disabled since)")
     for name, engine in engines.items():
         mine, theirs = engine_manifest(engine), saved[name]
+        if ("adapter" in mine) != ("adapter" in theirs):
+            held = "LoRA adapters" if "adapter" in theirs else "the whole model"
+            raise CheckpointError(f"checkpoint {path} holds {held} for {name}, this run trains "
+                                  f"{'LoRA adapters' if 'adapter' in mine else 'the whole model'}; set lora.enable = "
+                                  f"{'true' if 'adapter' in theirs else 'false'} to resume it")
+        if "adapter" in mine and mine["adapter"].get("base_model_name_or_path") != theirs["adapter"].get("base_model_name_or_path"):
+            log.warning("checkpoint %s: its %s adapters were trained on %s, this run's base model is %s", path, name,
+                        theirs["adapter"].get("base_model_name_or_path"), mine["adapter"].get("base_model_name_or_path"))
         if mine["params_hash"] == theirs.get("params_hash"):
             continue
         a = {p[0]: p for p in theirs.get("params", [])}
@@ -80,7 +88,8 @@ def check_compatible(path: str, manifest: dict, engines: dict, config_toml: str 
             + ([f"only in this model: {_first(only_run)}"] if only_run else [])
             + diffs[:3]
         )
-        raise CheckpointError(f"checkpoint {path} is for a different {name} model ({detail}); check model.path")
+        hint = "check model.path and lora.rank / lora.target_modules" if "adapter" in mine else "check model.path"
+        raise CheckpointError(f"checkpoint {path} is for a different {name} model ({detail}); {hint}")
     if config_toml is not None:
         check_saved_config(path, config_toml)
 

@@ -318,8 +318,17 @@ class FSDPEngine:
     def eval(self) -> None:
         self.module.eval()
 
+    def hf_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The HF model's parameters under their HF names. With LoRA: the base model's (a wrapped layer's weight
+        under its own name, not PEFT's `.base_layer.` one), without the adapters (adapter_tensors has those)."""
+        if self.lora is None:
+            return list(self.hf.named_parameters())
+        from .lora import checkpoint_name, is_adapter
+
+        return [(checkpoint_name(n), p) for n, p in self.hf.named_parameters() if not is_adapter(n)]
+
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        return [(name, tuple(p.shape)) for name, p in self.hf.named_parameters()]
+        return [(name, tuple(p.shape)) for name, p in self.hf_parameters()]
 
     def source_blocks(self) -> dict[str, list[tuple[int, Block]]]:
         return fsdp_blocks(self.param_shapes(), self.mesh.grid())
@@ -327,7 +336,7 @@ class FSDPEngine:
     def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor, Block]]:
         """This rank's FSDP2 (x TP) shard of every parameter with its block (checked once against DTensor)."""
         blocks = self._blocks()
-        for name, p in self.hf.named_parameters():
+        for name, p in self.hf_parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
             if not self._shards_checked:
                 _check_block(name, p, local, blocks[name])
@@ -344,12 +353,13 @@ class FSDPEngine:
         """The whole model on CPU on every rank, one all-gather per parameter (tests and small exports only)."""
         return {
             name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
-            for name, p in self.hf.named_parameters()
+            for name, p in self.hf_parameters()
         }
 
     def export_hf(self, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None) -> None:
         """Write an HF model directory (sharded safetensors + index, config, tokenizer) from the mesh's first
-        rank, streamed bucket by bucket: no rank gathers the whole model (engines/hf_writer.py)."""
+        rank, streamed bucket by bucket: no rank gathers the whole model (engines/hf_writer.py). With LoRA: a PEFT
+        adapter directory (adapter_config.json, adapter_model.safetensors; the adapters are gathered whole)."""
         import copy
 
         from spmdrl.dist.collectives import comm_device
@@ -357,6 +367,15 @@ class FSDPEngine:
         from .hf_writer import write_hf_weights
 
         writer = self.mesh.layout.ranks[0]
+        if self.lora is not None:
+            from .lora import write_adapter
+
+            tensors = self.adapter_tensors(dtype)
+            if self.mesh.rank == writer:
+                write_adapter(out_dir, tensors, self.adapter_config())
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(out_dir)
+            return
         dtype = dtype or next(self.hf.parameters()).dtype
         write_hf_weights(self, out_dir, writer, self.mesh.rank, dtype=dtype, comm_device=comm_device())
         if self.mesh.rank == writer:

@@ -91,6 +91,10 @@ def main():
             if not torch.equal(full.detach().cpu(), files[checkpoint_name(n)]):
                 base_changed.append(n)
     res["base_changed"] = base_changed
+    # the weights out (param_shapes, source_blocks, full_state_dict): the base model's under HF names, no adapters
+    res["param_shapes_are_base"] = a.param_shapes() == base.param_shapes() and a.source_blocks() == base.source_blocks()
+    mine, theirs = a.full_state_dict(), base.full_state_dict()
+    res["weight_shards_are_base"] = all_ranks(list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine))
     trained = logprobs(a)
     res["trained_moved"] = float((trained - want_ref).abs().max())
     with a.adapters_disabled():
@@ -110,6 +114,7 @@ def main():
         res["manifest_adapter"] = json.load(f)["engines"]["actor"].get("adapter")
     res["adapter_tensors"] = {n: list(t.shape) for n, t in a.adapter_tensors()}
     exported = {n: t for n, t in a.adapter_tensors()}
+    a.export_hf(os.path.join(args.out, "engine_export"))  # the engine's own export: a PEFT adapter directory
     a.train_step([tb], loss_fn)
     want_next = logprobs(a)
     b = engine()
