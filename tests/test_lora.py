@@ -188,6 +188,49 @@ def test_export_adapter_loads_in_peft_and_merged_model_reproduces_the_actor(lora
     assert float((base_logprobs(full, lp["tb"]) - lp["at_save"].double()).abs().max()) < 1e-5
 
 
+# ---------------------------------------------------------------------------------------------- the Trainer
+
+
+@pytest.mark.dist
+def test_trainer_lora_grpo_with_lora_critic_resumes_bitwise(lora_run, tmp_path):
+    """The real Trainer on 2 ranks: GRPO with a KL loss and a LoRA critic, no ref engine (the KL's reference is the
+    actor with its adapters disabled); checkpoints at steps 1 and 2 hold actor and critic adapters; a run resumed
+    from step 1 logs step 2 exactly as the uninterrupted run."""
+    pytest.importorskip("vllm")
+    from spmdrl.data.synthetic import make_arith
+    from spmdrl.metrics import read_jsonl
+
+    data = make_arith(str(tmp_path / "data"), n_train=32, n_val=8, seed=0)
+    common = {
+        "model.path": lora_run["model"], "data.train_files": f'["{data["train"]}"]', "data.max_prompt_length": 32,
+        "data.max_response_length": 8, "data.train_batch_size": 4, "rollout.n": 4, "rollout.kv_cache_gb": 0.1,
+        "actor.lr": 1e-3, "actor.micro_batch_size": 4, "actor.ppo_mini_batch_size": 2, "actor.use_kl_loss": "true",
+        "critic.enable": "true", "critic.micro_batch_size": 4, "algorithm.adv_estimator": "gae", "lora.enable": "true",
+        "lora.critic": "true", "lora.rank": 4, "trainer.total_steps": 2, "trainer.device": "cpu",
+        "trainer.dist_timeout_s": 60, "logging.progress": "false", "logging.tensorboard": "false",
+        "checkpoint.save_freq": 1, "checkpoint.keep_last": 0,
+        "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
+    }
+
+    def train(out, resume):
+        args = [f"{k}={v}" for k, v in {**common, "trainer.output_dir": str(out), "checkpoint.resume": resume}.items()]
+        run(["spmdrl.train", *args], nproc=2, module=True, timeout=400)
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, "off")
+    with open(straight / "checkpoints" / "step_00000002" / "manifest.json") as f:
+        engines = json.load(f)["engines"]
+    assert sorted(engines) == ["actor", "critic"]  # no ref model
+    assert all(".lora_" in n for n, _, _ in engines["actor"]["params"])
+    assert {n for n, _, _ in engines["critic"]["params"] if ".lora_" not in n} == {"hf.score.weight", "hf.score.bias"}
+    train(resumed, str(straight / "checkpoints" / "step_00000001"))
+    want = [r for r in read_jsonl(str(straight / "metrics.jsonl")) if r["step"] == 2][0]
+    got = [r for r in read_jsonl(str(resumed / "metrics.jsonl")) if r["step"] == 2][0]
+    keys = [k for k in want if not k.startswith(("timing/", "perf/", "memory/"))]
+    assert want["actor/kl"] > 0 and "actor/pg_loss" in keys and "critic/vf_loss" in keys
+    assert {k: got.get(k) for k in keys} == {k: want[k] for k in keys}
+
+
 # ---------------------------------------------------------------------------------------------- config
 
 
