@@ -256,6 +256,12 @@ def test_lora_config_is_refused_where_it_cannot_run():
     assert "lora.init = 'pissa'" in validate_error("lora.enable=true", "lora.init=pissa")
 
 
+def test_unknown_target_module_is_refused_at_validation(tmp_path):
+    model = build_tiny(str(tmp_path / "model"), seed=0)
+    msg = validate_error(f"model.path={model}", "lora.enable=true", 'lora.target_modules=["q_proj", "qkv_proj"]')
+    assert msg.startswith("lora.target_modules: ['qkv_proj'] name no linear layer") and "a qwen2 model" in msg
+
+
 def test_lora_run_builds_no_ref():
     from spmdrl.config import load_config, validate
     from spmdrl.config.validate import builds_ref, uses_ref

@@ -267,6 +267,15 @@ def validate_lora(cfg, layout) -> None:
         raise ConfigError(f"lora.dropout must be in [0, 1), found {lo.dropout}")
     if not all(t.strip() for t in lo.target_modules):
         raise ConfigError(f"lora.target_modules = {lo.target_modules}: give module names such as q_proj (empty list: every linear layer)")
+    # the decoder blocks' linear layers of the Llama family (llama, mistral, qwen2); other models are checked when
+    # the engine wraps them
+    known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    paths = [cfg.model.path] + ([cfg.critic.path] if cfg.critic.enable and lo.critic and cfg.critic.path else [])
+    for path in paths:
+        unknown = [t for t in lo.target_modules if t not in known]
+        if unknown and hf_model_type(path) in ("llama", "mistral", "qwen2"):
+            raise ConfigError(f"lora.target_modules: {unknown} name no linear layer of the decoder blocks of {path} "
+                              f"(a {hf_model_type(path)} model); choose from {', '.join(known)}, or [] for all of them")
     roles = ["actor"] + (["critic"] if cfg.critic.enable and lo.critic else [])
     backends = role_backends(cfg)
     for role in roles:
