@@ -63,3 +63,8 @@ with open(os.path.join(OUT, f"rank{env.rank}.json"), "w") as f:
         "returned": returned, "config_there": os.path.isfile(os.path.join(local.model.path, "config.json")),
         "error": error,
     }, f)
+# every rank leaves together and tears its groups down (a gloo pair closed under a peer still running aborts it)
+import torch.distributed as dist  # noqa: E402
+
+dist.barrier()
+dist.destroy_process_group()
