@@ -1,0 +1,186 @@
+"""LoRA weight sync, actor -> rollout: the adapter alone ("adapter"), or merged into the base ("merge").
+
+adapter: after each update the actor gathers its adapter (`actor.adapter_tensors`, PEFT names, full tensors in
+the rollout dtype) and every rollout rank loads the whole adapter as a new version (`rollout.load_adapter`):
+vLLM's LoRA loader reads full PEFT tensors and keeps its TP slice, so a rollout rank needs every adapter byte and
+none of the base. Colocated placement: each rollout rank is an actor rank and the actor's gather is what brings
+the adapter to it. Split placement: the actor ranks gather, the first actor rank sends the adapter to every
+rollout rank over the sync's group (a planned exchange, reshard/plan.py, from one source), bucket by bucket.
+Either way each rollout rank receives the adapter's bytes in the rollout dtype, and that is also the lower bound.
+
+merge: the actor's base shards plus scale * B @ A (the slice of it each shard covers) go through the planned
+full-weight resharding (reshard/sync.py WeightSync), for models or kernels vLLM's LoRA layers do not cover; the
+rollout engine is built without LoRA and moves the full model's bytes per sync.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from spmdrl.dist.collectives import comm_device, reduce_max
+from spmdrl.errors import ConfigError, LayoutError
+
+from .plan import full_block, plan_sync
+from .transport import execute
+
+PEFT_PREFIX = "base_model.model."
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = ATTN + MLP
+
+
+def target_list(target_modules) -> tuple[str, ...]:
+    """The linear modules an adapter covers, in the model's order ("all-linear" or a list of module names)."""
+    if target_modules in ("all-linear", ["all-linear"]):
+        return ALL_LINEAR
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    bad = sorted(set(names) - set(ALL_LINEAR))
+    if bad or not names:
+        raise ConfigError(f"model.lora.target_modules={names}: the rollout sync covers {list(ALL_LINEAR)} "
+                          "(or 'all-linear'); remove " + (", ".join(bad) if bad else "nothing (the list is empty)"))
+    return tuple(m for m in ALL_LINEAR if m in names)
+
+
+def module_shapes(hf_config) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each decoder-layer linear of a Llama/Qwen2-style model."""
+    h = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    hd = getattr(hf_config, "head_dim", None) or h // heads
+    i = hf_config.intermediate_size
+    return {"q_proj": (heads * hd, h), "k_proj": (kv * hd, h), "v_proj": (kv * hd, h), "o_proj": (h, heads * hd),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def adapter_params(hf_config, rank: int, target_modules) -> list[tuple[str, tuple[int, ...]]]:
+    """PEFT names and shapes of a LoRA adapter's tensors, in PEFT's order (layer, module, A then B):
+    lora_A is (rank, in_features), lora_B is (out_features, rank)."""
+    shapes = module_shapes(hf_config)
+    out = []
+    for layer in range(hf_config.num_hidden_layers):
+        for m in target_list(target_modules):
+            o, i = shapes[m]
+            base = f"{PEFT_PREFIX}model.layers.{layer}.{'self_attn' if m in ATTN else 'mlp'}.{m}"
+            out += [(f"{base}.lora_A.weight", (rank, i)), (f"{base}.lora_B.weight", (o, rank))]
+    return out
+
+
+def adapter_bytes(hf_config, rank: int, target_modules, elem_bytes: int) -> int:
+    return sum(a * b for _, (a, b) in adapter_params(hf_config, rank, target_modules)) * elem_bytes
+
+
+def base_name(peft_name: str) -> str:
+    """'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' -> 'model.layers.0.self_attn.q_proj.weight'."""
+    stem = peft_name[len(PEFT_PREFIX):] if peft_name.startswith(PEFT_PREFIX) else peft_name
+    for part in (".lora_A.weight", ".lora_B.weight"):
+        if stem.endswith(part):
+            return stem[: -len(part)] + ".weight"
+    raise ValueError(f"{peft_name} is not a LoRA A/B tensor name")
+
+
+def lora_scale(adapter_config: dict) -> float:
+    """The factor PEFT multiplies B @ A by: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
+    r, alpha = adapter_config["r"], adapter_config["lora_alpha"]
+    return alpha / r ** 0.5 if adapter_config.get("use_rslora") else alpha / r
+
+
+def merged_shards(shards, adapter: dict[str, torch.Tensor], scale: float):
+    """Yield (name, tensor, block) like weight_shards, with scale * B @ A added to the block of each base weight
+    the adapter covers (computed in fp32, cast back to the shard's dtype)."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in adapter.items():
+        pairs.setdefault(base_name(name), {})["A" if ".lora_A." in name else "B"] = t
+    for name, t, block in shards:
+        ab = pairs.get(name)
+        if ab is not None:
+            (r0, c0), (rows, cols) = block
+            a = ab["A"].to(t.device, torch.float32)[:, c0: c0 + cols]
+            b = ab["B"].to(t.device, torch.float32)[r0: r0 + rows]
+            t = (t.to(torch.float32) + scale * (b @ a)).to(t.dtype)
+        yield name, t, block
+
+
+class MergedActor:
+    """The actor engine as the full-weight sync sees it in merge mode: its base weights with the adapter merged
+    in. Everything but weight_shards is the engine's own."""
+
+    def __init__(self, actor):
+        self.engine = actor
+
+    def hf_config(self):
+        return self.engine.hf_config()
+
+    def param_shapes(self):
+        return self.engine.param_shapes()
+
+    def source_blocks(self):
+        return self.engine.source_blocks()
+
+    def weight_shards(self):
+        adapter = dict(self.engine.adapter_tensors(dtype=torch.float32))  # collective over the actor mesh
+        return merged_shards(self.engine.weight_shards(), adapter, lora_scale(self.engine.adapter_config()))
+
+
+class AdapterSync:
+    """Planned once, run after every actor update: the rollout engine serves the actor's newest adapter.
+
+    actor: the training engine on actor ranks (None on a rollout-only rank); rollout: the rollout engine on
+    rollout ranks (None elsewhere). params: the adapter's PEFT names and shapes (`adapter_params`); config: its
+    adapter_config.json content. split: the rollout ranks are not actor ranks; `source` is the actor rank that
+    sends, `rollout_ranks` the receivers, `group` the sync's process group.
+    """
+
+    def __init__(self, actor, rollout, *, params, config: dict, dtype: torch.dtype, bucket_mb: int, rollout_ranks,
+                 split: bool = False, source: int = 0, group=None, memory=None):
+        self.actor, self.rollout, self.params, self.config = actor, rollout, list(params), dict(config)
+        self.dtype, self.split, self.group, self.memory = dtype, split, group, memory
+        self.bucket_bytes = bucket_mb << 20
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.adapter_bytes = sum(torch.Size(s).numel() for _, s in self.params) * elem
+        self.lower_bound = self.adapter_bytes  # every rollout rank loads the whole adapter and holds none of it
+        self.plan = None
+        if split:
+            if source in set(rollout_ranks):
+                raise LayoutError(f"adapter sync: the source rank {source} is also a rollout rank in split placement")
+            self.plan = plan_sync(self.params, {n: [(source, full_block(s))] for n, s in self.params},
+                                  {n: [(r, full_block(s)) for r in rollout_ranks] for n, s in self.params}, elem)
+        self.checked = False
+
+    def _check(self, tensors: dict[str, torch.Tensor]) -> None:
+        got = [(n, tuple(t.shape)) for n, t in tensors.items()]
+        if sorted(got) != sorted(self.params):
+            missing = sorted(set(self.params) - set(got))[:3]
+            extra = sorted(set(got) - set(self.params))[:3]
+            raise LayoutError(f"adapter sync: the actor's adapter differs from the planned one (missing {missing}, "
+                              f"unexpected {extra}): model.lora and the actor's adapter must agree")
+
+    def __call__(self) -> dict[str, float]:
+        if self.memory is not None:
+            self.memory.for_sync()
+        elif self.rollout is not None:
+            self.rollout.wake_up()
+        tensors = dict(self.actor.adapter_tensors(dtype=self.dtype)) if self.actor is not None else {}
+        if tensors and not self.checked:
+            self._check(tensors)
+            self.checked = True
+        if not self.split:
+            t0 = time.perf_counter()
+            self.rollout.load_adapter([(n, tensors[n]) for n, _ in self.params], self.config)
+            seconds = time.perf_counter() - t0
+            recv = float(self.adapter_bytes)  # the whole adapter reached this rank through the actor's gather
+            recv_max = reduce_max(torch.tensor([recv], dtype=torch.float64))[0]
+            return {"weight_sync/bytes_recv_max": recv_max, "weight_sync/bytes_lower_bound": float(self.lower_bound),
+                    "weight_sync/collectives": 0.0, "weight_sync/buckets": 1.0, "timing/weight_sync_load_s": seconds}
+        got: list[tuple[str, torch.Tensor]] = []
+        shards = {n: (t, full_block(tuple(t.shape))) for n, t in tensors.items()}
+        stats = execute(self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=comm_device(self.group),
+                        bucket_bytes=self.bucket_bytes, deliver=got.extend, group=self.group)
+        out = {"weight_sync/bytes_recv": float(stats.bytes_recv), "weight_sync/bytes_sent": float(stats.bytes_sent),
+               "weight_sync/collectives": float(stats.collectives), "timing/weight_sync_transport_s": stats.seconds}
+        if self.rollout is not None:
+            t0 = time.perf_counter()
+            self.rollout.load_adapter([(n, t.cpu()) for n, t in got], self.config)
+            out["timing/weight_sync_load_s"] = time.perf_counter() - t0
+        return out
