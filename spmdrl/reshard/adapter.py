@@ -80,6 +80,29 @@ def base_name(peft_name: str) -> str:
     raise ValueError(f"{peft_name} is not a LoRA A/B tensor name")
 
 
+SERVED_KEYS = ("r", "lora_alpha", "use_rslora", "use_dora", "target_modules")  # what vLLM reads from the config
+
+
+def peft_adapter_config(lora) -> dict:
+    """adapter_config.json for the configured LoRA settings (rank, alpha, target_modules[, dropout, use_rslora]):
+    what the rollout ranks of a split run hand vLLM, having no actor to ask."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora.rank), "lora_alpha": lora.alpha,
+            "lora_dropout": float(getattr(lora, "dropout", 0.0)), "target_modules": list(target_list(lora.target_modules)),
+            "use_rslora": bool(getattr(lora, "use_rslora", False)), "use_dora": False, "bias": "none",
+            "modules_to_save": None, "fan_in_fan_out": False, "init_lora_weights": True}
+
+
+def check_served_config(actor_config: dict, planned: dict) -> None:
+    """The actor's adapter_config agrees with the configured one on everything vLLM reads."""
+    def norm(c):
+        return {k: sorted(target_list(c[k])) if k == "target_modules" else c.get(k, False) for k in SERVED_KEYS}
+
+    a, p = norm(actor_config), norm(planned)
+    if a != p:
+        diff = {k: (a[k], p[k]) for k in SERVED_KEYS if a[k] != p[k]}
+        raise LayoutError(f"the actor's adapter_config differs from model.lora on {diff} (actor, config)")
+
+
 def lora_scale(adapter_config: dict) -> float:
     """The factor PEFT multiplies B @ A by: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
     r, alpha = adapter_config["r"], adapter_config["lora_alpha"]

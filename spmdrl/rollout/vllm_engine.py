@@ -54,7 +54,6 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -64,6 +63,7 @@ from spmdrl.dist.layout import external_launcher_tp_groups
 from spmdrl.errors import ConfigError, LayoutError, SpmdrlError
 from spmdrl.rollout.vllm_world import vllm_sub_world
 from spmdrl.rollout.base import (
+    LoRASpec,
     RolloutOutput,
     SamplingSpec,
     check_generate_args,
@@ -75,27 +75,6 @@ from spmdrl.rollout.base import (
 logger = logging.getLogger(__name__)
 
 _GiB = 1 << 30
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
-
-
-@dataclass(frozen=True)
-class LoRASpec:
-    """How the rollout engine serves LoRA adapters: the adapter rank, how many adapters vLLM keeps resident
-    (the newest plus older versions still in use), and where the adapter directories go (empty: /dev/shm)."""
-
-    rank: int
-    max_loras: int = 1
-    adapter_dir: str = ""
-
-    def max_lora_rank(self) -> int:
-        """The smallest rank vLLM can be built for that holds this adapter."""
-        for r in VLLM_LORA_RANKS:
-            if r >= self.rank:
-                return r
-        raise ConfigError(f"model.lora.rank={self.rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; "
-                          "lower the rank or set rollout.lora_sync = 'merge'")
-
 
 def adapter_root(configured: str = "") -> str:
     """Where adapter directories are written: the configured directory, else /dev/shm (memory-backed) when it
