@@ -101,3 +101,60 @@ def test_merged_shards_add_scaled_BA_to_each_block():
     out = list(merged_shards(shards, adapter, 0.5))
     torch.testing.assert_close(out[0][1], full[2:5, 1:3])
     assert torch.equal(out[1][1], torch.ones(4)) and out[0][2] == ((2, 1), (3, 2))
+
+
+def _lora_cfg(**rollout):
+    from types import SimpleNamespace
+
+    from spmdrl.config import Config
+
+    cfg = Config()
+    cfg.model.lora = SimpleNamespace(rank=8, alpha=16, dropout=0.0, target_modules=["q_proj", "v_proj"], init="gaussian")
+    for k, v in rollout.items():
+        setattr(cfg.rollout, k, v)
+    return cfg
+
+
+def test_lora_sync_validation():
+    from spmdrl.config.validate import lora_sync_mode, validate_lora_sync
+
+    def err(cfg):
+        with pytest.raises(ConfigError) as info:
+            validate_lora_sync(cfg)
+        assert "\n" not in str(info.value)
+        return str(info.value)
+
+    assert lora_sync_mode(_lora_cfg(engine="vllm")) == "adapter"
+    assert lora_sync_mode(_lora_cfg(engine="hf")) == "merge"  # auto: the transformers engine takes merged weights
+    assert lora_sync_mode(_lora_cfg(engine="hf", lora_sync="merge")) == "merge"
+    no_lora = _lora_cfg()
+    no_lora.model.lora.rank = 0
+    assert lora_sync_mode(no_lora) is None
+    validate_lora_sync(_lora_cfg(engine="vllm"))
+    assert "rollout.lora_sync" in err(_lora_cfg(engine="hf", lora_sync="adapter"))
+    assert "load_format" in err(_lora_cfg(engine="vllm", load_format="dummy"))
+    assert "rollout.max_loras" in err(_lora_cfg(max_loras=0))
+    assert "rollout.lora_dir" in err(_lora_cfg(engine="vllm", lora_dir="/nonexistent/x"))
+    big = _lora_cfg(engine="vllm")
+    big.model.lora.rank = 1024
+    assert "model.lora.rank" in err(big)
+    pissa = _lora_cfg(engine="vllm")
+    pissa.model.lora.init = "pissa"
+    assert "merge" in err(pissa)
+    bad = _lora_cfg(engine="vllm")
+    bad.model.lora.target_modules = ["q_proj", "embed_tokens"]
+    assert "embed_tokens" in err(bad)
+
+
+def test_served_config_check():
+    from types import SimpleNamespace
+
+    from spmdrl.errors import LayoutError
+    from spmdrl.reshard.adapter import check_served_config, peft_adapter_config
+
+    lora = SimpleNamespace(rank=8, alpha=16, target_modules="all-linear")
+    planned = peft_adapter_config(lora)
+    actor = {**planned, "target_modules": ["down_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj"]}
+    check_served_config(actor, planned)  # order and 'all-linear' do not matter
+    with pytest.raises(LayoutError, match="lora_alpha"):
+        check_served_config({**actor, "lora_alpha": 32}, planned)
