@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import math
 
+from spmdrl.config.validate import lora_settings, lora_sync_mode
 from spmdrl.engines.loading import load_hf_config, model_param_shapes
+from spmdrl.errors import ConfigError
 
 from .overheads import (CUDA_CONTEXT_GIB, GIB, NCCL_COMM_BYTES, NCCL_NET_PEER_BYTES, NCCL_NVLINK_PEER_BYTES,
                         PROCESS_HOST_GIB, communicators, nccl_bytes, p2p_peers, pipeline_peers, vllm_outside_pool)
@@ -134,8 +136,12 @@ def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, mast
     m, role_ref = cfg.memory, r["role"] == "ref"
     eb = master_eb if r["trainable"] else compute_eb
     kinds = {"params": st["shard"] * eb}
+    ad = r.get("adapter")  # LoRA: the base frozen in the compute dtype, only the adapter trained
+    if ad is not None:
+        kinds["params"] = st["shard"] * compute_eb + ad["shard"] * master_eb
+    trained = ad["shard"] if ad is not None else st["shard"]
     if r["trainable"]:
-        kinds["optimizer"] = st["shard"] * 8  # AdamW exp_avg + exp_avg_sq, float32
+        kinds["optimizer"] = trained * 8  # AdamW exp_avg + exp_avg_sq, float32
     host_always = role_ref and cfg.ref.offload  # FSDP2 CPUOffloadPolicy: weights live on the host
     tokens = r["micro"] * seq
     tp = lay.tp
@@ -146,14 +152,19 @@ def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, mast
     head = (cfg.actor.logprob_chunk_size * c.vocab_size * 4 * 3) if r["lm_head"] else 0  # fp32 logits chunk
     ckpt = cfg.model.gradient_checkpointing
     saved = c.num_hidden_layers * tokens * (2 * c.hidden_size if ckpt else layer_activation_bytes(c, tp))
+    if r.get("adapter") is not None and not ckpt:
+        saved += c.num_hidden_layers * tokens * r["adapter"]["rank"] * r["adapter"]["targets"] * compute_eb
     train = {}
     if r["trainable"]:
         # backward: the gathered layer's and the root's unsharded gradients (compute dtype + fp32 reduce copy)
         unsharded_grads = (st["root"] + st["layer"]) * (compute_eb + 4)
         if m.defer_grad_sync:
             unsharded_grads = st["tp_local"] * 4 + st["root"] * compute_eb
+        if ad is not None:  # gradients for the adapter only (the base's inputs still carry the backward through)
+            unsharded_grads = (ad["tp_local"] if m.defer_grad_sync else ad["layer"]) * (compute_eb + 4)
+            act_layer += tokens * ad["rank"] * ad["targets"] * compute_eb  # x @ A per adapted linear
         train = {
-            "params": kinds["params"], "grads": st["shard"] * master_eb, "optimizer": kinds["optimizer"],
+            "params": kinds["params"], "grads": trained * master_eb, "optimizer": kinds["optimizer"],
             "gathered_params": gathered, "unsharded_grads": unsharded_grads,
             "activations": saved + (act_layer if ckpt else 0) + head + tokens * c.hidden_size * 4,
         }
@@ -180,11 +191,25 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     plan = weight_sync_plan(actor_params, hf, layout, cfg, rollout_eb, backend=backends["actor"])
     bucket = cfg.rollout.weight_sync_bucket_mb << 20
     sync = plan.summary(bucket)
+    full_plan = plan  # what vLLM holds: the full model (an adapter sync replaces `plan` with the adapter's)
+    lora, lora_mode = lora_settings(cfg), lora_sync_mode(cfg)
+    adapter = None
+    if lora is not None:
+        from spmdrl.reshard.adapter import adapter_params, target_list
+
+        if backends["actor"] != "fsdp":
+            raise ConfigError("model.lora needs trainer.backend = 'fsdp' (the LoRA actor is PEFT on FSDP2)")
+        adapter = adapter_params(hf, int(lora.rank), lora.target_modules)
+        if lora_mode == "adapter":
+            plan, sync = adapter_sync_figures(adapter, layout, rollout_eb, bucket, is_split(layout))
 
     d = cfg.data
     seq = d.max_prompt_length + d.max_response_length
     roles = {"actor": dict(params=actor_params, trainable=True, micro=cfg.actor.micro_batch_size, lm_head=True)}
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    if adapter is not None:
+        roles["actor"]["adapter"] = {**shard_stats(adapter, layout["actor"]), "rank": int(lora.rank),
+                                     "targets": len(target_list(lora.target_modules))}
+    if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and adapter is None:  # LoRA: ref = adapters off
         roles["ref"] = dict(params=actor_params, trainable=False, micro=cfg.ref.micro_batch_size, lm_head=True)
     if cfg.critic.enable:
         chf = load_hf_config(cfg.critic.path, cfg.model.trust_remote_code) if cfg.critic.path else hf
@@ -236,10 +261,16 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     from spmdrl.reshard.plan import numel
 
     held: dict[int, int] = {}
-    for ts in plan.targets.values():
+    for ts in full_plan.targets.values():
         for rank, b in ts:
             held[rank] = held.get(rank, 0) + numel(b)
     vllm_w = max(held.values()) * rollout_eb
+    if lora_mode == "adapter":  # vLLM's LoRA slots: max_loras adapters at vLLM's rank, A and B of every adapted linear
+        from spmdrl.rollout.base import LoRASpec
+
+        slot_rank = LoRASpec(rank=int(lora.rank)).max_lora_rank()
+        vllm_w = (max(held.values()) * rollout_eb
+                  + cfg.rollout.max_loras * sum(math.prod(sh) for _, sh in adapter) // int(lora.rank) * slot_rank * rollout_eb)
     vllm_pool = cfg.rollout.gpu_memory_utilization * m.gpu_memory_gb * GIB
     rt = layout["rollout"].tp
     vllm_act = (cfg.rollout.max_num_batched_tokens * (4 * hf.hidden_size + 2 * hf.intermediate_size // rt) * rollout_eb
@@ -285,6 +316,8 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         return {f"{role}_{k}": v for k, v in kinds.items()}
 
     def transport(ranks) -> dict:
+        if lora_mode == "adapter":  # the gathered adapter (fp32) and its copy in the rollout dtype
+            return {"sync_adapter": sync["adapter_bytes"] // rollout_eb * (4 + rollout_eb)}
         return {f"sync_{k}": v for k, v in sync_peak(plan, bucket, ranks).items()}
 
     vllm_idle = {} if split else asleep  # on a training rank
@@ -367,6 +400,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                      "host_memory_gb": m.host_memory_gb, "margin": m.margin, "nodes": -(-world // m.gpus_per_node),
                      "units": "GiB (2^30 bytes)"},
         "model": {"path": cfg.model.path, "params": state["actor"]["stats"]["total"],
+                  **({"lora_rank": int(lora.rank), "adapter_params": roles["actor"]["adapter"]["total"]} if lora else {}),
                   **({"critic_params": state["critic"]["stats"]["total"]} if "critic" in state else {})},
         "roles": {k: {**v, "backend": backends.get(k, "vllm" if k == "rollout" else "fsdp"),
                       **({"worst_stage": state[k]["stats"]["worst_stage"]} if "worst_stage" in state.get(k, {}).get("stats", {}) else {})}
@@ -374,6 +408,8 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         "placement": {"mode": "split" if split else "colocate", **(split_figures(cfg, layout) if split else {})},
         "weight_sync": {k: sync[k] for k in ("bytes_recv_max", "bytes_lower_bound", "collectives", "buckets",
                                              "bytes_recv_total", "bytes_sent_max")}
+                       | ({"lora_sync": lora_mode, "adapter_bytes": sum(math.prod(sh) for _, sh in adapter) * rollout_eb}
+                          if lora_mode else {})
                        | {"elem_bytes": rollout_eb, "full_gather_bytes_per_rank": state["actor"]["stats"]["total"] * 4,
                           "p2p_peers_max": list(max(peers.values(), key=sum, default=(0, 0)))},
         "rollout": {"vllm_weights_gb": _gib(vllm_w), "kv_cache_gb": _gib(kv_cache), "kv_cache_fits_one_sequence": kv_ok},
@@ -382,6 +418,26 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         "memory": memory,
         "fits": bool(fits),
     }
+
+
+def adapter_sync_figures(adapter, layout: dict, elem_bytes: int, bucket: int, split: bool):
+    """rollout.lora_sync = adapter: the plan and figures AdapterSync runs (reshard/adapter.py): every rollout rank
+    receives the whole adapter in the rollout dtype (the lower bound too: vLLM loads the whole adapter); split
+    placement sends it from the first actor rank, bucket by bucket; colocated, the actor's gather brings it."""
+    from spmdrl.reshard.adapter import adapter_plan
+    from spmdrl.reshard.plan import SyncPlan
+
+    rollout_ranks, source = list(layout["rollout"].ranks), min(layout["actor"].ranks)
+    nbytes = sum(math.prod(s) for _, s in adapter) * elem_bytes
+    if split:
+        plan = adapter_plan(adapter, elem_bytes, rollout_ranks, source)
+        summary = plan.summary(bucket)
+    else:  # no transfer of the sync's own: an empty plan (no peers, no buckets on the wire)
+        plan = SyncPlan(adapter, {}, {}, elem_bytes=elem_bytes)
+        summary = {"collectives": 0, "buckets": 1, "bytes_sent_max": 0}
+    summary.update(bytes_recv_max=nbytes, bytes_lower_bound=nbytes, bytes_recv_total=nbytes * len(rollout_ranks),
+                   adapter_bytes=nbytes)
+    return plan, summary
 
 
 def _build_phase(state: dict, offload: dict) -> tuple[dict, dict]:
@@ -443,6 +499,12 @@ def render(p: dict) -> str:
                       f"{_short([pl['training_ranks']])}, trainer.max_staleness {pl['max_staleness']}; per step each training "
                       f"rank receives at most {pl['batch_bytes_per_training_rank'] / 2**20:.3f} MiB of batch "
                       f"({pl['samples_per_training_rank']} samples x {pl['batch_row_bytes']} B rows), point to point"]
+    if "lora_sync" in w:
+        lines += ["", f"LoRA rank {p['model']['lora_rank']}: {p['model']['adapter_params'] / 1e6:.1f}M adapter parameters "
+                      f"({w['adapter_bytes'] / 2**20:.1f} MiB in the rollout dtype); base frozen in the compute dtype, "
+                      f"optimizer state for the adapter only, no ref copy (ref = adapters disabled); rollout.lora_sync = "
+                      f"{w['lora_sync']}" + (": only the adapter moves" if w["lora_sync"] == "adapter" else
+                                             ": the merged full weights move")]
     lines += ["", "weight sync per step (rollout dtype, bytes per rank):",
               f"  received max {w['bytes_recv_max'] / GIB:.3f} GiB  lower bound {w['bytes_lower_bound'] / GIB:.3f} GiB  "
               f"sent max {w['bytes_sent_max'] / GIB:.3f} GiB  collectives {w['collectives']}  (every rank gathering every parameter in fp32: "

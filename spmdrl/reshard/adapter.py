@@ -146,6 +146,14 @@ class MergedActor:
         return merged_shards(self.engine.weight_shards(), adapter, lora_scale(self.engine.adapter_config()))
 
 
+def adapter_plan(params, elem_bytes: int, rollout_ranks, source: int):
+    """Split placement: the whole adapter from the source actor rank to every rollout rank (reshard/plan.py)."""
+    if source in set(rollout_ranks):
+        raise LayoutError(f"adapter sync: the source rank {source} is also a rollout rank in split placement")
+    return plan_sync(params, {n: [(source, full_block(s))] for n, s in params},
+                     {n: [(r, full_block(s)) for r in rollout_ranks] for n, s in params}, elem_bytes)
+
+
 class AdapterSync:
     """Planned once, run after every actor update: the rollout engine serves the actor's newest adapter.
 
@@ -163,12 +171,7 @@ class AdapterSync:
         elem = torch.empty((), dtype=dtype).element_size()
         self.adapter_bytes = sum(torch.Size(s).numel() for _, s in self.params) * elem
         self.lower_bound = self.adapter_bytes  # every rollout rank loads the whole adapter and holds none of it
-        self.plan = None
-        if split:
-            if source in set(rollout_ranks):
-                raise LayoutError(f"adapter sync: the source rank {source} is also a rollout rank in split placement")
-            self.plan = plan_sync(self.params, {n: [(source, full_block(s))] for n, s in self.params},
-                                  {n: [(r, full_block(s)) for r in rollout_ranks] for n, s in self.params}, elem)
+        self.plan = adapter_plan(self.params, elem, rollout_ranks, source) if split else None
         self.checked = False
 
     def _check(self, tensors: dict[str, torch.Tensor]) -> None:
