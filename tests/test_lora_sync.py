@@ -158,3 +158,41 @@ def test_served_config_check():
     check_served_config(actor, planned)  # order and 'all-linear' do not matter
     with pytest.raises(LayoutError, match="lora_alpha"):
         check_served_config({**actor, "lora_alpha": 32}, planned)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["colocated", "split"])
+def test_plan_accounts_for_lora(split):
+    """spmdrl plan on configs/grpo.toml (Qwen2.5-7B, 8 GPUs) with a rank-32 all-linear adapter: the sync moves the
+    adapter's bytes, the ref role is gone (adapters disabled), the actor trains the adapter only, the base is
+    held in the compute dtype; full fine-tuning on the same config for comparison."""
+    from types import SimpleNamespace
+
+    from spmdrl.config import load_config
+    from spmdrl.engines.loading import load_hf_config
+    from spmdrl.plan.estimate import build_plan, render
+
+    overrides = (["placement.mode=split", "placement.rollout_ranks=[0,1,2,3]", "placement.rollout_tp=4"]
+                 if split else [])
+    cfg = load_config(os.path.join(REPO, "configs/grpo.toml"), overrides)
+    full = build_plan(cfg)
+    cfg.model.lora = SimpleNamespace(rank=32, alpha=64, target_modules="all-linear")
+    p = build_plan(cfg)
+    hf = load_hf_config(cfg.model.path)
+    nbytes = adapter_bytes(hf, 32, "all-linear", 2)
+    assert nbytes == 80_740_352 * 2  # 28 layers x 32 x (7168 + 4096 + 4096 + 7168 + 3 x 22528)
+    ws = p["weight_sync"]
+    assert ws["bytes_recv_max"] == ws["bytes_lower_bound"] == ws["adapter_bytes"] == nbytes
+    assert ws["lora_sync"] == "adapter" and full["weight_sync"]["bytes_recv_max"] > 20 * nbytes
+    if split:  # the first actor rank sends the adapter to each of the 4 rollout ranks
+        assert ws["bytes_sent_max"] == 4 * nbytes and ws["collectives"] >= 1
+    assert "ref" in full["roles"] and "ref" not in p["roles"]
+    gpu = p["memory"]["train_actor"]["gpu"]
+    gib = 2 ** 30
+    dp = p["roles"]["actor"]["dp"]
+    assert abs(gpu["actor_optimizer"] - 80_740_352 * 8 / dp / gib) < 2e-3
+    assert abs(gpu["actor_params"] - (p["model"]["params"] * 2 + 80_740_352 * 4) / dp / gib) < 5e-3
+    assert p["memory"]["train_actor"]["gpu_gb"] < full["memory"]["train_actor"]["gpu_gb"]
+    assert "LoRA rank 32" in render(p)
+    cfg.rollout.lora_sync = "merge"  # merged full weights through the planned resharding
+    m = build_plan(cfg)
+    assert m["weight_sync"]["bytes_recv_max"] == full["weight_sync"]["bytes_recv_max"]
