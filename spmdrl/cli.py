@@ -265,6 +265,8 @@ def plan(
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="memory.gpus_per_node."),
     host_gb: Optional[float] = typer.Option(None, "--host-gb", help="Host memory per node in GiB (memory.host_memory_gb)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of the table."),
+    sizes: bool = typer.Option(False, "--sizes", help="Also: which Qwen2.5 sizes (0.5B-72B) fit this workload on one "
+                               "GPU, full fine-tuning next to LoRA (model.lora, else rank 32 on every linear)."),
 ):
     """Role meshes, weight-sync bytes and memory per phase for a config; no GPU, no weights (spmdrl/plan/)."""
     import json
@@ -278,7 +280,13 @@ def plan(
     world = world_size or cfg.memory.nodes * cfg.memory.gpus_per_node
     validate(cfg, world)
     p = build_plan(cfg, world)
-    typer.echo(json.dumps(p, indent=1) if as_json else render(p))
+    if sizes:
+        from spmdrl.plan.sizes import fit_table, render_fit_table
+
+        rows = fit_table(cfg)
+        p["one_gpu_sizes"] = rows
+    typer.echo(json.dumps(p, indent=1) if as_json else render(p) + (
+        "\n\n" + render_fit_table(rows, cfg.memory.gpu_memory_gb) if sizes else ""))
 
 
 @app.command()

@@ -56,9 +56,9 @@ def test_adapter_sync_logprobs_match_the_actor(ranks):
 def test_adapter_sync_moves_the_adapter_bytes(ranks):
     for r in ranks:
         assert r["adapter_bytes"] == r["planned_adapter_bytes"]  # adapter_params names PEFT's tensors exactly
-        for key in ("v1_metrics", "v2_metrics"):
+        for key in ("v1_metrics", "v2_metrics"):  # colocated over 2 FSDP2 ranks: a rank holds half the adapter
             m = r[key]
-            assert m["weight_sync/bytes_recv_max"] == m["weight_sync/bytes_lower_bound"] == r["adapter_bytes"]
+            assert m["weight_sync/bytes_recv_max"] == m["weight_sync/bytes_lower_bound"] == r["adapter_bytes"] // 2
     # split placement: the rollout rank receives exactly the adapter, the actor rank sends it
     assert ranks[0]["split_metrics"]["weight_sync/bytes_recv"] == ranks[0]["adapter_bytes"]
     assert ranks[1]["split_metrics"]["weight_sync/bytes_sent"] == ranks[1]["adapter_bytes"]
@@ -181,10 +181,13 @@ def test_plan_accounts_for_lora(split):
     nbytes = adapter_bytes(hf, 32, "all-linear", 2)
     assert nbytes == 80_740_352 * 2  # 28 layers x 32 x (7168 + 4096 + 4096 + 7168 + 3 x 22528)
     ws = p["weight_sync"]
-    assert ws["bytes_recv_max"] == ws["bytes_lower_bound"] == ws["adapter_bytes"] == nbytes
-    assert ws["lora_sync"] == "adapter" and full["weight_sync"]["bytes_recv_max"] > 20 * nbytes
-    if split:  # the first actor rank sends the adapter to each of the 4 rollout ranks
+    assert ws["adapter_bytes"] == nbytes and ws["lora_sync"] == "adapter"
+    assert full["weight_sync"]["bytes_recv_max"] > 20 * nbytes
+    if split:  # the first actor rank sends the whole adapter to each of the 4 rollout ranks, which hold none of it
+        assert ws["bytes_recv_max"] == ws["bytes_lower_bound"] == nbytes
         assert ws["bytes_sent_max"] == 4 * nbytes and ws["collectives"] >= 1
+    else:  # the actor's gather over 8 FSDP2 ranks: each rank holds 1/8 of the adapter and receives the rest
+        assert ws["bytes_recv_max"] == ws["bytes_lower_bound"] == nbytes * 7 // 8
     assert "ref" in full["roles"] and "ref" not in p["roles"]
     gpu = p["memory"]["train_actor"]["gpu"]
     gib = 2 ** 30
@@ -196,3 +199,16 @@ def test_plan_accounts_for_lora(split):
     cfg.rollout.lora_sync = "merge"  # merged full weights through the planned resharding
     m = build_plan(cfg)
     assert m["weight_sync"]["bytes_recv_max"] == full["weight_sync"]["bytes_recv_max"]
+
+
+def test_one_gpu_sizes_full_next_to_lora():
+    """configs/grpo.toml's workload on one 80 GiB GPU: 3B fits either way, 7B only with LoRA."""
+    from spmdrl.config import load_config
+    from spmdrl.plan.sizes import fit_table, render_fit_table
+
+    rows = fit_table(load_config(os.path.join(REPO, "configs/grpo.toml")), sizes=("3B", "7B"))
+    three, seven = rows
+    assert three["full"]["fits"] and three["lora"]["fits"]
+    assert not seven["full"]["fits"] and seven["lora"]["fits"]
+    assert seven["lora"]["peak_gpu_gb"] < 0.9 * 80 < seven["full"]["peak_gpu_gb"]
+    assert "Qwen/Qwen2.5-7B-Instruct" in render_fit_table(rows, 80)

@@ -122,7 +122,7 @@ def build_weight_sync(cfg: Config, actor, rollout, meshes: RoleMeshes, device: t
             actor, rollout, params=adapter_params(hf_config, int(lora.rank), lora.target_modules),
             config=actor.adapter_config() if actor is not None else peft_adapter_config(lora), dtype=dtype,
             bucket_mb=r.weight_sync_bucket_mb, rollout_ranks=rollout_ranks, split=split,
-            source=min(meshes["actor"].layout.ranks), group=meshes.weight_group, memory=memory,
+            source=min(meshes["actor"].layout.ranks), group=meshes.weight_group, memory=memory, actor_grid=actor_grid,
         )
         sync.hf_config = hf_config
         return sync

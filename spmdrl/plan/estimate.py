@@ -193,7 +193,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     sync = plan.summary(bucket)
     full_plan = plan  # what vLLM holds: the full model (an adapter sync replaces `plan` with the adapter's)
     lora, lora_mode = lora_settings(cfg), lora_sync_mode(cfg)
-    adapter = None
+    adapter, adapter_peers = None, {}
     if lora is not None:
         from spmdrl.reshard.adapter import adapter_params, target_list
 
@@ -202,6 +202,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         adapter = adapter_params(hf, int(lora.rank), lora.target_modules)
         if lora_mode == "adapter":
             plan, sync = adapter_sync_figures(adapter, layout, rollout_eb, bucket, is_split(layout))
+            adapter_peers = p2p_peers(plan, m.gpus_per_node) if is_split(layout) else {}
 
     d = cfg.data
     seq = d.max_prompt_length + d.max_response_length
@@ -284,7 +285,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     # NCCL per rank: communicators and point-to-point peers; the worst rank of a set
     gpus_node = min(m.gpus_per_node, world)
     comms = communicators(layout, backends, world, split, vllm_on)
-    peers = p2p_peers(plan, m.gpus_per_node)
+    peers = adapter_peers if lora_mode == "adapter" else p2p_peers(plan, m.gpus_per_node)
     mega = next((layout[r] for r in ("actor", "ref", "critic") if r in roles and backends.get(r) == "megatron"), None)
 
     def nccl(ranks, vllm: bool = True, p2p: bool = True) -> dict[str, int]:
@@ -421,22 +422,23 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
 
 
 def adapter_sync_figures(adapter, layout: dict, elem_bytes: int, bucket: int, split: bool):
-    """rollout.lora_sync = adapter: the plan and figures AdapterSync runs (reshard/adapter.py): every rollout rank
-    receives the whole adapter in the rollout dtype (the lower bound too: vLLM loads the whole adapter); split
-    placement sends it from the first actor rank, bucket by bucket; colocated, the actor's gather brings it."""
+    """rollout.lora_sync = adapter: the plan AdapterSync makes (reshard/adapter.py) and its figures. Split: the
+    first actor rank sends the whole adapter (rollout dtype) to every rollout rank, bucket by bucket. Colocated:
+    the actor's gather brings each rank the adapter less its own FSDP2 shard (no exchange of the sync's own, so
+    no collectives or NCCL peers are counted here)."""
     from spmdrl.reshard.adapter import adapter_plan
-    from spmdrl.reshard.plan import SyncPlan
+    from spmdrl.reshard.plan import fsdp_blocks, full_block, plan_sync
 
     rollout_ranks, source = list(layout["rollout"].ranks), min(layout["actor"].ranks)
-    nbytes = sum(math.prod(s) for _, s in adapter) * elem_bytes
     if split:
         plan = adapter_plan(adapter, elem_bytes, rollout_ranks, source)
-        summary = plan.summary(bucket)
-    else:  # no transfer of the sync's own: an empty plan (no peers, no buckets on the wire)
-        plan = SyncPlan(adapter, {}, {}, elem_bytes=elem_bytes)
-        summary = {"collectives": 0, "buckets": 1, "bytes_sent_max": 0}
-    summary.update(bytes_recv_max=nbytes, bytes_lower_bound=nbytes, bytes_recv_total=nbytes * len(rollout_ranks),
-                   adapter_bytes=nbytes)
+    else:
+        plan = plan_sync(adapter, fsdp_blocks(adapter, layout["actor"].mesh_ranks()),
+                         {n: [(r, full_block(s)) for r in rollout_ranks] for n, s in adapter}, elem_bytes)
+    summary = plan.summary(bucket)
+    if not split:
+        summary.update(collectives=0, buckets=1)
+    summary["adapter_bytes"] = sum(math.prod(s) for _, s in adapter) * elem_bytes
     return plan, summary
 
 

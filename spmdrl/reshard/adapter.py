@@ -3,10 +3,12 @@
 adapter: after each update the actor gathers its adapter (`actor.adapter_tensors`, PEFT names, full tensors in
 the rollout dtype) and every rollout rank loads the whole adapter as a new version (`rollout.load_adapter`):
 vLLM's LoRA loader reads full PEFT tensors and keeps its TP slice, so a rollout rank needs every adapter byte and
-none of the base. Colocated placement: each rollout rank is an actor rank and the actor's gather is what brings
-the adapter to it. Split placement: the actor ranks gather, the first actor rank sends the adapter to every
-rollout rank over the sync's group (a planned exchange, reshard/plan.py, from one source), bucket by bucket.
-Either way each rollout rank receives the adapter's bytes in the rollout dtype, and that is also the lower bound.
+none of the base. Split placement: the actor ranks gather, the first actor rank sends the whole adapter to every
+rollout rank over the sync's group (a planned exchange, reshard/plan.py, from one source), bucket by bucket: a
+rollout rank receives exactly the adapter's bytes in the rollout dtype, which is also the lower bound (it holds
+none of it). Colocated placement: each rollout rank is an actor rank holding its FSDP2 shard of the adapter, and
+the actor's gather inside adapter_tensors is what brings it the rest: the figures are that gather's as the plan
+gives it (the adapter's bytes minus the rank's own shard, in the rollout dtype), not a count of the sync's own.
 
 merge: the actor's base shards plus scale * B @ A (the slice of it each shard covers) go through the planned
 full-weight resharding (reshard/sync.py WeightSync), for models or kernels vLLM's LoRA layers do not cover; the
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from spmdrl.dist.collectives import comm_device, reduce_max
 from spmdrl.errors import ConfigError, LayoutError
 
-from .plan import full_block, plan_sync
+from .plan import fsdp_blocks, full_block, plan_sync
 from .transport import execute
 
 PEFT_PREFIX = "base_model.model."
@@ -164,14 +166,18 @@ class AdapterSync:
     """
 
     def __init__(self, actor, rollout, *, params, config: dict, dtype: torch.dtype, bucket_mb: int, rollout_ranks,
-                 split: bool = False, source: int = 0, group=None, memory=None):
+                 split: bool = False, source: int = 0, group=None, memory=None, actor_grid=None):
         self.actor, self.rollout, self.params, self.config = actor, rollout, list(params), dict(config)
         self.dtype, self.split, self.group, self.memory = dtype, split, group, memory
         self.bucket_bytes = bucket_mb << 20
         elem = torch.empty((), dtype=dtype).element_size()
         self.adapter_bytes = sum(torch.Size(s).numel() for _, s in self.params) * elem
-        self.lower_bound = self.adapter_bytes  # every rollout rank loads the whole adapter and holds none of it
-        self.plan = adapter_plan(self.params, elem, rollout_ranks, source) if split else None
+        if split:  # every rollout rank loads the whole adapter and holds none of it
+            self.plan = adapter_plan(self.params, elem, rollout_ranks, source)
+        else:  # the actor's gather: each rank has its FSDP2 shard (actor_grid [dp][pp][tp]) and needs the rest
+            self.plan = plan_sync(self.params, fsdp_blocks(self.params, actor_grid),
+                                  {n: [(r, full_block(s)) for r in rollout_ranks] for n, s in self.params}, elem)
+        self.lower_bound = max(self.plan.lower_bound().values(), default=0)
         self.checked = False
 
     def _check(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -195,8 +201,8 @@ class AdapterSync:
             t0 = time.perf_counter()
             self.rollout.load_adapter([(n, tensors[n]) for n, _ in self.params], self.config)
             seconds = time.perf_counter() - t0
-            recv = float(self.adapter_bytes)  # the whole adapter reached this rank through the actor's gather
-            recv_max = reduce_max(torch.tensor([recv], dtype=torch.float64))[0]
+            planned = max(self.plan.bytes_recv().values(), default=0)  # the actor's gather, as planned
+            recv_max = reduce_max(torch.tensor([float(planned)], dtype=torch.float64))[0]
             return {"weight_sync/bytes_recv_max": recv_max, "weight_sync/bytes_lower_bound": float(self.lower_bound),
                     "weight_sync/collectives": 0.0, "weight_sync/buckets": 1.0, "timing/weight_sync_load_s": seconds}
         got: list[tuple[str, torch.Tensor]] = []

@@ -134,7 +134,7 @@ def main():
     eng = VLLMEngine(args.model, tp_size=2, max_model_len=128, seed=0, lora=LoRASpec(rank=RANK))
     res["base_diff"] = max_diff(eng, _Base(actor))
     sync = AdapterSync(actor, eng, params=params, config=actor.adapter_config(), dtype=torch.float32, bucket_mb=1,
-                       rollout_ranks=[0, 1])
+                       rollout_ranks=[0, 1], actor_grid=[[[0]], [[1]]])  # the figures of an FSDP2 actor over dp=2
     res["v1_metrics"] = sync()
     res["v1_diff"] = max_diff(eng, actor)
     res["v1_sampled_diff"] = sampled_diff(eng, actor)
