@@ -243,10 +243,15 @@ def bench(
     work_dir: str = typer.Option("outputs/bench", help="Where the data, model and run go."),
     compare_placements: bool = typer.Option(False, "--placements", help="Run colocated, split (max_staleness 0) and "
                                             "split (max_staleness 1) on the same workload and world; one row each."),
+    compare_lora: bool = typer.Option(False, "--lora", help="Run a LoRA actor with rollout.lora_sync adapter and merge "
+                                      "on the same workload and world; one row each."),
 ):
     """Time a GRPO step by stage on the quickstart setup and report the SPMD overhead."""
-    from spmdrl.bench import breakdown, format_breakdown, launch, placement_bench, prepare
+    from spmdrl.bench import breakdown, format_breakdown, launch, lora_bench, placement_bench, prepare
 
+    if compare_lora:
+        typer.echo(lora_bench(work_dir, model, nproc, steps, _overrides(overrides)))
+        return
     if compare_placements:
         typer.echo(placement_bench(work_dir, model, nproc, steps, _overrides(overrides)))
         return
