@@ -125,6 +125,8 @@ def test_lora_sync_validation():
         return str(info.value)
 
     assert lora_sync_mode(_lora_cfg(engine="vllm")) == "adapter"
+    assert lora_sync_mode(_lora_cfg(engine="vllm"), on_cuda=False) == "merge"  # vLLM-CPU's LoRA layers are slow
+    assert lora_sync_mode(_lora_cfg(engine="vllm", lora_sync="adapter"), on_cuda=False) == "adapter"
     assert lora_sync_mode(_lora_cfg(engine="hf")) == "merge"  # auto: the transformers engine takes merged weights
     assert lora_sync_mode(_lora_cfg(engine="hf", lora_sync="merge")) == "merge"
     no_lora = _lora_cfg()

@@ -219,7 +219,7 @@ class RolloutConfig:
     load_format: str = "auto"
     """How vLLM gets its first weights: auto (dummy on CUDA and on resume, else the checkpoint) | dummy (random weights; the trainer syncs the actor's before the first rollout, so the checkpoint is read once) | checkpoint."""
     lora_sync: str = "auto"
-    """With a LoRA actor (model.lora): adapter (only the adapter moves; vLLM serves it with its LoRA layers, a new version per sync) | merge (the adapter merged into the base weights, full weights through the planned resharding; for models or ranks vLLM's LoRA layers do not cover) | auto (adapter on vLLM, merge on the transformers engine)."""
+    """With a LoRA actor (model.lora): adapter (only the adapter moves; vLLM serves it with its LoRA layers, a new version per sync) | merge (the adapter merged into the base weights, full weights through the planned resharding; for models or ranks vLLM's LoRA layers do not cover) | auto (adapter on vLLM on CUDA; merge on the transformers engine and on CPU, where vLLM's LoRA layers generate several times slower than merged weights)."""
     max_loras: int = 1
     """Adapters vLLM keeps resident at once (vLLM's max_loras); the rollout serves only the newest, so 1 suffices."""
     lora_dir: str = ""

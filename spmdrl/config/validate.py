@@ -242,8 +242,11 @@ def lora_settings(cfg):
     return lora
 
 
-def lora_sync_mode(cfg) -> str | None:
-    """How a LoRA actor's updates reach the rollout engine: "adapter" or "merge"; None without LoRA."""
+def lora_sync_mode(cfg, on_cuda: bool | None = None) -> str | None:
+    """How a LoRA actor's updates reach the rollout engine: "adapter" or "merge"; None without LoRA.
+    auto: adapter on vLLM on CUDA; merge on the transformers engine and on CPU, where vLLM's LoRA layers run
+    generation several times slower than merged weights (docs/lora.md). on_cuda: the run's device (None: any
+    trainer.device but "cpu", as `spmdrl plan` reads it)."""
     if lora_settings(cfg) is None:
         return None
     mode = cfg.rollout.lora_sync
@@ -251,7 +254,8 @@ def lora_sync_mode(cfg) -> str | None:
         from spmdrl.rollout import vllm_available
 
         vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
-        return "adapter" if vllm else "merge"
+        cuda = cfg.trainer.device != "cpu" if on_cuda is None else on_cuda
+        return "adapter" if vllm and cuda else "merge"
     return mode
 
 

@@ -67,7 +67,7 @@ def rollout_load_format(cfg: Config, device: torch.device, resuming: bool) -> st
     """vLLM's load format: "dummy" when a weight sync precedes the first rollout (always after a resume; on
     CUDA the trainer runs one at start), so the checkpoint is read once, by the training engines."""
     f = cfg.rollout.load_format
-    if lora_sync_mode(cfg) == "adapter":  # the base never moves: vLLM reads it from the checkpoint (validated)
+    if lora_sync_mode(cfg, device.type == "cuda") == "adapter":  # the base never moves: vLLM reads the checkpoint
         return "auto"
     if f == "auto":
         return "dummy" if resuming or device.type == "cuda" else "auto"
@@ -87,7 +87,7 @@ def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokeniz
     r, d = cfg.rollout, cfg.data
     mesh = meshes["rollout"]
     sub_world = {"world_ranks": len(mesh.layout.ranks)} if meshes.split and rollout_loads_shards(cfg) else {}
-    if lora_sync_mode(cfg) == "adapter":  # vLLM with its LoRA layers; merge mode serves merged weights without them
+    if lora_sync_mode(cfg, device.type == "cuda") == "adapter":  # vLLM's LoRA layers; merge: merged weights
         sub_world["lora"] = LoRASpec(rank=int(cfg.model.lora.rank), max_loras=r.max_loras, adapter_dir=r.lora_dir)
     return build_engine(
         r.engine, model_path=cfg.model.path, tokenizer_path=tokenizer_path, tp_size=mesh.tp_size,
@@ -111,7 +111,7 @@ def build_weight_sync(cfg: Config, actor, rollout, meshes: RoleMeshes, device: t
     from spmdrl.reshard.adapter import AdapterSync, MergedActor, adapter_params, check_served_config, peft_adapter_config
     from spmdrl.reshard.sync import WeightSync
 
-    mode, r = lora_sync_mode(cfg), cfg.rollout
+    mode, r = lora_sync_mode(cfg, device.type == "cuda"), cfg.rollout
     dtype = rollout_dtype(cfg, device)
     if mode == "adapter":
         lora = lora_settings(cfg)
