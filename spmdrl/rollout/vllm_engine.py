@@ -46,9 +46,9 @@ import gc
 import hashlib
 import logging
 import os
-import socket
 import json
 import shutil
+import socket
 import tempfile
 import time
 import weakref
@@ -75,6 +75,7 @@ from spmdrl.rollout.base import (
 logger = logging.getLogger(__name__)
 
 _GiB = 1 << 30
+
 
 def adapter_root(configured: str = "") -> str:
     """Where adapter directories are written: the configured directory, else /dev/shm (memory-backed) when it
@@ -380,10 +381,12 @@ class VLLMEngine:
 
     def sleep(self, level: int = 1) -> None:
         """Level 1: weights to pinned host memory, KV cache dropped; level 2: both dropped (a weight sync must
-        restore the weights). CUDA with sleep mode only; otherwise a no-op."""
+        restore the weights). CUDA with sleep mode only; otherwise a no-op. An engine serving LoRA adapters
+        sleeps at level 1 whatever is asked: its base weights come from the checkpoint only (the adapter sync
+        never sends them), so dropping them would lose them."""
         self.finish_weight_update()
         if self.sleep_enabled and not self._sleeping:
-            self.llm.sleep(level=level)
+            self.llm.sleep(level=1 if self.lora is not None else level)
             self._asleep = True
             self._sleeping = {"weights", "kv_cache"}
 
