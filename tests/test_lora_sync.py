@@ -197,6 +197,8 @@ def test_plan_accounts_for_lora(split):
     assert abs(gpu["actor_optimizer"] - 80_740_352 * 8 / dp / gib) < 2e-3
     assert abs(gpu["actor_params"] - (p["model"]["params"] * 2 + 80_740_352 * 4) / dp / gib) < 5e-3
     assert p["memory"]["train_actor"]["gpu_gb"] < full["memory"]["train_actor"]["gpu_gb"]
+    pinned = p["memory"]["train_actor"]["host_per_rank"].get("vllm_weights_pinned", 0)
+    assert (pinned == 0) if split else pinned == p["rollout"]["vllm_weights_gb"]  # level-1 sleep keeps the base
     assert "LoRA rank 32" in render(p)
     cfg.rollout.lora_sync = "merge"  # merged full weights through the planned resharding
     m = build_plan(cfg)

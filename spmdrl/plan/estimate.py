@@ -380,6 +380,11 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                                       **nccl_train}, h0)
         phases["resume"] = ({**one_engine_back(g0), **asleep, **staging, **nccl_start}, h0)
 
+    if lora_mode == "adapter" and not split and on_gpu and cfg.rollout.enable_sleep_mode:
+        # vLLM serving LoRA sleeps at level 1 (its base is never re-sent): its weights wait in pinned host memory
+        for name, (gpu, host) in phases.items():
+            if name.startswith("train_") or name.endswith("_forward"):
+                phases[name] = (gpu, {**host, "vllm_weights_pinned": vllm_w})
     memory, fits = {}, True
     for name, (gpu, host) in phases.items():
         gpu = {**gpu, "cuda_context": CUDA_CONTEXT_GIB * GIB}
