@@ -168,6 +168,41 @@ def placement_bench(work_dir: str, model: str | None, nproc: int, steps: int, ov
     return "\n".join(lines)
 
 
+LORA_COLS = (
+    ("timing/step_s", "step"), ("timing/rollout_s", "rollout"), ("timing/weight_sync_s", "sync"),
+    ("weight_sync/bytes_recv_max", "sync bytes"), ("completion_tokens_per_s", "compl tok/s"),
+)
+
+
+def lora_syncs(overrides: list[str]) -> dict[str, list[str]]:
+    """The two LoRA weight syncs `spmdrl bench --lora` compares on the same workload: the adapter alone into
+    vLLM's LoRA layers, and the adapter merged into the base through the planned full-weight resharding. A LoRA
+    actor needs [lora]: lora.enable and rank 8 unless the overrides set a lora key."""
+    lora = ["lora.enable=true"] + ([] if any(o.startswith("lora.rank") for o in overrides) else ["lora.rank=8"])
+    return {"adapter": [*lora, "rollout.lora_sync=adapter"], "merge": [*lora, "rollout.lora_sync=merge"]}
+
+
+def lora_bench(work_dir: str, model: str | None, nproc: int, steps: int, overrides: list[str]) -> str:
+    """Run the LoRA actor with each weight sync on the same workload and world; one row each: median seconds per
+    step, rollout (vLLM's LoRA kernels against merged weights) and weight sync, the bytes a rollout rank
+    received per sync, completion tokens/s."""
+    model_dir, data = prepare(work_dir, model)
+    rows = []
+    for name, extra in lora_syncs(overrides).items():
+        run = launch(work_dir, model_dir, data, nproc, steps, [*overrides, *extra, "checkpoint.save_freq=-1"],
+                     run_name=f"lora_{name}")
+        b = breakdown(run)
+        b["weight_sync/bytes_recv_max"] = _median_sum(run, ("weight_sync/bytes_recv_max",))
+        rows.append((name, b))
+    head = f"{'lora sync':<12}" + "".join(f"{label:>13}" for _, label in LORA_COLS)
+    lines = [f"median per step over steps 3..{steps}, {nproc} ranks (seconds; sync bytes per rollout rank)", head,
+             "-" * len(head)]
+    for name, b in rows:
+        lines.append(f"{name:<12}" + "".join(
+            f"{b.get(k, 0.0):>13.0f}" if k.startswith("weight_sync/") else f"{b.get(k, 0.0):>13.4f}" for k, _ in LORA_COLS))
+    return "\n".join(lines)
+
+
 def _median_sum(run_dir: str, keys, skip: int = 2) -> float:
     from spmdrl.metrics import read_jsonl
 

@@ -243,10 +243,15 @@ def bench(
     work_dir: str = typer.Option("outputs/bench", help="Where the data, model and run go."),
     compare_placements: bool = typer.Option(False, "--placements", help="Run colocated, split (max_staleness 0) and "
                                             "split (max_staleness 1) on the same workload and world; one row each."),
+    compare_lora: bool = typer.Option(False, "--lora", help="Run a LoRA actor with rollout.lora_sync adapter and merge "
+                                      "on the same workload and world; one row each."),
 ):
     """Time a GRPO step by stage on the quickstart setup and report the SPMD overhead."""
-    from spmdrl.bench import breakdown, format_breakdown, launch, placement_bench, prepare
+    from spmdrl.bench import breakdown, format_breakdown, launch, lora_bench, placement_bench, prepare
 
+    if compare_lora:
+        typer.echo(lora_bench(work_dir, model, nproc, steps, _overrides(overrides)))
+        return
     if compare_placements:
         typer.echo(placement_bench(work_dir, model, nproc, steps, _overrides(overrides)))
         return
@@ -265,6 +270,8 @@ def plan(
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="memory.gpus_per_node."),
     host_gb: Optional[float] = typer.Option(None, "--host-gb", help="Host memory per node in GiB (memory.host_memory_gb)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of the table."),
+    sizes: bool = typer.Option(False, "--sizes", help="Also: which Qwen2.5 sizes (0.5B-72B) fit this workload on one "
+                               "GPU, full fine-tuning next to LoRA (lora, else rank 32 on every linear)."),
 ):
     """Role meshes, weight-sync bytes and memory per phase for a config; no GPU, no weights (spmdrl/plan/)."""
     import json
@@ -278,7 +285,13 @@ def plan(
     world = world_size or cfg.memory.nodes * cfg.memory.gpus_per_node
     validate(cfg, world)
     p = build_plan(cfg, world)
-    typer.echo(json.dumps(p, indent=1) if as_json else render(p))
+    if sizes:
+        from spmdrl.plan.sizes import fit_table, render_fit_table
+
+        rows = fit_table(cfg)
+        p["one_gpu_sizes"] = rows
+    typer.echo(json.dumps(p, indent=1) if as_json else render(p) + (
+        "\n\n" + render_fit_table(rows, cfg.memory.gpu_memory_gb) if sizes else ""))
 
 
 @app.command()

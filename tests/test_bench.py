@@ -35,3 +35,11 @@ def test_placement_setups_are_valid_on_the_same_world():
             rollout, actor = set(layout["rollout"].ranks), set(layout["actor"].ranks)
             assert (rollout == actor == set(range(nproc))) if name == "colocated" else (
                 rollout == set(range(nproc // 2)) and actor == set(range(nproc // 2, nproc)))
+
+
+def test_lora_sync_setups():
+    from spmdrl.bench import lora_syncs
+
+    assert lora_syncs([]) == {"adapter": ["lora.enable=true", "lora.rank=8", "rollout.lora_sync=adapter"],
+                              "merge": ["lora.enable=true", "lora.rank=8", "rollout.lora_sync=merge"]}
+    assert lora_syncs(["lora.rank=16"])["merge"] == ["lora.enable=true", "rollout.lora_sync=merge"]

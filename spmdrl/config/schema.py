@@ -239,6 +239,12 @@ class RolloutConfig:
     """Rollout dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."""
     load_format: str = "auto"
     """How vLLM gets its first weights: auto (dummy on CUDA and on resume, else the checkpoint) | dummy (random weights; the trainer syncs the actor's before the first rollout, so the checkpoint is read once) | checkpoint."""
+    lora_sync: str = "auto"
+    """With a LoRA actor (lora): adapter (only the adapter moves; vLLM serves it with its LoRA layers, a new version per sync) | merge (the adapter merged into the base weights, full weights through the planned resharding; for models or ranks vLLM's LoRA layers do not cover) | auto (adapter on vLLM on CUDA; merge on the transformers engine and on CPU, where vLLM's LoRA layers generate several times slower than merged weights)."""
+    max_loras: int = 1
+    """Adapters vLLM keeps resident at once (vLLM's max_loras); the rollout serves only the newest, so 1 suffices."""
+    lora_dir: str = ""
+    """Where the rollout writes each adapter version for vLLM to load (one small directory per rank, removed when superseded); empty: /dev/shm (memory-backed), else the temp directory."""
     verify_sync: bool = False
     """Debug: after every weight sync, each rollout rank checks that its engine holds exactly the actor's weights (every parameter whole, loaded through the engine's own loaders, compared byte for byte with what the sync left) and stops naming the parameter, rank and largest difference on a mismatch. Costs two host copies of the rollout weights and a second load per sync."""
 

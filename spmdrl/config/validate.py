@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from spmdrl.errors import ConfigError
 
@@ -12,6 +13,7 @@ CHOICES = {
     "actor.lr_scheduler": ("constant", "cosine", "linear"),
     "rollout.engine": ("auto", "vllm", "hf"),
     "rollout.dtype": ("auto", "float32", "bfloat16"),
+    "rollout.lora_sync": ("auto", "adapter", "merge"),
     "reward.on_error": ("raise", "zero"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "trainer.device": ("auto", "cuda", "cpu"),
@@ -198,6 +200,7 @@ def validate(cfg, world_size: int):
     validate_rollout_correction(cfg)
     validate_split(cfg)
     validate_architecture(cfg)
+    validate_lora_sync(cfg)
     return layout
 
 
@@ -231,6 +234,59 @@ def validate_rollout_correction(cfg) -> None:
                 f"rollout_correction.rollout_is = {rc.rollout_is!r} but actor.policy_loss = {cfg.actor.policy_loss!r} "
                 "takes no rollout_is_weights argument: add it to the loss, or set rollout_correction.rollout_is_in_loss = false"
             )
+
+
+def lora_settings(cfg):
+    """The [lora] section when LoRA is on (lora.enable), else None."""
+    lora = getattr(cfg, "lora", None)
+    if lora is None or not getattr(lora, "enable", False) or int(getattr(lora, "rank", 0) or 0) <= 0:
+        return None
+    return lora
+
+
+def lora_sync_mode(cfg, on_cuda: bool | None = None) -> str | None:
+    """How a LoRA actor's updates reach the rollout engine: "adapter" or "merge"; None without LoRA.
+    auto: adapter on vLLM on CUDA; merge on the transformers engine and on CPU, where vLLM's LoRA layers run
+    generation several times slower than merged weights (docs/lora.md). on_cuda: the run's device (None: any
+    trainer.device but "cpu", as `spmdrl plan` reads it)."""
+    if lora_settings(cfg) is None:
+        return None
+    mode = cfg.rollout.lora_sync
+    if mode == "auto":
+        from spmdrl.rollout import vllm_available
+
+        vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
+        cuda = cfg.trainer.device != "cpu" if on_cuda is None else on_cuda
+        return "adapter" if vllm and cuda else "merge"
+    return mode
+
+
+def validate_lora_sync(cfg) -> None:
+    """rollout.lora_sync, max_loras and the adapter's shape against what the rollout sync covers."""
+    if cfg.rollout.max_loras < 1:
+        raise ConfigError(f"rollout.max_loras = {cfg.rollout.max_loras}: must be >= 1")
+    mode = lora_sync_mode(cfg)
+    if mode is None:
+        return
+    from spmdrl.reshard.adapter import target_list
+    from spmdrl.rollout.base import LoRASpec
+
+    target_list(cfg.lora.target_modules)
+    if mode == "adapter":
+        if cfg.rollout.engine == "hf":
+            raise ConfigError("rollout.lora_sync = 'adapter' needs the vLLM rollout engine; the transformers engine "
+                              "takes merged weights: set rollout.lora_sync = 'merge' (or 'auto')")
+        LoRASpec(rank=int(cfg.lora.rank)).max_lora_rank()  # raises above vLLM's largest rank
+        if cfg.rollout.load_format == "dummy":
+            raise ConfigError("rollout.load_format = 'dummy' with rollout.lora_sync = 'adapter': only the adapter is "
+                              "synced, so vLLM must load the base from model.path; use 'auto' or 'checkpoint'")
+        init = str(getattr(cfg.lora, "init", "")).lower()
+        if init.startswith(("pissa", "olora", "corda", "loftq", "eva")):
+            raise ConfigError(f"lora.init = {init!r} rewrites the base weights, which rollout.lora_sync = "
+                              "'adapter' never sends: use rollout.lora_sync = 'merge' or a plain init")
+    if cfg.rollout.lora_dir and not os.path.isdir(cfg.rollout.lora_dir):
+        raise ConfigError(f"rollout.lora_dir = {cfg.rollout.lora_dir!r} is not a directory: create it or leave it empty "
+                          "(/dev/shm)")
 
 
 def rollout_correction_active(cfg) -> bool:

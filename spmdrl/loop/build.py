@@ -12,7 +12,9 @@ from spmdrl.config import Config
 from spmdrl.dist.layout import role_backends
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine, build_train_engine
+from spmdrl.config.validate import lora_settings, lora_sync_mode
 from spmdrl.rollout import SamplingSpec, build_engine
+from spmdrl.rollout.base import LoRASpec
 
 
 @dataclass
@@ -74,6 +76,8 @@ def rollout_load_format(cfg: Config, device: torch.device, resuming: bool) -> st
     """vLLM's load format: "dummy" when a weight sync precedes the first rollout (always after a resume; on
     CUDA the trainer runs one at start), so the checkpoint is read once, by the training engines."""
     f = cfg.rollout.load_format
+    if lora_sync_mode(cfg, device.type == "cuda") == "adapter":  # the base never moves: vLLM reads the checkpoint
+        return "auto"
     if f == "auto":
         return "dummy" if resuming or device.type == "cuda" else "auto"
     return "auto" if f == "checkpoint" else f
@@ -92,6 +96,8 @@ def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokeniz
     r, d = cfg.rollout, cfg.data
     mesh = meshes["rollout"]
     sub_world = {"world_ranks": len(mesh.layout.ranks)} if meshes.split and rollout_loads_shards(cfg) else {}
+    if lora_sync_mode(cfg, device.type == "cuda") == "adapter":  # vLLM's LoRA layers; merge: merged weights
+        sub_world["lora"] = LoRASpec(rank=int(cfg.lora.rank), max_loras=r.max_loras, adapter_dir=r.lora_dir)
     return build_engine(
         r.engine, model_path=cfg.model.path, tokenizer_path=tokenizer_path, tp_size=mesh.tp_size,
         tp_group=mesh.my_tp_group(),
@@ -102,6 +108,38 @@ def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokeniz
         max_num_batched_tokens=max(r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length),
         kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code, load_format=load_format,
         **sub_world,
+    )
+
+
+def build_weight_sync(cfg: Config, actor, rollout, meshes: RoleMeshes, device: torch.device, *, memory, actor_grid,
+                      hf_config, split: bool):
+    """The actor -> rollout weight sync: the planned full-weight resharding (reshard/sync.py), or with a LoRA actor
+    the adapter alone (reshard/adapter.py AdapterSync) or the adapter merged into the base through the planned
+    resharding (rollout.lora_sync = merge). hf_config: the model's (every rank; the rollout ranks of a split run
+    have no actor to ask)."""
+    from spmdrl.reshard.adapter import AdapterSync, MergedActor, adapter_params, check_served_config, peft_adapter_config
+    from spmdrl.reshard.sync import WeightSync
+
+    mode, r = lora_sync_mode(cfg, device.type == "cuda"), cfg.rollout
+    dtype = rollout_dtype(cfg, device)
+    if mode == "adapter":
+        lora = lora_settings(cfg)
+        if actor is not None:
+            check_served_config(actor.adapter_config(), peft_adapter_config(lora))
+        rollout_ranks = list(meshes["rollout"].layout.ranks)
+        sync = AdapterSync(
+            actor, rollout, params=adapter_params(hf_config, int(lora.rank), lora.target_modules),
+            config=actor.adapter_config() if actor is not None else peft_adapter_config(lora), dtype=dtype,
+            bucket_mb=r.weight_sync_bucket_mb, rollout_ranks=rollout_ranks, split=split,
+            source=min(meshes["actor"].layout.ranks), group=meshes.weight_group, memory=memory, actor_grid=actor_grid,
+        )
+        sync.hf_config = hf_config
+        return sync
+    return WeightSync(
+        MergedActor(actor) if mode == "merge" and actor is not None else actor, rollout, meshes["rollout"],
+        dtype=dtype, bucket_mb=r.weight_sync_bucket_mb, memory=memory, split=split, actor_grid=actor_grid,
+        hf_config=hf_config if split else None, rollout_shards=rollout_loads_shards(cfg), group=meshes.weight_group,
+        verify=r.verify_sync,
     )
 
 

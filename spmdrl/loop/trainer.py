@@ -32,7 +32,7 @@ from spmdrl.engines.loading import load_hf_config
 from spmdrl.faults import inject_fault_if_asked, named_failures, set_collective_timeout
 from spmdrl.hooks import HookRunner, StageHooks
 from spmdrl.loop.build import (
-    build_engines, build_rollout, rollout_dtype, rollout_load_format, rollout_loads_shards, sampling_specs,
+    build_engines, build_rollout, build_weight_sync, rollout_load_format, sampling_specs,
 )
 from spmdrl.loop.collect import Collector
 from spmdrl.loop.generate import Generator
@@ -43,6 +43,7 @@ from spmdrl.loop.scoring import Scorer
 from spmdrl.loop.split import BatchStream
 from spmdrl.loop.validate import Validator
 from spmdrl.metrics import MetricsLogger, StageTimer, device_peak_tflops, flops_metrics, peak_memory_gb
+from spmdrl.reshard.adapter import AdapterSync
 from spmdrl.reshard.sync import WeightSync
 from spmdrl.rewards import default_compute_score, load_reward_fn
 from spmdrl.rewards.custom import GuardedReward
@@ -61,7 +62,7 @@ class Trainer:
     bad_steps: BadSteps
     scorer: Scorer  # reward error counts
     memory: MemoryLifecycle
-    weight_sync: WeightSync
+    weight_sync: WeightSync | AdapterSync  # AdapterSync: a LoRA actor, rollout.lora_sync = adapter
     stream: BatchStream | None  # split placement only
     hooks: StageHooks
     logger: MetricsLogger
@@ -133,12 +134,11 @@ class Trainer:
             rollout = self.memory.rollout = build_rollout(cfg, self.meshes, device, tok_path, load_format)
         self.rollout = rollout
         seed_everything(cfg.trainer.seed)  # building the engine reseeds the global RNG
-        self.weight_sync = WeightSync(
-            self.actor, rollout, self.rollout_mesh, dtype=rollout_dtype(cfg, device),
-            bucket_mb=cfg.rollout.weight_sync_bucket_mb, memory=self.memory, split=split,
+        self.weight_sync = build_weight_sync(
+            cfg, self.actor, rollout, self.meshes, device, memory=self.memory, split=split,
             actor_grid=layout["actor"].mesh_ranks(),
-            hf_config=load_hf_config(cfg.model.path, cfg.model.trust_remote_code) if split else None,
-            rollout_shards=rollout_loads_shards(cfg), group=self.meshes.weight_group, verify=cfg.rollout.verify_sync,
+            hf_config=self.actor.hf_config() if self.actor is not None and not split
+            else load_hf_config(cfg.model.path, cfg.model.trust_remote_code),
         )
         # ---- the loop's components, each given what it needs (docs/architecture.md, "The loop")
         specs = sampling_specs(cfg, tokenizer.eos_token_id)
@@ -181,8 +181,8 @@ class Trainer:
         self.resumed_from = resume_from
         if resume_from:
             self.resume(resume_from)
-        elif load_format == "dummy":
-            self.weight_sync()  # vLLM holds random weights until the actor's arrive
+        elif load_format == "dummy" or isinstance(self.weight_sync, AdapterSync):
+            self.weight_sync()  # vLLM holds random weights (or no adapter) until the actor's arrive
 
     def resume(self, path: str) -> None:
         """Continue from checkpoint `path` (loop/run_state.py), the actor's weights synced to the rollout engine."""

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import math
 
+from spmdrl.config.validate import lora_settings, lora_sync_mode
 from spmdrl.engines.loading import load_hf_config, model_param_shapes
+from spmdrl.errors import ConfigError
 
 from .overheads import (CUDA_CONTEXT_GIB, GIB, NCCL_COMM_BYTES, NCCL_NET_PEER_BYTES, NCCL_NVLINK_PEER_BYTES,
                         PROCESS_HOST_GIB, communicators, nccl_bytes, p2p_peers, pipeline_peers, vllm_outside_pool)
@@ -151,12 +153,16 @@ def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, mast
     head = (cfg.actor.logprob_chunk_size * c.vocab_size * 4 * 3) if r["lm_head"] else 0  # fp32 logits chunk
     ckpt = cfg.model.gradient_checkpointing
     saved = c.num_hidden_layers * tokens * (2 * c.hidden_size if ckpt else layer_activation_bytes(c, tp))
+    if adapters is not None and not ckpt:
+        saved += c.num_hidden_layers * tokens * adapters["rank"] * adapters["targets"] * compute_eb
     train = {}
     if r["trainable"]:
         # backward: the gathered layer's and the root's unsharded gradients (compute dtype + fp32 reduce copy)
         unsharded_grads = (trained["root"] + trained["layer"]) * (compute_eb + 4)
         if m.defer_grad_sync:
             unsharded_grads = trained["tp_local"] * 4 + trained["root"] * compute_eb
+        if adapters is not None:  # x @ A per adapted linear is saved too (the base's inputs carry the backward)
+            act_layer += tokens * adapters["rank"] * adapters["targets"] * compute_eb
         train = {
             "params": kinds["params"], "grads": trained["shard"] * master_eb, "optimizer": kinds["optimizer"],
             "gathered_params": gathered, "unsharded_grads": unsharded_grads,
@@ -186,6 +192,18 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     plan = weight_sync_plan(actor_params, hf, layout, cfg, rollout_eb, backend=backends["actor"])
     bucket = cfg.rollout.weight_sync_bucket_mb << 20
     sync = plan.summary(bucket)
+    full_plan = plan  # what vLLM holds: the full model (an adapter sync replaces `plan` with the adapter's)
+    lora, lora_mode = lora_settings(cfg), lora_sync_mode(cfg)
+    adapter, adapter_peers = None, {}
+    if lora is not None:
+        from spmdrl.reshard.adapter import adapter_params
+
+        if backends["actor"] != "fsdp":
+            raise ConfigError("lora needs trainer.backend = 'fsdp' (the LoRA actor is PEFT on FSDP2)")
+        adapter = adapter_params(hf, int(lora.rank), lora.target_modules)
+        if lora_mode == "adapter":
+            plan, sync = adapter_sync_figures(adapter, layout, rollout_eb, bucket, is_split(layout))
+            adapter_peers = p2p_peers(plan, m.gpus_per_node) if is_split(layout) else {}
 
     d = cfg.data
     seq = d.max_prompt_length + d.max_response_length
@@ -227,7 +245,9 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
             if cfg.lora.enable and (role == "actor" or (role == "critic" and cfg.lora.critic)):
                 from spmdrl.engines.lora import adapter_shapes
 
-                adapters = shard_stats(adapter_shapes(r["params"], cfg.lora.rank, cfg.lora.target_modules), layout[role])
+                shapes = adapter_shapes(r["params"], cfg.lora.rank, cfg.lora.target_modules)
+                adapters = {**shard_stats(shapes, layout[role]), "rank": cfg.lora.rank,
+                            "targets": len({n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n, _ in shapes})}
                 st["adapters"] = adapters["total"]
             kinds, train, forward, host_always = _fsdp_memory(cfg, r, st, c, layout[role], seq, compute_eb, master_eb,
                                                               adapters)
@@ -249,10 +269,16 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     from spmdrl.reshard.plan import numel
 
     held: dict[int, int] = {}
-    for ts in plan.targets.values():
+    for ts in full_plan.targets.values():
         for rank, b in ts:
             held[rank] = held.get(rank, 0) + numel(b)
     vllm_w = max(held.values()) * rollout_eb
+    if lora_mode == "adapter":  # vLLM's LoRA slots: max_loras adapters at vLLM's rank, A and B of every adapted linear
+        from spmdrl.rollout.base import LoRASpec
+
+        slot_rank = LoRASpec(rank=int(lora.rank)).max_lora_rank()
+        vllm_w = (max(held.values()) * rollout_eb
+                  + cfg.rollout.max_loras * sum(math.prod(sh) for _, sh in adapter) // int(lora.rank) * slot_rank * rollout_eb)
     vllm_pool = cfg.rollout.gpu_memory_utilization * m.gpu_memory_gb * GIB
     rt = layout["rollout"].tp
     vllm_act = (cfg.rollout.max_num_batched_tokens * (4 * hf.hidden_size + 2 * hf.intermediate_size // rt) * rollout_eb
@@ -266,7 +292,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     # NCCL per rank: communicators and point-to-point peers; the worst rank of a set
     gpus_node = min(m.gpus_per_node, world)
     comms = communicators(layout, backends, world, split, vllm_on)
-    peers = p2p_peers(plan, m.gpus_per_node)
+    peers = adapter_peers if lora_mode == "adapter" else p2p_peers(plan, m.gpus_per_node)
     mega = next((layout[r] for r in ("actor", "ref", "critic") if r in roles and backends.get(r) == "megatron"), None)
 
     def nccl(ranks, vllm: bool = True, p2p: bool = True) -> dict[str, int]:
@@ -298,6 +324,8 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         return {f"{role}_{k}": v for k, v in kinds.items()}
 
     def transport(ranks) -> dict:
+        if lora_mode == "adapter":  # the gathered adapter (fp32) and its copy in the rollout dtype
+            return {"sync_adapter": sync["adapter_bytes"] // rollout_eb * (4 + rollout_eb)}
         return {f"sync_{k}": v for k, v in sync_peak(plan, bucket, ranks).items()}
 
     vllm_idle = {} if split else asleep  # on a training rank
@@ -359,6 +387,11 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                                       **nccl_train}, h0)
         phases["resume"] = ({**one_engine_back(g0), **asleep, **staging, **nccl_start}, h0)
 
+    if lora_mode == "adapter" and not split and on_gpu and cfg.rollout.enable_sleep_mode:
+        # vLLM serving LoRA sleeps at level 1 (its base is never re-sent): its weights wait in pinned host memory
+        for name, (gpu, host) in phases.items():
+            if name.startswith("train_") or name.endswith("_forward"):
+                phases[name] = (gpu, {**host, "vllm_weights_pinned": vllm_w})
     memory, fits = {}, True
     for name, (gpu, host) in phases.items():
         gpu = {**gpu, "cuda_context": CUDA_CONTEXT_GIB * GIB}
@@ -380,6 +413,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                      "host_memory_gb": m.host_memory_gb, "margin": m.margin, "nodes": -(-world // m.gpus_per_node),
                      "units": "GiB (2^30 bytes)"},
         "model": {"path": cfg.model.path, "params": state["actor"]["stats"]["total"],
+                  **({"lora_rank": int(lora.rank), "adapter_params": state["actor"]["stats"]["adapters"]} if lora else {}),
                   **({"critic_params": state["critic"]["stats"]["total"]} if "critic" in state else {})},
         "roles": {k: {**v, "backend": backends.get(k, "vllm" if k == "rollout" else "fsdp"),
                       **({"worst_stage": state[k]["stats"]["worst_stage"]} if "worst_stage" in state.get(k, {}).get("stats", {}) else {})}
@@ -387,6 +421,8 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         "placement": {"mode": "split" if split else "colocate", **(split_figures(cfg, layout) if split else {})},
         "weight_sync": {k: sync[k] for k in ("bytes_recv_max", "bytes_lower_bound", "collectives", "buckets",
                                              "bytes_recv_total", "bytes_sent_max")}
+                       | ({"lora_sync": lora_mode, "adapter_bytes": sum(math.prod(sh) for _, sh in adapter) * rollout_eb}
+                          if lora_mode else {})
                        | {"elem_bytes": rollout_eb, "full_gather_bytes_per_rank": state["actor"]["stats"]["total"] * 4,
                           "p2p_peers_max": list(max(peers.values(), key=sum, default=(0, 0)))},
         "rollout": {"vllm_weights_gb": _gib(vllm_w), "kv_cache_gb": _gib(kv_cache), "kv_cache_fits_one_sequence": kv_ok},
@@ -395,6 +431,27 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         "memory": memory,
         "fits": bool(fits),
     }
+
+
+def adapter_sync_figures(adapter, layout: dict, elem_bytes: int, bucket: int, split: bool):
+    """rollout.lora_sync = adapter: the plan AdapterSync makes (reshard/adapter.py) and its figures. Split: the
+    first actor rank sends the whole adapter (rollout dtype) to every rollout rank, bucket by bucket. Colocated:
+    the actor's gather brings each rank the adapter less its own FSDP2 shard (no exchange of the sync's own, so
+    no collectives or NCCL peers are counted here)."""
+    from spmdrl.reshard.adapter import adapter_plan
+    from spmdrl.reshard.plan import fsdp_blocks, full_block, plan_sync
+
+    rollout_ranks, source = list(layout["rollout"].ranks), min(layout["actor"].ranks)
+    if split:
+        plan = adapter_plan(adapter, elem_bytes, rollout_ranks, source)
+    else:
+        plan = plan_sync(adapter, fsdp_blocks(adapter, layout["actor"].mesh_ranks()),
+                         {n: [(r, full_block(s)) for r in rollout_ranks] for n, s in adapter}, elem_bytes)
+    summary = plan.summary(bucket)
+    if not split:
+        summary.update(collectives=0, buckets=1)
+    summary["adapter_bytes"] = sum(math.prod(s) for _, s in adapter) * elem_bytes
+    return plan, summary
 
 
 def _build_phase(state: dict, offload: dict) -> tuple[dict, dict]:
@@ -456,6 +513,12 @@ def render(p: dict) -> str:
                       f"{_short([pl['training_ranks']])}, trainer.max_staleness {pl['max_staleness']}; per step each training "
                       f"rank receives at most {pl['batch_bytes_per_training_rank'] / 2**20:.3f} MiB of batch "
                       f"({pl['samples_per_training_rank']} samples x {pl['batch_row_bytes']} B rows), point to point"]
+    if "lora_sync" in w:
+        lines += ["", f"LoRA rank {p['model']['lora_rank']}: {p['model']['adapter_params'] / 1e6:.1f}M adapter parameters "
+                      f"({w['adapter_bytes'] / 2**20:.1f} MiB in the rollout dtype); base frozen in the compute dtype, "
+                      f"optimizer state for the adapter only, no ref copy (ref = adapters disabled); rollout.lora_sync = "
+                      f"{w['lora_sync']}" + (": only the adapter moves" if w["lora_sync"] == "adapter" else
+                                             ": the merged full weights move")]
     lines += ["", "weight sync per step (rollout dtype, bytes per rank):",
               f"  received max {w['bytes_recv_max'] / GIB:.3f} GiB  lower bound {w['bytes_lower_bound'] / GIB:.3f} GiB  "
               f"sent max {w['bytes_sent_max'] / GIB:.3f} GiB  collectives {w['collectives']}  (every rank gathering every parameter in fp32: "

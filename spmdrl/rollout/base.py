@@ -71,6 +71,27 @@ class RolloutOutput:
         return len(self.response_ids)
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """How the rollout engine serves LoRA adapters: the adapter rank, how many adapters vLLM keeps resident
+    (the newest plus older versions still in use), and where the adapter directories go (empty: /dev/shm)."""
+
+    rank: int
+    max_loras: int = 1
+    adapter_dir: str = ""
+
+    def max_lora_rank(self) -> int:
+        """The smallest rank vLLM can be built for that holds this adapter."""
+        for r in VLLM_LORA_RANKS:
+            if r >= self.rank:
+                return r
+        raise ConfigError(f"lora.rank={self.rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; "
+                          "lower the rank or set rollout.lora_sync = 'merge'")
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A generator living in this process; one per rollout tensor-parallel group, called on all its ranks."""

@@ -31,6 +31,14 @@ have arrived (this is what refreshes the CPU backend's packed GEMM weights, whic
 stale), and the next `generate` (or `finish_weight_update`) closes the session and drops the prefix cache.
 A bucket may end anywhere; a layer some of whose tensors never arrive before the session closes is left with
 garbage in the missing part, so send every tensor of each layer you touch.
+
+LoRA (`lora=LoRASpec(...)`): the engine is built with vLLM's LoRA layers (`enable_lora`, `max_lora_rank`,
+`max_loras`) and `load_adapter` serves a new adapter version: its PEFT tensors and adapter_config.json are
+written to a private directory on a memory-backed filesystem (/dev/shm), loaded eagerly through vLLM's public
+`LLMEngine.add_lora(LoRARequest)`, and every later `generate` / `compute_logprobs` runs with that request; the
+previous version is removed from vLLM and its directory deleted. vLLM 0.32 has no public way to hand it adapter
+tensors in memory (a LoRARequest carries a path; the worker reads adapter_model.safetensors from it), see
+docs/lora.md.
 """
 from __future__ import annotations
 
@@ -38,7 +46,10 @@ import gc
 import hashlib
 import logging
 import os
+import json
+import shutil
 import socket
+import tempfile
 import time
 import weakref
 from collections.abc import Iterable, Iterator
@@ -52,6 +63,7 @@ from spmdrl.dist.layout import external_launcher_tp_groups
 from spmdrl.errors import ConfigError, LayoutError, SpmdrlError
 from spmdrl.rollout.vllm_world import vllm_sub_world
 from spmdrl.rollout.base import (
+    LoRASpec,
     RolloutOutput,
     SamplingSpec,
     check_generate_args,
@@ -63,6 +75,14 @@ from spmdrl.rollout.base import (
 logger = logging.getLogger(__name__)
 
 _GiB = 1 << 30
+
+
+def adapter_root(configured: str = "") -> str:
+    """Where adapter directories are written: the configured directory, else /dev/shm (memory-backed) when it
+    exists, else the temp directory."""
+    if configured:
+        return configured
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 class VLLMEngine:
@@ -88,6 +108,7 @@ class VLLMEngine:
         tp_group: list[int] | None = None,
         load_format: str = "auto",
         world_ranks: int | None = None,
+        lora: LoRASpec | None = None,
     ):
         """tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
         checked against it after the build. world_ranks: build on the first `world_ranks` ranks of the world
@@ -125,6 +146,13 @@ class VLLMEngine:
             else:
                 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * _GiB)
+        self.lora = lora
+        self._adapter = None  # the LoRARequest every generate runs with (None: the base model)
+        self._adapter_dirs: list[str] = []
+        self.adapter_version = 0  # versions loaded so far; the newest serves
+        if lora is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=lora.max_lora_rank(), max_loras=int(lora.max_loras))
+            self._adapter_home = tempfile.mkdtemp(prefix=f"spmdrl-lora-r{rank}-", dir=adapter_root(lora.adapter_dir))
 
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         t0 = time.perf_counter()
@@ -197,7 +225,7 @@ class VLLMEngine:
             params = self._sampling_params(spec, spec.n, None)
         with preserved_rng_state():  # vLLM draws from the global RNGs; keep training's
             torch.manual_seed(call_seed(seeds))  # same on every TP rank: their draws must agree
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            outs = self.llm.generate(prompts, params, use_tqdm=False, **self._lora_kwargs())
         completions = [(out.request_id, c) for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
 
         response_ids, logprobs, finish_reason = [], [], []
@@ -222,12 +250,16 @@ class VLLMEngine:
         self._check_lengths(seqs)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         with preserved_rng_state():
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False,
+                                     **self._lora_kwargs())
         result = []
         for out, p, r in zip(outs, prompt_ids, response_ids):
             lps = out.prompt_logprobs  # position k holds log p(token k | tokens < k); position 0 is None
             result.append([float(lps[len(p) + k][t].logprob) for k, t in enumerate(r)])
         return result
+
+    def _lora_kwargs(self) -> dict:
+        return {"lora_request": self._adapter} if self._adapter is not None else {}
 
     def _sampling_params(self, spec: SamplingSpec, n: int, seed: int | None):
         from vllm import SamplingParams
@@ -300,6 +332,43 @@ class VLLMEngine:
         self._reloading = False
         self.llm.reset_prefix_cache()
 
+    # ------------------------------------------------------------------------------------------------ adapters
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter_config: dict) -> int:
+        """Serve a new adapter version: PEFT-named full tensors (adapter_model.safetensors names) and the
+        adapter_config.json content. Returns the version (1, 2, ...). Every rank of the TP group passes the same
+        adapter; each writes its own directory (ranks may not share a filesystem)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if self.lora is None:
+            raise SpmdrlError("load_adapter on a vLLM engine built without LoRA: build it with lora=LoRASpec(...)")
+        if self._asleep:
+            raise SpmdrlError("load_adapter on a sleeping vLLM engine: call wake_up() first")
+        self.finish_weight_update()
+        version = self.adapter_version + 1
+        path = os.path.join(self._adapter_home, f"v{version}")
+        os.makedirs(path)
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in named_tensors},
+                  os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(adapter_config, f)
+        request = LoRARequest(f"spmdrl-policy-v{version}", version, path)
+        with preserved_rng_state():
+            self.llm.llm_engine.add_lora(request)  # eager: vLLM reads the directory now, not at the next generate
+            if self._adapter is not None:
+                self.llm.llm_engine.remove_lora(self._adapter.lora_int_id)
+        self._adapter, self.adapter_version = request, version
+        for old in self._adapter_dirs:  # the newest stays on disk: vLLM may re-read it after evicting it
+            shutil.rmtree(old, ignore_errors=True)
+        self._adapter_dirs = [path]
+        return version
+
+    @property
+    def adapter_request(self):
+        """The LoRARequest generate runs with (None: the base model)."""
+        return self._adapter
+
     def weight_snapshot(self) -> dict[str, torch.Tensor]:
         """Host copies of what this rank's vLLM computes with, by vLLM's names (its TP shard, fused qkv_proj /
         gate_up_proj): every parameter and buffer of the model, and for a linear layer whose weight the backend
@@ -312,10 +381,12 @@ class VLLMEngine:
 
     def sleep(self, level: int = 1) -> None:
         """Level 1: weights to pinned host memory, KV cache dropped; level 2: both dropped (a weight sync must
-        restore the weights). CUDA with sleep mode only; otherwise a no-op."""
+        restore the weights). CUDA with sleep mode only; otherwise a no-op. An engine serving LoRA adapters
+        sleeps at level 1 whatever is asked: its base weights come from the checkpoint only (the adapter sync
+        never sends them), so dropping them would lose them."""
         self.finish_weight_update()
         if self.sleep_enabled and not self._sleeping:
-            self.llm.sleep(level=level)
+            self.llm.sleep(level=1 if self.lora is not None else level)
             self._asleep = True
             self._sleeping = {"weights", "kv_cache"}
 
@@ -332,6 +403,8 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut vLLM down and destroy its process groups; the world group stays, so another engine can be built."""
+        for path in getattr(self, "_adapter_dirs", []) + ([self._adapter_home] if getattr(self, "lora", None) else []):
+            shutil.rmtree(path, ignore_errors=True)
         llm = getattr(self, "llm", None)
         if llm is None:
             return
