@@ -110,7 +110,7 @@ def _lora_cfg(**rollout):
 
     cfg = Config()
     cfg.lora = SimpleNamespace(enable=True, rank=8, alpha=16, dropout=0.0, target_modules=["q_proj", "v_proj"],
-                               init="gaussian")
+                               init="gaussian", critic=False)
     for k, v in rollout.items():
         setattr(cfg.rollout, k, v)
     return cfg
@@ -178,10 +178,11 @@ def test_plan_accounts_for_lora(split):
                  if split else [])
     cfg = load_config(os.path.join(REPO, "configs/grpo.toml"), overrides)
     full = build_plan(cfg)
-    cfg.lora = SimpleNamespace(enable=True, rank=32, alpha=64, target_modules="all-linear")
+    cfg.lora = SimpleNamespace(enable=True, rank=32, alpha=64, target_modules=[], critic=False, dropout=0.0,
+                               init="default")  # [lora] with every linear layer
     p = build_plan(cfg)
     hf = load_hf_config(cfg.model.path)
-    nbytes = adapter_bytes(hf, 32, "all-linear", 2)
+    nbytes = adapter_bytes(hf, 32, [], 2)
     assert nbytes == 80_740_352 * 2  # 28 layers x 32 x (7168 + 4096 + 4096 + 7168 + 3 x 22528)
     ws = p["weight_sync"]
     assert ws["adapter_bytes"] == nbytes and ws["lora_sync"] == "adapter"
