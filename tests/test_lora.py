@@ -228,6 +228,9 @@ def test_trainer_lora_grpo_with_lora_critic_resumes_bitwise(lora_run, tmp_path):
     got = [r for r in read_jsonl(str(resumed / "metrics.jsonl")) if r["step"] == 2][0]
     keys = [k for k in want if not k.startswith(("timing/", "perf/", "memory/"))]
     assert want["actor/kl"] > 0 and "actor/pg_loss" in keys and "critic/vf_loss" in keys
+    # step 2 samples with the adapter trained in step 1 (rollout.lora_sync auto: merged into the base on CPU):
+    # vLLM's log-probs of its samples equal the actor's
+    assert want["rollout/logprob_diff_mean"] < 1e-5 and want["weight_sync/bytes_recv_max"] > 0
     assert {k: got.get(k) for k in keys} == {k: want[k] for k in keys}
 
 
