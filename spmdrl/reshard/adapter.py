@@ -46,28 +46,15 @@ def target_list(target_modules) -> tuple[str, ...]:
     return tuple(m for m in ALL_LINEAR if m in names)
 
 
-def module_shapes(hf_config) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each decoder-layer linear of a Llama/Qwen2-style model."""
-    h = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    hd = getattr(hf_config, "head_dim", None) or h // heads
-    i = hf_config.intermediate_size
-    return {"q_proj": (heads * hd, h), "k_proj": (kv * hd, h), "v_proj": (kv * hd, h), "o_proj": (h, heads * hd),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-
-
 def adapter_params(hf_config, rank: int, target_modules) -> list[tuple[str, tuple[int, ...]]]:
     """PEFT names and shapes of a LoRA adapter's tensors, in PEFT's order (layer, module, A then B):
-    lora_A is (rank, in_features), lora_B is (out_features, rank)."""
-    shapes = module_shapes(hf_config)
-    out = []
-    for layer in range(hf_config.num_hidden_layers):
-        for m in target_list(target_modules):
-            o, i = shapes[m]
-            base = f"{PEFT_PREFIX}model.layers.{layer}.{'self_attn' if m in ATTN else 'mlp'}.{m}"
-            out += [(f"{base}.lora_A.weight", (rank, i)), (f"{base}.lora_B.weight", (o, rank))]
-    return out
+    lora_A is (rank, in_features), lora_B is (out_features, rank). The engine's own shapes
+    (engines.lora.adapter_shapes over the model's parameters) under the names PEFT's files use."""
+    from spmdrl.engines.loading import model_param_shapes
+    from spmdrl.engines.lora import adapter_shapes, peft_name
+
+    shapes = adapter_shapes(model_param_shapes(hf_config), rank, list(target_list(target_modules)))
+    return [(peft_name(n), s) for n, s in shapes]
 
 
 def adapter_bytes(hf_config, rank: int, target_modules, elem_bytes: int) -> int:
