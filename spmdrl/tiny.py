@@ -10,6 +10,10 @@ import os
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
+    # with tools: a short system turn naming them (the tiny model reads bytes; full JSON schemas would cost
+    # hundreds of tokens per prompt); tool results are turns of role "tool"
+    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] if 'function' in t "
+    "else t['name'] }}{% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

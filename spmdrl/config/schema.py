@@ -452,6 +452,32 @@ class LoggingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tool calls (docs/tools.md): the policy writes a turn, the tool calls at its end
+    run, their results are appended (loss mask 0), and the next turn continues, until the policy answers
+    without a call or a limit is reached. Turns are synchronous across each rollout TP group."""
+
+    enable: bool = False
+    """Roll out multi-turn trajectories with tools (training and validation)."""
+    tools: list[str] = field(default_factory=list)
+    """The tools the policy may call: built-in names (calculator, python, http_exec) or `module:function` /
+    `path.py:function` naming a Tool, a function returning one, or a plain typed function."""
+    format: str = "hermes"
+    """How calls appear in the model's text: hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+    Qwen's format)."""
+    max_turns: int = 4
+    """Assistant turns per trajectory; a trajectory still calling tools after the last one ends there."""
+    max_calls_per_turn: int = 4
+    """Tool calls run per turn; further calls in the same turn get an error result."""
+    max_tool_response_tokens: int = 256
+    """A tool result longer than this many tokens is cut to it."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one tool call; a call that exceeds it gets an error result."""
+    max_parallel_calls: int = 16
+    """Tool calls running at once on one rank."""
+
+
+@dataclass
 class HooksConfig:
     """User Python hooks run at the stages of the loop."""
 
@@ -478,4 +504,5 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     hooks: HooksConfig = field(default_factory=HooksConfig)
