@@ -268,9 +268,28 @@ def check_engine_install(cfg) -> None:
                           f"set {packed[0]} = false, or use trainer.backend = 'fsdp'")
 
 
+def check_multi_turn(cfg) -> None:
+    """multi_turn.enable: the tools load and the chat template renders tool conversations prefix-preserved
+    (rollout/chat.py), before any engine is built."""
+    if not cfg.multi_turn.enable:
+        return
+    from transformers import AutoTokenizer
+
+    from spmdrl.loop.build import build_tools, tool_schemas
+    from spmdrl.rollout.chat import ChatGlue
+
+    tools = build_tools(cfg)
+    path = cfg.model.tokenizer_path or cfg.model.path
+    if not os.path.isdir(os.path.expanduser(path)):
+        return  # a hub id: the Trainer probes the template once the snapshot is local
+    tok = AutoTokenizer.from_pretrained(os.path.expanduser(path), trust_remote_code=cfg.model.trust_remote_code)
+    ChatGlue(tok, tool_schemas(tools), name=path)
+
+
 def preflight(cfg, config_toml: str) -> Plan:
     """Every disk and host check, in the order a user would fix them."""
     check_models(cfg)
+    check_multi_turn(cfg)
     check_engine_install(cfg)
     check_writable(cfg.trainer.output_dir)
     plan = check_resume(cfg, config_toml)

@@ -201,7 +201,34 @@ def validate(cfg, world_size: int):
     validate_split(cfg)
     validate_architecture(cfg)
     validate_lora_sync(cfg)
+    validate_multi_turn(cfg)
     return layout
+
+
+def validate_multi_turn(cfg) -> None:
+    """The [multi_turn] section (docs/tools.md); the chat template and the tools themselves are checked in
+    preflight (spmdrl.preflight.check_multi_turn)."""
+    from spmdrl.tools.parse import FORMATS
+
+    mt = cfg.multi_turn
+    if not mt.enable:
+        return
+
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"multi_turn.{key} must be {what}, found {getattr(mt, key)!r}")
+
+    need(bool(mt.tools) and all(isinstance(t, str) and t.strip() for t in mt.tools), "tools",
+         "a non-empty list of tool names (calculator, python, http_exec) or 'module:function' with multi_turn.enable")
+    need(mt.format in FORMATS, "format", f"one of {', '.join(FORMATS)}")
+    need(mt.max_turns >= 1, "max_turns", ">= 1")
+    need(mt.max_calls_per_turn >= 1, "max_calls_per_turn", ">= 1")
+    need(mt.max_tool_response_tokens >= 1, "max_tool_response_tokens", ">= 1")
+    need(mt.tool_timeout_s > 0, "tool_timeout_s", "> 0")
+    need(mt.max_parallel_calls >= 1, "max_parallel_calls", ">= 1")
+    if not cfg.data.apply_chat_template:
+        raise ConfigError("multi_turn.enable = true needs data.apply_chat_template = true: tool results are rendered "
+                          "with the chat template")
 
 
 def validate_rollout_correction(cfg) -> None:

@@ -66,7 +66,9 @@ class PromptDataset:
         filter_overlong: bool = False,
         prompt_key: str = schema.PROMPT,
         apply_chat_template: bool = True,
+        tools: list[dict] | None = None,
     ):
+        """tools: tool schemas the chat template renders into every prompt (`tools=`; multi-turn rollouts)."""
         if truncation not in TRUNCATION_MODES:
             raise ConfigError(f"data.truncation={truncation!r} is not one of {', '.join(TRUNCATION_MODES)}")
         if max_prompt_length <= 0:
@@ -83,6 +85,7 @@ class PromptDataset:
         self.filter_overlong = filter_overlong
         self.prompt_key = prompt_key
         self.apply_chat_template = apply_chat_template
+        self.tools = list(tools) if tools else None
         self.num_filtered = 0
         self.num_truncated = 0
 
@@ -151,7 +154,7 @@ class PromptDataset:
     def _render(self, msgs: list[list[dict]], path, start: int) -> list[str]:
         if not self.apply_chat_template:
             return ["\n".join(m["content"] for m in conv) for conv in msgs]
-        return render_chat(self.tokenizer, msgs, path=path, start=start, column=self.prompt_key)
+        return render_chat(self.tokenizer, msgs, path=path, start=start, column=self.prompt_key, tools=self.tools)
 
     def _fit_lengths(self, flat: np.ndarray, lens: np.ndarray, path, table: pa.Table | None = None
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -200,7 +203,7 @@ class PromptDataset:
         template's own tokens leave no room."""
         marker = "\ue000spmdrl-cut\ue000"
         framed = [*conv[:-1], {**conv[-1], "content": marker}]
-        text = self.tokenizer.apply_chat_template(framed, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(framed, tools=self.tools, tokenize=False, add_generation_prompt=True)
         if text.count(marker) != 1:
             return None
         head, tail = text.split(marker)
@@ -256,15 +259,17 @@ class PromptDataset:
         )
 
 
-def render_chat(tokenizer, msgs: list[list[dict]], *, path, start: int, column: str) -> list[str]:
-    """Chat template over a batch of conversations (generation prompt added); names the row it rejects."""
+def render_chat(tokenizer, msgs: list[list[dict]], *, path, start: int, column: str,
+                tools: list[dict] | None = None) -> list[str]:
+    """Chat template over a batch of conversations (generation prompt added, `tools` rendered when given); names
+    the row it rejects."""
     try:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception:
         pass
     for i, conv in enumerate(msgs):
         try:
-            tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            tokenizer.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as e:
             raise schema.row_error(
                 path, start + i, column,

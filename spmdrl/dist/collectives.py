@@ -213,3 +213,30 @@ def reduce_max(values: torch.Tensor, group=None) -> list[float]:
     t = values.to(comm_device(group), torch.float64).clone()
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.cpu().tolist()
+
+
+def is_group_leader(group=None) -> bool:
+    """Whether this rank is the first rank of `group` (always, for None or a one-rank group)."""
+    return group is None or dist.get_rank(group) == 0
+
+
+def broadcast_from_leader(obj, group=None):
+    """`obj` as the first rank of `group` holds it, on every rank of the group (a pickled broadcast; the other
+    ranks' `obj` is ignored). No communication for None or a one-rank group."""
+    if group is None or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
+                               device=comm_device(group) if dist.get_backend(group) == "nccl" else None)
+    return box[0]
+
+
+def group_agrees(values: list[int], group=None) -> bool:
+    """Whether every rank of `group` passed the same small list of integers (one max all-reduce of the values and
+    their negations; each value is folded into 62 bits). True for None or a one-rank group."""
+    if group is None or dist.get_world_size(group) == 1:
+        return True
+    v = torch.tensor([x % (1 << 62) for x in values], dtype=torch.int64)
+    t = torch.cat([v, -v]).to(comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(torch.equal(t.cpu(), torch.cat([v, -v])))

@@ -160,3 +160,36 @@ def sampling_specs(cfg: Config, eos_token_id: int | None) -> Specs:
                          top_k=-1 if r.val_temperature == 0 else r.top_k, **common),
         greedy=SamplingSpec(n=1, temperature=0.0, **common),
     )
+
+
+def build_tools(cfg: Config) -> list:
+    """The configured tools (multi_turn.tools; spmdrl.tools.registry), [] without multi_turn.enable. Every rank
+    loads them: the prompts of every dataset are rendered with their schemas."""
+    if not cfg.multi_turn.enable:
+        return []
+    from spmdrl.tools.registry import load_tools
+
+    return load_tools(cfg.multi_turn.tools, cfg)
+
+
+def tool_schemas(tools: list) -> list[dict] | None:
+    return [t.schema() for t in tools] or None
+
+
+def build_agent(cfg: Config, tokenizer, engine, mesh: RoleMeshes, tools: list):
+    """The multi-turn agent loop on this rollout rank's engine (rollout/multi_turn.py), None without
+    multi_turn.enable. The tool runner runs calls on the first rank of each rollout TP group only."""
+    if not cfg.multi_turn.enable:
+        return None
+    from spmdrl.rollout.chat import ChatGlue
+    from spmdrl.rollout.multi_turn import AgentLoop, TurnLimits
+    from spmdrl.tools.runner import ToolRunner
+
+    mt = cfg.multi_turn
+    limits = TurnLimits(max_turns=mt.max_turns, max_calls_per_turn=mt.max_calls_per_turn,
+                        max_tool_response_tokens=mt.max_tool_response_tokens,
+                        max_response_tokens=cfg.data.max_response_length)
+    runner = ToolRunner(tools, timeout_s=mt.tool_timeout_s, max_parallel=mt.max_parallel_calls)
+    rollout = mesh["rollout"]
+    return AgentLoop(engine, ChatGlue(tokenizer, tool_schemas(tools)), runner, limits, fmt=mt.format,
+                     tp_group=rollout.group("tp") if rollout.tp_size > 1 else None)

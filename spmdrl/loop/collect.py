@@ -16,6 +16,7 @@ from spmdrl.hooks import StageHooks
 from spmdrl.loop.generate import Generator
 from spmdrl.loop.scoring import Scorer
 from spmdrl.loop.split import BatchStream
+from spmdrl.loop.turn_metrics import trajectory_metrics
 from spmdrl.metrics import StageTimer
 
 
@@ -24,10 +25,13 @@ class Collector:
     the rollout ranks post (split placement; None colocated)."""
 
     def __init__(self, cfg, meshes: RoleMeshes, dataset: PromptDataset, sampler: DistributedPromptSampler,
-                 generator: Generator | None, stream: BatchStream | None, scorer: Scorer, hooks: StageHooks):
+                 generator: Generator | None, stream: BatchStream | None, scorer: Scorer, hooks: StageHooks,
+                 tool_names: list[str] | None = None):
+        """tool_names: the configured tools' names (multi_turn.enable; the keys of the per-tool metrics)."""
         self.cfg, self.meshes, self.dataset, self.sampler = cfg, meshes, dataset, sampler
         self.generator, self.stream, self.scorer, self.hooks = generator, stream, scorer, hooks
         self.actor_mesh = meshes["actor"]
+        self.tool_names = list(tool_names or [])
 
     def collect(self, step: int, timer: StageTimer) -> tuple[Batch, dict[str, float]]:
         """This training rank's batch for `step`, scored, and the stage's metrics.
@@ -47,7 +51,12 @@ class Collector:
         while True:
             rounds += 1
             batch = self.rollout_batch(step, rounds - 1, timer)
+            if self.stream is None and self.generator is not None:  # the multi-turn loop's time split, summed
+                for k, v in self.generator.take_metrics().items():
+                    metrics[k] = metrics.get(k, 0.0) + v
             self.scorer.attach_meta(batch, self.dataset, self.actor_mesh)
+            if "trajectory" in batch:  # multi-turn: turns, tool calls and failures, of the last round
+                metrics.update(trajectory_metrics(batch, self.tool_names, self.actor_mesh))
             metrics.update(self.hooks("after_rollout", step, batch))
             with timer("reward"):
                 metrics.update(self.scorer.score(batch, self.actor_mesh))

@@ -1,7 +1,9 @@
 """Rollout on this rank's TP group: prompts in, a Batch of sampled responses out.
 
 Every rank of a rollout TP group issues the same requests with the same seeds, so the group samples
-identically (docs/architecture.md, "Sampling in a TP group").
+identically (docs/architecture.md, "Sampling in a TP group"). With multi_turn.enable the rollout is the agent
+loop (rollout/multi_turn.py) and the batch has holes: tool results and template glue in `responses` with
+response_mask 0 and rollout log-prob 0, and each sample's turns in `trajectory` (docs/tools.md).
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from spmdrl.dist.meshes import RoleMesh
 from spmdrl.loop.build import Specs
 from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.scoring import Scorer
+from spmdrl.rollout.multi_turn import AgentLoop
+from spmdrl.rollout.trajectory import Trajectory, encode_infos
 
 
 def request_seeds(seed: int, step: int, first: int, count: int) -> list[int]:
@@ -45,34 +49,87 @@ def rollout_to_batch(prompts: list[list[int]], prompt_idx: list[int], out, n: in
     })
 
 
+def trajectories_to_batch(trajs: list[Trajectory], prompt_idx: list[int], n: int, pad_id: int) -> Batch:
+    """Multi-turn trajectories (n per prompt, prompt-major) as padded tensors: responses = every id after the
+    prompt, response_mask 1 on model tokens only, rollout_log_probs 0 on tool/glue tokens, response_len the full
+    length, truncated where the budget ran out, trajectory the turns (rollout/trajectory.py)."""
+    B = len(trajs)
+    P = max(len(t.prompt) for t in trajs)
+    R = max(1, max(len(t.ids) for t in trajs))
+    prompt_t = torch.full((B, P), pad_id, dtype=torch.long)
+    resp_t = torch.full((B, R), pad_id, dtype=torch.long)
+    mask_t = torch.zeros(B, R)
+    lp_t = torch.zeros(B, R)
+    for i, t in enumerate(trajs):
+        prompt_t[i, : len(t.prompt)] = torch.tensor(t.prompt)
+        resp_t[i, : len(t.ids)] = torch.tensor(t.ids, dtype=torch.long)
+        mask_t[i, : len(t.mask)] = torch.tensor(t.mask, dtype=torch.float32)
+        lp_t[i, : len(t.logprobs)] = torch.tensor(t.logprobs, dtype=torch.float32)
+    return Batch({
+        "prompts": prompt_t, "prompt_len": torch.tensor([len(t.prompt) for t in trajs], dtype=torch.long),
+        "responses": resp_t, "response_len": torch.tensor([len(t.ids) for t in trajs], dtype=torch.long),
+        "response_mask": mask_t, "rollout_log_probs": lp_t,
+        "index": torch.tensor(prompt_idx, dtype=torch.long).repeat_interleave(n),
+        "truncated": torch.tensor([t.truncated for t in trajs], dtype=torch.float32),
+        "trajectory": encode_infos(trajs),
+    })
+
+
+def sample(engine, agent: AgentLoop | None, dataset: PromptDataset, prompt_idx: list[int], spec, seeds: list[int],
+           pad_id: int) -> Batch:
+    """One rollout of dataset rows `prompt_idx` with `spec` (spec.n samples each): a single generate call, or
+    with `agent` the multi-turn loop."""
+    if agent is None:
+        prompts = [dataset.prompt_ids(i) for i in prompt_idx]
+        return rollout_to_batch(prompts, prompt_idx, engine.generate(prompts, spec, seeds), spec.n, pad_id)
+    pb = dataset.batch(prompt_idx)
+    kwargs = [(e or {}).get("tools_kwargs") or {} for e in pb.extra_info]
+    trajs = agent.run(pb.input_ids, pb.raw_prompt, seeds, spec, kwargs)
+    return trajectories_to_batch(trajs, prompt_idx, spec.n, pad_id)
+
+
 class Generator:
     """Training rollouts of this rank's rollout TP group, in the rollout layout (a rollout rank only).
 
-    greedy_baseline: also generate one greedy response per prompt and score it (ReMax's baseline)."""
+    greedy_baseline: also generate one greedy response per prompt and score it (ReMax's baseline); agent: the
+    multi-turn loop on `engine` (multi_turn.enable), else None."""
 
     def __init__(self, cfg, mesh: RoleMesh, engine, memory: MemoryLifecycle, specs: Specs, dataset: PromptDataset,
-                 pad_id: int, scorer: Scorer, *, greedy_baseline: bool):
+                 pad_id: int, scorer: Scorer, *, greedy_baseline: bool, agent: AgentLoop | None = None):
         self.cfg, self.mesh, self.engine, self.memory, self.specs = cfg, mesh, engine, memory, specs
         self.dataset, self.pad_id, self.scorer, self.greedy_baseline = dataset, pad_id, scorer, greedy_baseline
+        self.agent = agent
+        self.loop_time: dict[str, float] = {}
+
+    def take_metrics(self) -> dict[str, float]:
+        """The multi-turn loop's time split since the last call (generation, tools, the rest) and its turns."""
+        out, self.loop_time = self.loop_time, {}
+        return out
+
+    def _note_loop(self) -> None:
+        if self.agent is None:
+            return
+        st, m = self.agent.stats, self.loop_time
+        for k, v in (("timing/turn_generate_s", st.generate_s), ("timing/turn_tools_s", st.tools_s),
+                     ("timing/turn_other_s", st.other_s), ("multi_turn/loop_turns", float(st.turns))):
+            m[k] = m.get(k, 0.0) + v
 
     def generate(self, prompt_idx: list[int], step: int, round_: int = 0) -> Batch:
         """The samples of dataset rows `prompt_idx` (this rollout dp rank's share of a step's prompts): same
         prompts and seeds on every rank of the TP group."""
         r = self.mesh
-        prompts = [self.dataset.prompt_ids(i) for i in prompt_idx]
-        first = round_ * self.cfg.data.train_batch_size + r.dp_offset(len(prompts))
-        seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompts))
+        first = round_ * self.cfg.data.train_batch_size + r.dp_offset(len(prompt_idx))
+        seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompt_idx))
         self.memory.for_rollout()  # vLLM's KV cache back (loop/memory.py)
-        out = self.engine.generate(prompts, self.specs.train, seeds)
         n = self.specs.train.n
-        batch = rollout_to_batch(prompts, prompt_idx, out, n, self.pad_id)
+        batch = sample(self.engine, self.agent, self.dataset, prompt_idx, self.specs.train, seeds, self.pad_id)
+        self._note_loop()
         # the group id: one per prompt draw (step, round, global position), never the dataset row, so two
         # draws of one prompt in a step (an epoch boundary, a dynamic-sampling round) stay two groups
         uid = step * self.cfg.algorithm.max_sample_rounds * self.cfg.data.train_batch_size + first
-        batch["uid"] = torch.arange(uid, uid + len(prompts), dtype=torch.long).repeat_interleave(n)
+        batch["uid"] = torch.arange(uid, uid + len(prompt_idx), dtype=torch.long).repeat_interleave(n)
         if self.greedy_baseline:  # ReMax: greedy rollout as the baseline
-            greedy = self.engine.generate(prompts, self.specs.greedy, seeds)
-            gb = rollout_to_batch(prompts, prompt_idx, greedy, 1, self.pad_id)
+            gb = sample(self.engine, self.agent, self.dataset, prompt_idx, self.specs.greedy, seeds, self.pad_id)
             self.scorer.attach_meta(gb, self.dataset, r)
             self.scorer.score(gb, r)  # the same shaped reward the samples get
             batch["baseline_rewards"] = gb["scores"].repeat_interleave(n)

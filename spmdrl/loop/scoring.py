@@ -12,7 +12,8 @@ from spmdrl.batch import Batch
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.dist.collectives import all_gather_strings, gather_tp_slices, reduce_sum
 from spmdrl.dist.meshes import RoleMesh
-from spmdrl.rewards.custom import GuardedReward, compute_rewards
+from spmdrl.rewards.custom import GuardedReward, compute_rewards, takes_trajectory
+from spmdrl.rollout.trajectory import decode_infos, messages_of
 from spmdrl.rewards.model import RewardModelScorer, combine_rewards
 
 
@@ -36,10 +37,29 @@ class Scorer:
         batch.meta["extra_info"] = [pb.extra_info[pos[r]] for r in rows]
         batch.meta["raw_prompt"] = [pb.raw_prompt[pos[r]] for r in rows]
         mine = mesh.tp_range(len(batch))
-        texts = self.tokenizer.batch_decode(
-            [batch["responses"][i, : int(batch["response_len"][i])].tolist() for i in mine], skip_special_tokens=True,
-        )
+        if "trajectory" in batch:  # multi-turn: the turns, and the final turn's text as the solution
+            infos = decode_infos(batch["trajectory"])
+            batch.meta["trajectory"] = [{**info, "messages": messages_of(p, info)}
+                                        for p, info in zip(batch.meta["raw_prompt"], infos)]
+        texts = self.tokenizer.batch_decode([self.solution_ids(batch, i) for i in mine], skip_special_tokens=True)
         batch.meta["response_text"] = all_gather_strings(texts, mesh, len(batch)) if mesh.tp_size > 1 else texts
+
+    @staticmethod
+    def solution_ids(batch: Batch, i: int) -> list[int]:
+        """What the reward scores of sample i: the whole response, or with multi-turn rollouts (tool/glue tokens
+        masked) the model's last turn, the last run of model tokens."""
+        n = int(batch["response_len"][i])
+        ids = batch["responses"][i, :n]
+        if "trajectory" not in batch:
+            return ids.tolist()
+        model = batch["response_mask"][i, :n] > 0
+        idx = torch.nonzero(model).flatten()
+        if len(idx) == 0:
+            return []
+        end = int(idx[-1]) + 1
+        holes = torch.nonzero(~model[:end]).flatten()
+        start = int(holes[-1]) + 1 if len(holes) else 0
+        return ids[start:end].tolist()
 
     def score(self, batch: Batch, mesh: RoleMesh, shaping: bool = True) -> dict[str, float]:
         """batch["scores"] [B]: rule/custom score, weighted, plus DAPO overlong shaping (shaping=False: the raw
@@ -48,8 +68,11 @@ class Scorer:
         r = self.cfg.reward
         mine = mesh.tp_range(len(batch))
         meta = batch.meta
+        trajectories = ([meta["trajectory"][i] for i in mine]
+                        if "trajectory" in meta and takes_trajectory(self.reward_fn) else None)
         scores, _ = compute_rewards(
             self.reward_fn, *([meta[k][i] for i in mine] for k in ("data_source", "response_text", "ground_truth", "extra_info")),
+            trajectories=trajectories,
         )
         if mesh.tp_size > 1:
             scores = gather_tp_slices(scores.float(), mesh, len(batch))
@@ -80,11 +103,15 @@ class Scorer:
 
     @staticmethod
     def place_token_scores(batch: Batch) -> None:
-        """Outcome score on the last response token (what token-level estimators consume)."""
-        R = batch["responses"].shape[1]
-        last = (batch["response_len"] - 1).clamp(min=0)
-        token_scores = torch.zeros(len(batch), R)
-        token_scores[torch.arange(len(batch)), last] = batch["scores"] * (batch["response_len"] > 0)
+        """Outcome score on the last token the model sampled (what token-level estimators consume): the last
+        response token, or with multi-turn rollouts the last one with response_mask 1 (tool results and
+        template glue after it are not the policy's actions)."""
+        mask = batch["response_mask"] > 0
+        B, R = mask.shape
+        pos = torch.where(mask, torch.arange(R).expand(B, R), torch.full((B, R), -1))
+        last = pos.max(dim=-1).values if R else torch.full((B,), -1)
+        token_scores = torch.zeros(B, R)
+        token_scores[torch.arange(B), last.clamp(min=0)] = batch["scores"] * (last >= 0)
         batch["token_level_scores"] = token_scores
 
     def error_metrics(self) -> dict[str, float]:

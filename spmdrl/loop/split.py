@@ -43,8 +43,17 @@ ROLLOUT_KEYS = {
 }
 
 
-def empty_rollout_batch() -> Batch:
-    return Batch({k: torch.zeros((0, 1) if two_d else (0,), dtype=dt) for k, (dt, two_d) in ROLLOUT_KEYS.items()})
+MULTI_TURN_KEYS = {"trajectory": (torch.long, True)}
+"""What a multi-turn rollout batch carries besides: each sample's turns (rollout/trajectory.py)."""
+
+
+def rollout_keys(multi_turn: bool) -> dict[str, tuple[torch.dtype, bool]]:
+    return {**ROLLOUT_KEYS, **MULTI_TURN_KEYS} if multi_turn else ROLLOUT_KEYS
+
+
+def empty_rollout_batch(multi_turn: bool = False) -> Batch:
+    return Batch({k: torch.zeros((0, 1) if two_d else (0,), dtype=dt)
+                  for k, (dt, two_d) in rollout_keys(multi_turn).items()})
 
 
 class BatchStream:
@@ -60,6 +69,8 @@ class BatchStream:
         self.k, self.total_steps, self.critic_warmup = t.max_staleness, t.total_steps, t.critic_warmup
         self.samples_per_step = cfg.data.train_batch_size * cfg.rollout.n
         self.meshes, self.generator, self.sampler, self.weight_sync = meshes, generator, sampler, weight_sync
+        self.keys = rollout_keys(cfg.multi_turn.enable)
+        self.loop_metrics: dict[str, float] = {}  # rollout ranks: the multi-turn loop's time split this step
         self.rollout_mesh, self.actor_mesh = meshes["rollout"], meshes["actor"]
         self.next_batch = 1  # rollout ranks: the next step whose batch is generated
         self.version = 0  # rollout ranks: the weight version vLLM holds
@@ -75,10 +86,12 @@ class BatchStream:
             s = self.next_batch
             with timer("rollout"):
                 batch = self.generator.generate(next(self.sampler), s, 0)
+            for k, v in self.generator.take_metrics().items():
+                self.loop_metrics[k] = self.loop_metrics.get(k, 0.0) + v
             batch["weight_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
-            if set(batch.tensors) != set(ROLLOUT_KEYS):  # the training ranks unpack by this list
+            if set(batch.tensors) != set(self.keys):  # the training ranks unpack by this list
                 raise SpmdrlError(f"a rollout batch has tensors {sorted(batch.tensors)} but spmdrl.loop.split.ROLLOUT_KEYS "
-                                  f"lists {sorted(ROLLOUT_KEYS)}: add new rollout tensors there")
+                                  f"(and MULTI_TURN_KEYS) list {sorted(self.keys)}: add new rollout tensors there")
             with timer("post_batch"):
                 self.sent.append(post_batch(batch, self.rollout_mesh, self.actor_mesh, self.meshes.batch_group, tag=s))
             self.next_batch += 1
@@ -87,13 +100,13 @@ class BatchStream:
         """Before the step's meeting point: receive and load the weights of this step's update (when the training
         ranks updated the actor), and wait until every batch posted is received (the training ranks take them
         all in before they send the weights)."""
-        m = {}
+        m, self.loop_metrics = self.loop_metrics, {}
         if trained:
             with timer("wait_weights"):
                 got = self.weight_sync()
             self.version = step
-            m = {"weight_sync/bytes_recv": got["weight_sync/bytes_recv"],
-                 "timing/weight_sync_transport_s": got["timing/weight_sync_transport_s"]}
+            m.update({"weight_sync/bytes_recv": got["weight_sync/bytes_recv"],
+                      "timing/weight_sync_transport_s": got["timing/weight_sync_transport_s"]})
         with timer("rollout_wait"):
             for sends in self.sent:
                 sends.wait()
@@ -114,7 +127,7 @@ class BatchStream:
         """Receive batch `step` from the rollout ranks: (this rank's share, bytes received)."""
         per_src = self.rollout_mesh.dp_share(self.samples_per_step, "rollout samples")
         next(self.sampler)  # count the draw the rollout ranks made for it: the sampler state a checkpoint saves
-        return recv_batch(empty_rollout_batch(), self.rollout_mesh, self.actor_mesh, per_src,
+        return recv_batch(empty_rollout_batch(self.keys is not ROLLOUT_KEYS), self.rollout_mesh, self.actor_mesh, per_src,
                           self.meshes.batch_group, tag=step)
 
     def take_in(self, step: int) -> None:

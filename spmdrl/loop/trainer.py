@@ -32,7 +32,8 @@ from spmdrl.engines.loading import load_hf_config
 from spmdrl.faults import inject_fault_if_asked, named_failures, set_collective_timeout
 from spmdrl.hooks import HookRunner, StageHooks
 from spmdrl.loop.build import (
-    build_engines, build_rollout, build_weight_sync, rollout_load_format, sampling_specs,
+    build_agent, build_engines, build_rollout, build_tools, build_weight_sync, rollout_load_format, sampling_specs,
+    tool_schemas,
 )
 from spmdrl.loop.collect import Collector
 from spmdrl.loop.generate import Generator
@@ -87,9 +88,10 @@ class Trainer:
         tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.model.trust_remote_code)
         pad_id = self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         d = cfg.data
+        tools = build_tools(cfg)  # multi-turn: the prompts name them (docs/tools.md)
         ds_kw = dict(
             max_prompt_length=d.max_prompt_length, truncation=d.truncation, filter_overlong=d.filter_overlong,
-            prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template,
+            prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template, tools=tool_schemas(tools),
         )
         train_ds = self.train_ds = PromptDataset(d.train_files, tokenizer, **ds_kw)
         val_ds = PromptDataset(d.val_files, tokenizer, **ds_kw) if d.val_files else None
@@ -145,15 +147,18 @@ class Trainer:
         self.learner = Learner(cfg, self.meshes, self.actor, self.ref, self.critic, kl_ctrl, pad_id)
         scorer = self.scorer = Scorer(cfg, tokenizer, reward_fn, reward_model)
         generator = None
+        agent = build_agent(cfg, tokenizer, rollout, self.meshes, tools) if rollout is not None else None
         if rollout is not None:
             generator = Generator(cfg, self.rollout_mesh, rollout, self.memory, specs, train_ds, pad_id, scorer,
-                                  greedy_baseline="baseline_rewards" in getattr(self.learner.adv_fn, "requires", ()))
+                                  greedy_baseline="baseline_rewards" in getattr(self.learner.adv_fn, "requires", ()),
+                                  agent=agent)
         self.stream = BatchStream(cfg, self.meshes, generator, sampler, self.weight_sync) if split else None
-        self.collector = Collector(cfg, self.meshes, train_ds, sampler, generator, self.stream, scorer, self.hooks)
+        self.collector = Collector(cfg, self.meshes, train_ds, sampler, generator, self.stream, scorer, self.hooks,
+                                   tool_names=[t.name for t in tools])
         self.validator = None
         if val_ds is not None:
             self.validator = Validator(cfg, self.rollout_mesh, val_ds, rollout, self.memory, specs, scorer, self.hooks,
-                                       pad_id)
+                                       pad_id, agent=agent)
         # ---- outputs and run state: config copy, metrics, checkpoints, resume
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         if rank == 0:
@@ -292,10 +297,11 @@ class Trainer:
         the roles report different keys (each key is averaged over the ranks that have it) and their timings
         go in too (rank 0, which logs, is a rollout rank); the time a role waits here for the other is
         timing/<role>_wait_s."""
-        if batch is not None:
+        if batch is not None:  # throughput counts prompt and model tokens; the FLOPs, every token computed on
             metrics["_tokens"] = float(batch["response_mask"].sum() + batch["prompt_len"].sum())
-            metrics["_seq_sq"] = float(((batch["response_mask"].sum(-1) + batch["prompt_len"]).double() ** 2).sum())
-            metrics["_response_tokens"] = float(batch["response_mask"].sum())
+            metrics["_seq_tokens"] = float(batch["response_len"].sum() + batch["prompt_len"].sum())
+            metrics["_seq_sq"] = float(((batch["response_len"] + batch["prompt_len"]).double() ** 2).sum())
+            metrics["_response_tokens"] = float(batch["response_len"].sum())
         mesh = self.actor_mesh if self.trains else self.rollout_mesh
         split = self.stream is not None
         if split:
@@ -306,6 +312,7 @@ class Trainer:
         if split:
             metrics.update(split_max)
         tokens = metrics.pop("_tokens") * self.actor_mesh.dp_size
+        seq_tokens = metrics.pop("_seq_tokens") * self.actor_mesh.dp_size
         seq_sq = metrics.pop("_seq_sq") * self.actor_mesh.dp_size
         response_tokens = metrics.pop("_response_tokens") * self.actor_mesh.dp_size
         if not split:
@@ -314,7 +321,7 @@ class Trainer:
         metrics["timing/step_s"] = step_s
         metrics["perf/tokens_per_s"] = tokens / step_s
         metrics.update(flops_metrics(
-            self.weight_sync.hf_config, seq_lens_sum=tokens, seq_sq_sum=seq_sq, head_tokens=response_tokens,
+            self.weight_sync.hf_config, seq_lens_sum=seq_tokens, seq_sq_sum=seq_sq, head_tokens=response_tokens,
             update_s=metrics.get("timing/update_actor_s", 0.0), rollout_s=metrics.get("timing/rollout_s", 0.0),
             devices=self.world_size, peak_tflops=device_peak_tflops(self.device, self.cfg.trainer.device_peak_tflops),
             update_passes=self.cfg.actor.ppo_epochs,

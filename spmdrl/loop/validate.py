@@ -12,9 +12,10 @@ from spmdrl.dist.collectives import reduce_mean, reduce_sum
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.hooks import StageHooks
 from spmdrl.loop.build import Specs
-from spmdrl.loop.generate import request_seeds, rollout_to_batch
+from spmdrl.loop.generate import request_seeds, sample
 from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.scoring import Scorer
+from spmdrl.rollout.multi_turn import AgentLoop
 
 log = logging.getLogger("spmdrl")
 
@@ -25,9 +26,10 @@ class Validator:
     rollout ranks hold the last weights (loop/split.py)."""
 
     def __init__(self, cfg, mesh: RoleMesh, dataset: PromptDataset, engine, memory: MemoryLifecycle, specs: Specs,
-                 scorer: Scorer, hooks: StageHooks, pad_id: int):
+                 scorer: Scorer, hooks: StageHooks, pad_id: int, agent: AgentLoop | None = None):
+        """agent: the multi-turn loop (multi_turn.enable): validation rolls out with it too."""
         self.cfg, self.mesh, self.dataset, self.engine, self.memory = cfg, mesh, dataset, engine, memory
-        self.specs, self.scorer, self.hooks, self.pad_id = specs, scorer, hooks, pad_id
+        self.specs, self.scorer, self.hooks, self.pad_id, self.agent = specs, scorer, hooks, pad_id, agent
         # the same sorted list on every rank: it orders the all-reduce
         self.sources = sorted(set(dataset.batch(list(range(len(dataset)))).data_source))
 
@@ -46,10 +48,8 @@ class Validator:
         chunk = max(1, r.dp_ceil(vbs)) if vbs else max(1, len(rows))
         for start in range(0, len(rows), chunk):
             part = rows[start: start + chunk]
-            prompts = [ds.prompt_ids(i) for i in part]
             seeds = request_seeds(self.cfg.trainer.seed + 1, 0, part[0], len(part))
-            out = self.engine.generate(prompts, self.specs.val, seeds)
-            batch = rollout_to_batch(prompts, part, out, self.specs.val.n, self.pad_id)
+            batch = sample(self.engine, self.agent, ds, part, self.specs.val, seeds, self.pad_id)
             self.scorer.attach_meta(batch, ds, r)
             self.scorer.score(batch, r, shaping=False)
             for k, v in self.hooks("on_validation", step, batch).items():  # mean over chunks

@@ -2,6 +2,8 @@
 
 A reward function has verl's signature and is called with keywords:
     fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...) -> float | {"score": float, ...}
+With multi-turn rollouts a function that declares a `trajectory` parameter also gets the sample's turns
+(docs/tools.md, "Rewards").
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import hashlib
 import importlib
 import importlib.util
 import logging
+import inspect
 import math
 import numbers
 import os
@@ -140,8 +143,11 @@ def compute_rewards(
     solution_strs: list[str],
     ground_truths: list[str],
     extra_infos: list[dict] | None = None,
+    trajectories: list[dict] | None = None,
 ) -> tuple[torch.Tensor, dict[str, list]]:
-    """Score a batch: (scores float32 [B], extras {key: list of B values, None where a sample lacked it})."""
+    """Score a batch: (scores float32 [B], extras {key: list of B values, None where a sample lacked it}).
+    trajectories: multi-turn rollouts' turns per sample, passed as `trajectory=` (only to functions that take it:
+    `takes_trajectory`)."""
     n = len(solution_strs)
     extra_infos = [None] * n if extra_infos is None else extra_infos
     if not len(data_sources) == len(ground_truths) == len(extra_infos) == n:
@@ -158,6 +164,7 @@ def compute_rewards(
                 solution_str=solution_strs[i],
                 ground_truth=ground_truths[i],
                 extra_info=extra_infos[i],
+                **({} if trajectories is None else {"trajectory": trajectories[i]}),
             )
         except Exception as e:
             raise RewardError(
@@ -178,6 +185,15 @@ def compute_rewards(
     keys = list(dict.fromkeys(k for row in rows for k in row))
     extras = {k: [row.get(k) for row in rows] for k in keys}
     return torch.tensor(scores, dtype=torch.float32), extras
+
+
+def takes_trajectory(fn: Callable) -> bool:
+    """Whether a reward function (or the one a GuardedReward guards) declares a `trajectory` parameter."""
+    fn = getattr(fn, "fn", fn) if isinstance(fn, GuardedReward) else fn
+    try:
+        return "trajectory" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 # ---- time limits and on_error ------------------------------------------------------------------------------

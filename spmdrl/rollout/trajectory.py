@@ -1,0 +1,112 @@
+"""One multi-turn trajectory: the token sequence after the prompt (model ids and tool/glue ids, with which is
+which), and its turns as text (the model's text, the calls parsed from it, their results).
+
+The turns travel with the batch as a JSON document per sample packed into an int64 tensor (`pack_texts`), so
+they survive the batch moves between role layouts and split placement's transfers like every other tensor, and
+the reward function and the hooks on the training ranks see them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from spmdrl.tools.base import ToolCall, ToolResult
+
+FINISHES = ("answer", "turn_limit", "length")
+"""How a trajectory ended: the model answered without a call, it still called tools after multi_turn.max_turns
+turns, or the response budget (data.max_response_length) ran out (the trajectory is `truncated`)."""
+
+_BYTES_PER_ELEMENT = 6  # float64 (what batch moves pack into) holds 48-bit integers exactly
+
+
+@dataclass
+class Turn:
+    text: str
+    """The model's text of this turn (special tokens kept, the final stop token left out)."""
+    calls: list[ToolCall] = field(default_factory=list)
+    results: list[ToolResult] = field(default_factory=list)
+    """One per call; empty when the turn's calls were not run (the last turn, or the budget ran out)."""
+    appended: bool = False
+    """Whether the results (and the template glue) went into the token sequence."""
+
+
+@dataclass
+class Trajectory:
+    prompt: list[int]
+    messages: list[dict]
+    """The prompt's chat messages; the turns' assistant and tool messages are appended as they happen."""
+    seed: int
+    sample: int
+    tool_kwargs: dict = field(default_factory=dict)
+    ids: list[int] = field(default_factory=list)
+    """Every token after the prompt: the model's and the tools'/template's."""
+    mask: list[int] = field(default_factory=list)
+    """1 where the model sampled the token, 0 on tool results and template glue."""
+    logprobs: list[float] = field(default_factory=list)
+    """The rollout log-prob of each model token, 0.0 on tool/glue tokens."""
+    turns: list[Turn] = field(default_factory=list)
+    finish: str = ""
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish == "length"
+
+    def info(self) -> dict:
+        """The turns as plain JSON-able data (what the batch carries)."""
+        return {"finish": self.finish, "turns": [turn_info(t) for t in self.turns]}
+
+
+def turn_info(t: Turn) -> dict:
+    return {
+        "text": t.text, "appended": t.appended,
+        "calls": [{"name": c.name, "arguments": c.arguments, "error": c.error} for c in t.calls],
+        "results": [{"name": r.name, "text": r.text, "failure": r.failure, "seconds": r.seconds} for r in t.results],
+    }
+
+
+def messages_of(prompt_messages: list[dict], info: dict) -> list[dict]:
+    """The whole conversation: the prompt's messages, then each turn's assistant message and, where they went
+    into the sequence, its tool messages."""
+    out = [dict(m) for m in prompt_messages]
+    for t in info["turns"]:
+        out.append({"role": "assistant", "content": t["text"]})
+        if t["appended"]:
+            out += [{"role": "tool", "name": r["name"], "content": r["text"]} for r in t["results"]]
+    return out
+
+
+def pack_texts(texts: list[str]) -> torch.Tensor:
+    """UTF-8 texts as an int64 [B, W] tensor, 6 bytes per element (exact through float64 packing), zero padded."""
+    raw = [t.encode("utf-8") for t in texts]
+    width = max([-(-len(b) // _BYTES_PER_ELEMENT) for b in raw] + [1])
+    out = np.zeros((len(raw), width), dtype=np.int64)
+    for i, b in enumerate(raw):
+        padded = np.frombuffer(b.ljust(width * _BYTES_PER_ELEMENT, b"\0"), dtype=np.uint8).reshape(width, 6)
+        out[i] = (padded.astype(np.int64) << (8 * np.arange(6, dtype=np.int64))).sum(axis=1)
+    return torch.from_numpy(out)
+
+
+def unpack_texts(t: torch.Tensor) -> list[str]:
+    """The inverse of pack_texts (trailing zero bytes dropped: JSON text never holds a raw NUL)."""
+    a = t.to(torch.int64).numpy()
+    shifts = 8 * np.arange(6, dtype=np.int64)
+    out = []
+    for row in a:
+        b = ((row[:, None] >> shifts) & 0xFF).astype(np.uint8).tobytes()
+        out.append(b.rstrip(b"\0").decode("utf-8"))
+    return out
+
+
+def encode_infos(trajs: list[Trajectory]) -> torch.Tensor:
+    return pack_texts([json.dumps(t.info(), ensure_ascii=False) for t in trajs])
+
+
+def decode_infos(t: torch.Tensor) -> list[dict]:
+    return [json.loads(s) if s else {"finish": "", "turns": []} for s in unpack_texts(t)]
