@@ -88,7 +88,7 @@ class AgentLoop:
         for turn in range(lim.max_turns):
             t0 = time.perf_counter()
             active = [t for t in trajs if not t.done]
-            self._check_agreement(turn, trajs)
+            self._check_agreement(turn, trajs, "are still running")
             if not active:
                 break
             stats.turns += 1
@@ -120,6 +120,7 @@ class AgentLoop:
                 else:
                     calling.append((t, "" if end is None else self.tokenizer.decode([end], skip_special_tokens=False)))
             t3 = time.perf_counter()
+            self._check_agreement(turn, [t for t, _ in calling], "called tools")
             results = self._run_tools([t for t, _ in calling])
             t4 = time.perf_counter()
             for (t, sampled_end), res in zip(calling, results):
@@ -129,15 +130,16 @@ class AgentLoop:
             stats.other_s += (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
         return trajs
 
-    def _check_agreement(self, turn: int, trajs: list[Trajectory]) -> None:
-        """Every rank of the TP group must enter the turn with the same trajectories, or vLLM hangs."""
-        active = [(i, len(t.ids)) for i, t in enumerate(trajs) if not t.done]
-        digest = int.from_bytes(hashlib.blake2b(repr(active).encode(), digest_size=8).digest(), "little")
-        if not group_agrees([turn, len(active), digest], self.tp_group):
+    def _check_agreement(self, turn: int, trajs: list[Trajectory], what: str) -> None:
+        """Every rank of the TP group must hold the same running trajectories (before a turn's generate) and the
+        same calling ones (before its tools): a rank that skips a step its peers take hangs the group."""
+        mine = [(t.seed, t.sample, len(t.ids)) for t in trajs if not t.done or what == "called tools"]
+        digest = int.from_bytes(hashlib.blake2b(repr(mine).encode(), digest_size=8).digest(), "little")
+        if not group_agrees([turn, len(mine), digest], self.tp_group):
             raise SpmdrlError(
                 f"multi-turn rollout, turn {turn + 1}: the ranks of a rollout TP group disagree on which trajectories "
-                f"are still running ({len(active)} here); they must issue the same requests or vLLM hangs: check that "
-                "every rank gets the same prompts, seeds and tool results")
+                f"{what} ({len(mine)} here); they must issue the same requests or vLLM hangs: check that every rank "
+                "gets the same prompts, seeds and tool results")
 
     def _run_tools(self, trajs: list[Trajectory]) -> list[list[ToolResult]]:
         """The calls of this turn: run on the TP group's first rank, broadcast to the others."""
