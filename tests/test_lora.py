@@ -188,6 +188,28 @@ def test_export_adapter_loads_in_peft_and_merged_model_reproduces_the_actor(lora
     assert float((base_logprobs(full, lp["tb"]) - lp["at_save"].double()).abs().max()) < 1e-5
 
 
+@pytest.mark.dist
+def test_exported_adapter_serves_in_vllm_with_the_actors_logprobs(lora_run, tmp_path):
+    """`spmdrl export` of the checkpoint, loaded by vLLM through its public LoRARequest (a fresh process with no
+    spmdrl sync involved): vLLM's log-probs of the saved sequences equal the actor's at the checkpoint."""
+    pytest.importorskip("vllm")
+    from spmdrl.export import export_hf
+
+    adapter = export_hf(lora_run["res"]["checkpoint"], str(tmp_path / "adapter"))
+    out = tmp_path / "vllm.json"
+    run([os.path.join(HERE, "dist_scripts", "vllm_export_adapter.py"), "--model", lora_run["model"], "--adapter", adapter,
+         "--lp", str(lora_run["out"] / "lp.pt"), "--out", str(out)], nproc=None, timeout=300)
+    with open(out) as f:
+        got = json.load(f)["logprobs"]
+    lp = lora_run["lp"]
+    want, base = lp["at_save"].double(), lp["base"].double()
+    assert [len(g) for g in got] == lp["tb"].resp_mask.sum(1).long().tolist()
+    diff = max(abs(g - float(want[b, j])) for b, row in enumerate(got) for j, g in enumerate(row))
+    off_base = max(abs(g - float(base[b, j])) for b, row in enumerate(got) for j, g in enumerate(row))
+    assert diff < 1e-5, diff
+    assert off_base > 1e-2  # vLLM applied the adapter: the base model's log-probs are far off
+
+
 # ---------------------------------------------------------------------------------------------- the Trainer
 
 
