@@ -1,6 +1,7 @@
-"""The cost of rollout.per_request_seed on this machine: one vLLM engine, the same prompts, the two sampling
-modes alternated (so a change in the machine's load hits both), median seconds per generate call and
-generated tokens per second for each.
+"""The cost of rollout.per_request_seed on this machine: one vLLM engine (in this process), the same prompts,
+the two sampling modes alternated (so a change in the machine's load hits both); for each, the median wall
+seconds and the median CPU seconds of this process (all its threads; robust to other jobs on a shared
+machine) per generate call, and generated tokens per CPU second.
 
     python launch/bench_per_request_seed.py [--model DIR] [--prompts 32 128] [--max-tokens 64] [--reps 5]
 
@@ -24,17 +25,19 @@ def bench(model: str, prompts: int, n: int, max_tokens: int, reps: int) -> dict[
     ids = [eng.tokenizer.encode(f"{i}+{i * 7}=") for i in range(prompts)]
     spec = SamplingSpec(n=n, temperature=1.0, max_tokens=max_tokens, logprobs=True)
     eng.generate(ids, spec, list(range(prompts)))  # warm-up
-    secs: dict[str, list[float]] = {"batched": [], "per_request_seed": []}
+    wall: dict[str, list[float]] = {"batched": [], "per_request_seed": []}
+    cpu: dict[str, list[float]] = {"batched": [], "per_request_seed": []}
     toks: dict[str, list[int]] = {"batched": [], "per_request_seed": []}
     for rep in range(reps):
         for key, per_request in (("batched", False), ("per_request_seed", True)):
             eng.per_request_seed = per_request
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = eng.generate(ids, spec, list(range(1000 * rep, 1000 * rep + prompts)))
-            secs[key].append(time.perf_counter() - t0)
+            cpu[key].append(time.process_time() - c0)
+            wall[key].append(time.perf_counter() - t0)
             toks[key].append(sum(len(r) for r in out.response_ids))
     eng.close()
-    return {k: (statistics.median(secs[k]), sum(toks[k]) / sum(secs[k])) for k in secs}
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k]), sum(toks[k]) / sum(cpu[k])) for k in wall}
 
 
 def main() -> None:
@@ -52,10 +55,11 @@ def main() -> None:
         model = build_tiny(os.path.join(tempfile.mkdtemp(prefix="spmdrl_prs_"), "tiny"), seed=0)
     for p in a.prompts:
         res = bench(model, p, a.n, a.max_tokens, a.reps)
-        base = res["batched"][0]
-        for mode, (sec, tps) in res.items():
+        base = res["batched"][1]
+        for mode, (wall, cpu, tps) in res.items():
             print(f"prompts={p} n={a.n} max_tokens={a.max_tokens} per_request_seed={mode == 'per_request_seed'} "
-                  f"median_s={sec:.3f} tokens_per_s={tps:.0f} vs_batched={sec / base:.2f}x", flush=True)
+                  f"wall_s={wall:.3f} cpu_s={cpu:.3f} tokens_per_cpu_s={tps:.0f} cpu_vs_batched={cpu / base:.2f}x",
+                  flush=True)
 
 
 if __name__ == "__main__":
