@@ -222,3 +222,20 @@ def test_sequence_ratios_average_over_valid_tokens_only(name):
                                      clip_ratio_low=0.2, clip_ratio_high=0.2)[0]
     assert float(holed) == pytest.approx(float(packed), abs=1e-12)
     assert float(holed) == pytest.approx(-math.exp(0.075), abs=1e-12)
+
+
+def test_outcome_score_sits_on_the_last_valid_token():
+    """A response that ends inside a masked (tool) segment keeps its score: it goes on the last valid token."""
+    from spmdrl.batch import Batch
+    from spmdrl.loop.scoring import Scorer
+
+    batch = Batch({
+        "responses": torch.zeros(3, 5, dtype=torch.long),
+        "response_len": torch.tensor([5, 3, 0]),
+        "response_mask": torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.float32),
+        "scores": torch.tensor([2.0, -1.0, 7.0]),
+    })
+    Scorer.place_token_scores(batch)
+    want = torch.zeros(3, 5)
+    want[0, 1], want[1, 2] = 2.0, -1.0
+    torch.testing.assert_close(batch["token_level_scores"], want)
