@@ -59,7 +59,7 @@ def check_ranges(cfg) -> None:
     need(0 <= alg.gamma <= 1, "algorithm.gamma", "in [0, 1]")
     need(0 <= alg.lam <= 1, "algorithm.lam", "in [0, 1]")
     need(alg.epsilon >= 0, "algorithm.epsilon", ">= 0")
-    need(a.clip_ratio_low < 1, "actor.clip_ratio_low", "< 1 (the ratio is clipped at 1 - clip_ratio_low)")
+    need(a.clip_ratio_low <= 1, "actor.clip_ratio_low", "<= 1 (the ratio is clipped at 1 - clip_ratio_low; 1: no lower clip)")
     need(t.dist_timeout_s > 0, "trainer.dist_timeout_s", "> 0")
     need(a.ppo_mini_batch_size >= 0, "actor.ppo_mini_batch_size", ">= 0 (0 means data.train_batch_size)")
     need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "-1 (disabled) or >= 1")
