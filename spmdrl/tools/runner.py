@@ -82,6 +82,7 @@ class _Job:
     arguments: dict
     start: float = 0.0
     future: object = None  # an async call's concurrent.futures.Future
+    ended: threading.Event | None = None
 
 
 class ThreadToolRunner:
@@ -106,6 +107,7 @@ class ThreadToolRunner:
         self.max_calls_per_turn = int(max_calls_per_turn)
         self._accepts = {t.name: _accepted_names(t.fn) for t in tools}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
         self._abandoned_async: list = []
         self._counts: dict[str, float] = defaultdict(float)
         self.abandoned_threads = 0
@@ -156,9 +158,9 @@ class ThreadToolRunner:
     def _run_jobs(self, pending: deque[_Job], results: list[list[ToolResult | None]]) -> None:
         done: queue.SimpleQueue = queue.SimpleQueue()  # (key, ok, value, end time); one per run: late ones are lost
         running: dict[tuple[int, int], _Job] = {}
-        if self._abandoned_async and not all(f.done() for f in self._abandoned_async):
-            self._replace_loop()  # a cancelled call still holds the loop (sync code inside an async tool)
-        self._abandoned_async = [f for f in self._abandoned_async if not f.done()]
+        if not all(ended.is_set() for ended in self._abandoned_async):
+            self._replace_loop()  # a cancelled call has not unwound: it may hold the loop (sync code inside)
+        self._abandoned_async = []
         while pending or running:
             while pending and len(running) < self.max_parallel:
                 job = pending.popleft()
@@ -186,8 +188,10 @@ class ThreadToolRunner:
             except Exception as e:
                 done.put((job.key, False, e, time.monotonic()))
                 return
-            fut = asyncio.run_coroutine_threadsafe(coro, self._event_loop())
+            ended = threading.Event()  # set when the coroutine has unwound, whatever the future says
+            fut = asyncio.run_coroutine_threadsafe(_tracked(coro, ended), self._event_loop())
             job.future = fut
+            job.ended = ended
 
             def report(f, key=job.key):
                 if f.cancelled():
@@ -222,7 +226,7 @@ class ThreadToolRunner:
     def _expire(self, job: _Job) -> ToolResult:
         if job.future is not None:
             job.future.cancel()
-            self._abandoned_async.append(job.future)
+            self._abandoned_async.append(job.ended)
         else:
             self.abandoned_threads += 1
         return ToolResult(job.tool.name, f"error: tool {job.tool.name} took longer than {self.timeout_s:g}s and "
@@ -231,9 +235,10 @@ class ThreadToolRunner:
     # ---- the event loop for async tools -------------------------------------------------------------------
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
+        if self._loop is None or self._loop.is_closed() or not self._loop_thread.is_alive():
             loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, daemon=True, name="spmdrl-tool-loop").start()
+            self._loop_thread = threading.Thread(target=loop.run_forever, daemon=True, name="spmdrl-tool-loop")
+            self._loop_thread.start()
             self._loop = loop
         return self._loop
 
@@ -269,3 +274,12 @@ class ThreadToolRunner:
 
 async def _awaited(awaitable):
     return await awaitable
+
+
+async def _tracked(coro, ended: threading.Event):
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as e:  # raised out of a task, these would stop the shared loop
+        raise RuntimeError(f"the tool raised {type(e).__name__}: {e}") from None
+    finally:
+        ended.set()
