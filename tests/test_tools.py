@@ -377,6 +377,25 @@ def test_sandbox_caps_forks_and_leaves_nothing_running(sandbox_python):
     assert all(_gone(int(p)) for p in pids), "a forked child survived the run"
 
 
+def test_sandbox_caps_a_real_fork_bomb(sandbox_python):
+    code = textwrap.dedent("""
+        import os, time
+        print(os.getpid(), flush=True)
+        for _ in range(40):  # every process forks again: 2**40 without the limit
+            try:
+                os.fork()
+            except OSError:
+                pass
+        time.sleep(60)
+    """)
+    t0 = time.monotonic()
+    r = run_python(code, SandboxLimits(processes=8, wall_s=1.5), python=sandbox_python)
+    assert r.timed_out and time.monotonic() - t0 < 6
+    group = int(r.stdout.split()[0])
+    time.sleep(0.2)
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == group and not _gone(int(p))]
+
+
 def test_sandbox_kills_leftover_children_without_waiting_for_the_time_limit(sandbox_python):
     code = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\nelse:\n    print(os.getpid())\n"
     t0 = time.monotonic()
@@ -384,11 +403,11 @@ def test_sandbox_kills_leftover_children_without_waiting_for_the_time_limit(sand
     assert time.monotonic() - t0 < 5 and not r.timed_out and r.returncode == 0
     main_pid = int(r.stdout)
     time.sleep(0.2)
-    children = [p for p in os.listdir("/proc") if p.isdigit() and _ppid_or_pgid(int(p)) == main_pid]
+    children = [p for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == main_pid]
     assert not [p for p in children if not _gone(int(p))]
 
 
-def _ppid_or_pgid(pid: int) -> int | None:
+def _pgid(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
