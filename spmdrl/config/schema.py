@@ -478,6 +478,30 @@ class MultiTurnConfig:
     """Wall-clock limit of one tool call; a call that exceeds it gets an error result."""
     max_parallel_calls: int = 16
     """Tool calls running at once on one rank."""
+    sandbox_timeout_s: float = 8.0
+    """Wall-clock limit of one run of the python tool; its process group is killed then. Below tool_timeout_s,
+    so the model sees the sandbox's own message."""
+    sandbox_cpu_s: int = 5
+    """CPU seconds one python-tool process may use (RLIMIT_CPU)."""
+    sandbox_memory_mb: int = 1024
+    """Address space of one python-tool process in MiB (RLIMIT_AS)."""
+    sandbox_file_mb: int = 16
+    """Largest file a python-tool program may write, in MiB (RLIMIT_FSIZE)."""
+    sandbox_processes: int = 16
+    """Processes (and threads) a python-tool program may start (RLIMIT_NPROC above the sandbox user's count)."""
+    sandbox_output_chars: int = 4096
+    """Characters of stdout and of stderr a python-tool run returns; the rest is cut."""
+    sandbox_python: str = ""
+    """The interpreter python-tool programs run in ("" = the trainer's own). When the trainer runs as root the
+    programs run as the user nobody, who must be able to run it (a Python under /root is out of its reach)."""
+    http_exec_url: str = ""
+    """The code-execution service the http_exec tool posts to: the full endpoint, e.g.
+    http://host:8080/run_code (SandboxFusion) or http://host:2000/api/v2/execute (Piston)."""
+    http_exec_api: str = "sandbox_fusion"
+    """The service's request and response format: sandbox_fusion or piston."""
+    http_exec_timeout_s: float = 8.0
+    """Wall-clock limit of one http_exec request (also sent to the service as its run timeout). Below
+    tool_timeout_s."""
 
 
 @dataclass
