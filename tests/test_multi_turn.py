@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from spmdrl.batch import Batch
 from spmdrl.errors import ConfigError
 from spmdrl.loop.generate import trajectories_to_batch
 from spmdrl.loop.scoring import Scorer

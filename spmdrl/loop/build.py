@@ -169,7 +169,7 @@ def build_tools(cfg: Config) -> list:
         return []
     from spmdrl.tools.registry import load_tools
 
-    return load_tools(cfg.multi_turn.tools, cfg)
+    return load_tools(cfg.multi_turn.tools, cfg.multi_turn)
 
 
 def tool_schemas(tools: list) -> list[dict] | None:
@@ -183,13 +183,12 @@ def build_agent(cfg: Config, tokenizer, engine, mesh: RoleMeshes, tools: list):
         return None
     from spmdrl.rollout.chat import ChatGlue
     from spmdrl.rollout.multi_turn import AgentLoop, TurnLimits
-    from spmdrl.tools.runner import ToolRunner
+    from spmdrl.tools.registry import build_tool_runner
 
     mt = cfg.multi_turn
-    limits = TurnLimits(max_turns=mt.max_turns, max_calls_per_turn=mt.max_calls_per_turn,
-                        max_tool_response_tokens=mt.max_tool_response_tokens,
+    limits = TurnLimits(max_turns=mt.max_turns, max_tool_response_tokens=mt.max_tool_response_tokens,
                         max_response_tokens=cfg.data.max_response_length)
-    runner = ToolRunner(tools, timeout_s=mt.tool_timeout_s, max_parallel=mt.max_parallel_calls)
+    runner = build_tool_runner(mt, tools)
     rollout = mesh["rollout"]
     return AgentLoop(engine, ChatGlue(tokenizer, tool_schemas(tools)), runner, limits, fmt=mt.format,
                      tp_group=rollout.group("tp") if rollout.tp_size > 1 else None)

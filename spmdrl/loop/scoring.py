@@ -103,15 +103,18 @@ class Scorer:
 
     @staticmethod
     def place_token_scores(batch: Batch) -> None:
-        """Outcome score on the last token the model sampled (what token-level estimators consume): the last
-        response token, or with multi-turn rollouts the last one with response_mask 1 (tool results and
-        template glue after it are not the policy's actions)."""
-        mask = batch["response_mask"] > 0
-        B, R = mask.shape
-        pos = torch.where(mask, torch.arange(R).expand(B, R), torch.full((B, R), -1))
-        last = pos.max(dim=-1).values if R else torch.full((B,), -1)
-        token_scores = torch.zeros(B, R)
-        token_scores[torch.arange(B), last.clamp(min=0)] = batch["scores"] * (last >= 0)
+        """Outcome score on the last VALID response token (what token-level estimators consume): with holes in
+        the response mask (tool output in a multi-turn trajectory, a response cut inside a tool segment) the
+        last token may be masked, and a score there would be dropped by every estimator. No valid token: no score."""
+        R = batch["responses"].shape[1]
+        if "response_mask" in batch:
+            valid = batch["response_mask"][:, :R] != 0
+        else:
+            valid = torch.arange(R)[None] < batch["response_len"][:, None]
+        last = torch.where(valid, torch.arange(R)[None], torch.full_like(valid, -1, dtype=torch.long)).amax(-1)
+        token_scores = torch.zeros(len(batch), R)
+        rows = (last >= 0).nonzero().flatten()
+        token_scores[rows, last[rows]] = batch["scores"][rows].to(token_scores.dtype)
         batch["token_level_scores"] = token_scores
 
     def error_metrics(self) -> dict[str, float]:

@@ -8,9 +8,7 @@ from spmdrl.batch import Batch
 from spmdrl.dist.collectives import reduce_max, reduce_sum
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.tools.base import FAILURES
-
-OTHER = "other"
-"""The bucket of calls to a name that is not one of the configured tools."""
+from spmdrl.tools.runner import UNKNOWN
 
 
 def trajectory_metrics(batch: Batch, tool_names: list[str], mesh: RoleMesh) -> dict[str, float]:
@@ -18,7 +16,7 @@ def trajectory_metrics(batch: Batch, tool_names: list[str], mesh: RoleMesh) -> d
     turn count, and per tool the step's calls, failures by kind and summed call time, over the whole batch (the
     dp ranks of `mesh` hold disjoint samples; every rank gets the same values). The keys depend on the
     configured tool names only, so every rank reports the same keys."""
-    names = sorted(set(tool_names)) + [OTHER]
+    names = sorted(set(tool_names)) + [UNKNOWN]
     trajs = batch.meta["trajectory"]
     mask = batch["response_mask"]
     n = len(trajs)
@@ -31,7 +29,7 @@ def trajectory_metrics(batch: Batch, tool_names: list[str], mesh: RoleMesh) -> d
     for t in trajs:
         for turn in t["turns"]:
             for r in turn["results"]:
-                k = r["name"] if r["name"] in calls else OTHER
+                k = r["name"] if r["name"] in calls and r["name"] != UNKNOWN else UNKNOWN
                 calls[k] += 1
                 seconds[k] += float(r["seconds"])
                 if r["failure"] in FAILURES:
@@ -44,6 +42,7 @@ def trajectory_metrics(batch: Batch, tool_names: list[str], mesh: RoleMesh) -> d
     turns_max = reduce_max(torch.tensor([float(turns.max()) if n else 0.0]), group=group)[0]
     count = max(tot[0], 1.0)
     out = {
+        "tools/calls": sum(tot[6: 6 + len(names)]), "tools/failures": sum(tot[6 + 2 * len(names):]),
         "multi_turn/turns_mean": tot[1] / count, "multi_turn/turns_max": turns_max,
         "multi_turn/model_tokens_mean": tot[2] / count, "multi_turn/tool_tokens_mean": tot[3] / count,
         "multi_turn/truncated_ratio": tot[4] / count, "multi_turn/turn_limit_ratio": tot[5] / count,
@@ -53,7 +52,7 @@ def trajectory_metrics(batch: Batch, tool_names: list[str], mesh: RoleMesh) -> d
         out[f"tools/calls/{k}"] = tot[pos]
         pos += 1
     for k in names:
-        out[f"tools/time_s/{k}"] = tot[pos]
+        out[f"tools/seconds/{k}"] = tot[pos]
         pos += 1
     for k, f in failures:
         out[f"tools/failures/{k}/{f}"] = tot[pos]

@@ -8,8 +8,8 @@ then the chat template's glue (the end of the assistant message the model did no
 the next generation prompt; rollout/chat.py) is appended as token ids with mask 0, and the next turn starts.
 
 Token-in, token-out: a trajectory's ids are exactly the sampled ids plus the glue ids; nothing the model
-sampled is re-tokenized. Limits: multi_turn.max_turns, max_calls_per_turn (further calls get an error result),
-max_tool_response_tokens (a longer result is cut), and the response budget (data.max_response_length): a turn
+sampled is re-tokenized. Limits: multi_turn.max_turns, max_calls_per_turn (the runner's: further calls get an
+error result), max_tool_response_tokens (a longer result is cut), and the response budget (data.max_response_length): a turn
 is cut where the budget ends and a trajectory whose next glue would not leave room for one more token ends
 before it; both are flagged `truncated`.
 
@@ -33,7 +33,7 @@ from spmdrl.errors import SpmdrlError
 from spmdrl.rollout.base import RolloutEngine, SamplingSpec, sample_seed
 from spmdrl.rollout.chat import ChatGlue, tool_message
 from spmdrl.rollout.trajectory import Trajectory, Turn
-from spmdrl.tools.base import ToolCall, ToolResult, ToolRunner
+from spmdrl.tools.base import ToolResult, ToolRunner
 from spmdrl.tools.parse import parse_tool_calls, stop_strings
 
 
@@ -45,7 +45,6 @@ def turn_seed(prompt_seed: int, j: int, turn: int) -> int:
 @dataclass(frozen=True)
 class TurnLimits:
     max_turns: int = 4
-    max_calls_per_turn: int = 4
     max_tool_response_tokens: int = 256
     max_response_tokens: int = 512
     """The budget of every token after the prompt (model, tool and glue): data.max_response_length."""
@@ -145,13 +144,9 @@ class AgentLoop:
         """The calls of this turn: run on the TP group's first rank, broadcast to the others."""
         if not trajs:
             return []
-        lim = self.limits
         results = None
         if is_group_leader(self.tp_group):
-            calls = [t.turns[-1].calls[: lim.max_calls_per_turn] + [
-                ToolCall(name=c.name, arguments={}, error=f"more than multi_turn.max_calls_per_turn = "
-                         f"{lim.max_calls_per_turn} calls in one turn: this one was not run")
-                for c in t.turns[-1].calls[lim.max_calls_per_turn:]] for t in trajs]
+            calls = [t.turns[-1].calls for t in trajs]  # the runner caps the calls per turn
             results = self.runner.run(calls, [t.tool_kwargs for t in trajs])
             if len(results) != len(calls) or any(len(r) != len(c) for r, c in zip(results, calls)):
                 raise SpmdrlError("the tool runner returned a different number of results than calls; every call "
