@@ -16,7 +16,7 @@ from spmdrl.rollout.multi_turn import AgentLoop, TurnLimits
 from spmdrl.rollout.trajectory import Trajectory, Turn, decode_infos, pack_texts, unpack_texts
 from spmdrl.tiny import build_tokenizer
 from spmdrl.tools.parse import parse_tool_calls
-from tool_agent import SCHEMAS, TOOLS, LocalRunner, build_tool_model, prompt_messages
+from tool_agent import SCHEMAS, runner, shared_tool_model, prompt_messages
 
 
 # ---- parsing ----------------------------------------------------------------------------------------------
@@ -30,7 +30,7 @@ def test_parse_calls_in_order_with_string_arguments_and_errors():
     calls = parse_tool_calls(text)
     assert [(c.name, c.arguments) for c in calls[:2]] == [("add", {"x": 1, "y": 2}), ("mul", {"x": 3})]
     assert not calls[0].error and not calls[1].error
-    assert all(c.error.startswith("malformed tool call") for c in calls[2:])
+    assert all(c.error.startswith("error: malformed tool call") for c in calls[2:])
     assert "not valid JSON" in calls[2].error and "not an object" in calls[3].error
     assert "no \"name\"" in calls[4].error and calls[5].name == "f" and "list" in calls[5].error
     assert "not closed" in calls[6].error
@@ -151,9 +151,9 @@ def test_tool_tokens_add_nothing_to_loss_gradient_or_counts(tok):
 
 # ---- the loop on the transformers engine ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tool_model(tmp_path_factory):
-    return build_tool_model(str(tmp_path_factory.mktemp("tool_model")))
+    return shared_tool_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +161,9 @@ def hf_loop(tool_model):
     from spmdrl.rollout.hf_engine import HFEngine
 
     eng = HFEngine(tool_model, max_model_len=512, per_request_seed=True)
-    runner = LocalRunner(TOOLS)
-    loop = AgentLoop(eng, ChatGlue(eng.tokenizer, SCHEMAS), runner, TurnLimits(max_turns=3, max_response_tokens=400))
-    return eng, loop, runner
+    tools = runner()
+    loop = AgentLoop(eng, ChatGlue(eng.tokenizer, SCHEMAS), tools, TurnLimits(max_turns=3, max_response_tokens=400))
+    return eng, loop, tools
 
 
 def _prompts(tok, letters):
@@ -176,7 +176,7 @@ def _prompts(tok, letters):
 def test_loop_on_the_transformers_engine(hf_loop):
     """a calls a tool every turn (to the limit), b answers at once, c writes a malformed call, d's tool raises,
     e's times out: every failure is an error result the model sees, and the trajectories go on."""
-    eng, loop, runner = hf_loop
+    eng, loop, tools = hf_loop
     tok = eng.tokenizer
     ids, msgs = _prompts(tok, "abcde")
     spec = SamplingSpec(n=1, temperature=0.0, max_tokens=400, stop_token_ids=[tok.eos_token_id])
@@ -195,7 +195,7 @@ def test_loop_on_the_transformers_engine(hf_loop):
         full = tok.decode(t.prompt + t.ids)
         assert text.startswith(full) and len(text) - len(full) <= len("<|im_end|>\n")
         model = [i for i, m in zip(t.ids, t.mask) if m]
-        assert tok.decode(model) == "".join(x.text for x in t.turns) + "<|im_end|>" * (t.finish == "answer")
+        assert tok.decode(model).replace("<|im_end|>", "") == "".join(x.text for x in t.turns)
     batch = trajectories_to_batch(trajs, [0, 1, 2, 3, 4], 1, tok.pad_token_id)
     info = decode_infos(batch["trajectory"])[3]
     assert info["turns"][0]["calls"] == [{"name": "boom", "arguments": {}, "error": ""}]

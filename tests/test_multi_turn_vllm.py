@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 from launching import run  # noqa: E402
 from spmdrl.rollout.multi_turn import turn_seed  # noqa: E402
-from tool_agent import build_tool_model  # noqa: E402
+from tool_agent import shared_tool_model  # noqa: E402
 
 pytestmark = pytest.mark.dist
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -20,7 +20,7 @@ SCRIPT = os.path.join(HERE, "dist_scripts", "multi_turn_rollout.py")
 
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory):
-    return build_tool_model(str(tmp_path_factory.getbasetemp() / "tool_model"))
+    return shared_tool_model(tmp_path_factory)
 
 
 def _launch(model, out, tp):
@@ -111,3 +111,72 @@ def test_a_diverging_tp_rank_raises_instead_of_hanging(tp2):
     for r in tp2:
         assert r["diverge_error"] and "disagree" in r["diverge_error"] and "turn 1" in r["diverge_error"]
     assert all(r["all_reduce_after"] == 2.0 for r in tp2)
+
+
+# ---- GRPO through the Trainer ---------------------------------------------------------------------------------
+
+def _tool_data(root):
+    from spmdrl.data import schema
+
+    def row(letter, i):
+        answer = {"a": "", "b": "7"}.get(letter, "ok")
+        return {schema.DATA_SOURCE: "tooltest", schema.PROMPT: [{"role": "user", "content": letter}],
+                schema.ABILITY: "tools", schema.REWARD_MODEL: {"style": "rule", schema.GROUND_TRUTH: answer},
+                schema.EXTRA_INFO: {"letter": letter, "index": i}}
+
+    import pyarrow as pa
+
+    info = pa.struct([("letter", pa.string()), ("index", pa.int64())])
+    root.mkdir(exist_ok=True)
+    return {split: schema.write_verl_parquet([row(x, i) for i, x in enumerate(letters)], root / f"{split}.parquet",
+                                             extra_info_type=info)
+            for split, letters in (("train", "abcdeabcdeabcdea"), ("val", "abcde"))}
+
+
+def test_grpo_with_tools_through_the_trainer(tool_model, tmp_path, monkeypatch):
+    """Two steps of GRPO with tools on 2 ranks (rollout TP=2, FSDP2 actor over both): the rollouts are multi-turn
+    (tools called, failures counted), the reward function gets the trajectory, the after_rollout hook sees the
+    turns, and at step 2 vLLM's per-turn log-probs of the model tokens equal the actor's over the whole
+    trajectories (the weights synced after step 1)."""
+    from spmdrl.metrics import read_jsonl
+
+    data = _tool_data(tmp_path / "data")
+    agent = os.path.join(HERE, "tool_agent.py")
+    monkeypatch.setenv("SPMDRL_TEST_DUMP", str(tmp_path))
+    o = {
+        "model.path": tool_model, "data.train_files": f'["{data["train"]}"]', "data.val_files": f'["{data["val"]}"]',
+        "data.max_prompt_length": 64, "data.max_response_length": 300, "data.train_batch_size": 4,
+        "data.shuffle": "false", "rollout.n": 4, "rollout.kv_cache_gb": 0.2, "rollout.temperature": 1.0,
+        "rollout.val_temperature": 0.0, "placement.rollout_tp": 2, "actor.lr": 1e-4, "actor.micro_batch_size": 4,
+        "actor.ppo_mini_batch_size": 2, "trainer.total_steps": 2, "trainer.device": "cpu",
+        "trainer.output_dir": str(tmp_path), "logging.progress": "false",
+        "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_turns.py") + ":score",
+        "hooks.files": f'["{os.path.join(HERE, "dist_scripts", "turns_hook.py")}"]',
+        "multi_turn.enable": "true", "multi_turn.max_turns": 3, "multi_turn.tool_timeout_s": 0.5,
+        "multi_turn.tools": "[" + ", ".join(f'"{agent}:{f}"' for f in ("add", "boom", "slow")) + "]",
+    }
+    run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--out", str(tmp_path),
+         *[f"{k}={v}" for k, v in o.items()]], nproc=2)
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    val, s1, s2 = rows
+    assert val["val/accuracy"] > 0.5  # greedy validation runs the same loop: b, c, d, e answer as scripted
+    assert s1["multi_turn/turns_max"] == 3 and 1 < s1["multi_turn/turns_mean"] < 3
+    assert s1["tools/calls/add"] > 0 and s1["tools/failures/boom/exception"] > 0
+    assert s1["tools/failures/slow/timeout"] > 0 and s1["tools/failures/_unknown/malformed"] > 0
+    assert s1["multi_turn/tool_tokens_mean"] > 0 and s1["timing/turn_tools_s"] > 0
+    assert s2["rollout/logprob_diff_mean"] < 1e-5 and s2["rollout/logprob_diff_max"] < 1e-4
+    assert s1["actor/grad_norm"] > 0
+    documented = open(os.path.join(os.path.dirname(HERE), "docs", "metrics.md")).read()
+    generic = {k.replace("/add", "/<tool>").replace("/boom", "/<tool>").replace("/slow", "/<tool>")
+               .replace("/_unknown", "/<tool>") for r in rows for k in r}
+    generic = {"tools/failures/<tool>/<kind>" if k.startswith("tools/failures/<tool>/") else k for k in generic}
+    missing = sorted(k for k in generic if k != "step" and "/tooltest" not in k and f"`{k}`" not in documented)
+    assert not missing, f"metrics missing from docs/metrics.md: {missing}"
+    turns = [json.load(open(tmp_path / f"turns_rank{r}.json")) for r in range(2)]
+    for t in turns[0] + turns[1]:
+        mask = torch.tensor(t["mask"])
+        assert len(t["turns"]) >= 1 and len(t["messages"]) >= 1 + len(t["turns"])
+        if any(turn["appended"] for turn in t["turns"]):
+            assert (mask == 0).any() and torch.tensor(t["logprobs"])[mask == 0].abs().sum() == 0
+        assert t["response_text"] == t["turns"][-1]["text"].replace("<|im_end|>", "")

@@ -1,6 +1,5 @@
 """What the multi-turn tests share: a tiny model that has memorised scripted tool conversations (so real vLLM
-and the transformers engine produce tool calls, answers and malformed calls on cue), test tools, and a small
-ToolRunner written for the tests (threads, a timeout per call, every failure an error result).
+and the transformers engine produce tool calls, answers and malformed calls on cue), and test tools.
 
 The scripts, by the user message:
   a: calls add(x=1, y=2) in every turn (it reaches the turn limit)
@@ -12,14 +11,15 @@ The scripts, by the user message:
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import time
 
 import torch
 
 from spmdrl.tiny import build_tiny
-from spmdrl.tools.base import Tool, ToolCall, ToolResult
+from spmdrl.tools.base import Tool
+from spmdrl.tools.parse import parse_tool_calls
+from spmdrl.tools.runner import ThreadToolRunner
 
 CALL_ADD = '<tool_call>{"name": "add", "arguments": {"x": 1, "y": 2}}</tool_call>'
 MALFORMED = '<tool_call>{"name": add}</tool_call>'
@@ -50,38 +50,9 @@ TOOLS = [
 SCHEMAS = [t.schema() for t in TOOLS]
 
 
-class LocalRunner:
-    """Runs one turn's calls concurrently in threads, each with a timeout; failures become error results."""
-
-    def __init__(self, tools: list[Tool], timeout_s: float = TIMEOUT_S):
-        self.tools = {t.name: t for t in tools}
-        self.timeout_s = timeout_s
-        self.pool = cf.ThreadPoolExecutor(8)
-        self.calls = 0
-
-    def run(self, calls: list[list[ToolCall]], kwargs: list[dict] | None = None) -> list[list[ToolResult]]:
-        futures = [[self.pool.submit(self._one, c) for c in cs] for cs in calls]
-        return [[self._wait(f, c) for f, c in zip(fs, cs)] for fs, cs in zip(futures, calls)]
-
-    def _one(self, call: ToolCall) -> ToolResult:
-        self.calls += 1
-        if call.error:
-            return ToolResult(call.name, f"error: {call.error}", "malformed")
-        if call.name not in self.tools:
-            return ToolResult(call.name, f"error: no tool named {call.name}", "unknown_tool")
-        t0 = time.perf_counter()
-        try:
-            out = self.tools[call.name].fn(**call.arguments)
-        except Exception as e:
-            return ToolResult(call.name, f"error: {type(e).__name__}: {e}", "exception", time.perf_counter() - t0)
-        return ToolResult(call.name, out, "", time.perf_counter() - t0)
-
-    def _wait(self, fut, call: ToolCall) -> ToolResult:
-        try:
-            return fut.result(timeout=self.timeout_s)
-        except cf.TimeoutError:
-            return ToolResult(call.name, f"error: {call.name} timed out after {self.timeout_s}s", "timeout",
-                              self.timeout_s)
+def runner(timeout_s: float = TIMEOUT_S):
+    """The real tool runner over the test tools."""
+    return ThreadToolRunner(TOOLS, timeout_s=timeout_s, max_calls_per_turn=4)
 
 
 def conversations() -> dict[str, list[dict]]:
@@ -95,9 +66,9 @@ def conversations() -> dict[str, list[dict]]:
     return {
         "a": [asst(CALL_ADD), tool("3")] * 2 + [asst(CALL_ADD)],
         "b": [asst("7")],
-        "c": [asst(MALFORMED), tool("error: malformed tool call"), asst("ok")],
+        "c": [asst(MALFORMED), tool(parse_tool_calls(MALFORMED)[0].error), asst("ok")],
         "d": [asst(CALL_BOOM), tool("error: RuntimeError: boom"), asst("ok")],
-        "e": [asst(CALL_SLOW), tool("error: slow timed out"), asst("ok")],
+        "e": [asst(CALL_SLOW), tool(f"error: tool slow took longer than {TIMEOUT_S:g}s and was stopped"), asst("ok")],
     }
 
 
@@ -167,3 +138,12 @@ def build_tool_model(out_dir: str, max_steps: int = 400) -> str:
     with open(os.path.join(out_dir, "trained"), "w") as f:
         f.write(f"steps {step + 1} loss {float(out.loss.detach()):.6f} min target prob {float(p_target.min()):.4f}\n")
     return out_dir
+
+
+def shared_tool_model(tmp_path_factory) -> str:
+    """The tool model of this pytest session (trained once, in the session's base temp directory), or the
+    directory SPMDRL_TOOL_MODEL names (one built by build_tool_model earlier)."""
+    given = os.environ.get("SPMDRL_TOOL_MODEL")
+    if given:
+        return given
+    return build_tool_model(str(tmp_path_factory.getbasetemp() / "tool_model"))

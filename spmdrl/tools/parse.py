@@ -68,4 +68,4 @@ def parse_one(body: str) -> ToolCall:
 
 
 def _malformed(name: str, why: str) -> ToolCall:
-    return ToolCall(name=name or "", arguments={}, error=f"malformed tool call: {why}")
+    return ToolCall(name=name or "", arguments={}, error=f"error: malformed tool call: {why}")

@@ -22,7 +22,7 @@ from spmdrl.rollout import SamplingSpec, build_engine
 from spmdrl.rollout.chat import ChatGlue
 from spmdrl.rollout.multi_turn import AgentLoop, TurnLimits
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: tool_agent
-from tool_agent import SCHEMAS, TOOLS, LocalRunner, prompt_messages  # noqa: E402
+from tool_agent import SCHEMAS, runner, prompt_messages  # noqa: E402
 
 
 class Recording:
@@ -47,7 +47,7 @@ def rollout(engine, tok, tp_group, letters, seeds, spec, limits):
     msgs = [prompt_messages(x) for x in letters]
     ids = [tok.encode(tok.apply_chat_template(m, tools=SCHEMAS, tokenize=False, add_generation_prompt=True),
                       add_special_tokens=False) for m in msgs]
-    loop = AgentLoop(engine, ChatGlue(tok, SCHEMAS), LocalRunner(TOOLS), limits, tp_group=tp_group)
+    loop = AgentLoop(engine, ChatGlue(tok, SCHEMAS), runner(), limits, tp_group=tp_group)
     trajs = loop.run(ids, msgs, seeds, spec)
     batch = trajectories_to_batch(trajs, list(range(len(letters))), spec.n, tok.pad_token_id)
     return {
