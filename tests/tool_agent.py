@@ -41,12 +41,12 @@ def slow() -> str:
     return "late"
 
 
-TOOLS = [
-    Tool("add", "add two integers", {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-                                     "required": ["x", "y"]}, add),
-    Tool("boom", "always fails", {"type": "object", "properties": {}}, boom),
-    Tool("slow", "never returns in time", {"type": "object", "properties": {}}, slow),
-]
+ADD = Tool("add", "add two integers", {"type": "object", "properties": {"x": {"type": "integer"},
+                                                                       "y": {"type": "integer"}},
+                                         "required": ["x", "y"]}, add)
+BOOM = Tool("boom", "always fails", {"type": "object", "properties": {}}, boom)
+SLOW = Tool("slow", "never returns in time", {"type": "object", "properties": {}}, slow)
+TOOLS = [ADD, BOOM, SLOW]  # multi_turn.tools = ["tests/tool_agent.py:ADD", ...]
 SCHEMAS = [t.schema() for t in TOOLS]
 
 
