@@ -133,16 +133,9 @@ def _tool_data(root):
             for split, letters in (("train", "abcdeabcdeabcdea"), ("val", "abcde"))}
 
 
-def test_grpo_with_tools_through_the_trainer(tool_model, tmp_path, monkeypatch):
-    """Two steps of GRPO with tools on 2 ranks (rollout TP=2, FSDP2 actor over both): the rollouts are multi-turn
-    (tools called, failures counted), the reward function gets the trajectory, the after_rollout hook sees the
-    turns, and at step 2 vLLM's per-turn log-probs of the model tokens equal the actor's over the whole
-    trajectories (the weights synced after step 1)."""
-    from spmdrl.metrics import read_jsonl
-
+def _trainer_overrides(tool_model, tmp_path, **extra):
     data = _tool_data(tmp_path / "data")
     agent = os.path.join(HERE, "tool_agent.py")
-    monkeypatch.setenv("SPMDRL_TEST_DUMP", str(tmp_path))
     o = {
         "model.path": tool_model, "data.train_files": f'["{data["train"]}"]', "data.val_files": f'["{data["val"]}"]',
         "data.max_prompt_length": 64, "data.max_response_length": 300, "data.train_batch_size": 4,
@@ -155,8 +148,40 @@ def test_grpo_with_tools_through_the_trainer(tool_model, tmp_path, monkeypatch):
         "multi_turn.enable": "true", "multi_turn.max_turns": 3, "multi_turn.tool_timeout_s": 0.5,
         "multi_turn.tools": "[" + ", ".join(f'"{agent}:{f}"' for f in ("ADD", "BOOM", "SLOW")) + "]",
     }
+    o.update(extra)
+    return [f"{k}={v}" for k, v in o.items()]
+
+
+def test_grpo_with_tools_split_placement(tool_model, tmp_path, monkeypatch):
+    """Split placement with max_staleness 1: rank 0 rolls out multi-turn trajectories with vLLM while rank 1
+    trains; the turns travel with the batches (the `trajectory` tensor) and the reward and hooks on the training
+    rank get them."""
+    from spmdrl.metrics import read_jsonl
+
+    monkeypatch.setenv("SPMDRL_TEST_DUMP", str(tmp_path))
+    run(["spmdrl.train", *_trainer_overrides(
+        tool_model, tmp_path, **{"placement.mode": "split", "placement.rollout_ranks": "[0]",
+                                 "placement.rollout_tp": 1, "trainer.max_staleness": 1, "actor.micro_batch_size": 8,
+                                 "actor.ppo_mini_batch_size": 2})], nproc=2, module=True)
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["multi_turn/turns_max"] == 3 and rows[1]["tools/calls"] > 0
+    assert rows[1]["timing/turn_generate_s"] > 0  # the rollout rank's loop time reaches the log
+    assert rows[2]["train/weight_version_lag"] == 1
+    turns = json.load(open(tmp_path / "turns_rank1.json"))
+    assert len(turns) == 16 and all(t["turns"] and t["messages"][0]["role"] == "user" for t in turns)
+
+
+def test_grpo_with_tools_through_the_trainer(tool_model, tmp_path, monkeypatch):
+    """Two steps of GRPO with tools on 2 ranks (rollout TP=2, FSDP2 actor over both): the rollouts are multi-turn
+    (tools called, failures counted), the reward function gets the trajectory, the after_rollout hook sees the
+    turns, and at step 2 vLLM's per-turn log-probs of the model tokens equal the actor's over the whole
+    trajectories (the weights synced after step 1)."""
+    from spmdrl.metrics import read_jsonl
+
+    monkeypatch.setenv("SPMDRL_TEST_DUMP", str(tmp_path))
     run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--out", str(tmp_path),
-         *[f"{k}={v}" for k, v in o.items()]], nproc=2)
+         *_trainer_overrides(tool_model, tmp_path)], nproc=2)
     rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
     val, s1, s2 = rows
