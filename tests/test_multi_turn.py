@@ -219,3 +219,27 @@ def test_budget_overflow_truncates(hf_loop):
         assert t.ids == first.ids[:n_ids]  # a prefix of the unlimited trajectory (greedy)
         batch = trajectories_to_batch([t], [0], 1, tok.pad_token_id)
         assert batch["truncated"].item() == 1.0
+
+
+# ---- config ----------------------------------------------------------------------------------------------
+
+def test_multi_turn_config_errors_name_the_key(tmp_path):
+    from spmdrl.config import load_config
+    from spmdrl.config.validate import validate_multi_turn
+    from spmdrl.preflight import check_multi_turn
+
+    base = ["multi_turn.enable=true", 'multi_turn.tools=["calculator"]']
+    for extra, key in ((["multi_turn.max_turns=0"], "multi_turn.max_turns"), (["multi_turn.tools=[]"], "multi_turn.tools"),
+                       (["multi_turn.format=xml"], "multi_turn.format"),
+                       (["multi_turn.max_tool_response_tokens=0"], "multi_turn.max_tool_response_tokens"),
+                       (["data.apply_chat_template=false"], "data.apply_chat_template")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validate_multi_turn(load_config(None, base + extra))
+    validate_multi_turn(load_config(None, base))
+    # preflight probes the tokenizer's template before any engine is built
+    tok = build_tokenizer()
+    tok.chat_template = STRIPPING
+    tok.save_pretrained(str(tmp_path / "tok"))
+    cfg = load_config(None, base + [f"model.path={tmp_path / 'tok'}"])
+    with pytest.raises(ConfigError, match="not prefix-preserving"):
+        check_multi_turn(cfg)

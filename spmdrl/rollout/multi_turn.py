@@ -144,14 +144,15 @@ class AgentLoop:
         """The calls of this turn: run on the TP group's first rank, broadcast to the others."""
         if not trajs:
             return []
+        calls = [t.turns[-1].calls for t in trajs]  # the runner caps the calls per turn
         results = None
         if is_group_leader(self.tp_group):
-            calls = [t.turns[-1].calls for t in trajs]  # the runner caps the calls per turn
             results = self.runner.run(calls, [t.tool_kwargs for t in trajs])
-            if len(results) != len(calls) or any(len(r) != len(c) for r, c in zip(results, calls)):
-                raise SpmdrlError("the tool runner returned a different number of results than calls; every call "
-                                  "needs exactly one ToolResult")
-        return broadcast_from_leader(results, self.tp_group)
+        results = broadcast_from_leader(results, self.tp_group)  # checked after: every rank raises alike
+        if len(results) != len(calls) or any(len(r) != len(c) for r, c in zip(results, calls)):
+            raise SpmdrlError("the tool runner returned a different number of results than calls; every call "
+                              "needs exactly one ToolResult")
+        return results
 
     def _append_results(self, t: Trajectory, results: list[ToolResult], sampled_end: str) -> None:
         """The turn's results as glue ids (mask 0), or the end of the trajectory when they do not fit."""
