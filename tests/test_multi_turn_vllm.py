@@ -127,14 +127,14 @@ def _tool_data(root):
     import pyarrow as pa
 
     info = pa.struct([("letter", pa.string()), ("index", pa.int64())])
-    root.mkdir(exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
     return {split: schema.write_verl_parquet([row(x, i) for i, x in enumerate(letters)], root / f"{split}.parquet",
                                              extra_info_type=info)
             for split, letters in (("train", "abcdeabcdeabcdea"), ("val", "abcde"))}
 
 
-def _trainer_overrides(tool_model, tmp_path, **extra):
-    data = _tool_data(tmp_path / "data")
+def _trainer_overrides(tool_model, tmp_path, data_dir=None, **extra):
+    data = _tool_data(data_dir or tmp_path / "data")
     agent = os.path.join(HERE, "tool_agent.py")
     o = {
         "model.path": tool_model, "data.train_files": f'["{data["train"]}"]', "data.val_files": f'["{data["val"]}"]',
@@ -152,24 +152,41 @@ def _trainer_overrides(tool_model, tmp_path, **extra):
     return [f"{k}={v}" for k, v in o.items()]
 
 
-def test_grpo_with_tools_split_placement(tool_model, tmp_path, monkeypatch):
+def test_grpo_with_tools_split_placement_and_bitwise_resume(tool_model, tmp_path, monkeypatch):
     """Split placement with max_staleness 1: rank 0 rolls out multi-turn trajectories with vLLM while rank 1
     trains; the turns travel with the batches (the `trajectory` tensor) and the reward and hooks on the training
-    rank get them."""
+    rank get them. A run stopped after its step-1 checkpoint (which holds the in-flight batch of step 2, turns
+    included) and resumed logs step 2 exactly as the straight run did."""
+    import shutil
+
     from spmdrl.metrics import read_jsonl
 
     monkeypatch.setenv("SPMDRL_TEST_DUMP", str(tmp_path))
-    run(["spmdrl.train", *_trainer_overrides(
-        tool_model, tmp_path, **{"placement.mode": "split", "placement.rollout_ranks": "[0]",
-                                 "placement.rollout_tp": 1, "trainer.max_staleness": 1, "actor.micro_batch_size": 8,
-                                 "actor.ppo_mini_batch_size": 2})], nproc=2, module=True)
-    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    split = {"placement.mode": "split", "placement.rollout_ranks": "[0]", "placement.rollout_tp": 1,
+             "trainer.max_staleness": 1, "actor.micro_batch_size": 8, "actor.ppo_mini_batch_size": 2,
+             "checkpoint.save_freq": 1, "checkpoint.keep_last": 0}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(["spmdrl.train", *_trainer_overrides(tool_model, straight, tmp_path / "data", **split)], nproc=2, module=True)
+    rows = read_jsonl(str(straight / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["multi_turn/turns_max"] == 3 and rows[1]["tools/calls"] > 0
     assert rows[1]["timing/turn_generate_s"] > 0  # the rollout rank's loop time reaches the log
     assert rows[2]["train/weight_version_lag"] == 1
     turns = json.load(open(tmp_path / "turns_rank1.json"))
     assert len(turns) == 16 and all(t["turns"] and t["messages"][0]["role"] == "user" for t in turns)
+
+    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step_00000002"))
+    open(resumed / "metrics.jsonl", "w").writelines(
+        line for line in open(straight / "metrics.jsonl") if json.loads(line)["step"] <= 1)
+    proc = run(["spmdrl.train", *_trainer_overrides(tool_model, resumed, tmp_path / "data", **split)], nproc=2, module=True)
+    assert "resumed from" in proc.stdout + proc.stderr
+
+    def comparable(rows):
+        measured = ("timing/", "perf/", "memory/", "tools/seconds")
+        return [{k: v for k, v in r.items() if not k.startswith(measured)} for r in rows]
+
+    again = read_jsonl(str(resumed / "metrics.jsonl"), last_per_step=True)
+    assert comparable(again) == comparable(read_jsonl(str(straight / "metrics.jsonl"), last_per_step=True))
 
 
 def test_grpo_with_tools_through_the_trainer(tool_model, tmp_path, monkeypatch):
