@@ -243,3 +243,29 @@ def test_multi_turn_config_errors_name_the_key(tmp_path):
     cfg = load_config(None, base + [f"model.path={tmp_path / 'tok'}"])
     with pytest.raises(ConfigError, match="not prefix-preserving"):
         check_multi_turn(cfg)
+
+
+def test_generator_sample_renders_tools_and_passes_tools_kwargs(hf_loop, tool_model, tmp_path):
+    """The Generator's rollout of dataset rows: prompts rendered with the tool schemas, verl's
+    extra_info.tools_kwargs reaching the tool (it overrides the y the model wrote), the turns in the batch."""
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    from spmdrl.data import schema
+    from spmdrl.data.prompts import PromptDataset
+    from spmdrl.loop.generate import sample
+
+    eng, loop, _ = hf_loop
+    info = pa.struct([("tools_kwargs", pa.struct([("add", pa.struct([("y", pa.int64())]))]))])
+    rows = [{schema.DATA_SOURCE: "t", schema.PROMPT: [{"role": "user", "content": "a"}], schema.ABILITY: "t",
+             schema.REWARD_MODEL: {"style": "rule", schema.GROUND_TRUTH: ""},
+             schema.EXTRA_INFO: {"tools_kwargs": {"add": {"y": 40}}}}]
+    path = schema.write_verl_parquet(rows, tmp_path / "d.parquet", extra_info_type=info)
+    ds = PromptDataset(path, AutoTokenizer.from_pretrained(tool_model), max_prompt_length=128, tools=SCHEMAS)
+    assert "tools: add boom slow" in eng.tokenizer.decode(ds.prompt_ids(0))
+    spec = SamplingSpec(n=2, temperature=0.0, max_tokens=400, stop_token_ids=[eng.tokenizer.eos_token_id])
+    batch = sample(eng, loop, ds, [0], spec, [7], eng.tokenizer.pad_token_id)
+    assert len(batch) == 2 and batch["index"].tolist() == [0, 0]
+    for t in decode_infos(batch["trajectory"]):
+        assert t["turns"][0]["calls"][0]["arguments"] == {"x": 1, "y": 2}
+        assert t["turns"][0]["results"][0]["text"] == "41"
