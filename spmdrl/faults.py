@@ -201,11 +201,14 @@ _SIGNAL_METRICS = ("train/reward_mean", "train/advantage_mean")
 
 
 def is_bad_step(metrics: dict[str, float]) -> bool:
-    """A step with a skipped optimizer update (non-finite grad norm), a non-finite loss or grad norm, or no
-    finite learning signal (non-finite reward or advantage mean)."""
+    """A step with a skipped optimizer update (non-finite grad norm), a non-finite loss or grad norm, no
+    finite learning signal (non-finite reward or advantage mean), or no token left to train on (rollout
+    correction's rejection dropped them all)."""
     for key, v in metrics.items():
         name = key.rsplit("/", 1)[-1]
         if name == "skipped_step" and v > 0:
+            return True
+        if name == "rollout_rs_masked_fraction" and v >= 1.0:  # rollout correction rejected every token
             return True
         if (name == "grad_norm" or name.endswith("loss") or key in _SIGNAL_METRICS) and not math.isfinite(v):
             return True

@@ -19,7 +19,7 @@ log = logging.getLogger("spmdrl")
 # goes, its layout (DCP reshards), logging and memory knobs. Any other difference changes what the saved
 # state means and is refused.
 MAY_CHANGE_ON_RESUME = (
-    "trainer.total_steps", "trainer.output_dir", "trainer.experiment_name", "trainer.device",
+    "trainer.total_steps", "trainer.output_dir", "trainer.overwrite", "trainer.experiment_name", "trainer.device",
     "trainer.dist_timeout_s", "trainer.max_bad_steps", "trainer.test_freq", "trainer.val_before_train",
     "checkpoint.*", "logging.*", "placement.*", "ref.*",
     "model.path", "model.tokenizer_path", "model.gradient_checkpointing",
@@ -41,7 +41,30 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed (needs 'files' and 'engines')")
     if m.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {m.get('format')!r}, this spmdrl reads format {FORMAT}")
+    problem = _manifest_problem(m)
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed ({problem}); the checkpoint was edited or "
+                              "damaged, use an earlier one")
     return m
+
+
+def _manifest_problem(m: dict) -> str | None:
+    """What is structurally wrong with a manifest that parsed as JSON (an edited one), else None."""
+    for rel, info in m["files"].items():
+        if not isinstance(info, dict) or not isinstance(info.get("size"), int) or not isinstance(info.get("sha256"), str):
+            return f"files[{rel!r}] needs an integer 'size' and a string 'sha256'"
+        if os.path.isabs(rel) or ".." in rel.split("/"):
+            return f"files[{rel!r}] is not a path inside the checkpoint"
+    if not isinstance(m.get("step", 0), int) or isinstance(m.get("step", 0), bool):
+        return f"step {m.get('step')!r} is not an integer"
+    for name, eng in m["engines"].items():
+        if not isinstance(eng, dict) or not isinstance(eng.get("params"), list):
+            return f"engines[{name!r}] needs a 'params' list"
+        for p in eng["params"]:
+            if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[2], str)
+                    and isinstance(p[1], list) and all(isinstance(d, int) for d in p[1])):
+                return f"engines[{name!r}].params holds {p!r}, not [name, shape, dtype]"
+    return None
 
 
 def check_files(path: str, manifest: dict) -> None:
@@ -54,9 +77,10 @@ def check_files(path: str, manifest: dict) -> None:
             )
         size = os.path.getsize(p)
         if size != info.get("size"):
+            how = "truncated" if size < info["size"] else "grown: bytes were appended or it was overwritten"
             raise CheckpointError(
-                f"checkpoint {path}: file {rel} has {size} bytes, the manifest says {info.get('size')} (truncated or "
-                "overwritten); use an earlier checkpoint"
+                f"checkpoint {path}: file {rel} has {size} bytes, the manifest says {info['size']} ({how}); use an "
+                "earlier checkpoint"
             )
 
 

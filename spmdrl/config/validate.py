@@ -224,6 +224,16 @@ def validate_rollout_correction(cfg) -> None:
             f"rollout_correction.rollout_rs_threshold_lower = {lower} must be >= 0 and below rollout_rs_threshold = "
             f"{rc.rollout_rs_threshold} (leave it unset for 1 / rollout_rs_threshold)"
         )
+    if rc.rollout_rs != "none":  # the window must hold ratio 1 (the rollout and the actor agree), else it drops
+        upper = rc.rollout_rs_threshold  # every on-policy token and, with no mismatch, every token of every step
+        low = 1.0 / upper if lower is None else lower
+        if not low <= 1.0 <= upper:
+            shown = f"[1 / {upper:g}, {upper:g}] = [{low:g}, {upper:g}]" if lower is None else f"[{low:g}, {upper:g}]"
+            raise ConfigError(
+                f"rollout_correction: the rejection window {shown} (rollout_rs_threshold_lower, rollout_rs_threshold) "
+                "does not contain ratio 1, so it rejects every token on which the rollout and the actor agree and the "
+                "update trains on nothing; set rollout_rs_threshold >= 1 and rollout_rs_threshold_lower <= 1"
+            )
     if not 0 <= rc.rollout_token_veto_threshold < 1:
         raise ConfigError(f"rollout_correction.rollout_token_veto_threshold must be in [0, 1) (0 disables), found "
                           f"{rc.rollout_token_veto_threshold}")

@@ -1,0 +1,253 @@
+"""The last mile of reliability (docs/reliability.md, "Cases and what they do now"): each case a user or an
+adversary hit, reproduced, with the behaviour it has now: one line naming the file, key, row or rank, exit code
+2 for user errors (not for external kills), and nothing lost."""
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from module_engine import ModuleEngine
+from spmdrl.checkpoint import CheckpointManager
+from spmdrl.checkpoint import files as ck_files
+from spmdrl.config import Config, load_config, to_toml, validate
+from spmdrl.errors import CheckpointError, ConfigError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from spmdrl.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def one_line_error(result, *needles):
+    out = result.output
+    assert result.exit_code == 2, out
+    assert out.startswith("error: ") and out.count("\n") == 1, out
+    for n in needles:
+        assert n in out, out
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from spmdrl.tiny import build_tiny
+
+    return build_tiny(str(tmp_path_factory.mktemp("tiny") / "model"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def exportable(tiny, tmp_path_factory):
+    """A checkpoint of the tiny HF model (hf/ included), as `spmdrl export` reads it; and the model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # differs from the model at `tiny`: the export must carry it
+    eng = ModuleEngine(module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def hf_files(d):
+        os.makedirs(d)
+        for f in os.listdir(tiny):
+            if not f.endswith(".safetensors"):
+                shutil.copy(os.path.join(tiny, f), d)
+
+    root = tmp_path_factory.mktemp("ckpt")
+    path = CheckpointManager(str(root)).save(1, engines={"actor": eng}, trainer_state={},
+                                             config_toml=to_toml(load_config(None, [])), hf_files=hf_files)
+    return path, model
+
+
+def copy_of(path, tmp_path):
+    dst = str(tmp_path / "ckpt" / os.path.basename(path))
+    shutil.copytree(path, dst)
+    return dst
+
+
+def rehash(path, rel):
+    """Rewrite the manifest's size and checksum of `rel`: an edit that the checksums do not catch."""
+    m = json.load(open(os.path.join(path, "manifest.json")))
+    p = os.path.join(path, rel)
+    m["files"][rel] = {"size": os.path.getsize(p), "sha256": ck_files.sha256(p)}
+    json.dump(m, open(os.path.join(path, "manifest.json"), "w"))
+
+
+# ---- export ----------------------------------------------------------------------------------------------
+
+def test_export_refuses_a_non_empty_target_and_writes_atomically(exportable, tmp_path):
+    """An older model.safetensors in --out once stayed beside the new shards and from_pretrained loaded it."""
+    from safetensors.torch import load_file, save_file
+
+    path, model = exportable
+    out = tmp_path / "exported"
+    out.mkdir()
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(out / "model.safetensors"))
+    before = (out / "model.safetensors").read_bytes()
+    one_line_error(cli("export", "--checkpoint", path, "--out", str(out)),
+                   f"export --out {out}: the directory is not empty (it holds model.safetensors)")
+    assert (out / "model.safetensors").read_bytes() == before and sorted(os.listdir(out)) == ["model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["exported"]  # no staging directory left behind
+
+    (out / "model.safetensors").unlink()  # an empty directory is fine: it is replaced by the finished export
+    assert cli("export", "--checkpoint", path, "--out", str(out)).exit_code == 0
+    assert sorted(os.listdir(tmp_path)) == ["exported"]
+    from transformers import AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    torch.testing.assert_close(back.lm_head.weight, model.lm_head.weight, atol=0, rtol=0)
+    shards = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    assert shards and all(set(load_file(str(out / f))) for f in shards)
+
+
+def test_export_to_an_existing_file_is_one_line(exportable, tmp_path):
+    target = tmp_path / "model.bin"
+    target.write_text("x")
+    one_line_error(cli("export", "--checkpoint", exportable[0], "--out", str(target)),
+                   f"export --out {target}: it is a file, not a directory")
+    assert target.read_text() == "x"
+
+
+def _hf_garbage(p):
+    open(f"{p}/hf/config.json", "w").write("{not json")
+    rehash(p, "hf/config.json")
+
+
+def _hf_unknown_type(p):
+    c = json.load(open(f"{p}/hf/config.json"))
+    c["model_type"] = "no_such_model"
+    json.dump(c, open(f"{p}/hf/config.json", "w"))
+    rehash(p, "hf/config.json")
+
+
+def _hf_bad_field(p):
+    c = json.load(open(f"{p}/hf/config.json"))
+    c["hidden_size"] = "wide"
+    json.dump(c, open(f"{p}/hf/config.json", "w"))
+    rehash(p, "hf/config.json")
+
+
+def _metadata_not_dcp(p):
+    open(f"{p}/state/actor/.metadata", "wb").write(pickle.dumps({"a": 1}))
+    rehash(p, "state/actor/.metadata")
+
+
+def _manifest(edit):
+    def damage(p):
+        m = json.load(open(f"{p}/manifest.json"))
+        edit(m)
+        json.dump(m, open(f"{p}/manifest.json", "w"))
+    return damage
+
+
+EDITS = {
+    "hf_config_not_json": (_hf_garbage, "hf/config.json does not load as a model config (OSError"),
+    "hf_config_unknown_model_type": (_hf_unknown_type, "hf/config.json does not load as a model config (ValueError"),
+    "hf_config_bad_field": (_hf_bad_field, "hf/config.json does not load as a model config"),
+    "dcp_metadata_not_metadata": (_metadata_not_dcp, "DCP metadata is corrupted (it holds a dict, not DCP's Metadata)"),
+    "manifest_params_not_a_list": (_manifest(lambda m: m["engines"]["actor"].update(params="x")),
+                                   "manifest.json is malformed (engines['actor'] needs a 'params' list)"),
+    "manifest_param_entry": (_manifest(lambda m: m["engines"]["actor"]["params"].__setitem__(0, [1])),
+                             "manifest.json is malformed (engines['actor'].params holds [1], not [name, shape, dtype])"),
+    "manifest_file_entry": (_manifest(lambda m: m["files"].__setitem__("trainer.json", "x")),
+                            "manifest.json is malformed (files['trainer.json'] needs an integer 'size'"),
+    "manifest_engine_not_a_dict": (_manifest(lambda m: m["engines"].__setitem__("actor", 5)),
+                                   "manifest.json is malformed (engines['actor'] needs a 'params' list)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDITS))
+def test_edited_checkpoint_with_rewritten_checksums_is_one_line(exportable, tmp_path, name):
+    """Once raw tracebacks (ValueError, AttributeError, TypeError ...) from export and resume."""
+    damage, message = EDITS[name]
+    path = copy_of(exportable[0], tmp_path)
+    damage(path)
+    one_line_error(cli("export", "--checkpoint", path, "--out", str(tmp_path / "out")), f"checkpoint {path}", message)
+    assert not (tmp_path / "out").exists()
+    if not name.startswith("hf_"):  # resume reads the same files (hf/ is only for export)
+        model = exportable[1]
+        eng = ModuleEngine(module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")
+                           .replace("[", r"\[").replace("]", r"\]")) as e:
+            CheckpointManager(os.path.dirname(path)).load(path, engines={"actor": eng})
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("how", ["appended", "truncated"])
+def test_a_shard_that_grew_or_shrank_fails_the_intact_check(exportable, tmp_path, how):
+    from spmdrl.checkpoint.verify import intact
+
+    path = copy_of(exportable[0], tmp_path)
+    shard = os.path.join(path, "state", "actor", "__0_0.distcp")
+    size = os.path.getsize(shard)
+    if how == "appended":
+        with open(shard, "ab") as f:
+            f.write(b"\0\0")
+    else:
+        os.truncate(shard, size - 2)
+    why = intact(path)
+    want = "grown: bytes were appended" if how == "appended" else "truncated"
+    assert why and f"state/actor/__0_0.distcp has {size + (2 if how == 'appended' else -2)} bytes, the manifest says {size} ({want}" in why
+
+
+# ---- rollout correction --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, shown", [
+    ({"rollout_rs": "token", "rollout_rs_threshold": 0.5}, "[1 / 0.5, 0.5] = [2, 0.5]"),
+    ({"rollout_rs": "sequence", "rollout_rs_threshold": 0.5, "rollout_rs_threshold_lower": 0.1}, "[0.1, 0.5]"),
+    ({"rollout_rs": "geometric", "rollout_rs_threshold": 3.0, "rollout_rs_threshold_lower": 1.5}, "[1.5, 3]"),
+])
+def test_a_rejection_window_without_ratio_1_is_refused(overrides, shown):
+    cfg = Config()
+    cfg.model.path, cfg.data.train_files = "m", ["t.parquet"]
+    for k, v in overrides.items():
+        setattr(cfg.rollout_correction, k, v)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=1)
+    assert str(e.value).startswith(f"rollout_correction: the rejection window {shown} ") and "\n" not in str(e.value)
+    assert "does not contain ratio 1" in str(e.value)
+
+
+def test_a_step_whose_tokens_are_all_rejected_is_a_bad_step(caplog):
+    """A window that holds 1 can still reject everything (a large mismatch): the step trains nothing, so it is
+    warned about, counted as a bad step (not checkpointed) and max_bad_steps of them in a row stop the run."""
+    from spmdrl.batch import Batch
+    from spmdrl.errors import SpmdrlError
+    from spmdrl.loop.correction import prepare_actor_update
+    from spmdrl.loop.run_state import BadSteps
+
+    cfg = Config()
+    cfg.rollout_correction.rollout_rs, cfg.rollout_correction.rollout_rs_threshold = "token", 1.5
+    mask = torch.ones(2, 3)
+    roll = torch.full((2, 3), -1.0)
+    batch = Batch({"old_log_probs": torch.full((2, 3), -3.0), "rollout_log_probs": roll, "response_mask": mask}, {})
+    ident = lambda t: t  # noqa: E731
+    with caplog.at_level("WARNING", logger="spmdrl"):
+        out, metrics = prepare_actor_update(cfg, None, batch, None, ident, ident)
+    assert out["response_mask"].sum() == 0 and metrics["rollout_corr/rollout_rs_masked_fraction"] == 1.0
+    assert "rollout_correction rejected every response token of this step" in caplog.text
+    bad = BadSteps(2, "/nonexistent")
+    assert bad.count(dict(metrics)) and bad.count(dict(metrics))
+    with pytest.raises(SpmdrlError, match=r"2 consecutive steps \(up to step 4\) trained nothing .*every token "
+                                          r"rejected by \[rollout_correction\]"):
+        bad.check(4)
+    half = dict(metrics, **{"rollout_corr/rollout_rs_masked_fraction": 0.5})
+    assert not bad.count(half)
+
+
+# ---- launch-only flags ---------------------------------------------------------------------------------
+
+def test_overwrite_is_not_part_of_what_a_checkpoint_pins():
+    """A run started with trainer.overwrite=true once could not be resumed without repeating the flag."""
+    from spmdrl.checkpoint import config_differences
+    import tomllib
+
+    first = tomllib.loads(to_toml(load_config(None, ["trainer.overwrite=true"])))
+    again = tomllib.loads(to_toml(load_config(None, [])))
+    assert config_differences(first, again) == []
+    assert config_differences(first, tomllib.loads(to_toml(load_config(None, ["actor.lr=0.5"]))))
