@@ -55,7 +55,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
         try:
             cfg = load_config(args.config, args.overrides, root_cls=root_cls)
             layout = validate_fn(cfg, env.world_size)
-            plan = preflight_fn(cfg, env.rank) if preflight_fn else None
+            plan = preflight_fn(cfg, env.rank, env.world_size) if preflight_fn else None
         except SpmdrlError as e:  # every rank finds it; rank 0 says it
             report_error(e, env.rank, show=env.rank == 0)
             return 2
@@ -103,12 +103,12 @@ def _stopped(e, when: str) -> str:
     return f"stopped by {e} {when}; nothing was trained yet, relaunch the same command to start"
 
 
-def train_preflight(cfg, rank: int):
+def train_preflight(cfg, rank: int, world_size: int | None = None):
     """spmdrl.preflight on a rank: False when the resumed checkpoint is already at trainer.total_steps."""
     from spmdrl.config import to_toml
     from spmdrl.preflight import clear_previous_run, preflight
 
-    plan = preflight(cfg, to_toml(cfg))
+    plan = preflight(cfg, to_toml(cfg), world_size=world_size)
     if plan.resume and plan.resume_step >= cfg.trainer.total_steps:
         if rank == 0:
             print(f"{plan.resume} is at step {plan.resume_step} and trainer.total_steps = {cfg.trainer.total_steps}: "

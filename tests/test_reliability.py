@@ -251,3 +251,175 @@ def test_overwrite_is_not_part_of_what_a_checkpoint_pins():
     again = tomllib.loads(to_toml(load_config(None, [])))
     assert config_differences(first, again) == []
     assert config_differences(first, tomllib.loads(to_toml(load_config(None, ["actor.lr=0.5"]))))
+
+
+# ---- bad model and data files, before launch -------------------------------------------------------------
+
+GRPO = os.path.join(os.path.dirname(HERE), "configs", "grpo.toml")
+
+
+def dry(model, out, *overrides, nproc=2):
+    return cli("train", "--config", GRPO, "--dry-run", "--nproc", str(nproc), f"model.path={model}",
+               f"trainer.output_dir={out}", "data.max_prompt_length=256", "data.max_response_length=256", *overrides)
+
+
+def model_copy(tiny, tmp_path, skip=()):
+    d = tmp_path / "model"
+    shutil.copytree(tiny, d, ignore=shutil.ignore_patterns(*skip))
+    return d
+
+
+def test_a_truncated_safetensors_file_is_named_before_launch(tiny, tmp_path):
+    """Once a raw safetensors traceback from every rank that never named the file."""
+    from spmdrl.engines.loading import safetensors_problem
+
+    d = model_copy(tiny, tmp_path)
+    size = os.path.getsize(d / "model.safetensors")
+    assert safetensors_problem(str(d / "model.safetensors")) is None
+    os.truncate(d / "model.safetensors", size - 1000)
+    one_line_error(dry(d, tmp_path / "run"), f"model.path = '{d}': weights file model.safetensors is {size - 1000} bytes, "
+                   f"its header says {size} (truncated); download or copy the model again")
+    with open(d / "model.safetensors", "r+b") as f:
+        f.write(b"\xff" * 8)  # a header length past the end of the file
+    one_line_error(dry(d, tmp_path / "run"), "weights file model.safetensors is", "too short for its header")
+
+
+def test_a_model_directory_without_tokenizer_files_is_named_as_such(tiny, tmp_path):
+    """Once blamed on a missing chat template (transformers loads a one-token tokenizer from config.json)."""
+    d = model_copy(tiny, tmp_path, skip=("tokenizer*", "chat_template*", "vocab*", "merges*"))
+    one_line_error(dry(d, tmp_path / "run"), f"model.path = '{d}' has no tokenizer files (none of tokenizer.json",
+                   "set model.tokenizer_path")
+    assert dry(d, tmp_path / "run", f"model.tokenizer_path={tiny}").exit_code == 0
+
+
+def test_invalid_utf8_in_a_jsonl_prompt_file_names_the_file_and_row(tiny, tmp_path):
+    """Once a UnicodeDecodeError traceback from every rank, without the file."""
+    from transformers import AutoTokenizer
+
+    from spmdrl.data.prompts import PromptDataset
+    from spmdrl.errors import DataError
+
+    rows = [json.dumps({"prompt": [{"role": "user", "content": f"q{i}"}], "data_source": "arith",
+                        "reward_model": {"ground_truth": "1"}}).encode() for i in range(5)]
+    rows[3] = rows[3].replace(b"q3", b"q\xff3")
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b"\n".join(rows) + b"\n")
+    with pytest.raises(DataError) as e:
+        PromptDataset([str(path)], AutoTokenizer.from_pretrained(tiny), max_prompt_length=64)
+    offset = sum(len(r) + 1 for r in rows[:3]) + rows[3].index(b"\xff")
+    assert str(e.value) == (f"file {path}: row 4 (byte {offset}) is not valid UTF-8 (invalid start byte: b'\\xff'); "
+                            "fix or re-encode the file as UTF-8")
+
+
+# ---- config values ---------------------------------------------------------------------------------------
+
+def test_a_quoted_string_for_a_list_key_is_one_item_without_quotes():
+    """`data.train_files="x.parquet"` once became the list ['"x.parquet"'] (quotes inside)."""
+    assert load_config(None, ['data.train_files="x.parquet"']).data.train_files == ["x.parquet"]
+    assert load_config(None, ["data.train_files=x.parquet"]).data.train_files == ["x.parquet"]
+    assert load_config(None, ["rollout.stop=0"]).rollout.stop == ["0"]
+
+
+def test_a_string_for_a_list_key_in_a_file_says_how_to_write_it(tmp_path):
+    (tmp_path / "c.toml").write_text('[data]\ntrain_files = "a.parquet"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path / "c.toml"), [])
+    assert str(e.value) == (f"{tmp_path / 'c.toml'}: key 'data.train_files' expects list[str], found 'a.parquet' (str); "
+                            'write a list, e.g. data.train_files = ["a.parquet"]')
+
+
+def test_offload_kinds_the_reference_model_does_not_have_are_refused():
+    cfg = load_config(None, ["model.path=m", 'data.train_files=["t.parquet"]', 'memory.ref_offload=["params", "optimizer"]'])
+    with pytest.raises(ConfigError, match=r"^memory\.ref_offload has \['optimizer'\]: the reference model has no "
+                                          r"gradients or optimizer state, only 'params' applies"):
+        validate(cfg, world_size=1)
+
+
+# ---- resume, refused before launch ----------------------------------------------------------------------
+
+def run_config(tiny, out, *overrides):
+    return load_config(GRPO, [f"model.path={tiny}", f"trainer.output_dir={out}", "data.max_prompt_length=256",
+                              "data.max_response_length=256", "trainer.total_steps=10", *overrides])
+
+
+def save_run(exportable, cfg, steps=(1,), world_size=None):
+    """Checkpoints of `cfg`'s run under its output_dir (the tiny model's weights; its config recorded)."""
+    _, model = exportable
+    eng = ModuleEngine(module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    man = CheckpointManager(os.path.join(cfg.trainer.output_dir, "checkpoints"), keep_last=0)
+    paths = []
+    for step in steps:
+        paths.append(man.save(step, engines={"actor": eng}, trainer_state={}, config_toml=to_toml(cfg),
+                              hf_files=lambda d: model.config.save_pretrained(d)))
+        if world_size:
+            m = json.load(open(os.path.join(paths[-1], "manifest.json")))
+            m["world_size"] = world_size
+            json.dump(m, open(os.path.join(paths[-1], "manifest.json"), "w"))
+    return paths
+
+
+def test_a_manifest_edited_to_a_later_step_is_not_nothing_to_train(tiny, exportable, tmp_path, caplog):
+    """Once: the run exited 0 with 'nothing to train'. Now the step is cross-checked against the directory name
+    and trainer.json: auto falls back to the previous checkpoint, an explicit path is one line."""
+    from spmdrl.preflight import preflight
+
+    cfg = run_config(tiny, tmp_path / "run")
+    one, two = save_run(exportable, cfg, steps=(1, 2))
+    m = json.load(open(os.path.join(two, "manifest.json")))
+    m["step"] = 99
+    json.dump(m, open(os.path.join(two, "manifest.json"), "w"))
+    with caplog.at_level("WARNING", logger="spmdrl"):
+        plan = preflight(cfg, to_toml(cfg), world_size=1)
+    assert (plan.resume, plan.resume_step) == (one, 1)
+    assert f"skipping damaged checkpoint {two}" in caplog.text and "step 99 in a directory named for step 2" in caplog.text
+    one_line_error(dry(tiny, tmp_path / "run", "trainer.total_steps=10", f"checkpoint.resume={two}"),
+                   f"checkpoint.resume = '{two}': checkpoint {two}: manifest.json is malformed (step 99 in a directory "
+                   "named for step 2)")
+    m["step"] = 2  # the directory renamed instead: trainer.json disagrees
+    json.dump(m, open(os.path.join(two, "manifest.json"), "w"))
+    os.rename(two, two.replace("step_00000002", "step_00000003"))
+    m["step"] = 3
+    json.dump(m, open(os.path.join(two.replace("step_00000002", "step_00000003"), "manifest.json"), "w"))
+    with caplog.at_level("WARNING", logger="spmdrl"):
+        assert preflight(cfg, to_toml(cfg), world_size=1).resume == one
+    assert "trainer.json is at step 2, manifest.json says step 3" in caplog.text
+
+
+def test_crafted_metadata_on_resume_is_one_line_and_auto_falls_back(tiny, exportable, tmp_path, caplog):
+    """Once the refusal arrived wrapped in DCP's 'metadata is None' assertion and auto did not fall back."""
+    from spmdrl.preflight import preflight
+
+    cfg = run_config(tiny, tmp_path / "run")
+    one, two = save_run(exportable, cfg, steps=(1, 2))
+    payload = b"\x80\x04\x95\x1d\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94\x8c\x06system\x94\x93\x94\x8c\x04true\x94\x85\x94R\x94."
+    open(os.path.join(two, "state", "actor", ".metadata"), "wb").write(payload)
+    rehash(two, "state/actor/.metadata")
+    with caplog.at_level("WARNING", logger="spmdrl"):
+        assert preflight(cfg, to_toml(cfg), world_size=1).resume == one
+    assert "refers to os.system" in caplog.text and f"skipping damaged checkpoint {two}" in caplog.text
+    one_line_error(dry(tiny, tmp_path / "run", "trainer.total_steps=10", f"checkpoint.resume={two}"),
+                   f"checkpoint.resume = '{two}'", "DCP metadata refers to os.system", "refusing to unpickle it")
+
+
+def test_resuming_another_model_is_refused_before_launch(tiny, exportable, tmp_path):
+    cfg = run_config(tiny, tmp_path / "run")
+    save_run(exportable, cfg)
+    other = model_copy(tiny, tmp_path)
+    c = json.load(open(other / "config.json"))
+    c["intermediate_size"] *= 2
+    json.dump(c, open(other / "config.json", "w"))
+    one_line_error(dry(other, tmp_path / "run", "trainer.total_steps=10"),
+                   f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_00000001'} is for a different model "
+                   f"(intermediate_size = {c['intermediate_size'] // 2} in the checkpoint, {c['intermediate_size']} in "
+                   "model.path); check model.path")
+
+
+def test_a_split_run_with_batches_in_flight_resumes_on_its_world_size_only(tiny, exportable, tmp_path):
+    split = ["placement.mode=split", "placement.rollout_ranks=[0]", "placement.rollout_tp=1", "trainer.max_staleness=1",
+             "trainer.total_steps=10"]
+    cfg = run_config(tiny, tmp_path / "run", *split)
+    save_run(exportable, cfg, world_size=2)
+    assert dry(tiny, tmp_path / "run", *split).exit_code == 0  # the same world size: resumes
+    one_line_error(dry(tiny, tmp_path / "run", *split, nproc=3),
+                   f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_00000001'} was written by 2 ranks with batches "
+                   "in flight (trainer.max_staleness = 1, split placement), and this run has 3", "resume it on 2 ranks")

@@ -11,7 +11,9 @@ import tomllib
 from spmdrl.errors import CheckpointError
 
 from .dcp import engine_manifest
-from .files import FORMAT, MANIFEST, MARKER, checkpoint_root, find_checkpoint, is_complete, list_checkpoints, read_json
+from .files import (
+    _STEP_DIR, FORMAT, MANIFEST, MARKER, checkpoint_root, find_checkpoint, is_complete, list_checkpoints, read_json,
+)
 
 log = logging.getLogger("spmdrl")
 
@@ -42,6 +44,9 @@ def read_manifest(path: str) -> dict:
     if m.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {m.get('format')!r}, this spmdrl reads format {FORMAT}")
     problem = _manifest_problem(m)
+    named = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    if not problem and named and int(named.group(1)) != m.get("step", int(named.group(1))):
+        problem = f"step {m.get('step')} in a directory named for step {int(named.group(1))}"
     if problem:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed ({problem}); the checkpoint was edited or "
                               "damaged, use an earlier one")
@@ -138,11 +143,36 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     return out
 
 
+def check_metadata(path: str, manifest: dict) -> None:
+    """Every DCP `.metadata` file the manifest lists unpickles through the allowlist (dcp.safe_reader) into DCP's
+    Metadata: a crafted or damaged one is refused here, in one line, before any rank enters DCP's collectives
+    (which would wrap the refusal in their own assertion)."""
+    from .dcp import safe_reader
+
+    for rel in sorted(manifest["files"]):
+        if os.path.basename(rel) == ".metadata":
+            safe_reader(os.path.join(path, os.path.dirname(rel))).read_metadata()
+
+
+def check_trainer_state(path: str, manifest: dict) -> None:
+    """trainer.json agrees with the manifest on the step (an edited manifest would make a run skip steps or
+    claim there is nothing left to train)."""
+    state = read_json(os.path.join(path, "trainer.json"), f"checkpoint {path}")
+    if not isinstance(state, dict) or state.get("step") != manifest.get("step"):
+        got = state.get("step") if isinstance(state, dict) else state
+        raise CheckpointError(f"checkpoint {path}: trainer.json is at step {got!r}, {MANIFEST} says step "
+                              f"{manifest.get('step')!r}; the checkpoint was edited or damaged, use an earlier one")
+
+
 def intact(path: str) -> str | None:
-    """None when `path` looks loadable without reading tensors (marker, manifest, every file and its size),
-    else why not."""
+    """None when `path` looks loadable without reading tensors (marker, manifest, every file and its size, the
+    step recorded in each place, DCP's metadata), else why not."""
     try:
-        check_files(path, read_manifest(path))
+        manifest = read_manifest(path)
+        check_files(path, manifest)
+        if "trainer.json" in manifest["files"]:
+            check_trainer_state(path, manifest)
+        check_metadata(path, manifest)
         return None
     except CheckpointError as e:
         return str(e)

@@ -432,6 +432,10 @@ def validate_memory(cfg) -> None:
         bad = [k for k in getattr(m, f"{role}_offload") if k not in MEMORY_KINDS]
         if bad:
             raise ConfigError(f"memory.{role}_offload has {bad}: allowed kinds are {', '.join(MEMORY_KINDS)}")
+    absent = [k for k in m.ref_offload if k != "params"]  # the reference model is never trained
+    if absent:
+        raise ConfigError(f"memory.ref_offload has {absent}: the reference model has no gradients or optimizer "
+                          "state, only 'params' applies; remove the others")
     for key in ("gpu_memory_gb", "host_memory_gb", "gpus_per_node", "nodes"):
         if not getattr(m, key) > 0:
             raise ConfigError(f"memory.{key} must be > 0, found {getattr(m, key)}")
