@@ -423,3 +423,113 @@ def test_a_split_run_with_batches_in_flight_resumes_on_its_world_size_only(tiny,
     one_line_error(dry(tiny, tmp_path / "run", *split, nproc=3),
                    f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_00000001'} was written by 2 ranks with batches "
                    "in flight (trainer.max_staleness = 1, split placement), and this run has 3", "resume it on 2 ranks")
+
+
+# ---- reward functions in a worker process ---------------------------------------------------------------
+
+REWARD_FILE = '''
+import hashlib, os, time
+
+def score(data_source, solution_str, ground_truth, extra_info):
+    if solution_str == "c-loop":
+        return float(sum(range(10**11)))  # C code: no bytecode boundary for a signal handler for minutes
+    if solution_str == "pbkdf2":
+        return float(len(hashlib.pbkdf2_hmac("sha256", b"x", b"salt", 10**9)))
+    if solution_str == "boom":
+        raise ValueError("cannot parse " + ground_truth)
+    if solution_str == "die":
+        os._exit(3)
+    if solution_str == "pid":
+        return float(os.getpid())
+    print("scored", solution_str)  # prints must not disturb the protocol
+    return float(len(solution_str))
+'''
+
+
+def reward_cfg(tmp_path, **kw):
+    from spmdrl.config.schema import RewardConfig
+
+    (tmp_path / "rw.py").write_text(REWARD_FILE)
+    return RewardConfig(custom_fn=f"{tmp_path / 'rw.py'}:score", **kw)
+
+
+def call(fn, text, gt="1"):
+    return fn(data_source="d", solution_str=text, ground_truth=gt, extra_info=None)
+
+
+def test_a_reward_busy_in_c_code_is_stopped_by_the_timeout(tmp_path):
+    """sum(range(10**11)) and a long pbkdf2_hmac once ignored reward.timeout_s for minutes (SIGALRM waits for
+    the C call to return). In a worker process the call is killed at the limit and counted as a failed reward;
+    the next call gets a new worker."""
+    import time
+
+    from spmdrl.rewards.custom import build_reward_fn
+
+    fn = build_reward_fn(reward_cfg(tmp_path, timeout_s=1.0, on_error="zero"))
+    assert call(fn, "abc") == 3.0
+    first = call(fn, "pid")
+    for text in ("c-loop", "pbkdf2"):
+        t0 = time.monotonic()
+        assert call(fn, text) == 0.0
+        assert time.monotonic() - t0 < 5
+    assert fn.take_counts() == (2, 2)
+    assert not os.path.exists(f"/proc/{int(first)}") or open(f"/proc/{int(first)}/stat").read().split()[2] == "Z"
+    assert call(fn, "pid") != first and call(fn, "abcd") == 4.0  # a new worker
+    assert call(fn, "boom") == 0.0 and call(fn, "die") == 0.0 and call(fn, "ab") == 2.0
+    assert fn.take_counts() == (2, 0)
+    fn.fn.close()
+
+
+def test_a_reward_failure_in_the_worker_names_the_sample_and_the_original_error(tmp_path):
+    from spmdrl.errors import RewardError
+    from spmdrl.rewards.custom import RewardTimeout, build_reward_fn, compute_rewards
+
+    fn = build_reward_fn(reward_cfg(tmp_path, timeout_s=1.0))
+    with pytest.raises(RewardError, match=r"raised on sample 1 \(data_source 'd'\): ValueError: cannot parse 7$"):
+        compute_rewards(fn, ["d", "d"], ["ok", "boom"], ["7", "7"])
+    with pytest.raises(RewardError, match=r"raised on sample 0 .*RewardTimeout: took longer than reward.timeout_s=1s "
+                                          r"\(its worker process was killed and is replaced\)"):
+        compute_rewards(fn, ["d"], ["c-loop"], ["1"])
+    with pytest.raises(RewardError, match=r"raised on sample 0 .*RewardWorkerError: its worker process died \(exit code 3\)"):
+        compute_rewards(fn, ["d"], ["die"], ["1"])
+    with pytest.raises(RewardTimeout):
+        call(fn, "c-loop")
+    fn.fn.close()
+    in_process = build_reward_fn(reward_cfg(tmp_path, timeout_s=1.0, in_process=True))
+    assert call(in_process, "pid") == float(os.getpid())  # opted in: the rank's own process
+
+
+def test_a_rank_scoring_a_stuck_reward_stops_on_sigterm(tmp_path):
+    """The rank waits for its worker in select(), where SIGTERM is handled at once (in-process, a C call held
+    the signal until it returned)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    reward_cfg(tmp_path)
+    script = tmp_path / "rank.py"
+    script.write_text(f'''
+import sys
+from spmdrl.config.schema import RewardConfig
+from spmdrl.faults import stop_signals, Terminated
+from spmdrl.rewards.custom import build_reward_fn
+fn = build_reward_fn(RewardConfig(custom_fn={str(tmp_path / "rw.py")!r} + ":score", timeout_s=600))
+fn(data_source="d", solution_str="x", ground_truth="1", extra_info=None)
+print("ready", flush=True)
+with stop_signals():
+    try:
+        fn(data_source="d", solution_str="c-loop", ground_truth="1", extra_info=None)
+    except Terminated as e:
+        print("stopped by", e, flush=True)
+        sys.exit(143)
+''')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and "stopped by SIGTERM" in out and time.monotonic() - t0 < 5, err

@@ -259,6 +259,8 @@ class RewardConfig:
     """When a reward function raises: raise (stop, naming the sample) | zero (score 0 and count it)."""
     timeout_s: float = 120.0
     """Per-sample time limit for reward functions in seconds (a stuck function ends in a named RewardTimeout); 0 disables (a hung function then hangs the job)."""
+    in_process: bool = False
+    """Run reward.custom_fn in the training process instead of a worker process per rank. The worker is killed and replaced when a call passes reward.timeout_s, whatever the function is doing; in the process a timer interrupts Python code only, so a long C call (a regex, a C extension) runs past the limit."""
     overlong_buffer_len: int = 0
     """DAPO overlong shaping: penalise responses within this many tokens of max_response_length; 0 disables."""
     overlong_penalty_factor: float = 1.0

@@ -5,109 +5,20 @@ A reward function has verl's signature and is called with keywords:
 """
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import logging
 import math
 import numbers
-import os
 import signal
-import sys
 import threading
 from typing import Callable
 
 import torch
 
 from spmdrl.errors import RewardError
+from spmdrl.rewards.loader import _one_line, load_reward_fn, reward_fn_name
+from spmdrl.rewards.worker import RewardTimeout
 
-_SPEC_FORMS = "'path/to/file.py:function' or 'package.module:function'"
 log = logging.getLogger("spmdrl")
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:500]
-
-
-def reward_fn_name(fn: Callable) -> str:
-    """How errors name a reward function: its spec when loaded from one, else module:qualname."""
-    name = getattr(fn, "__spmdrl_spec__", None)
-    if name:
-        return name
-    module = getattr(fn, "__module__", None) or "?"
-    qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-    return f"{module}:{qualname}"
-
-
-def _load_file(path: str, spec: str):
-    digest = hashlib.sha1(path.encode()).hexdigest()[:8]
-    stem = os.path.splitext(os.path.basename(path))[0]
-    mod_name = f"_spmdrl_reward_{stem}_{digest}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    module_spec = importlib.util.spec_from_file_location(mod_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"reward function {spec!r}: cannot load {path} as a Python file; point at a .py file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[mod_name] = module  # dataclasses and pickling look modules up here
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[mod_name]
-        raise RewardError(
-            f"reward function {spec!r}: importing {path} raised {type(e).__name__}: {_one_line(e)}; fix the file"
-        ) from e
-    return module
-
-
-def _import_module(target: str, spec: str):
-    try:
-        return importlib.import_module(target)
-    except ModuleNotFoundError as e:
-        if e.name and (target == e.name or target.startswith(e.name + ".")):
-            raise RewardError(
-                f"reward function {spec!r}: module {target!r} not found; install it, add it to PYTHONPATH, "
-                f"or use {_SPEC_FORMS}"
-            ) from e
-        raise RewardError(
-            f"reward function {spec!r}: importing {target} raised ModuleNotFoundError: {_one_line(e)}"
-        ) from e
-    except Exception as e:
-        raise RewardError(
-            f"reward function {spec!r}: importing {target} raised {type(e).__name__}: {_one_line(e)}"
-        ) from e
-
-
-def load_reward_fn(spec: str) -> Callable:
-    """Resolve `spec` to a callable; every failure is a one-line RewardError naming the spec."""
-    if not isinstance(spec, str) or ":" not in spec:
-        raise RewardError(f"reward function {spec!r}: expected {_SPEC_FORMS}")
-    target, _, attr = spec.rpartition(":")
-    if not target or not attr:
-        raise RewardError(f"reward function {spec!r}: expected {_SPEC_FORMS}")
-    if target.endswith(".py") or "/" in target or os.sep in target:
-        path = os.path.abspath(os.path.expanduser(target))
-        if not os.path.isfile(path):
-            raise RewardError(f"reward function {spec!r}: file {target} not found; check reward.custom_fn")
-        module = _load_file(path, spec)
-    else:
-        module = _import_module(target, spec)
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-            raise RewardError(
-                f"reward function {spec!r}: {target} has no {attr!r} (callables there: "
-                f"{', '.join(defined) or 'none'}); fix the name after ':'"
-            )
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardError(f"reward function {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
-    try:
-        obj.__spmdrl_spec__ = spec
-    except (AttributeError, TypeError):
-        pass
-    return obj
 
 
 def _as_score(value, name: str, i: int) -> float:
@@ -182,10 +93,6 @@ def compute_rewards(
 
 # ---- time limits and on_error ------------------------------------------------------------------------------
 
-class RewardTimeout(Exception):
-    """A reward function ran past reward.timeout_s on one sample."""
-
-
 class _Alarm(BaseException):
     """Raised inside the reward function by SIGALRM; a BaseException so its own `except Exception` cannot
     swallow the timeout."""
@@ -239,6 +146,32 @@ def _call_in_thread(fn: Callable, timeout_s: float, kwargs: dict):
     return box["value"]
 
 
+def build_reward_fn(reward_cfg) -> Callable:
+    """The reward function a run scores with, from its [reward] section: reward.custom_fn (a user function) in
+    a worker process under reward.timeout_s (rewards/worker.py: a timeout stops it whatever it is doing), or in
+    this process with reward.in_process = true (SIGALRM: Python code only); the rule functions registered by
+    data_source run in this process. Wrapped in GuardedReward when reward.on_error or timeout_s ask for it."""
+    r = reward_cfg
+    if not r.custom_fn:
+        fn: Callable = default_compute_score_fn()
+    else:
+        fn = load_reward_fn(r.custom_fn)  # here too: a bad spec or module is one line before anything starts
+        if r.timeout_s > 0 and not r.in_process:
+            from spmdrl.rewards.worker import RewardWorker
+
+            return GuardedReward(RewardWorker(r.custom_fn, r.timeout_s), on_error=r.on_error, timeout_s=0.0,
+                                 name=r.custom_fn)
+    if r.on_error != "raise" or r.timeout_s > 0:
+        return GuardedReward(fn, on_error=r.on_error, timeout_s=r.timeout_s)
+    return fn
+
+
+def default_compute_score_fn() -> Callable:
+    from spmdrl.rewards.registry import default_compute_score
+
+    return default_compute_score
+
+
 def _usable(out) -> bool:
     v = out.get("score") if isinstance(out, dict) else out
     if isinstance(v, torch.Tensor) and v.numel() == 1:
@@ -253,17 +186,19 @@ class GuardedReward:
     "zero": the sample scores 0 and is counted in `errors` (and `timeouts`), read with `take_counts()`.
     """
 
-    def __init__(self, fn: Callable, *, on_error: str = "raise", timeout_s: float = 0.0):
+    def __init__(self, fn: Callable, *, on_error: str = "raise", timeout_s: float = 0.0, name: str | None = None):
         if on_error not in ("raise", "zero"):
             raise RewardError(f"reward.on_error = {on_error!r} is not one of raise, zero")
         self.fn, self.on_error, self.timeout_s = fn, on_error, float(timeout_s)
         self.errors = self.timeouts = 0
         self._warned = False
-        self.__spmdrl_spec__ = reward_fn_name(fn)
+        self.__spmdrl_spec__ = name or reward_fn_name(fn)
 
     def __call__(self, **kwargs):
         try:
             out = call_with_timeout(self.fn, self.timeout_s, **kwargs)
+        except RewardError:  # the function cannot be used at all (its worker could not load it)
+            raise
         except Exception as e:
             if self.on_error == "raise":
                 raise
