@@ -533,3 +533,87 @@ with stop_signals():
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 143 and "stopped by SIGTERM" in out and time.monotonic() - t0 < 5, err
+
+
+# ---- ranks killed, stopped or stuck -----------------------------------------------------------------------
+
+def _failure(tmp_path, rank, exitcode, line=None):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"error_{rank}.json"
+    if line is not None:
+        path.write_text(json.dumps({"message": f"error (rank {rank}): {line}", "timestamp": 0}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_the_launcher_names_a_rank_killed_from_outside_and_exits_1(tmp_path, capsys):
+    """kill -9 of a rank during a save was reported as 'stopped by SIGTERM ... the first failing rank's line has
+    the cause' with exit 2 (a user error), though the killed rank printed nothing."""
+    from spmdrl.launcher import summarise_failures
+
+    survivor = "step 2, stage 'checkpoint': saving checkpoint step 2 under /x failed while writing on rank 0: ..."
+    code = summarise_failures({1: _failure(tmp_path, 1, -9), 0: _failure(tmp_path, 0, 2, survivor)})
+    err = capsys.readouterr().err
+    assert code == 1 and err.splitlines() == [
+        "error: rank 1 (pid 1001) was killed by SIGKILL (from outside spmdrl: kill -9, the OOM killer, a scheduler) "
+        "and the launcher stopped the other ranks; its output above may have the cause; relaunch the same command to "
+        "resume from the last complete checkpoint"]
+    assert summarise_failures({0: _failure(tmp_path, 0, 2, "model.path = 'x': no such directory")}) == 2
+    assert summarise_failures({0: _failure(tmp_path, 0, 143, "step 3: stopped by SIGTERM (...)"),
+                               1: _failure(tmp_path, 1, 143, "step 3: stopped by SIGTERM (...)")}) == 143
+    assert capsys.readouterr().err == ""  # the ranks printed their line; the launcher adds none
+    assert summarise_failures({3: _failure(tmp_path, 3, 1)}) == 1  # no error file: a crash before reporting
+    assert capsys.readouterr().err == "error: rank 3 (pid 1003) exited with code 1; its output above has the cause\n"
+
+
+def test_a_stop_is_not_a_user_error():
+    """A rank stopped by a signal exits 128 + signal (the launcher's exit code then says so), not 2."""
+    import signal
+    import time
+
+    from spmdrl.faults import Stopped, named_failures
+    from spmdrl.metrics import StageTimer
+
+    with pytest.raises(Stopped) as e:
+        with named_failures(lambda: 3, 30):
+            with StageTimer()("checkpoint"):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+    assert e.value.signum == signal.SIGTERM
+    assert str(e.value).startswith("step 3, stage 'checkpoint': stopped by SIGTERM (Ctrl-C, a kill of the launcher, or "
+                                   "the launcher stopping every rank after one failed: the launcher's summary names "
+                                   "that rank)")
+
+
+def test_a_rank_blocked_in_cpp_leaves_soon_after_sigterm(tmp_path):
+    """kill -9 of rank 0 during start-up left its peer waiting in C++ (a store wait for the dead rank, where no
+    Python signal handler runs) until the launcher's SIGKILL 30 s later. The rank now leaves STOP_GRACE_S after
+    the signal, with one line and exit 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "rank.py"
+    script.write_text('''
+import datetime, sys
+from torch.distributed import TCPStore
+from spmdrl.faults import stop_signals, watch_stop_signals
+watch_stop_signals(lambda s: print(f"error (rank 1): stopped by signal {s} while blocked", file=sys.stderr, flush=True),
+                   grace_s=2.0)
+store = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=120))
+with stop_signals():
+    print("waiting", flush=True)
+    store.wait(["a key the dead rank would have set"])
+''')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout.readline().strip() == "waiting"
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 143 and 1.5 < took < 10, (proc.returncode, took, err)
+    assert err.strip().splitlines() == [f"error (rank 1): stopped by signal {int(signal.SIGTERM)} while blocked"], err
