@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import torch.distributed as dist
 
-from spmdrl.errors import SpmdrlError
+from spmdrl.errors import SpmdrlError, Stopped
 from spmdrl.metrics import StageTimer
 
 log = logging.getLogger("spmdrl")
@@ -49,14 +49,6 @@ def set_collective_timeout(seconds: float) -> int:
 
 
 _stop = {"signum": 0, "handled": False}  # this process's stop request (one per process)
-
-
-class Stopped(SpmdrlError):
-    """The one-line error of a rank stopped by a signal (not a user error: the exit code is 128 + signum)."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
 
 
 class Terminated(BaseException):
