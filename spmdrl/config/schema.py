@@ -422,7 +422,7 @@ class TrainerConfig:
     critic_warmup: int = 0
     """Steps at the start during which only the critic trains (the actor and rollout weights stay put)."""
     max_bad_steps: int = 3
-    """Consecutive steps with a non-finite loss or grad norm (each skipped) before the run aborts."""
+    """Consecutive bad steps (a non-finite loss or grad norm, no finite reward, or every token rejected by rollout_correction; each skipped) before the run aborts."""
     overwrite: bool = False
     """A fresh run (checkpoint.resume off, or auto finding no checkpoint) into an output_dir holding another run's checkpoints, metrics.jsonl or tensorboard events deletes them; false refuses to start."""
 
