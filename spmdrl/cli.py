@@ -87,17 +87,17 @@ def _validate_and_launch(module, config, overrides, nproc, dry_run, root_cls, va
     overrides = _overrides(overrides)
     cfg = load_config(config, overrides, root_cls=root_cls)
     validate_fn(cfg, nproc)
-    if preflight_fn is not None and preflight_fn(cfg) is False:
+    if preflight_fn is not None and preflight_fn(cfg, nproc) is False:
         return
     _launch(launch_command(module, config, overrides, nproc), dry_run)
 
 
-def _train_preflight(cfg):
+def _train_preflight(cfg, nproc: int):
     """spmdrl.preflight before launching; False (and one line) when the run is already at total_steps."""
     from spmdrl.config import to_toml
     from spmdrl.preflight import preflight
 
-    plan = preflight(cfg, to_toml(cfg))
+    plan = preflight(cfg, to_toml(cfg), world_size=nproc)
     if plan.resume and plan.resume_step >= cfg.trainer.total_steps:
         typer.echo(f"{plan.resume} is at step {plan.resume_step} and trainer.total_steps = {cfg.trainer.total_steps}: "
                    "nothing to train (raise trainer.total_steps to go on)", err=True)

@@ -209,7 +209,7 @@ def test_model_tokenizer_and_context_are_checked_before_launch(tiny, tmp_path):
     os.makedirs(tmp_path / "empty")
     assert_user_error(dry(tiny, out, f"model.path={tmp_path}/empty"), "has no config.json")
     assert_user_error(dry(tiny, out, f"model.tokenizer_path={tmp_path}/empty"), "model.tokenizer_path",
-                      "the tokenizer does not load")
+                      "has no tokenizer files")
     assert_user_error(dry(tiny, out, "data.max_prompt_length=400", "data.max_response_length=200"),
                       "400 + 200 = 600 exceeds the model's context of 512 tokens")
     open(tmp_path / "file", "w").close()

@@ -262,6 +262,8 @@ class RewardConfig:
     """When a reward function raises: raise (stop, naming the sample) | zero (score 0 and count it)."""
     timeout_s: float = 120.0
     """Per-sample time limit for reward functions in seconds (a stuck function ends in a named RewardTimeout); 0 disables (a hung function then hangs the job)."""
+    in_process: bool = False
+    """Run reward.custom_fn in the training process instead of a worker process per rank. The worker is killed and replaced when a call passes reward.timeout_s, whatever the function is doing; in the process a timer interrupts Python code only, so a long C call (a regex, a C extension) runs past the limit."""
     overlong_buffer_len: int = 0
     """DAPO overlong shaping: penalise responses within this many tokens of max_response_length; 0 disables."""
     overlong_penalty_factor: float = 1.0
@@ -423,7 +425,7 @@ class TrainerConfig:
     critic_warmup: int = 0
     """Steps at the start during which only the critic trains (the actor and rollout weights stay put)."""
     max_bad_steps: int = 3
-    """Consecutive steps with a non-finite loss or grad norm (each skipped) before the run aborts."""
+    """Consecutive bad steps (a non-finite loss or grad norm, no finite reward, or every token rejected by rollout_correction; each skipped) before the run aborts."""
     overwrite: bool = False
     """A fresh run (checkpoint.resume off, or auto finding no checkpoint) into an output_dir holding another run's checkpoints, metrics.jsonl or tensorboard events deletes them; false refuses to start."""
 
