@@ -22,6 +22,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -163,7 +164,7 @@ class WandbSink:
 
         info = self.info
         prev = read_ids(info.output_dir).get("wandb", {}) if info.resume else {}
-        run_id = prev.get("id") or wandb.util.generate_id()
+        run_id = prev.get("id") or uuid.uuid4().hex[:12]
         self.run = wandb.init(
             project=info.project, entity=self.lg.wandb_entity or None, group=info.group or None, name=info.name,
             tags=[t[:64] for t in info.tags] or None, dir=info.output_dir, id=run_id, resume="allow",
