@@ -376,13 +376,13 @@ class MemoryConfig:
     defer_grad_sync: bool = False
     """Reduce-scatter gradients only on a mini-batch's last micro-batch. Costs an unsharded float32 gradient of the whole (tp-local) model per rank (4 bytes x params / tp) while accumulating; the default reduce-scatters every micro-batch."""
     gpu_memory_gb: float = 80.0
-    """GPU memory per device in GB (10^9 bytes), for `spmdrl plan`."""
+    """GPU memory per device in GiB (2^30 bytes), for `spmdrl plan` (an 80 GB H100 has 79.6 GiB; `nvidia-smi` shows MiB)."""
     gpus_per_node: int = 8
     """GPUs (ranks) per node, for `spmdrl plan`'s host figures."""
     nodes: int = 1
     """Nodes of the run, for `spmdrl plan` (world size = nodes x gpus_per_node unless --world-size is given)."""
     host_memory_gb: float = 2048.0
-    """Host memory per node in GB, for `spmdrl plan`."""
+    """Host memory per node in GiB (2^30 bytes), for `spmdrl plan`."""
     margin: float = 0.9
     """`spmdrl plan` says a phase fits when it uses at most this fraction of GPU and host memory."""
 
