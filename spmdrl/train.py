@@ -45,8 +45,10 @@ def apply_verbosity(level: str) -> None:
         warnings.filterwarnings("default", module=QUIET_WARNINGS)
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every engine call at INFO
-    for name in ("vllm", "transformers", "torch.distributed", "httpx", "megatron"):
+    for name in ("transformers", "torch.distributed", "httpx", "megatron"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # vLLM's own handler takes VLLM_LOGGING_LEVEL; what it logs before that is set up reaches the root logger
+    logging.getLogger("vllm").setLevel(logging.getLevelName(os.environ["VLLM_LOGGING_LEVEL"].upper()))
     warnings.filterwarnings("ignore", module=QUIET_WARNINGS)
 
 
