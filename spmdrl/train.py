@@ -20,17 +20,37 @@ import signal
 from spmdrl.errors import SpmdrlError
 
 
+# Python warnings from these modules carry nothing a user acts on; logging.verbosity = "debug" shows them
+QUIET_WARNINGS = r"(vllm|triton|megatron|transformer_engine|torch\.distributed\.checkpoint|torch\._dynamo)(\.|$)"
+
+
 def setup_logging(rank: int) -> None:
-    # vLLM logs every engine call at INFO; keep its warnings and errors only unless the user asks for more
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"[%(asctime)s rank{rank}] %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stdout,
     )
-    for noisy in ("vllm", "transformers", "torch.distributed", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def apply_verbosity(level: str) -> None:
+    """logging.verbosity (SPMDRL_VERBOSITY wins): info quiets the libraries' routine output, debug shows all.
+    Runs before vLLM is imported (it reads VLLM_LOGGING_LEVEL once, at import); a VLLM_LOGGING_LEVEL set by the
+    user is kept."""
+    import warnings
+
+    level = os.environ.get("SPMDRL_VERBOSITY") or level
+    if level == "debug":
+        for name in ("vllm", "transformers", "torch.distributed", "httpx", "megatron"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+        warnings.filterwarnings("default", module=QUIET_WARNINGS)
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every engine call at INFO
+    for name in ("transformers", "torch.distributed", "httpx", "megatron"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # vLLM's own handler takes VLLM_LOGGING_LEVEL; what it logs before that is set up reaches the root logger
+    logging.getLogger("vllm").setLevel(logging.getLevelName(os.environ["VLLM_LOGGING_LEVEL"].upper()))
+    warnings.filterwarnings("ignore", module=QUIET_WARNINGS)
 
 
 def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_fn, preflight_fn=None) -> int:
@@ -59,6 +79,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
     with stop_signals():
         try:
             cfg = load_config(args.config, args.overrides, root_cls=root_cls)
+            apply_verbosity(cfg.logging.verbosity)
             layout = validate_fn(cfg, env.world_size)
             plan = preflight_fn(cfg, env.rank, env.world_size) if preflight_fn else None
         except SpmdrlError as e:  # every rank finds it; rank 0 says it

@@ -21,6 +21,7 @@ CHOICES = {
     "trainer.critic_backend": ("", "fsdp", "megatron"),
     "lora.init": ("default", "gaussian"),  # spmdrl.engines.lora.INITS
     "multi_turn.http_exec_api": ("sandbox_fusion", "piston"),  # spmdrl.tools.builtin.HTTP_APIS
+    "logging.verbosity": ("info", "debug"),
 }
 MEMORY_KINDS = ("params", "grads", "optimizer")
 
@@ -87,7 +88,10 @@ def validate(cfg, world_size: int):
     from spmdrl.algos import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES
     from spmdrl.dist.layout import check_megatron_roles, plan_layout, role_backends
 
+    from spmdrl.trackers import check_backends
+
     check_finite(cfg)
+    check_backends(cfg.logging)
 
     for key, allowed in CHOICES.items():
         v = _get(cfg, key)

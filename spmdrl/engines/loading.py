@@ -34,8 +34,24 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
         with open(bundled) as f:
             d = json.load(f)
         return AutoConfig.for_model(d.pop("model_type"), **d)
+    source = path
+    if not os.path.isdir(os.path.expanduser(path)) and not path.startswith(("/", ".", "~")):
+        # a hub id: read the cached config.json, never the network (from_pretrained would retry for half a minute)
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(path, "config.json")
+        except ValueError:
+            cached = None
+        if not isinstance(cached, str):
+            raise ConfigError(
+                f"model.path = {path!r}: not a local directory and its config.json is not in the HF cache; give a "
+                f"directory holding its config.json (only that file is read) or fetch it with "
+                f"`huggingface-cli download {path} config.json`"
+            )
+        source = os.path.dirname(cached)
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"model.path = {path!r}: no config.json found ({str(e).splitlines()[0]}); give a local model directory "

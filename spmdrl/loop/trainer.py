@@ -42,7 +42,7 @@ from spmdrl.loop.run_state import BadSteps, RunCheckpointer
 from spmdrl.loop.scoring import Scorer
 from spmdrl.loop.split import BatchStream
 from spmdrl.loop.validate import Validator
-from spmdrl.metrics import MetricsLogger, StageTimer, device_peak_tflops, flops_metrics, peak_memory_gb
+from spmdrl.metrics import MetricsLogger, StageTimer, device_peak_tflops, flops_metrics, logger_for, peak_memory_gb
 from spmdrl.reshard.adapter import AdapterSync
 from spmdrl.reshard.sync import WeightSync
 from spmdrl.rewards.custom import build_reward_fn
@@ -156,11 +156,8 @@ class Trainer:
         if rank == 0:
             with open(os.path.join(cfg.trainer.output_dir, "config.toml"), "w") as f:
                 f.write(self.config_toml)
-        lg = cfg.logging
-        self.logger = MetricsLogger(
-            cfg.trainer.output_dir, tensorboard=lg.tensorboard, jsonl=lg.jsonl, console=lg.console, rank=rank,
-            append=resume_from is not None, progress_total=cfg.trainer.total_steps if lg.progress else 0,
-        )
+        self.logger = logger_for(cfg, rank, resume=resume_from is not None,
+                                 progress_total=cfg.trainer.total_steps)
         self.global_step = 0
         self.actor_version = 0  # the step of the actor's last update (split placement's weight versions)
         # reliability (docs/reliability.md): checkpoints, bounded collectives, reward guard, resume
