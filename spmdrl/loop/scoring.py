@@ -26,6 +26,8 @@ class Scorer:
         self.cfg, self.tokenizer, self.reward_fn, self.reward_model = cfg, tokenizer, reward_fn, reward_model
         # validation's accuracy: the rule scorers, even when a custom function gives the training reward
         self.accuracy_fn = accuracy_score_fn(reward_fn) if cfg.reward.custom_fn else None
+        if self.accuracy_fn is not None:  # it hands a multi-turn `trajectory` on to the custom function
+            self.accuracy_fn.takes_trajectory = takes_trajectory(reward_fn)
 
     def attach_meta(self, batch: Batch, ds: PromptDataset, mesh: RoleMesh) -> None:
         """Per-sample metadata, re-derived locally from the dataset row in `index`. Responses are decoded once

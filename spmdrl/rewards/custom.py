@@ -99,8 +99,11 @@ def compute_rewards(
 
 
 def takes_trajectory(fn: Callable) -> bool:
-    """Whether a reward function (or the one a GuardedReward guards) declares a `trajectory` parameter."""
+    """Whether a reward function (or the one a GuardedReward guards) declares a `trajectory` parameter; a
+    wrapper that calls it elsewhere (a RewardWorker) says so in its `takes_trajectory` attribute."""
     fn = getattr(fn, "fn", fn) if isinstance(fn, GuardedReward) else fn
+    if isinstance(getattr(fn, "takes_trajectory", None), bool):
+        return fn.takes_trajectory
     try:
         return "trajectory" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -175,8 +178,9 @@ def build_reward_fn(reward_cfg) -> Callable:
         if r.timeout_s > 0 and not r.in_process:
             from spmdrl.rewards.worker import RewardWorker
 
-            return GuardedReward(RewardWorker(r.custom_fn, r.timeout_s), on_error=r.on_error, timeout_s=0.0,
-                                 name=r.custom_fn)
+            worker = RewardWorker(r.custom_fn, r.timeout_s)
+            worker.takes_trajectory = takes_trajectory(fn)  # the worker's function, as loaded here
+            return GuardedReward(worker, on_error=r.on_error, timeout_s=0.0, name=r.custom_fn)
     if r.on_error != "raise" or r.timeout_s > 0:
         return GuardedReward(fn, on_error=r.on_error, timeout_s=r.timeout_s)
     return fn

@@ -27,11 +27,12 @@ def accuracy_score_fn(fallback: Callable) -> Callable:
     (the custom reward function) only for a data_source without one. A custom reward that gives partial credit
     thus leaves val/accuracy a rule accuracy; validation reports its own mean as val/reward_mean."""
 
-    def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None):
+    def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **more):
+        # more: `trajectory` (multi-turn), passed only where the fallback takes it (Scorer sets takes_trajectory)
         if data_source in REWARD_FNS:
             return REWARD_FNS.get(data_source)(solution_str, ground_truth, extra_info)
         return fallback(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                        extra_info=extra_info)
+                        extra_info=extra_info, **more)
 
     score.__spmdrl_spec__ = getattr(fallback, "__spmdrl_spec__", None) or getattr(fallback, "__name__", "reward.custom_fn")
     return score
