@@ -3,21 +3,29 @@
 # processes and in-process vLLM, then a summary table. Everything lands in $OUT (default outputs/quickstart).
 #   bash launch/quickstart.sh [extra GRPO overrides, e.g. trainer.total_steps=20]
 #   GRPO_CONFIG=configs/quickstart/grpo_split.toml bash launch/quickstart.sh   # split placement, one step off-policy
+#   TASK=tools bash launch/quickstart.sh   # long sums the tiny model solves only by calling the calculator
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-outputs/quickstart}
+TASK=${TASK:-arith}
+case "$TASK" in
+  arith) SUFFIX= ; DATA_CMD=(spmdrl data synthetic --n-sft 4096) ;;
+  tools) SUFFIX=_tools ; DATA_CMD=(spmdrl data tool-sums) ;;
+  *) echo "error: TASK=$TASK is not one of arith, tools" >&2; exit 2 ;;
+esac
+OUT=${OUT:-outputs/quickstart$SUFFIX}
 NPROC=${NPROC:-2}
-GRPO_CONFIG=${GRPO_CONFIG:-configs/quickstart/grpo.toml}
+SFT_CONFIG=${SFT_CONFIG:-configs/quickstart/sft$SUFFIX.toml}
+GRPO_CONFIG=${GRPO_CONFIG:-configs/quickstart/grpo$SUFFIX.toml}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 start=$(date +%s)
 
 echo "== 1/4 tiny model and tokenizer -> $OUT/tiny"
 spmdrl model tiny --out "$OUT/tiny"
-echo "== 2/4 synthetic arithmetic data -> $OUT/data"
-spmdrl data synthetic --out "$OUT/data" --n-sft 4096
+echo "== 2/4 synthetic data ($TASK) -> $OUT/data"
+"${DATA_CMD[@]}" --out "$OUT/data"
 echo "== 3/4 SFT warm start ($NPROC processes)"
 t_sft=$(date +%s)
-spmdrl sft --nproc "$NPROC" --config configs/quickstart/sft.toml \
+spmdrl sft --nproc "$NPROC" --config "$SFT_CONFIG" \
   model.path="$OUT/tiny" sft.train_files="[\"$OUT/data/sft.parquet\"]" \
   sft.save_dir="$OUT/sft_model" trainer.output_dir="$OUT/sft"
 echo "== 4/4 GRPO ($NPROC processes, in-process vLLM)"
