@@ -68,7 +68,7 @@ def test_sapo_value_and_gradient():
     dL = -ADV * 4 * sig * (1 - sig) * r  # d/dlogp of -A (4/tau) sigmoid(tau (r - 1)), r = e^(logp - old)
     torch.testing.assert_close(g, dL * MASK / MASK.sum(-1, keepdim=True) / 2)
     # on-policy the gate's slope is 1: plain policy gradient
-    _, g1 = _grad(lambda x: POLICY_LOSSES.get("sapo")(x.detach(), x, ADV, MASK)[0], OLD)
+    _, g1 = _grad(lambda x: POLICY_LOSSES.get("sapo")(x.detach(), x, ADV, MASK, loss_agg_mode="token-mean")[0], OLD)
     torch.testing.assert_close(g1, -ADV * MASK / MASK.sum())
 
 

@@ -452,7 +452,7 @@ def test_every_float_must_be_finite(override):
     ("actor.eps=0", "actor.eps must be > 0"),
     ("algorithm.gamma=1.5", "algorithm.gamma must be in [0, 1]"),
     ("algorithm.lam=-0.1", "algorithm.lam must be in [0, 1]"),
-    ("actor.clip_ratio_low=1.0", "actor.clip_ratio_low must be < 1"),
+    ("actor.clip_ratio_low=1.5", "actor.clip_ratio_low must be <= 1"),
     ("trainer.dist_timeout_s=0", "trainer.dist_timeout_s must be > 0"),
     ("actor.ppo_mini_batch_size=-4", "actor.ppo_mini_batch_size must be >= 0"),
     ("rollout.top_k=0", "rollout.top_k must be -1 (disabled) or >= 1"),

@@ -133,8 +133,8 @@ def test_lower_bound_defaults_to_reciprocal_and_metrics_are_global():
 
 @pytest.mark.parametrize("name", ["ppo", "gspo", "cispo", "sapo", "gpg", "gmpo"])
 def test_weights_multiply_the_per_token_loss(name):
-    """loss(weights w) == the loss's own aggregation of w * L, written out for token-mean (seq-mean for gspo / gmpo):
-    weights 1 leave the loss unchanged, and a weight of 0 removes a token's gradient."""
+    """loss(weights w) == the loss's own aggregation of w * L, written out for token-mean (seq-mean-token-mean for
+    gspo / gmpo / sapo): weights 1 leave the loss unchanged, and a weight of 0 removes a token's gradient."""
     g = torch.Generator().manual_seed(3)
     B, T = 4, 5
     mask = (torch.arange(T)[None] < torch.tensor([5, 2, 4, 3])[:, None]).float()
@@ -147,9 +147,10 @@ def test_weights_multiply_the_per_token_loss(name):
     same, _ = fn(old, lp, adv, mask, rollout_is_weights=torch.ones(B, T, dtype=torch.float64))
     assert float(same.detach()) == pytest.approx(float(base.detach()), rel=1e-12)
     got, _ = fn(old, lp, adv, mask, rollout_is_weights=w)
-    if name in ("gspo", "gmpo"):
-        # sequence-level objectives: the per-sequence loss is weighted by the mean of its tokens' weights
-        # (gspo: token-level form, every token carries the sequence's loss value)
+    if name in ("gspo", "gmpo", "sapo"):
+        # sequence-level objectives: gspo's token-level form (every token carries the sequence's loss value)
+        # averages w * L over each response; gmpo weighs its per-sequence loss by the GEOMETRIC mean of the
+        # response's weights (the geometric mean of rho_t * w_t); sapo's default aggregation is seq-mean-token-mean
         per_tok = []
         for i in range(B):
             n = int(mask[i].sum())
@@ -158,18 +159,21 @@ def test_weights_multiply_the_per_token_loss(name):
                 s = torch.exp(lr.mean())
                 li = torch.maximum(-adv[i, :n] * s, -adv[i, :n] * s.clamp(0.8, 1.2))
                 per_tok.append((w[i, :n] * li).mean())
+            elif name == "sapo":
+                a = adv[i, :n]
+                gate = torch.where(a > 0, 4 / 1.0 * torch.sigmoid(1.0 * (torch.exp(lr) - 1)),
+                                   4 / 1.05 * torch.sigmoid(1.05 * (torch.exp(lr) - 1)))
+                per_tok.append((w[i, :n] * -a * gate).mean())
             else:
-                d = torch.where(adv[i, :n] > 0, torch.minimum(lr, lr.clamp(-0.4, 0.4)),
-                                torch.where(adv[i, :n] < 0, torch.maximum(lr, lr.clamp(-0.4, 0.4)), lr))
-                per_tok.append(-adv[i, :n].mean() * torch.exp(d.mean()) * w[i, :n].mean())
+                a = adv[i, :n].mean()
+                d = torch.minimum(lr, lr.clamp(-0.4, 0.4)) if a > 0 else torch.maximum(lr, lr.clamp(-0.4, 0.4))
+                per_tok.append(-a * torch.exp(d.mean()) * torch.exp(torch.log(w[i, :n]).mean()))
         want = torch.stack(per_tok).mean()
     else:
         ratio = torch.exp(lp - old)
         clipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
         L = {"ppo": lambda: torch.where(adv < 0, torch.minimum(clipped, -3 * adv), clipped),
              "cispo": lambda: -adv * ratio.clamp(0.8, 1.2),
-             "sapo": lambda: -adv * torch.where(adv > 0, 4 / 1.0 * torch.sigmoid(1.0 * (ratio - 1)),
-                                                4 / 1.05 * torch.sigmoid(1.05 * (ratio - 1))),
              "gpg": lambda: -adv * lp}[name]()
         want = (w * L * mask).sum() / mask.sum()
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-9)

@@ -8,11 +8,13 @@ Every policy loss has one signature:
 
 rollout_is_weights [B, T] (optional, detached): the rollout-correction importance weights w_it
 (spmdrl.algos.rollout_correction); every loss multiplies its per-token loss by them before aggregation,
-L_it -> w_it L_it (GMPO, whose loss is per sequence, gets L_i * mean_t w_it), and ignores them when None.
+L_it -> w_it L_it (GMPO, whose loss is per sequence, gets L_i * exp(mean_t log w_it), the geometric mean that
+matches its geometric-mean ratio), and ignores them when None.
 
-metrics: "pg_clipfrac" (fraction of valid tokens where the ratio clip is active), "ppo_kl"
-(mean_t of old_log_prob - log_prob, the k1 estimate of KL(old || new)), "pg_clipfrac_lower" (fraction
-where the dual clip is active). Masked positions never reach the loss or its gradient, even if NaN.
+metrics: "pg_clipfrac" (fraction of valid tokens where the ratio clip is active), "ppo_kl" (every loss the
+same: the mean over valid tokens of old_log_prob - log_prob, NOT clamped, the k1 estimate of KL(old || new)),
+"pg_clipfrac_lower" (fraction where the dual clip is active). Masked positions never reach the loss or its
+gradient, even if NaN.
 """
 from __future__ import annotations
 
@@ -56,8 +58,9 @@ def _weigh(pg: Tensor, rollout_is_weights: Tensor | None) -> Tensor:
 
 
 def _check_clip(low: float, high: float) -> None:
-    if not (0.0 <= low < 1.0) or high < 0.0:
-        raise ConfigError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got low={low}, high={high}")
+    """clip_ratio_low = 1 means no lower bound (the ratio is clipped at 1 - 1 = 0 from below)."""
+    if not (0.0 <= low <= 1.0) or high < 0.0:
+        raise ConfigError(f"need 0 <= clip_ratio_low <= 1 and clip_ratio_high >= 0, got low={low}, high={high}")
 
 
 @POLICY_LOSSES.register("ppo", "vanilla")
@@ -195,11 +198,13 @@ gspo.agg_mode = "seq-mean-token-mean"
 def resolve_agg_mode(policy_loss: str, configured: str) -> str:
     """The loss aggregation the update uses: ``configured`` ("auto": the policy loss's own, else token-mean).
 
-    A loss that fixes its aggregation (``fn.agg_mode``: GSPO, GMPO) rejects an explicit other choice.
+    A loss that fixes its aggregation (``fn.agg_mode``: GSPO, GMPO) rejects an explicit other choice; a loss
+    with a paper default (``fn.default_agg_mode``: SAPO) gets it under "auto" and accepts an explicit other.
     """
-    fixed = getattr(POLICY_LOSSES.get(policy_loss), "agg_mode", None)
+    fn = POLICY_LOSSES.get(policy_loss)
+    fixed = getattr(fn, "agg_mode", None)
     if configured == "auto":
-        return fixed or "token-mean"
+        return fixed or getattr(fn, "default_agg_mode", None) or "token-mean"
     if fixed is not None and configured != fixed:
         raise ConfigError(
             f"actor.policy_loss = {policy_loss!r} is a sequence-level objective (loss_agg_mode {fixed!r}); "
@@ -230,20 +235,24 @@ def cispo(
     rollout_is_weights: Tensor | None = None,
     **_,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, never drop a token's gradient.
+    """CISPO (MiniMax-M1, arXiv 2506.13585, section 3.1): clip the importance weight, never drop a token's
+    gradient.
 
-    r_it  = exp(logp_it - logp_old_it),  r^_it = clip(r_it, 1 - eps_low, 1 + eps_high)
-    L_it  = -A_it * sg[r^_it / r_it] * r_it        (value -A r^, gradient -sg[r^] A grad logp)
+    d_it  = logp_it - logp_old_it,  r^_it = clip(exp(d_it), 1 - eps_low, 1 + eps_high)
+    L_it  = -A_it * sg[r^_it] * exp(d_it - sg[d_it])    (value -A r^, gradient -sg[r^] A grad logp)
     loss  = agg(L, mask, loss_agg_mode)
 
-    The gradient is the paper's sg(r^) A grad log pi for every token, including those outside the clip
-    range (PPO would zero them). The paper leaves the lower bound open: set clip_ratio_low close to 1.
+    The gradient is the paper's sg(r^) A grad log pi for every token, at any log-ratio: those outside the
+    clip range (PPO would zero them) and those with |d| > 20 too (no +-20 clamp anywhere: the clip bounds r^
+    for any d, and d itself only enters as exp(d - sg[d]) = 1). The value is -A r^ (a
+    ratio-weighted advantage like PPO's), not the paper's -sg(r^) A log pi: same gradient, a value comparable
+    with the other losses. The paper sets no lower bound: clip_ratio_low = 1 (r^ = min(r, 1 + eps_high)).
     """
     _check_clip(clip_ratio_low, clip_ratio_high)
     valid, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages, response_mask)
-    ratio = _ratio(log_ratio)
+    ratio = torch.exp(log_ratio)  # may be 0 or inf far off-policy; the clip bounds r^ (and low = 1 allows 0)
     clipped = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    pg = -adv * (clipped / ratio).detach() * ratio
+    pg = -adv * clipped.detach() * torch.exp(log_ratio - log_ratio.detach())
     loss = agg_loss(_weigh(pg, rollout_is_weights), response_mask, loss_agg_mode, norm=loss_agg_norm)
     with torch.no_grad():
         metrics = {
@@ -263,7 +272,7 @@ def sapo(
     *,
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
-    loss_agg_mode: str = "token-mean",
+    loss_agg_mode: str = "seq-mean-token-mean",
     loss_agg_norm: float | None = None,
     rollout_is_weights: Tensor | None = None,
     **_,
@@ -274,8 +283,10 @@ def sapo(
     f(r) = (4 / tau) * sigmoid(tau * (r - 1))      (f'(1) = 1: on-policy it is the plain policy gradient)
     L_it = -A_it * f(r_it),   loss = agg(L, mask, loss_agg_mode)
 
-    The gradient weight f'(r) = 4 sigmoid(tau (r-1)) (1 - sigmoid(tau (r-1))) decays smoothly as r leaves 1.
-    metrics: pg_clipfrac is 0 (nothing is hard-clipped).
+    The paper's objective is (1/G) sum_i (1/|y_i|) sum_t f(r_it) A_it, i.e. seq-mean-token-mean: that is this
+    function's default and what actor.loss_agg_mode = "auto" resolves to (``sapo.default_agg_mode``); an
+    explicit other mode is used as given. The gradient weight f'(r) = 4 sigmoid(tau (r-1)) (1 - sigmoid(tau
+    (r-1))) decays smoothly as r leaves 1. metrics: pg_clipfrac is 0 (nothing is hard-clipped).
     """
     if sapo_tau_pos <= 0 or sapo_tau_neg <= 0:
         raise ConfigError(f"SAPO needs sapo_tau_pos > 0 and sapo_tau_neg > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
@@ -323,10 +334,12 @@ def clip_cov(
         k = max(1, floor(clip_cov_ratio * #valid)) with the largest cov_it get no gradient:
     L_it = L1_it * (0 if it in the k else 1),   loss = agg(L, mask, loss_agg_mode)
 
-    The paper picks the k at random among C; this picks the k largest, so a step is deterministic.
-    The covariance means are over the rows of one call (one micro-batch), as in the paper's code, so the
-    selected tokens depend on the micro-batch split. metrics: pg_clipfrac = fraction of valid tokens
-    detached by the covariance rule.
+    The paper (and verl) pick the k at random among C; this picks the k largest, so a step is a function of
+    its inputs (a rerun or a resume repeats it exactly, with no RNG state in the loss). Defaults: ratio
+    2e-4, bounds (1, 5), the authors' released recipe (recipe/dapo/7b_clip_cov.sh, also verl's defaults);
+    that recipe runs with clip_ratio_low = clip_ratio_high = 1 (ratio clip (0, 2)). The covariance means are
+    over the rows of one call (one micro-batch), as in the paper's code, so the selected tokens depend on
+    the micro-batch split. metrics: pg_clipfrac = fraction of valid tokens detached by the covariance rule.
     """
     _check_clip(clip_ratio_low, clip_ratio_high)
     if clip_cov_ratio <= 0 or clip_cov_lb >= clip_cov_ub:
@@ -375,8 +388,11 @@ def kl_cov(
     L_it = -A_it r_it + (kl_cov_coef * |logp_it - logp_old_it|  if it in K),   r = exp(logp - logp_old)
     loss = agg(L, mask, loss_agg_mode)
 
-    No ratio clipping. Covariance statistics are per call (micro-batch), as in the paper's code.
-    metrics: pg_clipfrac = fraction of valid tokens in K.
+    No ratio clipping; K is the top-k, as in the paper and verl. Defaults: ratio 2e-3 and coefficient 1, the
+    authors' Qwen2.5-7B recipe (recipe/dapo/7b_kl_cov.sh: k_percent = 0.2 %, ppo_kl_coef = 1; their 32B
+    recipe uses 2e-4); verl's config defaults are 2e-4 and 0.1. Covariance statistics are per call
+    (micro-batch), as in the paper's code. metrics: pg_clipfrac = fraction of valid tokens in K; ppo_kl is
+    the signed k1 mean like every loss (verl logs the mean |logp - logp_old| for KL-Cov).
     """
     if kl_cov_ratio <= 0 or kl_cov_coef < 0:
         raise ConfigError(f"kl_cov needs kl_cov_ratio > 0 and kl_cov_coef >= 0, got {kl_cov_ratio}, {kl_cov_coef}")
@@ -416,34 +432,45 @@ def gmpo(
     """GMPO (Zhao et al. 2025, arXiv 2507.20673): maximise the geometric mean of the token ratios.
 
     d_it  = logp_it - logp_old_it;  c_it = clip(d_it, -eps_low, eps_high)    (clip in LOG space)
-    d~_it = min(d_it, c_it) if A_it > 0,  max(d_it, c_it) if A_it < 0,  d_it if A_it == 0   (pessimistic)
-    rho_i = exp(mean_t d~_it),  A_i = mean_t A_it,  L_i = -A_i rho_i
+    A_i   = mean_t A_it  (the response's advantage; with outcome estimators every token already carries it)
+    d~_it = min(d_it, c_it) if A_i > 0,  max(d_it, c_it) if A_i < 0,  d_it if A_i == 0   (pessimistic)
+    rho_i = exp(mean_t d~_it),  L_i = -A_i rho_i * exp(mean_t log w_it)   (w: rollout IS weights, else 1)
     loss  = mean over non-empty sequences of L_i   (always sequence-level: agg_mode seq-mean-token-mean)
 
+    The clip direction follows the sign of A_i, the advantage that multiplies rho_i, so the clipped
+    objective is a pessimistic bound whatever the advantage layout; a token whose own A_it is 0 (or of the
+    other sign, with token-level advantages) is clipped like the rest of its response. A response with
+    A_i == 0 has loss 0 and gradient 0. Responses with no valid token do not count in the mean. The rollout
+    weights enter through their geometric mean, so L_i is -A_i times the geometric mean of rho_it * w_it.
     eps_low / eps_high are actor.clip_ratio_low / clip_ratio_high read as log-ratio bounds (the paper uses
     0.4, i.e. ratios in (e^-0.4, e^0.4)). pg_clipfrac / pg_clipfrac_lower: fraction of valid tokens whose
-    log-ratio was clipped, with A > 0 / A < 0.
+    log-ratio was clipped in a response with A_i > 0 / A_i < 0.
     """
     if clip_ratio_low < 0 or clip_ratio_high < 0:
         raise ConfigError(f"gmpo needs clip_ratio_low, clip_ratio_high >= 0, got {clip_ratio_low}, {clip_ratio_high}")
     valid, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages, response_mask)
+    a_seq = masked_mean(adv, valid, dim=-1, keepdim=True)  # [B, 1]
     c = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
-    d = torch.where(adv > 0, torch.minimum(log_ratio, c), torch.where(adv < 0, torch.maximum(log_ratio, c), log_ratio))
+    d = torch.where(a_seq > 0, torch.minimum(log_ratio, c), torch.where(a_seq < 0, torch.maximum(log_ratio, c), log_ratio))
     rho = torch.exp(masked_mean(d, valid, dim=-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    a_seq = masked_mean(adv, valid, dim=-1, keepdim=True)
-    pg = (-a_seq * rho).expand_as(log_ratio)
-    loss = agg_loss(_weigh(pg, rollout_is_weights), response_mask, "seq-mean-token-mean")
+    pg = -a_seq * rho
+    if rollout_is_weights is not None:
+        w = rollout_is_weights.detach().to(log_ratio.dtype).clamp_min(torch.finfo(log_ratio.dtype).tiny)
+        pg = pg * torch.exp(masked_mean(torch.log(w), valid, dim=-1, keepdim=True))
+    loss = agg_loss(pg.expand_as(log_ratio), response_mask, "seq-mean-token-mean")
     with torch.no_grad():
         clipped = valid & (c != log_ratio)
         metrics = {
-            "pg_clipfrac": _frac(clipped & (adv > 0), valid, log_ratio.dtype),
+            "pg_clipfrac": _frac(clipped & (a_seq > 0), valid, log_ratio.dtype),
             "ppo_kl": masked_mean(-log_ratio, valid),
-            "pg_clipfrac_lower": _frac(clipped & (adv < 0), valid, log_ratio.dtype),
+            "pg_clipfrac_lower": _frac(clipped & (a_seq < 0), valid, log_ratio.dtype),
         }
     return loss, metrics
 
 
 gmpo.agg_mode = "seq-mean-token-mean"
+# SAPO's paper objective averages each response's token mean (1/G sum_i 1/|y_i| sum_t): its "auto" default.
+sapo.default_agg_mode = "seq-mean-token-mean"
 
 
 @POLICY_LOSSES.register("gpg")

@@ -114,13 +114,13 @@ class ActorConfig:
     policy_loss: str = "ppo"
     """Policy loss from the registry: ppo | gspo | gmpo | cispo | sapo | clip_cov | kl_cov | gpg (spmdrl.algos.losses)."""
     loss_agg_mode: str = "auto"
-    """auto (the policy loss's own: seq-mean-token-mean for gspo/gmpo, else token-mean) | token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    """auto (the policy loss's own: seq-mean-token-mean for gspo/gmpo, which allow no other, and for sapo, its paper's objective; else token-mean) | token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
     loss_agg_norm: float = 0.0
     """Constant divisor of seq-mean-token-sum-norm (Dr. GRPO) for the policy, entropy and KL terms; 0 means data.max_response_length."""
     clip_ratio_low: float = 0.2
-    """Lower clip of the importance ratio: 1 - clip_ratio_low."""
+    """Lower clip of the importance ratio: 1 - clip_ratio_low (1: no lower clip, as CISPO's paper); gmpo reads it as a log-ratio bound."""
     clip_ratio_high: float = 0.2
-    """Upper clip of the importance ratio: 1 + clip_ratio_high (DAPO's clip-higher raises it)."""
+    """Upper clip of the importance ratio: 1 + clip_ratio_high (DAPO's clip-higher raises it); gmpo reads it as a log-ratio bound (paper: 0.4)."""
     clip_ratio_c: float = 3.0
     """Dual-clip constant for negative advantages (> 1)."""
     entropy_coeff: float = 0.0
@@ -136,19 +136,19 @@ class ActorConfig:
     logprob_chunk_size: int = 1024
     """Tokens per chunk when computing log-probs and entropy from the LM head (bounds the logits memory)."""
     sapo_tau_pos: float = 1.0
-    """SAPO: gate temperature for tokens with a positive advantage."""
+    """SAPO: gate temperature for tokens with a positive advantage (1.0: the paper's Qwen3-30B-A3B runs, also verl's)."""
     sapo_tau_neg: float = 1.05
-    """SAPO: gate temperature for tokens with a negative (or zero) advantage."""
+    """SAPO: gate temperature for tokens with a negative (or zero) advantage (1.05: the paper's, also verl's)."""
     clip_cov_ratio: float = 0.0002
-    """Clip-Cov: fraction of valid tokens whose gradient is detached."""
+    """Clip-Cov: fraction of valid tokens whose gradient is detached (the k with the largest covariance; 2e-4: the authors' recipe, also verl's)."""
     clip_cov_lb: float = 1.0
     """Clip-Cov: lower bound of the covariance of the tokens that may be detached."""
     clip_cov_ub: float = 5.0
     """Clip-Cov: upper bound of the covariance of the tokens that may be detached."""
     kl_cov_ratio: float = 0.002
-    """KL-Cov: fraction of valid tokens (largest covariance) that get the KL penalty."""
+    """KL-Cov: fraction of valid tokens (largest covariance) that get the KL penalty (2e-3: the authors' Qwen2.5-7B recipe; their 32B recipe and verl use 2e-4)."""
     kl_cov_coef: float = 1.0
-    """KL-Cov: coefficient of the |logp - logp_old| penalty on those tokens."""
+    """KL-Cov: coefficient of the |logp - logp_old| penalty on those tokens (1: the authors' recipes; verl's default is 0.1)."""
 
 
 @dataclass
@@ -226,9 +226,12 @@ class RolloutConfig:
     max_num_seqs: int = 256
     """vLLM's max concurrent sequences (the transformers engine's decode batch size)."""
     per_request_seed: bool = False
-    """One seeded request per sample (sample j of prompt i does not depend on the rest of the batch) instead of
-    one request per prompt with n samples drawn from an engine RNG reseeded per call; slower (vLLM's
-    per-request sampling loop)."""
+    """One seeded request per sample: sample j of prompt i depends only on (prompt seed, j), not on the rest of
+    the batch, so one trainer.seed draws the same trajectories at any rollout data-parallel size (on CPU; on
+    GPU a batch-size-dependent kernel may still change a token). false: one request per prompt with n samples,
+    the engine RNG reseeded per generate call from the call's prompt seeds (reproducible for one layout;
+    another rollout data-parallel size draws other samples). Cost measured on CPU (vLLM, tiny model, 8 samples
+    x 64 tokens, 32 or 128 prompts): 1.10x the CPU time of a generate call; unmeasured on GPU (docs/sweeps.md)."""
     max_num_batched_tokens: int = 8192
     """vLLM's token budget per scheduler step."""
     kv_cache_gb: float = 1.0
@@ -475,6 +478,30 @@ class MultiTurnConfig:
     """Wall-clock limit of one tool call; a call that exceeds it gets an error result."""
     max_parallel_calls: int = 16
     """Tool calls running at once on one rank."""
+    sandbox_timeout_s: float = 8.0
+    """Wall-clock limit of one run of the python tool; its process group is killed then. Below tool_timeout_s,
+    so the model sees the sandbox's own message."""
+    sandbox_cpu_s: int = 5
+    """CPU seconds one python-tool process may use (RLIMIT_CPU)."""
+    sandbox_memory_mb: int = 1024
+    """Address space of one python-tool process in MiB (RLIMIT_AS)."""
+    sandbox_file_mb: int = 16
+    """Largest file a python-tool program may write, in MiB (RLIMIT_FSIZE)."""
+    sandbox_processes: int = 16
+    """Processes (and threads) a python-tool program may start (RLIMIT_NPROC above the sandbox user's count)."""
+    sandbox_output_chars: int = 4096
+    """Characters of stdout and of stderr a python-tool run returns; the rest is cut."""
+    sandbox_python: str = ""
+    """The interpreter python-tool programs run in ("" = the trainer's own). When the trainer runs as root the
+    programs run as the user nobody, who must be able to run it (a Python under /root is out of its reach)."""
+    http_exec_url: str = ""
+    """The code-execution service the http_exec tool posts to: the full endpoint, e.g.
+    http://host:8080/run_code (SandboxFusion) or http://host:2000/api/v2/execute (Piston)."""
+    http_exec_api: str = "sandbox_fusion"
+    """The service's request and response format: sandbox_fusion or piston."""
+    http_exec_timeout_s: float = 8.0
+    """Wall-clock limit of one http_exec request (also sent to the service as its run timeout). Below
+    tool_timeout_s."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ CHOICES = {
     "trainer.backend": ("fsdp", "megatron"),
     "trainer.critic_backend": ("", "fsdp", "megatron"),
     "lora.init": ("default", "gaussian"),  # spmdrl.engines.lora.INITS
+    "multi_turn.http_exec_api": ("sandbox_fusion", "piston"),  # spmdrl.tools.builtin.HTTP_APIS
 }
 MEMORY_KINDS = ("params", "grads", "optimizer")
 
@@ -59,7 +60,7 @@ def check_ranges(cfg) -> None:
     need(0 <= alg.gamma <= 1, "algorithm.gamma", "in [0, 1]")
     need(0 <= alg.lam <= 1, "algorithm.lam", "in [0, 1]")
     need(alg.epsilon >= 0, "algorithm.epsilon", ">= 0")
-    need(a.clip_ratio_low < 1, "actor.clip_ratio_low", "< 1 (the ratio is clipped at 1 - clip_ratio_low)")
+    need(a.clip_ratio_low <= 1, "actor.clip_ratio_low", "<= 1 (the ratio is clipped at 1 - clip_ratio_low; 1: no lower clip)")
     need(t.dist_timeout_s > 0, "trainer.dist_timeout_s", "> 0")
     need(a.ppo_mini_batch_size >= 0, "actor.ppo_mini_batch_size", ">= 0 (0 means data.train_batch_size)")
     need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "-1 (disabled) or >= 1")
@@ -201,6 +202,7 @@ def validate(cfg, world_size: int):
     validate_split(cfg)
     validate_architecture(cfg)
     validate_lora_sync(cfg)
+    validate_tools(cfg)
     return layout
 
 
@@ -517,3 +519,28 @@ def _check_fsdp_tp_heads(cfg, source: str, hf: dict) -> None:
                 f"FSDP2 backend's tensor parallelism needs both divisible by the tp size; use a tp that divides {kv} "
                 "(more data parallelism instead)"
             )
+
+
+def validate_tools(cfg) -> None:
+    """The [multi_turn] tool settings, and the tools themselves: with multi_turn.enable every spec in
+    multi_turn.tools is loaded here (user code imported, schemas derived, the sandbox's interpreter tried), so a
+    bad spec fails before any process group or engine exists."""
+    mt = cfg.multi_turn
+    for key in ("tool_timeout_s", "max_parallel_calls", "max_calls_per_turn", "sandbox_timeout_s", "sandbox_cpu_s",
+                "sandbox_file_mb", "sandbox_processes", "sandbox_output_chars", "http_exec_timeout_s"):
+        if not getattr(mt, key) > 0:
+            raise ConfigError(f"multi_turn.{key} must be > 0, found {getattr(mt, key)}")
+    if mt.sandbox_memory_mb < 64:
+        raise ConfigError(f"multi_turn.sandbox_memory_mb must be >= 64 (a Python interpreter needs that much address "
+                          f"space to start), found {mt.sandbox_memory_mb}")
+    for tool, key in (("python", "sandbox_timeout_s"), ("http_exec", "http_exec_timeout_s")):
+        if tool in mt.tools and getattr(mt, key) >= mt.tool_timeout_s:
+            raise ConfigError(
+                f"multi_turn.{key} = {getattr(mt, key)} must be below multi_turn.tool_timeout_s = {mt.tool_timeout_s} "
+                f"(the {tool} tool's own limit should end a run, so its message reaches the model); lower it or raise "
+                "tool_timeout_s"
+            )
+    if mt.enable:
+        from spmdrl.tools.registry import load_tools
+
+        load_tools(mt.tools, mt)

@@ -80,11 +80,18 @@ class Scorer:
 
     @staticmethod
     def place_token_scores(batch: Batch) -> None:
-        """Outcome score on the last response token (what token-level estimators consume)."""
+        """Outcome score on the last VALID response token (what token-level estimators consume): with holes in
+        the response mask (tool output in a multi-turn trajectory, a response cut inside a tool segment) the
+        last token may be masked, and a score there would be dropped by every estimator. No valid token: no score."""
         R = batch["responses"].shape[1]
-        last = (batch["response_len"] - 1).clamp(min=0)
+        if "response_mask" in batch:
+            valid = batch["response_mask"][:, :R] != 0
+        else:
+            valid = torch.arange(R)[None] < batch["response_len"][:, None]
+        last = torch.where(valid, torch.arange(R)[None], torch.full_like(valid, -1, dtype=torch.long)).amax(-1)
         token_scores = torch.zeros(len(batch), R)
-        token_scores[torch.arange(len(batch)), last] = batch["scores"] * (batch["response_len"] > 0)
+        rows = (last >= 0).nonzero().flatten()
+        token_scores[rows, last[rows]] = batch["scores"][rows].to(token_scores.dtype)
         batch["token_level_scores"] = token_scores
 
     def error_metrics(self) -> dict[str, float]:

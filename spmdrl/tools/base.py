@@ -12,8 +12,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-FAILURES = ("exception", "timeout", "malformed", "unknown_tool", "bad_output")
-"""The kinds of failed call, as counted in the metrics (tools/failures/<tool>/<kind>)."""
+FAILURES = ("exception", "timeout", "malformed", "unknown_tool", "bad_output", "too_many_calls")
+"""The kinds of failed call, as counted in the metrics (tools/failures/<tool>/<kind>); too_many_calls: a call
+past multi_turn.max_calls_per_turn in its turn, not run."""
 
 
 @dataclass(frozen=True)
