@@ -296,10 +296,10 @@ def test_tool_quickstart_configs_validate():
     # the GRPO response budget
     tok = build_tokenizer()
     terms = (9999999,) * 3
-    from spmdrl.data.tool_sums import calculator_schema, conversation
+    from spmdrl.data.tool_sums import calculator, conversation
 
     conv = conversation(terms)
-    n = [len(tok(tok.apply_chat_template(c, tools=[calculator_schema()], tokenize=False, add_generation_prompt=g),
+    n = [len(tok(tok.apply_chat_template(c, tools=[calculator().schema()], tokenize=False, add_generation_prompt=g),
                  add_special_tokens=False)["input_ids"]) for c, g in ((conv[:1], True), (conv, False))]
     assert n[0] <= cfg.data.max_prompt_length and n[1] <= sft.sft.max_length
     assert n[1] - n[0] <= cfg.data.max_response_length

@@ -34,12 +34,12 @@ _EXTRA_INFO_TYPE = pa.struct([
 SFT_SCHEMA = pa.schema([("messages", pa.list_(schema.MESSAGE_TYPE)), ("tools", pa.string())])
 
 
-def calculator_schema() -> dict:
-    """The OpenAI-style schema of the calculator, as the chat template receives it in `tools`."""
-    return {"type": "function", "function": {
-        "name": TOOL, "description": "Evaluate an arithmetic expression and return the result.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
-    }}
+def calculator():
+    """The built-in calculator tool: its schema goes to the chat template, its output is the demonstrations' tool
+    turn (so they show exactly what the rollout's tool returns)."""
+    from spmdrl.tools.builtin import calculator_tool
+
+    return calculator_tool()
 
 
 def problems(n: int, *, seed: int, terms: tuple[int, int] = (2, 3), digits: tuple[int, int] = (5, 7)
@@ -85,12 +85,14 @@ def tool_call_text(terms: tuple[int, ...]) -> str:
     return f"<tool_call>{json.dumps(call)}</tool_call>"
 
 
-def conversation(terms: tuple[int, ...]) -> list[dict]:
-    """One demonstration: user question, assistant call, tool result, assistant answer."""
+def conversation(terms: tuple[int, ...], tool=None) -> list[dict]:
+    """One demonstration: user question, assistant call, the calculator's result, assistant answer."""
+    tool = tool or calculator()
+    result = tool.fn(expression="+".join(str(t) for t in terms))
     return [
         {"role": "user", "content": question(terms)},
         {"role": "assistant", "content": tool_call_text(terms)},
-        {"role": "tool", "content": answer(terms)},
+        {"role": "tool", "content": result},
         {"role": "assistant", "content": answer(terms)},
     ]
 
@@ -124,8 +126,9 @@ def make_tool_sums(
             [_row(t, split, i) for i, t in enumerate(part)], os.path.join(out_dir, f"{split}.parquet"),
             extra_info_type=_EXTRA_INFO_TYPE,
         )
-    tools = json.dumps([calculator_schema()])
-    table = pa.Table.from_pylist([{"messages": conversation(t), "tools": tools} for t in rest[:n_sft]],
+    tool = calculator()
+    tools = json.dumps([tool.schema()])
+    table = pa.Table.from_pylist([{"messages": conversation(t, tool), "tools": tools} for t in rest[:n_sft]],
                                  schema=SFT_SCHEMA)
     written["sft"] = os.path.join(out_dir, "sft.parquet")
     pq.write_table(table, written["sft"])
