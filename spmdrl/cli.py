@@ -270,10 +270,16 @@ def bench(
                                             "split (max_staleness 1) on the same workload and world; one row each."),
     compare_lora: bool = typer.Option(False, "--lora", help="Run a LoRA actor with rollout.lora_sync adapter and merge "
                                       "on the same workload and world; one row each."),
+    tools: bool = typer.Option(False, "--tools", help="Run the multi-turn turn loop on the calculator task (the tool "
+                               "quickstart's GRPO; --model: its SFT model, default: trained once into the work dir) and "
+                               "report the loop's time split: generation, tools, idle, turns, model tokens/s."),
 ):
     """Time a GRPO step by stage on the quickstart setup and report the SPMD overhead."""
-    from spmdrl.bench import breakdown, format_breakdown, launch, lora_bench, placement_bench, prepare
+    from spmdrl.bench import breakdown, format_breakdown, launch, lora_bench, placement_bench, prepare, tool_bench
 
+    if tools:
+        typer.echo(tool_bench(work_dir, model, nproc, steps, _overrides(overrides)))
+        return
     if compare_lora:
         typer.echo(lora_bench(work_dir, model, nproc, steps, _overrides(overrides)))
         return
