@@ -239,18 +239,17 @@ def prepare_tools(work_dir: str, model: str | None, nproc: int) -> tuple[str, di
 
 
 TURN_KEYS = {"generation": "timing/turn_generate_s", "tools": "timing/turn_tools_s",
-             "loop_other": "timing/turn_other_s"}
-# a rank whose rollout finished first waits for the slowest one at the first collective after the rollout,
-# the move of the batch to the actor's layout
-IDLE_KEY = "timing/reshard_batch_s"
+             "loop_other": "timing/turn_other_s", "idle": "timing/turn_idle_s"}
+"""The turn loop's time split per step, each a mean over the rollout ranks; idle is a rank's wait for the rollout
+rank whose loop took longest, so the four add up to the slowest rank's loop time."""
 
 
 def tool_breakdown(run_dir: str, skip: int = 2) -> dict[str, float]:
     """Medians per step (after `skip` warm-up steps) of the turn loop's time split: generation, tool calls, the
-    loop's own work (parsing calls, rendering the template glue, the group's agreement check), idle (the wait
-    for the slowest rank after the rollout), their sum with the rollout stage, and the fractions of that wall
-    time; turns (loop iterations per step, turns per trajectory), tool calls, and model tokens per second
-    (tokens the policy sampled; tool results and template glue not counted)."""
+    loop's own work (parsing calls, rendering the template glue, the group's agreement check) and idle (waiting
+    for the slowest rollout rank), in seconds and as fractions of the loop's wall time (their sum); turns (loop
+    iterations per step, turns per trajectory), tool calls, and model tokens per second (tokens the policy
+    sampled; tool results and template glue not counted)."""
     from spmdrl.metrics import read_jsonl
 
     rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"), last_per_step=True) if "timing/step_s" in r]
@@ -260,23 +259,23 @@ def tool_breakdown(run_dir: str, skip: int = 2) -> dict[str, float]:
     def med(fn):
         return statistics.median(fn(r) for r in rows)
 
-    out = {name: med(lambda r, k=key: r.get(k, 0.0)) for name, key in TURN_KEYS.items()}
-    out["idle"] = med(lambda r: r.get(IDLE_KEY, 0.0))
-    out["rollout"] = med(lambda r: r.get("timing/rollout_s", 0.0))
+    wall = [sum(r.get(k, 0.0) for k in TURN_KEYS.values()) for r in rows]
+    timed = [(r, w) for r, w in zip(rows, wall) if w > 0]
+    out = {}
+    for name, key in TURN_KEYS.items():
+        out[name] = med(lambda r, k=key: r.get(k, 0.0))
+        out[f"{name}_frac"] = statistics.median(r.get(key, 0.0) / w for r, w in timed) if timed else 0.0
+    out["loop_wall"] = statistics.median(wall)
     out["step"] = med(lambda r: r["timing/step_s"])
-    wall = [r.get("timing/rollout_s", 0.0) + r.get(IDLE_KEY, 0.0) for r in rows]  # the rollout and the wait after it
-    for name in (*TURN_KEYS, "idle"):
-        key = TURN_KEYS.get(name, IDLE_KEY)
-        out[f"{name}_frac"] = statistics.median(r.get(key, 0.0) / w for r, w in zip(rows, wall) if w > 0) if any(wall) else 0.0
     out["loop_turns"] = med(lambda r: r.get("multi_turn/loop_turns", 0.0))
     out["turns_mean"] = med(lambda r: r.get("multi_turn/turns_mean", 0.0))
     out["turns_max"] = max(r.get("multi_turn/turns_max", 0.0) for r in rows)
-    out["tool_calls"] = med(lambda r: sum(v for k, v in r.items() if k.startswith("tools/calls/")))
+    out["tool_calls"] = med(lambda r: r.get("tools/calls", 0.0))
     out["model_tokens_mean"] = med(lambda r: r.get("multi_turn/model_tokens_mean", 0.0))
     out["tool_tokens_mean"] = med(lambda r: r.get("multi_turn/tool_tokens_mean", 0.0))
-    # every rank generates its share at the same time: the step's model tokens over the rollout's wall time
+    # the ranks generate their shares at the same time: the step's model tokens over the loop's wall time
     out["model_tokens_per_s"] = statistics.median(
-        r.get("multi_turn/model_tokens_mean", 0.0) * samples / w for r, w in zip(rows, wall) if w > 0) if any(wall) else 0.0
+        r.get("multi_turn/model_tokens_mean", 0.0) * samples / w for r, w in timed) if timed else 0.0
     out["model_tokens_per_step_s"] = med(lambda r: r.get("multi_turn/model_tokens_mean", 0.0) * samples / r["timing/step_s"])
     out["samples"] = float(samples)
     out["steps_measured"] = float(len(rows))
@@ -284,23 +283,22 @@ def tool_breakdown(run_dir: str, skip: int = 2) -> dict[str, float]:
 
 
 def format_tool_breakdown(b: dict[str, float], nproc: int) -> str:
-    wall = b["rollout"] + b["idle"]
     lines = [
         f"turn loop on the calculator task: median per step over {int(b['steps_measured'])} steps, {nproc} ranks, "
         f"{int(b['samples'])} trajectories per step",
-        "rollout part                      median s   % of rollout wall",
-        "-" * 64,
+        "turn loop                          median s   % of loop wall",
+        "-" * 60,
     ]
     for name, label in (("generation", "generation"), ("tools", "tools"), ("loop_other", "loop (parse, glue, checks)"),
                         ("idle", "idle (wait for slowest rank)")):
-        lines.append(f"{label:<32} {b[name]:>9.4f}   {100 * b[name + '_frac']:>8.1f}")
+        lines.append(f"{label:<32} {b[name]:>10.4f}   {100 * b[name + '_frac']:>8.1f}")
     lines += [
-        "-" * 64,
-        f"{'rollout stage + idle':<32} {wall:>9.4f}   (step {b['step']:.4f} s)",
+        "-" * 60,
+        f"{'loop wall (slowest rank)':<32} {b['loop_wall']:>10.4f}   (step {b['step']:.4f} s)",
         f"turns: {b['loop_turns']:.0f} loop turns per step, {b['turns_mean']:.2f} per trajectory (max "
         f"{b['turns_max']:.0f}), {b['tool_calls']:.0f} tool calls per step",
         f"tokens per trajectory: {b['model_tokens_mean']:.1f} model, {b['tool_tokens_mean']:.1f} tool results and glue",
-        f"model tokens/s: {b['model_tokens_per_s']:.0f} over the rollout wall time, {b['model_tokens_per_step_s']:.0f} "
+        f"model tokens/s: {b['model_tokens_per_s']:.0f} over the loop's wall time, {b['model_tokens_per_step_s']:.0f} "
         "over the whole step",
     ]
     return "\n".join(lines)
