@@ -166,6 +166,9 @@ class SFTDataset:
                     ends = [j for j, t in enumerate(seg) if t == self.tokenizer.eos_token_id]
                     stop = a + ends[-1] + 1 if ends else b  # the turn's end token; the template's glue after it is 0
                     mask[a:stop] = [1] * (stop - a)
+                if 1 not in mask:
+                    raise schema.row_error(path, start + i, self.messages_key, "the chat template renders no tokens "
+                                           "for its assistant messages, so there is nothing to train on")
                 rows.append(full_ids)
                 row_masks.append(mask)
             rows, row_masks = self._fit_conversations(rows, row_masks, path, start)
