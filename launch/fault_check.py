@@ -3,16 +3,20 @@
 
     python launch/fault_check.py --config my.toml --nproc 8 --out /scratch/faultcheck [section.key=value ...]
 
-Five launches of `spmdrl train` into a fresh --out directory (trainer.output_dir=<out>/run,
+Launches of `spmdrl train` into a fresh --out directory (trainer.output_dir=<out>/run,
 checkpoint.resume=auto, checkpoint.save_freq=1 are appended to your overrides), each checked:
 
+  0. a misspelt key under `python -m spmdrl.launcher` (what replaces torchrun): one line, exit 2.
   1. kill -9 of the launcher once the first checkpoint exists: no process of the job may be alive 30 s later.
   2. SIGTERM to the launcher while a checkpoint save is in progress (a .tmp-step_* directory exists; if no
      save is seen within --wait-save-s, after the next step): the whole job ends within 30 s, stderr has
      exactly one `error` line and no traceback, and no half-written checkpoint is left as complete.
   3. Ctrl-C (SIGINT to the launcher) after a new step: the job ends within 30 s with exactly one `error`
      line, no traceback and no KeyboardInterrupt.
-  4. kill -9 of one rank after a new step: the job ends (within --rank-kill-s), with a non-zero exit.
+  4. kill -9 of one rank after a new step: the job ends (within --rank-kill-s), the launcher names the rank,
+     exit 1 (not the user-error 2).
+  4b. the same during a checkpoint save (rank-kill-save), and no torn checkpoint is complete.
+  4c. kill -9 of rank 0 while the job starts (rank0-kill-start): every process gone within 20 s.
   5. a plain relaunch: it resumes from the last complete checkpoint and finishes trainer.total_steps
      (leave room for the interruptions: 6 or more); metrics.jsonl then holds every step once (last value
      per step).
@@ -30,7 +34,9 @@ import sys
 import time
 
 TERM_LIMIT_S = 30.0
-CHECKS = ("launcher-kill", "launcher-term", "launcher-int", "rank-kill", "resume")
+START_KILL_LIMIT_S = 20.0  # a rank blocked in C++ leaves 5 s after torchrun's SIGTERM (spmdrl.faults.STOP_GRACE_S)
+CHECKS = ("config-typo", "launcher-kill", "launcher-term", "launcher-int", "rank-kill", "rank-kill-save",
+          "rank0-kill-start", "resume")
 
 
 def children_of() -> dict[int, list[int]]:
@@ -76,10 +82,10 @@ def cmdline(pid: int) -> str:
 class Job:
     """One `spmdrl train` launch; remembers every process of the job (they outlive a SIGKILLed launcher)."""
 
-    def __init__(self, n: int, args, overrides: list[str], env: dict | None = None):
+    def __init__(self, n: int, args, overrides: list[str], env: dict | None = None, cmd: list[str] | None = None):
         self.log = os.path.join(args.out, str(n))
-        cmd = [sys.executable, "-m", "spmdrl", "train", "--nproc", str(args.nproc), "--config", args.config,
-               *overrides]
+        cmd = cmd or [sys.executable, "-m", "spmdrl", "train", "--nproc", str(args.nproc), "--config", args.config,
+                      *overrides]
         self.out, self.err = open(self.log + ".out", "w"), open(self.log + ".err", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, env={**os.environ, **(env or {})})
         self.pids: set[int] = set()
@@ -105,6 +111,20 @@ class Job:
                 return time.monotonic() - t0
             time.sleep(0.1)
         return None
+
+    def ranks(self) -> dict[int, int]:
+        """{rank: pid} of the job's ranks (their RANK variable)."""
+        out = {}
+        for pid in descendants(self.proc.pid):
+            if "spmdrl.train" not in cmdline(pid):
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                out[int(env.get(b"RANK", b"0"))] = pid
+            except (OSError, ValueError):
+                pass
+        return out
 
     def text(self, which: str) -> str:
         with open(f"{self.log}.{which}", encoding="utf-8", errors="replace") as f:
@@ -179,7 +199,8 @@ def main(argv=None) -> int:
         results.append((name, ok, detail))
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
 
-    # 1. kill -9 of the launcher
+    if "config-typo" in todo:
+        config_typo(args, run, ov, check)
     if "launcher-kill" in todo:
         launcher_kill(args, run, ov, check)
     if "launcher-term" in todo:
@@ -188,6 +209,10 @@ def main(argv=None) -> int:
         launcher_int(args, run, ov, check)
     if "rank-kill" in todo:
         rank_kill(args, run, ov, check)
+    if "rank-kill-save" in todo:
+        rank_kill_save(args, run, ov, check)
+    if "rank0-kill-start" in todo:
+        rank0_kill_start(args, run, ov, check)
     if "resume" in todo:
         resume(args, run, ov, check)
     return 0 if results and all(ok for _, ok, _ in results) else 1
@@ -255,15 +280,79 @@ def rank_kill(args, run, ov, check) -> None:
     rows = len(metric_rows(run))
     job = Job(4, args, ov)
     if wait_for(lambda: len(metric_rows(run)) > rows, job, args.start_s, poll=0.2):
-        ranks = [pid for pid in sorted(descendants(job.proc.pid)) if "spmdrl.train" in cmdline(pid)]
+        ranks = job.ranks()
+        rank = max(ranks) if ranks else -1
         if ranks:
-            os.kill(ranks[-1], signal.SIGKILL)
+            os.kill(ranks[rank], signal.SIGKILL)
         took = job.wait_gone(args.rank_kill_s)
-        check("kill -9 rank", bool(ranks) and took is not None and job.proc.returncode != 0,
-              f"job ended {took:.1f}s after killing pid {ranks[-1]}, exit {job.proc.returncode}" if ranks and took is not None
-              else f"no rank found or still alive after {args.rank_kill_s:g}s")
+        named = bool(ranks) and killed_rank_named(job, rank, ranks[rank])
+        check("kill -9 rank", bool(ranks) and took is not None and job.proc.returncode == 1 and named,
+              f"job ended {took:.1f}s after killing rank {rank}, exit {job.proc.returncode}, named: {named}"
+              if ranks and took is not None else f"no rank found or still alive after {args.rank_kill_s:g}s")
     else:
         check("kill -9 rank", False, f"no new step within {args.start_s:g}s (see {job.log}.err)")
+    job.kill_all()
+
+
+def killed_rank_named(job: Job, rank: int, pid: int) -> bool:
+    """The launcher's one line for a rank that died without a word."""
+    return f"error: rank {rank} (pid {pid}) was killed by SIGKILL" in job.text("err")
+
+
+def config_typo(args, run, ov, check) -> None:
+    """A misspelt key under the launcher that replaces torchrun (python -m spmdrl.launcher, torchrun's
+    arguments): exactly one line, exit 2, no torchrun summary or traceback."""
+    cmd = [sys.executable, "-m", "spmdrl.launcher", "--standalone", "--nproc-per-node", str(args.nproc), "-m",
+           "spmdrl.train", "--config", args.config, *ov, "trainer.totl_steps=3"]
+    job = Job(0, args, ov, cmd=cmd)
+    job.proc.wait(timeout=args.start_s)
+    err = [ln for ln in job.text("err").splitlines() if ln.strip() and "Warning" not in ln]
+    ok = job.proc.returncode == 2 and len(err) == 1 and err[0].startswith("error") and "totl_steps" in err[0]
+    check("config typo under the launcher", ok, f"exit {job.proc.returncode}, {len(err)} line(s): {err[0][:120] if err else ''}")
+    job.kill_all()
+
+
+def rank_kill_save(args, run, ov, check) -> None:
+    """kill -9 of the last rank while a checkpoint is being written: the job ends, the launcher names the rank,
+    exit 1 (not a user error), and no torn checkpoint is complete."""
+    before = checkpoints(run)
+    job = Job(6, args, ov)
+    if not wait_for(lambda: saving(run), job, args.wait_save_s, poll=0.02):
+        check("kill -9 rank during a save", False, f"no save seen within {args.wait_save_s:g}s (see {job.log}.err)")
+        job.kill_all()
+        return
+    ranks = job.ranks()
+    rank = max(ranks) if ranks else -1
+    if ranks:
+        os.kill(ranks[rank], signal.SIGKILL)
+    took = job.wait_gone(args.rank_kill_s)
+    torn = [c for c in checkpoints(run) if c not in before and not os.path.isfile(os.path.join(run, "checkpoints", c, "manifest.json"))]
+    ok = bool(ranks) and took is not None and job.proc.returncode == 1 and killed_rank_named(job, rank, ranks[rank]) and not torn
+    check("kill -9 rank during a save", ok, f"job ended {took:.1f}s after killing rank {rank}, exit {job.proc.returncode}"
+          f", named: {killed_rank_named(job, rank, ranks[rank])}, torn: {torn}" if ranks and took is not None
+          else f"no rank found or still alive after {args.rank_kill_s:g}s: {job.remaining()}")
+    job.kill_all()
+
+
+def rank0_kill_start(args, run, ov, check) -> None:
+    """kill -9 of rank 0 while the job starts (2 s after the ranks print their place in the meshes: models
+    loading, engines and vLLM building): the other ranks leave within START_KILL_LIMIT_S, the launcher names
+    rank 0, exit 1."""
+    job = Job(7, args, ov)
+    if not wait_for(lambda: "[rank0]" in job.text("out"), job, args.start_s, poll=0.1):
+        check("kill -9 rank 0 at start-up", False, f"ranks did not start (see {job.log}.err)")
+        job.kill_all()
+        return
+    time.sleep(2.0)
+    job.snapshot()
+    pid = job.ranks().get(0)
+    if pid:
+        os.kill(pid, signal.SIGKILL)
+    took = job.wait_gone(START_KILL_LIMIT_S)
+    ok = bool(pid) and took is not None and job.proc.returncode == 1 and killed_rank_named(job, 0, pid)
+    check("kill -9 rank 0 at start-up", ok, f"all gone {took:.1f}s after the kill, exit {job.proc.returncode}, "
+          f"named: {killed_rank_named(job, 0, pid)}" if pid and took is not None
+          else f"still alive after {START_KILL_LIMIT_S:g}s: {job.remaining()}")
     job.kill_all()
 
 

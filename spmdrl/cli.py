@@ -87,17 +87,17 @@ def _validate_and_launch(module, config, overrides, nproc, dry_run, root_cls, va
     overrides = _overrides(overrides)
     cfg = load_config(config, overrides, root_cls=root_cls)
     validate_fn(cfg, nproc)
-    if preflight_fn is not None and preflight_fn(cfg) is False:
+    if preflight_fn is not None and preflight_fn(cfg, nproc) is False:
         return
     _launch(launch_command(module, config, overrides, nproc), dry_run)
 
 
-def _train_preflight(cfg):
+def _train_preflight(cfg, nproc: int):
     """spmdrl.preflight before launching; False (and one line) when the run is already at total_steps."""
     from spmdrl.config import to_toml
     from spmdrl.preflight import preflight
 
-    plan = preflight(cfg, to_toml(cfg))
+    plan = preflight(cfg, to_toml(cfg), world_size=nproc)
     if plan.resume and plan.resume_step >= cfg.trainer.total_steps:
         typer.echo(f"{plan.resume} is at step {plan.resume_step} and trainer.total_steps = {cfg.trainer.total_steps}: "
                    "nothing to train (raise trainer.total_steps to go on)", err=True)
@@ -150,13 +150,23 @@ def config_show(
         None, "--world-size", "-w", min=1, help="Also validate for this many ranks and print the layout on stderr."
     ),
     comments: bool = typer.Option(False, "--comments", help="Put each key's documentation above it."),
+    sft: bool = typer.Option(False, "--sft", help="An SFT config (`spmdrl sft`); a file with an [sft] table is one anyway."),
 ):
     """Print the resolved config (files, extends and overrides merged) as TOML, valid input to --config."""
     from spmdrl.config import load_config, to_toml, validate
+    from spmdrl.config.loader import read_toml_tree
+    from spmdrl.config.schema import Config, SFTConfig
 
-    cfg = load_config(config, _overrides(overrides))
+    overrides = _overrides(overrides)
+    sft = sft or any(o.startswith("sft.") for o in overrides) or bool(config and "sft" in read_toml_tree(config)[0])
+    cfg = load_config(config, overrides, root_cls=SFTConfig if sft else Config)
     if world_size is not None:
-        layout = validate(cfg, world_size)
+        if sft:
+            from spmdrl.sft import validate_sft
+
+            layout = validate_sft(cfg, world_size)
+        else:
+            layout = validate(cfg, world_size)
         for role in layout.values():
             typer.echo(f"# {role.role}: {len(role.ranks)} ranks, dp={role.dp} pp={role.pp} tp={role.tp}", err=True)
     typer.echo(to_toml(cfg, with_docs=comments), nl=False)

@@ -27,3 +27,11 @@ class CheckpointError(SpmdrlError):
 
 class HookError(SpmdrlError):
     """A user hook raised."""
+
+
+class Stopped(SpmdrlError):
+    """A rank stopped by a signal (SIGTERM, Ctrl-C): one line, but not a user error (exit 128 + signum)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum

@@ -8,8 +8,11 @@ is one bucket (`bucket_bytes`, 1 GiB by default) in the stored dtype plus its ca
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -90,19 +93,75 @@ def _save_tokenizer(path: str, hf_dir: str, out_dir: str) -> None:
         log.warning("checkpoint %s: no tokenizer exported (%s)", path, e)
 
 
+def check_out_dir(out_dir: str) -> None:
+    """The export target must be new or an empty directory: files already there (an older model.safetensors)
+    would sit beside the new shards, and from_pretrained could load them instead."""
+    if os.path.isdir(out_dir):
+        held = sorted(os.listdir(out_dir))
+        if held:
+            raise CheckpointError(f"export --out {out_dir}: the directory is not empty (it holds "
+                                  f"{', '.join(held[:3])}{' ...' if len(held) > 3 else ''}); give a new or empty "
+                                  "directory (files left there could be loaded instead of the export)")
+    elif os.path.lexists(out_dir):
+        raise CheckpointError(f"export --out {out_dir}: it is a file, not a directory; give a new or empty directory")
+
+
+@contextlib.contextmanager
+def _staged(out_dir: str):
+    """A temporary directory beside `out_dir`, renamed to it when the export is complete: a failed export
+    leaves no half-written model there."""
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.export-", dir=parent)
+    except OSError as e:
+        raise CheckpointError(f"export --out {out_dir}: cannot write there ({e.strerror or e}); choose a writable "
+                              "directory") from None
+    try:
+        yield tmp
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty (check_out_dir); rename replaces no files
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _hf_config(path: str, hf_dir: str):
+    """hf/config.json as a transformers config, or a one-line CheckpointError when it does not load."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(hf_dir)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: hf/config.json does not load as a model config ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]}); the checkpoint was edited or damaged") from None
+
+
 def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str = "actor", verify: bool = True,
               bucket_bytes: int = 1 << 30, merged: bool = False) -> str:
+    """Checks the target (new or empty, check_out_dir), then writes the export into a temporary directory
+    beside it and renames it into place when complete (`_export`)."""
+    check_out_dir(out_dir)
+    path = find_checkpoint(checkpoint)
+    with _staged(out_dir) as tmp:
+        _export(path, tmp, dtype=dtype, engine=engine, verify=verify, bucket_bytes=bucket_bytes, merged=merged)
+    log.info("export written to %s", out_dir)
+    return out_dir
+
+
+def _export(path: str, out_dir: str, *, dtype: str = "auto", engine: str = "actor", verify: bool = True,
+            bucket_bytes: int = 1 << 30, merged: bool = False) -> str:
     """Write `engine`'s weights from `checkpoint` (a checkpoint dir, or a run's output_dir: its latest) as an
     HF model directory `out_dir`, streamed: DCP reads one bucket of parameters (about bucket_bytes in the export
     dtype) at a time, which is cast and written as one safetensors file (engines/hf_writer.py). dtype auto keeps
     the original model's dtype (config.json). A LoRA checkpoint gives a PEFT adapter directory, or with `merged`
     the base model with the adapters merged in (export_lora)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from spmdrl.engines.hf_writer import ShardWriter
     from spmdrl.reshard.plan import group_by_bytes
 
-    path = find_checkpoint(checkpoint)
     hf_dir = os.path.join(path, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise CheckpointError(f"checkpoint {path}: hf/config.json is missing; it cannot be exported")
@@ -111,10 +170,15 @@ def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str
     if merged:
         raise CheckpointError(f"checkpoint {path} holds the whole {engine} model, not LoRA adapters; export it without --merged")
     reader, entries = _stored(path, engine, verify)
-    config = AutoConfig.from_pretrained(hf_dir)
+    config = _hf_config(path, hf_dir)
     target = _target_dtype(dtype, config)
-    with torch.device("meta"):  # the names and shapes the model in hf/config.json expects: nothing allocated
-        expected = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(config, dtype=target).named_parameters()}
+    try:
+        with torch.device("meta"):  # the names and shapes the model in hf/config.json expects: nothing allocated
+            model = AutoModelForCausalLM.from_config(config, dtype=target)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: hf/config.json does not describe a causal LM transformers can build "
+                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     stored = {name: shape for name, _, shape, _ in entries}
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
@@ -134,8 +198,7 @@ def export_hf(checkpoint: str, out_dir: str, *, dtype: str = "auto", engine: str
     config.use_cache = True
     config.save_pretrained(out_dir)
     _save_tokenizer(path, hf_dir, out_dir)
-    log.info("exported %s (%s) from %s to %s in %d file(s)", engine, str(target).removeprefix("torch."), path, out_dir,
-             len(buckets))
+    log.info("exported %s (%s) from %s in %d file(s)", engine, str(target).removeprefix("torch."), path, len(buckets))
     return out_dir
 
 
@@ -145,8 +208,6 @@ def export_lora(path: str, out_dir: str, *, dtype: str = "auto", engine: str = "
     what peft.PeftModel.from_pretrained and vLLM's LoRARequest load; dtype auto keeps the stored float32), or
     with `merged` an HF model directory: the base model (adapter_config's base_model_name_or_path, loaded whole in
     the export dtype) with W + (alpha / r) B A merged in by PEFT, so peak memory is the whole model."""
-    import tempfile
-
     from spmdrl.engines.lora import is_adapter, peft_name, write_adapter
 
     hf_dir = os.path.join(path, "hf")
@@ -157,13 +218,13 @@ def export_lora(path: str, out_dir: str, *, dtype: str = "auto", engine: str = "
         cast = None if dtype == "auto" else _target_dtype(dtype, None)
         write_adapter(out_dir, [(peft_name(n), t if cast is None else t.to(cast)) for n, t in tensors.items()], config)
         _save_tokenizer(path, hf_dir, out_dir)
-        log.info("exported %s's LoRA adapters (%d tensors) from %s to %s", engine, len(tensors), path, out_dir)
+        log.info("exported %s's LoRA adapters (%d tensors) from %s", engine, len(tensors), path)
         return out_dir
     from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     base = config.get("base_model_name_or_path") or ""
-    target = _target_dtype(dtype, AutoConfig.from_pretrained(hf_dir))
+    target = _target_dtype(dtype, _hf_config(path, hf_dir))
     try:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=target)
     except (OSError, ValueError) as e:
@@ -175,6 +236,5 @@ def export_lora(path: str, out_dir: str, *, dtype: str = "auto", engine: str = "
     model.config.use_cache = True
     model.save_pretrained(out_dir)
     _save_tokenizer(path, hf_dir, out_dir)
-    log.info("exported %s merged with its LoRA adapters (%s) from %s to %s", base, str(target).removeprefix("torch."),
-             path, out_dir)
+    log.info("exported %s merged with its LoRA adapters (%s) from %s", base, str(target).removeprefix("torch."), path)
     return out_dir

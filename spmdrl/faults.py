@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import torch.distributed as dist
 
-from spmdrl.errors import SpmdrlError
+from spmdrl.errors import SpmdrlError, Stopped
 from spmdrl.metrics import StageTimer
 
 log = logging.getLogger("spmdrl")
@@ -110,6 +110,58 @@ def stop_signals() -> Iterator[None]:
             signal.signal(s, h)
 
 
+STOP_GRACE_S = 5.0
+_deferred = {"depth": 0}  # DeferredStop blocks active in this process (a save: it agrees on the stop itself)
+_wakeup: dict = {}
+
+
+def watch_stop_signals(on_stuck: Callable[[int], None], grace_s: float = STOP_GRACE_S) -> threading.Thread | None:
+    """Leave when a stop signal cannot be acted on: the signal handlers (installed by stop_signals and
+    named_failures) run only when the main thread returns to Python, and a rank blocked in C++ (a process-group
+    rendezvous or a store wait for a peer that died) would otherwise sit there until the launcher's SIGKILL. The
+    C-level handler writes each signal to a wakeup socket (signal.set_wakeup_fd) that a thread watches; a stop
+    signal not followed by the process's exit within `grace_s` calls on_stuck(signum) (one line, unless the
+    loop already printed its own) and os._exit(128 + signum). Inside a checkpoint save (DeferredStop) the save
+    agrees on the stop itself and is left alone. Main thread only; returns the thread."""
+    import socket
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    r, w = socket.socketpair()
+    w.setblocking(False)
+    try:
+        signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        return None
+
+    _wakeup["sockets"] = (r, w)  # kept open for the life of the process (the C handler writes to w's fd)
+
+    def watch():
+        deadline, pending = None, 0
+        while True:
+            r.settimeout(None if deadline is None else max(deadline - time.monotonic(), 0.01))
+            try:
+                data = r.recv(64)
+            except socket.timeout:
+                data = b""
+            for b in data:
+                if b in STOP_SIGNALS and deadline is None:
+                    deadline, pending = time.monotonic() + grace_s, b
+            if deadline is not None and time.monotonic() >= deadline:
+                if _deferred["depth"]:  # a save: wait for its agreement (bounded by the launcher's SIGKILL)
+                    deadline = time.monotonic() + grace_s
+                    continue
+                if not _stop["handled"]:
+                    on_stuck(pending)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(128 + pending)
+
+    t = threading.Thread(target=watch, daemon=True, name="spmdrl-stop-watch")
+    t.start()
+    return t
+
+
 class DeferredStop:
     """Within `with DeferredStop() as stop:` SIGTERM/SIGINT are recorded (`stop.signum`), not raised: code
     between collectives (a checkpoint save) finishes its part, and every rank learns of the stop at the
@@ -125,12 +177,14 @@ class DeferredStop:
             self.signum = self.signum or signum
 
         self._handlers = _install(record)
+        _deferred["depth"] += 1
         return self
 
     def consume(self) -> None:
         self.signum = 0
 
     def __exit__(self, *exc) -> None:
+        _deferred["depth"] -= 1
         for s, h in self._handlers.items():
             signal.signal(s, h)
         if self.signum and self._handlers:
@@ -171,10 +225,10 @@ def named_failures(step: Callable[[], int], timeout_s: float) -> Iterator[None]:
         place = f"stage {stage!r}" if stage else f"after stage {last!r}" if last else "before the first stage"
         where = f"step {step()}, {place}"
         if isinstance(e, Terminated):
-            raise SpmdrlError(
+            raise Stopped(
                 f"{where}: stopped by {e} (Ctrl-C, a kill of the launcher, or the launcher stopping every rank "
-                "when one fails: then the first failing rank's line has the cause); relaunch the same command to "
-                "resume from the last complete checkpoint"
+                "after one failed: the launcher's summary names that rank); relaunch the same command to resume "
+                "from the last complete checkpoint", e.signum
             ) from None
         if is_collective_failure(e):
             raise SpmdrlError(
@@ -201,11 +255,14 @@ _SIGNAL_METRICS = ("train/reward_mean", "train/advantage_mean")
 
 
 def is_bad_step(metrics: dict[str, float]) -> bool:
-    """A step with a skipped optimizer update (non-finite grad norm), a non-finite loss or grad norm, or no
-    finite learning signal (non-finite reward or advantage mean)."""
+    """A step with a skipped optimizer update (non-finite grad norm), a non-finite loss or grad norm, no
+    finite learning signal (non-finite reward or advantage mean), or no token left to train on (rollout
+    correction's rejection dropped them all)."""
     for key, v in metrics.items():
         name = key.rsplit("/", 1)[-1]
         if name == "skipped_step" and v > 0:
+            return True
+        if name == "rollout_rs_masked_fraction" and v >= 1.0:  # rollout correction rejected every token
             return True
         if (name == "grad_norm" or name.endswith("loss") or key in _SIGNAL_METRICS) and not math.isfinite(v):
             return True
@@ -274,7 +331,7 @@ def slow_save_if_injected(rank: int, step: int) -> None:
 
 
 __all__ = [
-    "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Terminated", "inject_fault", "inject_fault_if_asked",
+    "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Stopped", "Terminated", "inject_fault", "inject_fault_if_asked",
     "injected_fault", "is_bad_step", "is_collective_failure", "named_failures", "set_collective_timeout",
-    "slow_save_if_injected", "stop_handled", "stop_requested", "stop_signals",
+    "slow_save_if_injected", "stop_handled", "stop_requested", "stop_signals", "watch_stop_signals",
 ]

@@ -87,6 +87,10 @@ def localise_models(cfg):
         section = sections.get(sec, getattr(cfg, sec, None))
         if section is not None and getattr(section, key) in local:
             sections[sec] = dataclasses.replace(section, **{key: local[getattr(section, key)]})
-    for repo_id, (keys, _) in wanted.items():
+    from spmdrl.engines.loading import check_weights
+
+    for repo_id, (keys, weights) in wanted.items():
+        if weights:  # a download cut short
+            check_weights(keys[0], local[repo_id])
         log.info("%s = %r: read from %s", " / ".join(keys), repo_id, local[repo_id])
     return dataclasses.replace(cfg, **sections)

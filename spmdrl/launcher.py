@@ -12,8 +12,9 @@
   sys.path, so a file such as ./tomllib.py cannot shadow an import.
 - A user error (SpmdrlError) is printed by the first failing rank only (a marker file next to torchrun's
   per-rank error files) and written to torchrun's error file, so torchrun's summary names it as the root
-  cause; this wrapper then exits with the root cause's exit code (2 for a user error) and prints no
-  traceback of its own.
+  cause; this wrapper then exits 2 for a user error, names each rank that died without a word (kill -9,
+  the OOM killer) and exits 1, and prints no traceback of its own. It takes torchrun's arguments, so
+  `python -m spmdrl.launcher --nnodes ... -m spmdrl.train ...` replaces `torchrun` on every node.
 """
 from __future__ import annotations
 
@@ -117,6 +118,32 @@ def launch_command(module: str, config: str, overrides: list[str], nproc: int) -
     return [sys.executable, "-P", *args]
 
 
+def summarise_failures(failures: dict) -> int:
+    """The launcher's exit code for torchrun's failures {rank: ProcessFailure}, printing one line for each rank
+    that died without reporting (kill -9, the OOM killer, a segfault): a rank that reported wrote `error (rank
+    R): ...` in its error file and printed it once. 1 when a rank died unreported (the root cause, whatever the
+    survivors then reported) or failed otherwise; 2 when a rank reported a user error; the stop's 128 + signal
+    when every failed rank was stopped by the same signal."""
+    ours = {r: f for r, f in failures.items() if isinstance(f.message, str) and f.message.startswith("error (rank")}
+    silent = sorted((r, f) for r, f in failures.items() if r not in ours and f.exitcode < 0)
+    for rank, f in silent:
+        print(f"error: rank {rank} (pid {f.pid}) was killed by {f.signal_name()} (from outside spmdrl: kill -9, the "
+              "OOM killer, a scheduler) and the launcher stopped the other ranks; its output above may have the "
+              "cause; relaunch the same command to resume from the last complete checkpoint", file=sys.stderr,
+              flush=True)
+    if silent:  # the root cause, even when a survivor then failed in a collective with a one-line error
+        return 1
+    if any(f.exitcode == 2 for f in ours.values()):
+        return 2
+    if not ours:
+        rank, f = min(failures.items())
+        print(f"error: rank {rank} (pid {f.pid}) exited with code {f.exitcode}; its output above has the cause",
+              file=sys.stderr, flush=True)
+        return 1
+    codes = {f.exitcode for f in ours.values()}
+    return codes.pop() if len(codes) == 1 and 128 < next(iter(codes)) < 160 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """torchrun (torch.distributed.run) in this process, with its failure summary reduced to an exit code:
     the ranks have printed the cause (once); a rank that died without one gets one line here."""
@@ -132,13 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        ours = [f for f in e.failures.values() if isinstance(f.message, str) and f.message.startswith("error (rank")]
-        if ours:  # a rank printed it
-            return 2 if any(f.exitcode == 2 for f in ours) else 1
-        rank, failure = e.get_first_failure()
-        how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
-        print(f"error: rank {rank} (pid {failure.pid}) {how}; its output above has the cause", file=sys.stderr, flush=True)
-        return 1
+        return summarise_failures(e.failures)
     except SignalException as e:  # the agent has stopped the ranks; the first one printed where
         return 128 + int(e.sigval)
     return 0

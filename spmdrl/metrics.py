@@ -1,4 +1,5 @@
-"""Where metrics go: tensorboard scalars, one JSON line per step, a console line; plus stage timing and memory.
+"""Where metrics go: tensorboard scalars, one JSON line per step, wandb and MLflow (spmdrl.trackers), a console
+line; plus stage timing and memory.
 
 Metric names are `group/name` (train/reward_mean, actor/pg_loss, timing/rollout_s, perf/tokens_per_s); the
 same names appear in tensorboard, metrics.jsonl and reports. Only rank 0 writes; other ranks' loggers are
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import resource
@@ -19,6 +21,8 @@ from typing import Iterator
 import torch
 
 from spmdrl.errors import DataError
+
+log = logging.getLogger("spmdrl")
 
 # (label on the console, metric name): the few numbers worth a glance every step.
 CONSOLE_KEYS = (
@@ -40,45 +44,93 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}" if abs(v) < 1e3 else f"{v:.0f}"
 
 
+class _Tensorboard:
+    def __init__(self, output_dir: str):
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
+
+        self.writer = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, global_step=step)
+        self.writer.flush()
+
+    def close(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class _Jsonl:
+    def __init__(self, output_dir: str, append: bool):
+        # Append: a resumed run continues the same file (read_jsonl keeps the last record of a step).
+        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a" if append else "w", encoding="utf-8")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.file.write(json.dumps({"step": int(step), **values}) + "\n")
+        self.file.flush()
+
+    def close(self, failed: bool) -> None:
+        self.file.close()
+
+
 class MetricsLogger:
-    """Writes each step's metrics to tensorboard (output_dir/tensorboard), output_dir/metrics.jsonl and stdout."""
+    """Writes each step's metrics to the selected backends (tensorboard under output_dir/tensorboard,
+    output_dir/metrics.jsonl, wandb, MLflow: spmdrl.trackers) and a line to stdout.
+
+    A backend whose call raises is warned about and counted, never fatal: from then on each step also carries
+    `logging/<backend>_failures` (the count so far) to every backend. wandb and MLflow run in the background
+    (spmdrl.trackers.Background) and count lost records the same way."""
 
     def __init__(self, output_dir: str, *, tensorboard: bool = True, jsonl: bool = True, console: bool = True,
-                 rank: int = 0, append: bool = True, progress_total: int = 0):
+                 rank: int = 0, append: bool = True, progress_total: int = 0, backends: list[str] | None = None,
+                 run=None, logging_config=None):
+        """backends: names from spmdrl.trackers.BACKENDS (default: tensorboard and jsonl as the two flags say);
+        wandb and mlflow need `run` (a spmdrl.trackers.TrackerRun) and `logging_config` (the [logging] section)."""
         self.output_dir = output_dir
         self._bar = None
         self.enabled = rank == 0
         self.console = console and self.enabled
-        self._writer = None
-        self._jsonl = None
+        self._sinks: dict[str, object] = {}
+        self._failures: dict[str, int] = {}
         if not self.enabled:
             return
+        if backends is None:
+            backends = [b for b, on in (("tensorboard", tensorboard), ("jsonl", jsonl)) if on]
         os.makedirs(output_dir, exist_ok=True)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
+        for name in backends:
+            if name == "tensorboard":
+                self._sinks[name] = _Tensorboard(output_dir)
+            elif name == "jsonl":
+                self._sinks[name] = _Jsonl(output_dir, append)
+            else:
+                from spmdrl.trackers import open_tracker
 
-            self._writer = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
-        if jsonl:
-            # Append: a resumed run continues the same file (read_jsonl keeps the last record of a step).
-            self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a" if append else "w", encoding="utf-8")
+                self._sinks[name] = open_tracker(name, run, logging_config)
         if progress_total and self.console:
             from tqdm import tqdm
 
             # disable=None: a bar on a terminal, plain lines when the output goes to a file or a pipe
             self._bar = tqdm(total=progress_total, desc="steps", unit="step", dynamic_ncols=True, leave=True, disable=None)
 
+    def _count(self, name: str, sink) -> int:
+        return self._failures.get(name, 0) + getattr(sink, "failures", 0)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step. Values are anything float() accepts (Python, numpy or 0-d torch numbers)."""
         if not self.enabled:
             return
         values = {k: float(v) for k, v in metrics.items()}
-        if self._writer is not None:
-            for k, v in values.items():
-                self._writer.add_scalar(k, v, global_step=step)
-            self._writer.flush()
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
-            self._jsonl.flush()
+        for name, sink in self._sinks.items():
+            if self._count(name, sink):
+                values[f"logging/{name}_failures"] = float(self._count(name, sink))
+        for name, sink in self._sinks.items():
+            try:
+                sink.log(step, values)
+            except Exception as e:
+                self._failures[name] = self._failures.get(name, 0) + 1
+                n = self._failures[name]
+                if n == 1 or n % 100 == 0:
+                    log.warning("%s: logging step %d failed (%s: %s); training goes on (failure %d, logged as "
+                                "logging/%s_failures)", name, step, type(e).__name__, e, n, name)
         if self.console:
             parts = [f"step {step}"] + [f"{label} {_fmt(values[k])}" for label, k in CONSOLE_KEYS if k in values]
             line = " | ".join(parts)
@@ -90,21 +142,39 @@ class MetricsLogger:
                 print(line, file=sys.stdout, flush=True)
 
     def close(self) -> None:
+        """Close every backend; called while an exception propagates (a finally block), the tracker runs are
+        marked failed."""
+        failed = sys.exc_info()[0] is not None
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+        sinks, self._sinks = self._sinks, {}
+        for name, sink in sinks.items():
+            try:
+                sink.close(failed)
+            except Exception as e:
+                log.warning("%s: closing failed (%s: %s)", name, type(e).__name__, e)
+            if self._count(name, sink):
+                log.warning("%s: %d logging call(s) failed or were dropped during this run", name, self._count(name, sink))
 
     def __enter__(self) -> "MetricsLogger":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def logger_for(cfg, rank: int, *, resume: bool, progress_total: int) -> MetricsLogger:
+    """The MetricsLogger of a run (Config or SFTConfig): its [logging] backends, the tracker run named by the
+    config; `resume` appends to metrics.jsonl and continues the tracker runs of output_dir/trackers.json."""
+    from spmdrl.trackers import selected_backends, tracker_run
+
+    lg = cfg.logging
+    backends = selected_backends(lg)
+    run = tracker_run(cfg, resume=resume) if rank == 0 and any(b in ("wandb", "mlflow") for b in backends) else None
+    return MetricsLogger(cfg.trainer.output_dir, console=lg.console, rank=rank, append=resume,
+                         progress_total=progress_total if lg.progress else 0, backends=backends, run=run,
+                         logging_config=lg)
 
 
 def read_jsonl(path: str, *, last_per_step: bool = False) -> list[dict]:
@@ -197,7 +267,7 @@ class StageTimer:
         self._totals.clear()
 
 
-__all__ = ["MetricsLogger", "StageTimer", "peak_memory_gb", "read_jsonl"]
+__all__ = ["MetricsLogger", "StageTimer", "logger_for", "peak_memory_gb", "read_jsonl"]
 
 
 def summarize_run(run_dir: str) -> dict[str, float]:

@@ -30,6 +30,9 @@ from spmdrl.errors import CheckpointError, ConfigError
 log = logging.getLogger("spmdrl")
 
 RUN_FILES = ("metrics.jsonl", "tensorboard")
+# what a tokenizer directory holds (any of them): transformers loads a one-token tokenizer without them
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "tokenizer.tiktoken", "merges.txt")
 
 
 @dataclass
@@ -58,6 +61,9 @@ def check_model_dir(key: str, path: str, *, tokenizer: bool = False, trust_remot
     if not os.path.isdir(full):
         raise ConfigError(f"{key} = {path!r} is a file; give an HF model directory (with config.json) or a hub id")
     if tokenizer:
+        if not any(os.path.exists(os.path.join(full, f)) for f in TOKENIZER_FILES):
+            raise ConfigError(f"{key} = {path!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:4])} ...); "
+                              "copy the tokenizer there or set model.tokenizer_path to its directory")
         try:
             from transformers import AutoTokenizer
 
@@ -69,6 +75,9 @@ def check_model_dir(key: str, path: str, *, tokenizer: bool = False, trust_remot
     cfg_path = os.path.join(full, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"{key} = {path!r} has no config.json; give an HF model directory or a hub id")
+    from spmdrl.engines.loading import check_weights
+
+    check_weights(key, full)
     try:
         with open(cfg_path, encoding="utf-8") as f:
             return json.load(f)
@@ -140,7 +149,7 @@ def _same_config(path: str, config_toml: str) -> bool:
         return False
 
 
-def check_resume(cfg, config_toml: str) -> Plan:
+def check_resume(cfg, config_toml: str, world_size: int | None = None) -> Plan:
     """What checkpoint.resume loads, checked (complete, intact, same config); and no mixing of two runs."""
     out, mode = cfg.trainer.output_dir, cfg.checkpoint.resume
     own_root = os.path.abspath(checkpoint_root(out))
@@ -175,7 +184,44 @@ def check_resume(cfg, config_toml: str) -> Plan:
     manifest = read_manifest(path)
     if os.path.isfile(os.path.join(path, "config.toml")):
         check_saved_config(path, config_toml)
+    check_resume_fits(cfg, path, manifest, world_size)
     return Plan(path, int(manifest.get("step", 0)))
+
+
+# what makes two models different networks (the checkpoint's hf/config.json against model.path's config.json)
+ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "vocab_size", "tie_word_embeddings")
+
+
+def check_resume_fits(cfg, path: str, manifest: dict, world_size: int | None) -> None:
+    """What the loading ranks would refuse after building every engine, refused before launch: a split run with
+    batches in flight (trainer.max_staleness > 0) on another world size, and another model."""
+    saved_ws = manifest.get("world_size")
+    if cfg.placement.mode == "split" and cfg.trainer.max_staleness > 0 and world_size and saved_ws != world_size:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {saved_ws} ranks with batches in flight (trainer.max_staleness = "
+            f"{cfg.trainer.max_staleness}, split placement), and this run has {world_size}: each rank's in-flight "
+            f"batches belong to its rank; resume it on {saved_ws} ranks (--nproc {saved_ws} / torchrun "
+            "--nproc-per-node), or start a new run"
+        )
+    mine = _model_config(cfg.model.path)
+    theirs = _model_config(os.path.join(path, "hf"))
+    if mine is None or theirs is None:
+        return
+    diffs = [f"{k} = {theirs.get(k)!r} in the checkpoint, {mine.get(k)!r} in model.path"
+             for k in ARCH_KEYS if k in mine and k in theirs and mine[k] != theirs[k]]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} is for a different model ({'; '.join(diffs[:3])}); check model.path, "
+                              "or start a new run (checkpoint.resume=off and a new trainer.output_dir)")
+
+
+def _model_config(model_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(os.path.expanduser(model_dir), "config.json"), encoding="utf-8") as f:
+            d = json.load(f)
+        return d if isinstance(d, dict) else None
+    except (OSError, ValueError):
+        return None
 
 
 MEMLOCK_MIN = 1 << 30  # bytes of locked memory below which NCCL over InfiniBand is refused (NCCL asks for unlimited)
@@ -268,12 +314,12 @@ def check_engine_install(cfg) -> None:
                           f"set {packed[0]} = false, or use trainer.backend = 'fsdp'")
 
 
-def preflight(cfg, config_toml: str) -> Plan:
-    """Every disk and host check, in the order a user would fix them."""
+def preflight(cfg, config_toml: str, world_size: int | None = None) -> Plan:
+    """Every disk and host check, in the order a user would fix them (world_size: the run's ranks, when known)."""
     check_models(cfg)
     check_engine_install(cfg)
     check_writable(cfg.trainer.output_dir)
-    plan = check_resume(cfg, config_toml)
+    plan = check_resume(cfg, config_toml, world_size)
     check_host(cfg)
     return plan
 

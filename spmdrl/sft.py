@@ -10,73 +10,23 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from spmdrl.config.schema import LoggingConfig, ModelConfig, PlacementConfig, TrainerConfig
+from spmdrl.config.schema import SFTConfig, SFTSection  # noqa: F401  (the SFT config lives with the others)
 from spmdrl.errors import ConfigError
 
 log = logging.getLogger("spmdrl")
 
 
-@dataclass
-class SFTSection:
-    """The warm start's data and optimisation."""
-
-    train_files: list[str] = field(default_factory=list)
-    """Parquet/jsonl files with a chat-message (or string) prompt column and a string response column, or with a
-    messages column holding whole conversations (trained on their assistant turns)."""
-    prompt_key: str = "prompt"
-    """Prompt column."""
-    response_key: str = "response"
-    """Response column."""
-    messages_key: str = "messages"
-    """Conversation column; a file that has it is read as whole conversations instead of prompt + response."""
-    tools_key: str = "tools"
-    """Optional column of a conversation file: the tool schemas (a JSON string or a list of objects) passed to the
-    chat template's `tools`."""
-    max_length: int = 512
-    """Longest prompt + response in tokens."""
-    truncation: str = "error"
-    """Over-long rows: error | right."""
-    epochs: int = 1
-    """Passes over the data."""
-    max_steps: int = 0
-    """Stop after this many optimizer steps; 0 means run all epochs."""
-    batch_size: int = 32
-    """Samples per optimizer step over all ranks."""
-    micro_batch_size: int = 8
-    """Samples per forward/backward on one rank."""
-    lr: float = 1e-5
-    """AdamW learning rate."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    warmup_steps: int = 0
-    """Linear warmup steps."""
-    lr_scheduler: str = "cosine"
-    """constant | cosine | linear."""
-    grad_clip: float = 1.0
-    """Gradient-norm clip; 0 disables."""
-    save_dir: str = ""
-    """Where the HF model is written; empty means trainer.output_dir/hf_model."""
-
-
-@dataclass
-class SFTConfig:
-    """The SFT run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    sft: SFTSection = field(default_factory=SFTSection)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-
 def validate_sft(cfg: SFTConfig, world_size: int):
     from spmdrl.dist.layout import plan_layout
+    from spmdrl.trackers import check_backends
 
     s = cfg.sft
+    check_backends(cfg.logging)
+    if cfg.logging.verbosity not in ("info", "debug"):
+        raise ConfigError(f"logging.verbosity = {cfg.logging.verbosity!r} is not one of info, debug")
     if not cfg.model.path:
         raise ConfigError("model.path is empty; set it to an HF model directory or hub id")
     if not s.train_files:
@@ -105,7 +55,7 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
     from spmdrl.dist.collectives import reduce_sum
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine, pack_sequences
-    from spmdrl.metrics import MetricsLogger
+    from spmdrl.metrics import logger_for
     from spmdrl.rng import seed_everything
 
     s = cfg.sft
@@ -121,9 +71,7 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
         gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=total,
         optim=dict(lr=s.lr, weight_decay=s.weight_decay, warmup_steps=s.warmup_steps, lr_scheduler=s.lr_scheduler, grad_clip=s.grad_clip),
     )
-    logger = MetricsLogger(cfg.trainer.output_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
-                           console=cfg.logging.console, rank=rank, append=False,
-                           progress_total=total if cfg.logging.progress else 0)
+    logger = logger_for(cfg, rank, resume=False, progress_total=total)
     dp_group = mesh.group("dp")
     for step in range(1, total + 1):
         t0 = time.perf_counter()

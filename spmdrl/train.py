@@ -15,29 +15,50 @@ if __name__ == "__main__" and not sys.flags.safe_path:
 
 import argparse
 import logging
+import signal
 
 from spmdrl.errors import SpmdrlError
 
 
+# Python warnings from these modules carry nothing a user acts on; logging.verbosity = "debug" shows them
+QUIET_WARNINGS = r"(vllm|triton|megatron|transformer_engine|torch\.distributed\.checkpoint|torch\._dynamo)(\.|$)"
+
+
 def setup_logging(rank: int) -> None:
-    # vLLM logs every engine call at INFO; keep its warnings and errors only unless the user asks for more
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"[%(asctime)s rank{rank}] %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stdout,
     )
-    for noisy in ("vllm", "transformers", "torch.distributed", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def apply_verbosity(level: str) -> None:
+    """logging.verbosity (SPMDRL_VERBOSITY wins): info quiets the libraries' routine output, debug shows all.
+    Runs before vLLM is imported (it reads VLLM_LOGGING_LEVEL once, at import); a VLLM_LOGGING_LEVEL set by the
+    user is kept."""
+    import warnings
+
+    level = os.environ.get("SPMDRL_VERBOSITY") or level
+    if level == "debug":
+        for name in ("vllm", "transformers", "torch.distributed", "httpx", "megatron"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+        warnings.filterwarnings("default", module=QUIET_WARNINGS)
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every engine call at INFO
+    for name in ("transformers", "torch.distributed", "httpx", "megatron"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # vLLM's own handler takes VLLM_LOGGING_LEVEL; what it logs before that is set up reaches the root logger
+    logging.getLogger("vllm").setLevel(logging.getLevelName(os.environ["VLLM_LOGGING_LEVEL"].upper()))
+    warnings.filterwarnings("ignore", module=QUIET_WARNINGS)
 
 
 def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_fn, preflight_fn=None) -> int:
     """The shared shape of an entry point: parse, load + validate the config and preflight_fn(cfg) (before
     any process group; only rank 0 prints those errors), init dist, run_fn(cfg, layout, env, device, plan),
     tear down. SIGTERM/SIGINT stop it with one line; the rank leaves when its launcher dies. Exit 2 on a
-    user error or a stop."""
-    from spmdrl.faults import Terminated, stop_handled, stop_signals
+    user error, 128 + the signal on a stop (143 for SIGTERM, 130 for Ctrl-C)."""
+    from spmdrl.faults import STOP_GRACE_S, Stopped, Terminated, stop_handled, stop_signals, watch_stop_signals
     from spmdrl.launcher import record_bug, report_error, watch_parent
 
     p = argparse.ArgumentParser(prog=prog, description=description)
@@ -51,18 +72,23 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
     env = detect_env()
     setup_logging(env.rank)
     watch_parent()
+    watch_stop_signals(lambda signum: report_error(
+        f"stopped by {signal.Signals(signum).name}; the rank was blocked in a call that does not return to Python "
+        f"(waiting for a peer that died?) and left after {STOP_GRACE_S:g}s; relaunch the same command to resume from "
+        "the last complete checkpoint", env.rank))
     with stop_signals():
         try:
             cfg = load_config(args.config, args.overrides, root_cls=root_cls)
+            apply_verbosity(cfg.logging.verbosity)
             layout = validate_fn(cfg, env.world_size)
-            plan = preflight_fn(cfg, env.rank) if preflight_fn else None
+            plan = preflight_fn(cfg, env.rank, env.world_size) if preflight_fn else None
         except SpmdrlError as e:  # every rank finds it; rank 0 says it
             report_error(e, env.rank, show=env.rank == 0)
             return 2
         except Terminated as e:
             stop_handled()
             report_error(_stopped(e, "before start-up"), env.rank)
-            return 2
+            return 128 + e.signum
         if plan is False:  # nothing to do (said so)
             return 0
         try:
@@ -70,15 +96,16 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
             logging.getLogger("spmdrl").info("%s: %d rank(s) via %s on %s; output %s", prog, env.world_size,
                                              env.launcher, device.type, cfg.trainer.output_dir)
             run_fn(cfg, layout, env, device)
-        except SpmdrlError as e:
+        except SpmdrlError as e:  # a stop (Stopped) is not a user error: 128 + the signal, as a shell reports it
             report_error(e, env.rank)
-            _exit_now_if_stopped(2)
-            return 2
+            code = 128 + e.signum if isinstance(e, Stopped) else 2
+            _exit_now_if_stopped(code)
+            return code
         except Terminated as e:
             stop_handled()
             report_error(_stopped(e, "while starting (loading models, building engines)"), env.rank)
-            _exit_now_if_stopped(2)
-            return 2
+            _exit_now_if_stopped(128 + e.signum)
+            return 128 + e.signum
         except BaseException as e:
             record_bug(e)
             raise
@@ -103,12 +130,12 @@ def _stopped(e, when: str) -> str:
     return f"stopped by {e} {when}; nothing was trained yet, relaunch the same command to start"
 
 
-def train_preflight(cfg, rank: int):
+def train_preflight(cfg, rank: int, world_size: int | None = None):
     """spmdrl.preflight on a rank: False when the resumed checkpoint is already at trainer.total_steps."""
     from spmdrl.config import to_toml
     from spmdrl.preflight import clear_previous_run, preflight
 
-    plan = preflight(cfg, to_toml(cfg))
+    plan = preflight(cfg, to_toml(cfg), world_size=world_size)
     if plan.resume and plan.resume_step >= cfg.trainer.total_steps:
         if rank == 0:
             print(f"{plan.resume} is at step {plan.resume_step} and trainer.total_steps = {cfg.trainer.total_steps}: "

@@ -30,6 +30,9 @@ def _load_file(path: str, spec: str, what: str, error: type[Exception]):
         raise error(f"{what} {spec!r}: cannot load {path} as a Python file; point at a .py file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[mod_name] = module  # dataclasses and pickling look modules up here
+    folder = os.path.dirname(path)
+    if folder not in sys.path:  # `import helpers` of a sibling helpers.py; last, so it shadows no installed module
+        sys.path.append(folder)
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:

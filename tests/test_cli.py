@@ -209,7 +209,7 @@ def test_model_tokenizer_and_context_are_checked_before_launch(tiny, tmp_path):
     os.makedirs(tmp_path / "empty")
     assert_user_error(dry(tiny, out, f"model.path={tmp_path}/empty"), "has no config.json")
     assert_user_error(dry(tiny, out, f"model.tokenizer_path={tmp_path}/empty"), "model.tokenizer_path",
-                      "the tokenizer does not load")
+                      "has no tokenizer files")
     assert_user_error(dry(tiny, out, "data.max_prompt_length=400", "data.max_response_length=200"),
                       "400 + 200 = 600 exceeds the model's context of 512 tokens")
     open(tmp_path / "file", "w").close()
@@ -285,3 +285,20 @@ def test_a_run_already_at_total_steps_says_so_before_loading_anything(tiny, tmp_
     assert result.exit_code == 0, result.output
     assert result.stderr == (f"{out}/checkpoints/step_00000004 is at step 4 and trainer.total_steps = 4: nothing to "
                              "train (raise trainer.total_steps to go on)\n")
+
+
+def test_config_show_reads_sft_configs(tmp_path):
+    """A file with an [sft] table is an SFT config: shown, validated for --world-size and read back by spmdrl.sft."""
+    from spmdrl.sft import SFTConfig
+
+    sft_toml = os.path.join(REPO, "configs", "quickstart", "sft.toml")
+    result = run("config", "show", "--config", sft_toml, "sft.lr=2e-4", "--world-size", "2")
+    assert result.exit_code == 0, result.output
+    assert "# actor: 2 ranks, dp=2" in result.stderr and "[sft]" in result.stdout and "[rollout]" not in result.stdout
+    path = tmp_path / "sft.toml"
+    path.write_text(result.stdout)
+    cfg = load_config(str(path), root_cls=SFTConfig)
+    assert cfg.sft.lr == 2e-4 and cfg.sft.max_steps == 350
+    assert run("config", "show", "--sft").stdout.startswith("[model]")  # the SFT defaults
+    bad = run("config", "show", "--config", sft_toml, "sft.batch_size=63", "--world-size", "2")
+    assert bad.exit_code == 2 and bad.stderr.startswith("error: sft.batch_size = 63")

@@ -259,3 +259,29 @@ def test_fault_script_kill_and_sigterm_of_the_launcher_and_resume(tmp_path):
         "PASS  resume"], proc.stdout
     assert "stage 'checkpoint': stopped by SIGTERM" in proc.stdout
     print(proc.stdout)  # the measured times, with -s
+
+
+@pytest.mark.dist
+def test_fault_script_config_typo_and_rank_kills(tmp_path):
+    """launch/fault_check.py on the tiny model (2 ranks): a typo under the launcher is one line with exit 2; kill -9
+    of rank 1 during a checkpoint save (slowed on rank 0) and of rank 0 during start-up end the job with the
+    killed rank named by the launcher and exit 1; no torn checkpoint."""
+    from spmdrl.data.synthetic import make_arith
+    from spmdrl.tiny import build_tiny
+
+    model = build_tiny(str(tmp_path / "model"), seed=0)
+    data = make_arith(str(tmp_path / "data"), n_train=64, n_val=8, seed=0)
+    (tmp_path / "run.toml").write_text("")
+    ov = [f"model.path={model}", f'data.train_files=["{data["train"]}"]', "data.max_prompt_length=32",
+          "data.max_response_length=8", "data.train_batch_size=4", "rollout.n=4", "rollout.kv_cache_gb=0.1",
+          "actor.micro_batch_size=4", "trainer.total_steps=4", "trainer.device=cpu", "trainer.dist_timeout_s=60",
+          "logging.progress=false", "logging.tensorboard=false"]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1",
+           "SPMDRL_FAULT_INJECT": "slow_save:rank=0:step=1"}
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "launch", "fault_check.py"),
+                           "--config", str(tmp_path / "run.toml"), "--nproc", "2", "--out", str(tmp_path / "check"),
+                           "--checks", "config-typo,rank-kill-save,rank0-kill-start", *ov], check=False, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert [ln.split(":")[0] for ln in proc.stdout.splitlines()] == [
+        "PASS  config typo under the launcher", "PASS  kill -9 rank during a save", "PASS  kill -9 rank 0 at start-up"], proc.stdout

@@ -15,7 +15,7 @@ from spmdrl.tiny import build_tiny  # noqa: E402
 pytestmark = pytest.mark.dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 REQUIRED = [
-    "train/reward_mean", "train/response_length_mean", "val/accuracy", "val/accuracy/synthetic/arith",
+    "train/reward_mean", "train/response_length_mean", "val/accuracy", "val/source_accuracy/synthetic/arith",
     "actor/pg_loss", "actor/kl", "actor/entropy", "actor/clipfrac", "actor/grad_norm", "actor/lr",
     "rollout/logprob_diff_mean", "timing/step_s", "timing/rollout_s", "timing/weight_sync_s",
     "timing/update_actor_s", "timing/old_logprob_s", "perf/tokens_per_s", "perf/peak_memory_gb",

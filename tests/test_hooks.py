@@ -368,3 +368,22 @@ def test_a_raising_hook_stops_the_run_naming_it(hooked_run):
     hook_py = os.path.join(SCRIPTS, "hook_fail.py")
     assert f"hook {hook_py}:explode failed at stage after_reward (step 2): " in line
     assert line.endswith("RuntimeError: hook failure on purpose second line")  # one line
+
+
+@pytest.mark.dist
+def test_validation_accuracy_stays_the_rule_score_beside_a_custom_reward(hooked_run):
+    """reward.custom_fn (reward_len: partial credit by length) gives the training reward; validation still
+    reports the rule scorer of the data_source (synthetic/arith) as val/accuracy and the custom mean apart."""
+    from spmdrl.rewards.arith import arith_reward
+
+    (m,) = hooked_run.metrics
+    val = [(t, g) for d in hooked_run.dumps["val"] for t, g in zip(d["meta"]["response_text"], d["meta"]["ground_truth"])]
+    rule = [arith_reward(t, g) for t, g in val]
+    custom = [rule_score(t) for t, _ in val]
+    assert sum(rule) / len(val) != sum(custom) / len(val)  # the two would be told apart
+    assert m["val/accuracy"] == pytest.approx(sum(rule) / len(val))
+    assert m["val/source_accuracy/synthetic/arith"] == m["val/accuracy"]
+    assert m["val/reward_mean"] == pytest.approx(sum(custom) / len(val))
+    for d in hooked_run.dumps["val"]:  # what on_validation hooks see
+        assert d["tensors"]["accuracy"].tolist() == [arith_reward(t, g) for t, g in
+                                                     zip(d["meta"]["response_text"], d["meta"]["ground_truth"])]

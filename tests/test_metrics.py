@@ -118,3 +118,32 @@ def test_peak_memory_cpu():
     gb = peak_memory_gb("cpu")
     assert 0.01 < gb < 1024  # a Python process with torch loaded holds tens of MiB at least
     assert peak_memory_gb(torch.device("cpu")) >= gb
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_verbosity_quiets_library_warnings_unless_debug(level):
+    """logging.verbosity: info hides vLLM / Triton / megatron-core warnings (and vLLM below ERROR); debug shows
+    them; spmdrl's own warnings show either way."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, os, sys, warnings\n"
+        "from spmdrl.train import apply_verbosity, setup_logging\n"
+        "setup_logging(0)\n"
+        f"apply_verbosity({level!r})\n"
+        "warnings.warn_explicit('megatron says', UserWarning, 'x.py', 1, module='megatron.core.tensor_parallel')\n"
+        "warnings.warn_explicit('triton says', FutureWarning, 'y.py', 1, module='triton.runtime')\n"
+        "warnings.warn_explicit('spmdrl says', UserWarning, 'z.py', 1, module='spmdrl.loop.trainer')\n"
+        "logging.getLogger('vllm.triton_utils').warning('vllm logs')\n"
+        "print('VLLM_LOGGING_LEVEL', os.environ.get('VLLM_LOGGING_LEVEL'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "SPMDRL_VERBOSITY", "PYTHONWARNINGS")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "spmdrl says" in out
+    quiet = level == "info"
+    for text in ("megatron says", "triton says", "vllm logs"):
+        assert (text in out) != quiet, (text, out)
+    assert ("VLLM_LOGGING_LEVEL ERROR" in out) == quiet

@@ -136,3 +136,36 @@ def test_split_plan_shows_the_roles_and_their_bytes():
     assert not any(k.startswith("vllm") for k in p["memory"]["train_actor"]["gpu"])
     assert not any(k.startswith("actor") for k in p["memory"]["rollout"]["gpu"])
     assert "vllm_pool" in p["memory"]["sync_rollout_ranks"]["gpu"]
+
+
+def test_plan_on_an_uncached_hub_id_fails_at_once_in_one_line(tmp_path):
+    """No network retries: a hub id whose config.json is not in the HF cache is one line naming the fix."""
+    import time
+
+    from typer.testing import CliRunner
+
+    from spmdrl.cli import app
+
+    env = {"HF_HUB_CACHE": str(tmp_path / "empty_cache")}
+    t0 = time.monotonic()
+    r = CliRunner().invoke(app, ["plan", "--config", os.path.join(REPO, "configs", "grpo.toml"),
+                                 "model.path=someorg/not-downloaded"], env=env)
+    assert r.exit_code == 2 and time.monotonic() - t0 < 20
+    (line,) = [x for x in r.output.splitlines() if x.strip()]
+    assert line.startswith("error: model.path = 'someorg/not-downloaded': not a local directory")
+    assert "huggingface-cli download someorg/not-downloaded config.json" in line
+
+
+def test_plan_that_does_not_fit_names_the_phase_and_what_to_change():
+    from typer.testing import CliRunner
+
+    from spmdrl.cli import app
+
+    r = CliRunner().invoke(app, ["plan", "--config", os.path.join(REPO, "configs", "ppo_70b.toml"), "--gpu-gb", "40"])
+    assert r.exit_code == 0, r.output
+    tail = r.output.split("fits: false\n", 1)[1].splitlines()
+    # the phase furthest over the limit, its two largest parts, and a setting for each
+    assert tail[0].startswith("  does not fit: phase train_") and "36.00 GiB allowed" in tail[0]
+    assert "optimizer" in tail[0] and tail[1].strip().startswith("change ") and "placement." in tail[1]
+    fits = CliRunner().invoke(app, ["plan", "--config", os.path.join(REPO, "configs", "ppo_70b.toml")])
+    assert "fits: true" in fits.output and "does not fit" not in fits.output

@@ -193,3 +193,19 @@ def test_compute_rewards_accepts_numeric_kinds():
 
     scores, _ = compute_rewards(fn, ["x"] * 4, ["s"] * 4, ["g"] * 4, None)
     assert scores.tolist() == [1.0, 1.0, 0.5, 2.0]
+
+
+def test_a_reward_file_imports_its_sibling_modules(tmp_path):
+    """`import helpers` in my_reward.py finds helpers.py beside it, in the ranks' safe-path mode too (the
+    launch directory is not on sys.path there)."""
+    from spmdrl.rewards.custom import compute_rewards, load_reward_fn
+
+    (tmp_path / "sibling_helpers_4f2.py").write_text("def normalise(s):\n    return s.strip().lower()\n")
+    (tmp_path / "my_reward.py").write_text(
+        "import sibling_helpers_4f2 as h\n\n"
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float(h.normalise(solution_str) == h.normalise(ground_truth)), 'len': len(solution_str)}\n"
+    )
+    fn = load_reward_fn(f"{tmp_path / 'my_reward.py'}:score")
+    scores, extras = compute_rewards(fn, ["x", "x"], [" A ", "b"], ["a", "a"])
+    assert scores.tolist() == [1.0, 0.0] and extras == {"len": [3, 1]}

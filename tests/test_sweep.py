@@ -75,7 +75,11 @@ def test_grid_runs_names_and_overrides(tmp_path, monkeypatch):
     assert last.name == "adv_estimator=rloo,lr=3e-06,seed=1"
     assert last.output_dir == os.path.join("out/abl", last.name)
     assert last.overrides == ["trainer.total_steps=3", "algorithm.adv_estimator=rloo", "actor.lr=3e-06",
-                              "trainer.seed=1", f"trainer.output_dir={last.output_dir}"]
+                              "trainer.seed=1", f"trainer.output_dir={last.output_dir}", "logging.group=abl",
+                              'logging.tags=["algorithm.adv_estimator=rloo", "actor.lr=3e-06", "trainer.seed=1"]']
+    # wandb / MLflow: one group per sweep, each run tagged with its point
+    assert last.cfg.logging.group == "abl"
+    assert last.cfg.logging.tags == ["algorithm.adv_estimator=rloo", "actor.lr=3e-06", "trainer.seed=1"]
     assert (last.cfg.algorithm.adv_estimator, last.cfg.actor.lr, last.cfg.trainer.seed) == ("rloo", 3e-6, 1)
     assert last.total_steps == 3 and last.group == "adv_estimator=rloo,lr=3e-06"
     assert sw.base == "base.toml"  # relative to the sweep file, passed relative to the cwd

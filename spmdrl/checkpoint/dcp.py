@@ -98,6 +98,11 @@ def safe_reader(path: str):
                     raise CheckpointError(
                         f"checkpoint {path}: DCP metadata is corrupted ({type(e).__name__}: {e})"
                     ) from None
+            from torch.distributed.checkpoint.metadata import Metadata
+
+            if not isinstance(md, Metadata):
+                raise CheckpointError(f"checkpoint {path}: DCP metadata is corrupted (it holds a "
+                                      f"{type(md).__name__}, not DCP's Metadata)")
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id

@@ -23,7 +23,7 @@ from .files import (
     FORMAT, MANIFEST, MARKER, TMP_PREFIX, fsync_dir, is_complete, jsonable, latest_checkpoint, list_checkpoints,
     read_json, rng_from_json, rng_to_json, sha256, state_dir, step_dir, write_bytes, write_json,
 )
-from .verify import check_compatible, check_files, intact, read_manifest
+from .verify import check_compatible, check_files, check_metadata, intact, read_manifest
 
 log = logging.getLogger("spmdrl")
 
@@ -216,6 +216,7 @@ class CheckpointManager:
         trainer state (JSON) with "rng" set to this rank's RNG state when the world size is unchanged."""
         manifest = read_manifest(path)
         check_files(path, manifest)
+        check_metadata(path, manifest)
         check_compatible(path, manifest, engines, config_toml)
         try:
             self._verify_checksums(path, manifest)

@@ -11,7 +11,9 @@ import tomllib
 from spmdrl.errors import CheckpointError
 
 from .dcp import engine_manifest
-from .files import FORMAT, MANIFEST, MARKER, checkpoint_root, find_checkpoint, is_complete, list_checkpoints, read_json
+from .files import (
+    _STEP_DIR, FORMAT, MANIFEST, MARKER, checkpoint_root, find_checkpoint, is_complete, list_checkpoints, read_json,
+)
 
 log = logging.getLogger("spmdrl")
 
@@ -19,7 +21,7 @@ log = logging.getLogger("spmdrl")
 # goes, its layout (DCP reshards), logging and memory knobs. Any other difference changes what the saved
 # state means and is refused.
 MAY_CHANGE_ON_RESUME = (
-    "trainer.total_steps", "trainer.output_dir", "trainer.experiment_name", "trainer.device",
+    "trainer.total_steps", "trainer.output_dir", "trainer.overwrite", "trainer.experiment_name", "trainer.device",
     "trainer.dist_timeout_s", "trainer.max_bad_steps", "trainer.test_freq", "trainer.val_before_train",
     "checkpoint.*", "logging.*", "placement.*", "ref.*",
     "model.path", "model.tokenizer_path", "model.gradient_checkpointing",
@@ -41,7 +43,33 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed (needs 'files' and 'engines')")
     if m.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {m.get('format')!r}, this spmdrl reads format {FORMAT}")
+    problem = _manifest_problem(m)
+    named = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    if not problem and named and int(named.group(1)) != m.get("step", int(named.group(1))):
+        problem = f"step {m.get('step')} in a directory named for step {int(named.group(1))}"
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed ({problem}); the checkpoint was edited or "
+                              "damaged, use an earlier one")
     return m
+
+
+def _manifest_problem(m: dict) -> str | None:
+    """What is structurally wrong with a manifest that parsed as JSON (an edited one), else None."""
+    for rel, info in m["files"].items():
+        if not isinstance(info, dict) or not isinstance(info.get("size"), int) or not isinstance(info.get("sha256"), str):
+            return f"files[{rel!r}] needs an integer 'size' and a string 'sha256'"
+        if os.path.isabs(rel) or ".." in rel.split("/"):
+            return f"files[{rel!r}] is not a path inside the checkpoint"
+    if not isinstance(m.get("step", 0), int) or isinstance(m.get("step", 0), bool):
+        return f"step {m.get('step')!r} is not an integer"
+    for name, eng in m["engines"].items():
+        if not isinstance(eng, dict) or not isinstance(eng.get("params"), list):
+            return f"engines[{name!r}] needs a 'params' list"
+        for p in eng["params"]:
+            if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[2], str)
+                    and isinstance(p[1], list) and all(isinstance(d, int) for d in p[1])):
+                return f"engines[{name!r}].params holds {p!r}, not [name, shape, dtype]"
+    return None
 
 
 def check_files(path: str, manifest: dict) -> None:
@@ -54,9 +82,10 @@ def check_files(path: str, manifest: dict) -> None:
             )
         size = os.path.getsize(p)
         if size != info.get("size"):
+            how = "truncated" if size < info["size"] else "grown: bytes were appended or it was overwritten"
             raise CheckpointError(
-                f"checkpoint {path}: file {rel} has {size} bytes, the manifest says {info.get('size')} (truncated or "
-                "overwritten); use an earlier checkpoint"
+                f"checkpoint {path}: file {rel} has {size} bytes, the manifest says {info['size']} ({how}); use an "
+                "earlier checkpoint"
             )
 
 
@@ -114,11 +143,36 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     return out
 
 
+def check_metadata(path: str, manifest: dict) -> None:
+    """Every DCP `.metadata` file the manifest lists unpickles through the allowlist (dcp.safe_reader) into DCP's
+    Metadata: a crafted or damaged one is refused here, in one line, before any rank enters DCP's collectives
+    (which would wrap the refusal in their own assertion)."""
+    from .dcp import safe_reader
+
+    for rel in sorted(manifest["files"]):
+        if os.path.basename(rel) == ".metadata":
+            safe_reader(os.path.join(path, os.path.dirname(rel))).read_metadata()
+
+
+def check_trainer_state(path: str, manifest: dict) -> None:
+    """trainer.json agrees with the manifest on the step (an edited manifest would make a run skip steps or
+    claim there is nothing left to train)."""
+    state = read_json(os.path.join(path, "trainer.json"), f"checkpoint {path}")
+    if not isinstance(state, dict) or state.get("step") != manifest.get("step"):
+        got = state.get("step") if isinstance(state, dict) else state
+        raise CheckpointError(f"checkpoint {path}: trainer.json is at step {got!r}, {MANIFEST} says step "
+                              f"{manifest.get('step')!r}; the checkpoint was edited or damaged, use an earlier one")
+
+
 def intact(path: str) -> str | None:
-    """None when `path` looks loadable without reading tensors (marker, manifest, every file and its size),
-    else why not."""
+    """None when `path` looks loadable without reading tensors (marker, manifest, every file and its size, the
+    step recorded in each place, DCP's metadata), else why not."""
     try:
-        check_files(path, read_manifest(path))
+        manifest = read_manifest(path)
+        check_files(path, manifest)
+        if "trainer.json" in manifest["files"]:
+            check_trainer_state(path, manifest)
+        check_metadata(path, manifest)
         return None
     except CheckpointError as e:
         return str(e)

@@ -8,7 +8,7 @@ import inspect
 import json
 
 from .loader import _fields, _sections, _type_name
-from .schema import Config
+from .schema import Config, SFTSection
 
 
 @functools.cache
@@ -78,25 +78,44 @@ def config_reference(root_cls=Config) -> str:
         "",
     ]
     for name, sec_cls in _sections(root_cls).items():
-        out += [f"## [{name}]", "", " ".join((sec_cls.__doc__ or "").split()), ""]
-        out += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        docs = field_docs(sec_cls)
-        default = sec_cls()
-        for fname, ftype in _fields(sec_cls):
-            d = getattr(default, fname)
-            shown = _toml_value(d) if d is not None else "(none)"
-            out.append(
-                f"| `{fname}` | {_type_name(ftype).replace('|', '&#124;')} | `{shown}` "
-                f"| {docs.get(fname, '').replace('|', '&#124;')} |"
-            )
-        out.append("")
+        out += _section_table(name, sec_cls)
+    if root_cls is Config:
+        out += [
+            "## The SFT warm start (`spmdrl sft`)",
+            "",
+            "An SFT config (`spmdrl sft --config F`, `python -m spmdrl.sft`) has the sections [model], [placement], "
+            "[trainer] and [logging] above (of [trainer], the warm start reads seed, output_dir and device) and "
+            "[sft] below; `spmdrl config show` prints one (a file with an [sft] table is read as an SFT config). "
+            "Guide: [sft.md](sft.md).",
+            "",
+        ]
+        out += _section_table("sft", SFTSection, level="###")
     return "\n".join(out)
+
+
+def _section_table(name: str, sec_cls, level: str = "##") -> list[str]:
+    out = [f"{level} [{name}]", "", " ".join((sec_cls.__doc__ or "").split()), ""]
+    out += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    docs = field_docs(sec_cls)
+    default = sec_cls()
+    for fname, ftype in _fields(sec_cls):
+        d = getattr(default, fname)
+        shown = _toml_value(d) if d is not None else "(none)"
+        out.append(
+            f"| `{fname}` | {_type_name(ftype).replace('|', '&#124;')} | `{shown}` "
+            f"| {docs.get(fname, '').replace('|', '&#124;')} |"
+        )
+    out.append("")
+    return out
 
 
 def missing_docs(root_cls=Config) -> list[str]:
     """Fields without a docstring (a test keeps this empty)."""
     missing = []
-    for name, sec_cls in _sections(root_cls).items():
+    sections = _sections(root_cls)
+    if root_cls is Config:
+        sections["sft"] = SFTSection
+    for name, sec_cls in sections.items():
         docs = field_docs(sec_cls)
         missing += [f"{name}.{f.name}" for f in dataclasses.fields(sec_cls) if f.name not in docs]
     return missing

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import tomllib
 import types
@@ -63,8 +64,9 @@ def coerce(value: Any, tp, key: str, where: str, from_string: bool = False) -> A
         (item_tp,) = typing.get_args(tp)
         if from_string and isinstance(value, str):
             text, value = value, _parse_cli_value(value, key, where)
-            if not isinstance(value, list):
-                value = [text if item_tp is str else value]  # `rollout.stop=0` means the string "0"
+            if not isinstance(value, list):  # `rollout.stop=0` means the string "0"; `x="a"` the string a
+                quoted = isinstance(value, str) and text.strip()[:1] in ("'", '"')
+                value = [(value if quoted else text) if item_tp is str else value]
             from_string = False  # the items are typed TOML values now; do not parse them again
         if not isinstance(value, list):
             raise _type_error(key, tp, value, where)
@@ -104,8 +106,11 @@ def coerce(value: Any, tp, key: str, where: str, from_string: bool = False) -> A
 
 
 def _type_error(key, tp, value, where) -> ConfigError:
+    hint = ""
+    if typing.get_origin(tp) is list and not isinstance(value, list):
+        hint = f"; write a list, e.g. {key} = [{json.dumps(value) if isinstance(value, (str, int, float)) else '...'}]"
     return ConfigError(
-        f"{where}: key '{key}' expects {_type_name(tp)}, found {value!r} ({type(value).__name__})"
+        f"{where}: key '{key}' expects {_type_name(tp)}, found {value!r} ({type(value).__name__}){hint}"
     )
 
 

@@ -262,6 +262,8 @@ class RewardConfig:
     """When a reward function raises: raise (stop, naming the sample) | zero (score 0 and count it)."""
     timeout_s: float = 120.0
     """Per-sample time limit for reward functions in seconds (a stuck function ends in a named RewardTimeout); 0 disables (a hung function then hangs the job)."""
+    in_process: bool = False
+    """Run reward.custom_fn in the training process instead of a worker process per rank. The worker is killed and replaced when a call passes reward.timeout_s, whatever the function is doing; in the process a timer interrupts Python code only, so a long C call (a regex, a C extension) runs past the limit."""
     overlong_buffer_len: int = 0
     """DAPO overlong shaping: penalise responses within this many tokens of max_response_length; 0 disables."""
     overlong_penalty_factor: float = 1.0
@@ -379,13 +381,13 @@ class MemoryConfig:
     defer_grad_sync: bool = False
     """Reduce-scatter gradients only on a mini-batch's last micro-batch. Costs an unsharded float32 gradient of the whole (tp-local) model per rank (4 bytes x params / tp) while accumulating; the default reduce-scatters every micro-batch."""
     gpu_memory_gb: float = 80.0
-    """GPU memory per device in GB (10^9 bytes), for `spmdrl plan`."""
+    """GPU memory per device in GiB (2^30 bytes), for `spmdrl plan` (an 80 GB H100 has 79.6 GiB; `nvidia-smi` shows MiB)."""
     gpus_per_node: int = 8
     """GPUs (ranks) per node, for `spmdrl plan`'s host figures."""
     nodes: int = 1
     """Nodes of the run, for `spmdrl plan` (world size = nodes x gpus_per_node unless --world-size is given)."""
     host_memory_gb: float = 2048.0
-    """Host memory per node in GB, for `spmdrl plan`."""
+    """Host memory per node in GiB (2^30 bytes), for `spmdrl plan`."""
     margin: float = 0.9
     """`spmdrl plan` says a phase fits when it uses at most this fraction of GPU and host memory."""
 
@@ -423,7 +425,7 @@ class TrainerConfig:
     critic_warmup: int = 0
     """Steps at the start during which only the critic trains (the actor and rollout weights stay put)."""
     max_bad_steps: int = 3
-    """Consecutive steps with a non-finite loss or grad norm (each skipped) before the run aborts."""
+    """Consecutive bad steps (a non-finite loss or grad norm, no finite reward, or every token rejected by rollout_correction; each skipped) before the run aborts."""
     overwrite: bool = False
     """A fresh run (checkpoint.resume off, or auto finding no checkpoint) into an output_dir holding another run's checkpoints, metrics.jsonl or tensorboard events deletes them; false refuses to start."""
 
@@ -442,16 +444,42 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    """Where metrics go."""
+    """Where metrics go (docs/metrics.md, "Experiment trackers"). Rank 0 writes to every backend; the others log
+    nothing. A backend that fails mid-run is a warning and a `logging/<backend>_failures` metric, never a stopped run."""
 
+    backends: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
+    """Where each step's metrics go, any of: tensorboard (output_dir/tensorboard), jsonl (output_dir/metrics.jsonl),
+    wandb (Weights & Biases; `pip install 'spmdrl[wandb]'`), mlflow (`pip install 'spmdrl[mlflow]'`)."""
     tensorboard: bool = True
-    """Write tensorboard event files under output_dir/tensorboard."""
+    """false removes tensorboard from logging.backends (a shorthand kept for older configs)."""
     jsonl: bool = True
-    """Write output_dir/metrics.jsonl, one JSON object per step."""
+    """false removes jsonl from logging.backends (a shorthand kept for older configs)."""
     console: bool = True
     """Print a line of key metrics per step on rank 0."""
     progress: bool = True
     """Show progress bars for long stages on rank 0."""
+    verbosity: str = "info"
+    """Console logging: info (spmdrl's lines; vLLM, Triton, megatron-core and transformers warnings that need no
+    action are quieted) | debug (everything, every library at its own level). The environment variable
+    SPMDRL_VERBOSITY overrides it."""
+    project: str = "spmdrl"
+    """wandb project; the MLflow experiment is this name, or `project/group` when logging.group is set."""
+    group: str = ""
+    """wandb run group and the MLflow experiment's second part; `spmdrl sweep run` sets it to the sweep's name."""
+    run_name: str = ""
+    """The tracker run's name; empty uses trainer.experiment_name, else the output_dir's name (a sweep's run name)."""
+    tags: list[str] = field(default_factory=list)
+    """Tracker tags; `spmdrl sweep run` adds the run's overrides (`actor.lr=1e-06`)."""
+    wandb_mode: str = ""
+    """online | offline (no account or network; `wandb sync output_dir/wandb/offline-run-*` uploads later); empty
+    uses the WANDB_MODE environment variable, else online (which needs WANDB_API_KEY or `wandb login`)."""
+    wandb_entity: str = ""
+    """wandb entity (user or team); empty uses WANDB_ENTITY or the account's default."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking server or store; empty uses MLFLOW_TRACKING_URI, else a file store `mlruns` in the directory
+    the run is launched from."""
+    tracker_timeout_s: float = 60.0
+    """How long the end of a run waits for wandb and MLflow to take the last metrics before it goes on without them."""
 
 
 @dataclass
@@ -533,3 +561,60 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     hooks: HooksConfig = field(default_factory=HooksConfig)
+
+
+# ------------------------------------------------------------------------------- the SFT warm start (spmdrl.sft)
+
+
+@dataclass
+class SFTSection:
+    """The warm start's data and optimisation (`spmdrl sft`; docs/sft.md)."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Parquet/jsonl files with a chat-message (or string) prompt column and a string response column, or with a
+    messages column holding whole conversations (trained on their assistant turns)."""
+    prompt_key: str = "prompt"
+    """Prompt column."""
+    response_key: str = "response"
+    """Response column."""
+    messages_key: str = "messages"
+    """Conversation column; a file that has it is read as whole conversations instead of prompt + response."""
+    tools_key: str = "tools"
+    """Optional column of a conversation file: the tool schemas (a JSON string or a list of objects) passed to the
+    chat template's `tools`."""
+    max_length: int = 512
+    """Longest prompt + response (or conversation) in tokens."""
+    truncation: str = "error"
+    """Over-long rows: error | right."""
+    epochs: int = 1
+    """Passes over the data."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps; 0 means run all epochs."""
+    batch_size: int = 32
+    """Samples per optimizer step over all ranks."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one rank."""
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    lr_scheduler: str = "cosine"
+    """constant | cosine | linear."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip; 0 disables."""
+    save_dir: str = ""
+    """Where the HF model is written; empty means trainer.output_dir/hf_model."""
+
+
+@dataclass
+class SFTConfig:
+    """An SFT warm start (`spmdrl sft --config F`): [model], [sft], [placement], [trainer] and [logging]; the
+    shared sections mean what they mean in an RL config."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTSection = field(default_factory=SFTSection)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

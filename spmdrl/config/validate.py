@@ -21,6 +21,7 @@ CHOICES = {
     "trainer.critic_backend": ("", "fsdp", "megatron"),
     "lora.init": ("default", "gaussian"),  # spmdrl.engines.lora.INITS
     "multi_turn.http_exec_api": ("sandbox_fusion", "piston"),  # spmdrl.tools.builtin.HTTP_APIS
+    "logging.verbosity": ("info", "debug"),
 }
 MEMORY_KINDS = ("params", "grads", "optimizer")
 
@@ -87,7 +88,10 @@ def validate(cfg, world_size: int):
     from spmdrl.algos import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES
     from spmdrl.dist.layout import check_megatron_roles, plan_layout, role_backends
 
+    from spmdrl.trackers import check_backends
+
     check_finite(cfg)
+    check_backends(cfg.logging)
 
     for key, allowed in CHOICES.items():
         v = _get(cfg, key)
@@ -226,6 +230,16 @@ def validate_rollout_correction(cfg) -> None:
             f"rollout_correction.rollout_rs_threshold_lower = {lower} must be >= 0 and below rollout_rs_threshold = "
             f"{rc.rollout_rs_threshold} (leave it unset for 1 / rollout_rs_threshold)"
         )
+    if rc.rollout_rs != "none":  # the window must hold ratio 1 (the rollout and the actor agree), else it drops
+        upper = rc.rollout_rs_threshold  # every on-policy token and, with no mismatch, every token of every step
+        low = 1.0 / upper if lower is None else lower
+        if not low <= 1.0 <= upper:
+            shown = f"[1 / {upper:g}, {upper:g}] = [{low:g}, {upper:g}]" if lower is None else f"[{low:g}, {upper:g}]"
+            raise ConfigError(
+                f"rollout_correction: the rejection window {shown} (rollout_rs_threshold_lower, rollout_rs_threshold) "
+                "does not contain ratio 1, so it rejects every token on which the rollout and the actor agree and the "
+                "update trains on nothing; set rollout_rs_threshold >= 1 and rollout_rs_threshold_lower <= 1"
+            )
     if not 0 <= rc.rollout_token_veto_threshold < 1:
         raise ConfigError(f"rollout_correction.rollout_token_veto_threshold must be in [0, 1) (0 disables), found "
                           f"{rc.rollout_token_veto_threshold}")
@@ -424,6 +438,10 @@ def validate_memory(cfg) -> None:
         bad = [k for k in getattr(m, f"{role}_offload") if k not in MEMORY_KINDS]
         if bad:
             raise ConfigError(f"memory.{role}_offload has {bad}: allowed kinds are {', '.join(MEMORY_KINDS)}")
+    absent = [k for k in m.ref_offload if k != "params"]  # the reference model is never trained
+    if absent:
+        raise ConfigError(f"memory.ref_offload has {absent}: the reference model has no gradients or optimizer "
+                          "state, only 'params' applies; remove the others")
     for key in ("gpu_memory_gb", "host_memory_gb", "gpus_per_node", "nodes"):
         if not getattr(m, key) > 0:
             raise ConfigError(f"memory.{key} must be > 0, found {getattr(m, key)}")

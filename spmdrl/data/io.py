@@ -44,9 +44,33 @@ def read_table(path: str) -> pa.Table:
         raise DataError(f"file {path}: cannot be read as {suffix[1:]} ({_one_line(e)}); check the file") from e
 
 
+def check_utf8(path: str, chunk_bytes: int = 64 << 20) -> None:
+    """A DataError naming the row (line) and byte of the first invalid UTF-8 in text file `path`: pyarrow reads
+    such bytes into string columns unchecked, and they fail much later, far from the file."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = line = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(chunk_bytes)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                pos = max(e.start, 0)  # within this chunk (a sequence split across chunks ends up in the next)
+                row = line + chunk.count(b"\n", 0, pos) + 1
+                raise DataError(f"file {path}: row {row} (byte {offset + pos}) is not valid UTF-8 ({e.reason}: "
+                                f"{chunk[e.start:e.end]!r}); fix or re-encode the file as UTF-8") from None
+            if not chunk:
+                return
+            offset += len(chunk)
+            line += chunk.count(b"\n")
+
+
 def _read_json(path: str) -> pa.Table:
     import pyarrow.json as pj
 
+    check_utf8(path)
     with open(path, "rb") as f:
         head = f.read(4096).lstrip()
     if head.startswith(b"["):

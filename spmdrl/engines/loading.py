@@ -34,8 +34,24 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
         with open(bundled) as f:
             d = json.load(f)
         return AutoConfig.for_model(d.pop("model_type"), **d)
+    source = path
+    if not os.path.isdir(os.path.expanduser(path)) and not path.startswith(("/", ".", "~")):
+        # a hub id: read the cached config.json, never the network (from_pretrained would retry for half a minute)
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(path, "config.json")
+        except ValueError:
+            cached = None
+        if not isinstance(cached, str):
+            raise ConfigError(
+                f"model.path = {path!r}: not a local directory and its config.json is not in the HF cache; give a "
+                f"directory holding its config.json (only that file is read) or fetch it with "
+                f"`huggingface-cli download {path} config.json`"
+            )
+        source = os.path.dirname(cached)
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"model.path = {path!r}: no config.json found ({str(e).splitlines()[0]}); give a local model directory "
@@ -115,6 +131,49 @@ def checkpoint_index(model_path: str) -> dict[str, str]:
 
     with safe_open(single, framework="pt") as f:
         return {k: single for k in f.keys()}
+
+
+def safetensors_problem(path: str) -> str | None:
+    """Why safetensors file `path` is unusable (truncated, grown, a header that is not safetensors), else None.
+    Reads only the header: 8 bytes of header length, the JSON header, then the tensors' data, whose extent the
+    header's data_offsets give."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                return f"{size} bytes, too short for its header (truncated or not a safetensors file)"
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        return f"its header is unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+    want = 8 + n + end
+    if size != want:
+        return f"{size} bytes, its header says {want} ({'truncated' if size < want else 'bytes appended'})"
+    return None
+
+
+def check_weights(key: str, model_dir: str) -> None:
+    """Every safetensors file a model directory's weights are in (its index, else *.safetensors) is there and
+    whole: a one-line ConfigError naming the file otherwise, before any rank reads one."""
+    if not os.path.isdir(model_dir):
+        return
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{key} = {model_dir!r}: model.safetensors.index.json is unreadable ({e}); restore the "
+                              "model files") from None
+    else:
+        names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    for name in names:
+        file = os.path.join(model_dir, name)
+        why = "missing" if not os.path.isfile(file) else safetensors_problem(file)
+        if why:
+            raise ConfigError(f"{key} = {model_dir!r}: weights file {name} is {why}; download or copy the model again")
 
 
 def local_block(p) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -13,6 +13,7 @@ Two things need the actor's log-probs of the sampled tokens before its parameter
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -20,6 +21,8 @@ import torch
 from spmdrl.algos.rollout_correction import rollout_correction
 from spmdrl.batch import Batch
 from spmdrl.config.validate import rollout_correction_active
+
+log = logging.getLogger("spmdrl")
 
 LOGP_FLOOR = -100.0  # a token outside the actor's kept set (log-prob -inf) counts as this in the diagnostic
 
@@ -67,4 +70,9 @@ def prepare_actor_update(cfg, engine, batch: Batch, forward: Callable, reduce: C
     if corr.weights is not None:
         tensors["rollout_is_weights"] = corr.weights
     metrics.update(corr.metrics)
+    if corr.metrics.get("rollout_corr/rollout_rs_masked_fraction", 0.0) >= 1.0:
+        log.warning("rollout_correction rejected every response token of this step (rollout_rs = %s, window [%s, %s], "
+                    "veto %s): the update trains on nothing; the step counts as bad (trainer.max_bad_steps)",
+                    rc.rollout_rs, rc.rollout_rs_threshold_lower, rc.rollout_rs_threshold,
+                    rc.rollout_token_veto_threshold)
     return Batch(tensors, dict(batch.meta)), metrics

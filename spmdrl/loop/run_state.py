@@ -40,9 +40,10 @@ class BadSteps:
         if self.consecutive >= self.limit:
             last = latest_checkpoint(self.checkpoint_root)
             raise SpmdrlError(
-                f"{self.consecutive} consecutive steps (up to step {step}) had a non-finite loss or grad "
-                f"norm and were skipped (trainer.max_bad_steps = {self.limit}); the last good checkpoint is "
-                f"{last or 'none (none was saved)'}; lower actor.lr or check the data and reward of those steps"
+                f"{self.consecutive} consecutive steps (up to step {step}) trained nothing (a non-finite loss or "
+                f"grad norm, no finite reward, or every token rejected by [rollout_correction]; see the warnings "
+                f"above) (trainer.max_bad_steps = {self.limit}); the last good checkpoint is "
+                f"{last or 'none (none was saved)'}; lower actor.lr or check the data, reward and rollout_correction"
             )
 
     def state_dict(self) -> dict[str, int]:

@@ -14,6 +14,7 @@ from spmdrl.dist.collectives import all_gather_strings, gather_tp_slices, reduce
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.rewards.custom import GuardedReward, compute_rewards
 from spmdrl.rewards.model import RewardModelScorer, combine_rewards
+from spmdrl.rewards.registry import accuracy_score_fn
 
 
 class Scorer:
@@ -22,6 +23,8 @@ class Scorer:
 
     def __init__(self, cfg, tokenizer, reward_fn: Callable, reward_model: RewardModelScorer | None):
         self.cfg, self.tokenizer, self.reward_fn, self.reward_model = cfg, tokenizer, reward_fn, reward_model
+        # validation's accuracy: the rule scorers, even when a custom function gives the training reward
+        self.accuracy_fn = accuracy_score_fn(reward_fn) if cfg.reward.custom_fn else None
 
     def attach_meta(self, batch: Batch, ds: PromptDataset, mesh: RoleMesh) -> None:
         """Per-sample metadata, re-derived locally from the dataset row in `index`. Responses are decoded once
@@ -41,22 +44,27 @@ class Scorer:
         )
         batch.meta["response_text"] = all_gather_strings(texts, mesh, len(batch)) if mesh.tp_size > 1 else texts
 
-    def score(self, batch: Batch, mesh: RoleMesh, shaping: bool = True) -> dict[str, float]:
-        """batch["scores"] [B]: rule/custom score, weighted, plus DAPO overlong shaping (shaping=False: the raw
-        rule score, which validation reports as accuracy). The rule scorer runs once per sample: each rank of a
-        tp group scores its share and the scores are all-gathered over the group."""
-        r = self.cfg.reward
+    def _scores(self, fn: Callable, batch: Batch, mesh: RoleMesh) -> torch.Tensor:
         mine = mesh.tp_range(len(batch))
         meta = batch.meta
         scores, _ = compute_rewards(
-            self.reward_fn, *([meta[k][i] for i in mine] for k in ("data_source", "response_text", "ground_truth", "extra_info")),
+            fn, *([meta[k][i] for i in mine] for k in ("data_source", "response_text", "ground_truth", "extra_info")),
         )
-        if mesh.tp_size > 1:
-            scores = gather_tp_slices(scores.float(), mesh, len(batch))
+        return gather_tp_slices(scores.float(), mesh, len(batch)) if mesh.tp_size > 1 else scores
+
+    def score(self, batch: Batch, mesh: RoleMesh, shaping: bool = True) -> dict[str, float]:
+        """batch["scores"] [B]: rule/custom score, weighted, plus DAPO overlong shaping. shaping=False
+        (validation): the raw rule/custom score, and batch["accuracy"], what validation reports as accuracy: the
+        rule scorer of each sample's data_source (the custom function only where none is registered). Each
+        function runs once per sample: each rank of a tp group scores its share, all-gathered over the group."""
+        r = self.cfg.reward
+        meta = batch.meta
+        scores = self._scores(self.reward_fn, batch, mesh)
         metrics = {}
         batch["rule_scores"] = scores  # before weighting, reward model and shaping: dynamic sampling's default signal
         if not shaping:
             batch["scores"] = scores
+            batch["accuracy"] = scores if self.accuracy_fn is None else self._scores(self.accuracy_fn, batch, mesh)
             return metrics
         if self.reward_model is not None:  # a weighted sum with the rule score
             lens = batch["prompt_len"].tolist(), batch["response_len"].tolist()

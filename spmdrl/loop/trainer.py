@@ -42,11 +42,10 @@ from spmdrl.loop.run_state import BadSteps, RunCheckpointer
 from spmdrl.loop.scoring import Scorer
 from spmdrl.loop.split import BatchStream
 from spmdrl.loop.validate import Validator
-from spmdrl.metrics import MetricsLogger, StageTimer, device_peak_tflops, flops_metrics, peak_memory_gb
+from spmdrl.metrics import MetricsLogger, StageTimer, device_peak_tflops, flops_metrics, logger_for, peak_memory_gb
 from spmdrl.reshard.adapter import AdapterSync
 from spmdrl.reshard.sync import WeightSync
-from spmdrl.rewards import default_compute_score, load_reward_fn
-from spmdrl.rewards.custom import GuardedReward
+from spmdrl.rewards.custom import build_reward_fn
 from spmdrl.rng import seed_everything
 
 log = logging.getLogger("spmdrl")
@@ -98,9 +97,7 @@ class Trainer:
             dp_size=self.rollout_mesh.dp_size,
             batch_size=d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle,
         )
-        reward_fn = load_reward_fn(cfg.reward.custom_fn) if cfg.reward.custom_fn else default_compute_score
-        if cfg.reward.on_error != "raise" or cfg.reward.timeout_s > 0:
-            reward_fn = GuardedReward(reward_fn, on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
+        reward_fn = build_reward_fn(cfg.reward)  # a user function runs in a worker process (rewards/worker.py)
         # ---- models: training engines (training ranks), memory lifecycle, reward model, rollout engine, weight sync
         self.memory = MemoryLifecycle(device, {}, {} if split else offload_kinds(cfg))  # split: nothing shares a device
         self.memory.begin_build()
@@ -159,11 +156,8 @@ class Trainer:
         if rank == 0:
             with open(os.path.join(cfg.trainer.output_dir, "config.toml"), "w") as f:
                 f.write(self.config_toml)
-        lg = cfg.logging
-        self.logger = MetricsLogger(
-            cfg.trainer.output_dir, tensorboard=lg.tensorboard, jsonl=lg.jsonl, console=lg.console, rank=rank,
-            append=resume_from is not None, progress_total=cfg.trainer.total_steps if lg.progress else 0,
-        )
+        self.logger = logger_for(cfg, rank, resume=resume_from is not None,
+                                 progress_total=cfg.trainer.total_steps)
         self.global_step = 0
         self.actor_version = 0  # the step of the actor's last update (split placement's weight versions)
         # reliability (docs/reliability.md): checkpoints, bounded collectives, reward guard, resume

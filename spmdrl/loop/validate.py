@@ -39,7 +39,7 @@ class Validator:
         t0 = time.perf_counter()
         rows = list(r.dp_range(len(ds))) if r.active else []  # split: the training ranks only join the sums
         sources = self.sources
-        sums = torch.zeros(2 * len(sources), dtype=torch.float64)
+        sums = torch.zeros(2 * len(sources) + 2, dtype=torch.float64)  # accuracy, count per source; reward, count
         hook_metrics: dict[str, float] = {}
         self.memory.for_rollout()  # stays awake: the next step's rollout follows
         vbs = self.cfg.data.val_batch_size
@@ -55,13 +55,17 @@ class Validator:
             for k, v in self.hooks("on_validation", step, batch).items():  # mean over chunks
                 hook_metrics[k] = hook_metrics.get(k, 0.0) + v * len(part) / len(rows)
             w = r.leader_weight()  # the tp group holds the same samples: count them once
-            for s, src in zip(batch["scores"].tolist(), batch.meta["data_source"]):
+            for s, src in zip(batch["accuracy"].tolist(), batch.meta["data_source"]):
                 k = sources.index(src)
                 sums[k] += s * w
                 sums[len(sources) + k] += w
+            sums[-2] += float(batch["scores"].sum()) * w
+            sums[-1] += len(batch) * w
         sums = reduce_sum(sums)
-        acc = {f"val/accuracy/{src}": float(sums[k] / max(sums[len(sources) + k], 1)) for k, src in enumerate(sources)}
+        acc = {f"val/source_accuracy/{src}": float(sums[k] / max(sums[len(sources) + k], 1)) for k, src in enumerate(sources)}
         acc["val/accuracy"] = sum(acc.values()) / len(acc)
+        if self.scorer.accuracy_fn is not None:  # the custom reward's own mean, beside the rule accuracy
+            acc["val/reward_mean"] = float(sums[-2] / max(sums[-1], 1))
         acc.update(reduce_mean(hook_metrics, weight=r.leader_weight() if r.active else 0.0))
         acc["timing/validation_s"] = time.perf_counter() - t0
         if dist.get_rank() == 0:

@@ -535,7 +535,57 @@ def render(p: dict) -> str:
               f"  NCCL per rank: communicators {n['communicators']} x {n['comm_gb']} GiB; weight-sync peers "
               f"{p['weight_sync']['p2p_peers_max']} (in node, other nodes) x {n['p2p_peer_gb']} GiB",
               "", f"fits: {str(p['fits']).lower()}"]
+    if not p["fits"]:
+        lines += ["  " + x for x in advice(p)]
     return "\n".join(lines)
+
+
+def _hint(part: str, phase: str) -> str:
+    """The first settings to change for one memory part (a breakdown key such as actor_optimizer) in `phase`."""
+    role, _, kind = part.partition("_")
+    if role in ("actor", "critic", "ref"):
+        if kind in ("optimizer", "grads", "params"):
+            # offloaded state comes back to the GPU for its own update and forward passes
+            busy = phase == f"train_{role}" or phase == f"{role}_forward"
+            off = "" if busy else f"memory.{role}_offload += [\"{kind}\"] (to host memory), "
+            return (f"{part}: {off}placement.{role}_tp / {role}_pp (shard it), more GPUs (data-parallel sharding)"
+                    + (", lora.enable = true" if role == "actor" and kind != "params" else ""))
+        if kind == "activations":
+            return f"{part}: a smaller {role}.micro_batch_size, model.gradient_checkpointing = true"
+    if part.startswith("vllm"):
+        return f"{part}: a lower rollout.gpu_memory_utilization, a larger placement.rollout_tp"
+    if part.startswith("nccl"):
+        return f"{part}: fewer communicators (fewer distinct role layouts), fewer nodes per weight-sync peer group"
+    if part.startswith(("sync", "dcp")):
+        return f"{part}: a smaller rollout.weight_sync_bucket_mb"
+    return f"{part}: see docs/config.md [memory] and [placement]"
+
+
+def advice(p: dict) -> list[str]:
+    """Why a plan does not fit, in a few lines: the phase furthest over, its largest parts, what to change."""
+    hw = p["hardware"]
+    gpu_cap, host_cap = hw["margin"] * hw["gpu_memory_gb"], hw["margin"] * hw["host_memory_gb"]
+    out = []
+    phases = {n: ph for n, ph in p["memory"].items() if not ph["fits"]}
+    if phases:
+        name, ph = max(phases.items(), key=lambda kv: max(kv[1]["gpu_gb"] / gpu_cap, kv[1]["host_gb"] / host_cap))
+        if ph["gpu_gb"] > gpu_cap:
+            parts = sorted(ph["gpu"].items(), key=lambda kv: -kv[1])[:2]
+            out.append(f"does not fit: phase {name} needs {ph['gpu_gb']:.2f} GiB per GPU, {gpu_cap:.2f} GiB allowed "
+                       f"(memory.margin x memory.gpu_memory_gb); largest: "
+                       + ", ".join(f"{k} {v:g} GiB" for k, v in parts))
+            out += [f"  change {_hint(k, name)}" for k, _ in parts]
+        else:
+            out.append(f"does not fit: phase {name} needs {ph['host_gb']:.1f} GiB of host memory per node, "
+                       f"{host_cap:.1f} GiB allowed (memory.margin x memory.host_memory_gb): offload fewer kinds "
+                       "(memory.*_offload) or spread the run over more nodes")
+    if not p["memory"]["build"]["vllm_start"]["ok"]:
+        out.append("does not fit: vLLM starts with less free GPU memory than rollout.gpu_memory_utilization asks "
+                   "for; lower it, or offload the training state at build (memory.*_offload)")
+    if not p["rollout"]["kv_cache_fits_one_sequence"]:
+        out.append("does not fit: the KV cache cannot hold one full sequence; raise rollout.gpu_memory_utilization "
+                   "or shorten data.max_prompt_length + data.max_response_length")
+    return out
 
 
 def _short(groups: list[list[int]], n: int = 4) -> str:

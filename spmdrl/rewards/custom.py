@@ -15,31 +15,10 @@ from typing import Callable
 import torch
 
 from spmdrl.errors import RewardError
-from spmdrl.usercode import load_object, one_line as _one_line
+from spmdrl.rewards.loader import _one_line, load_reward_fn, reward_fn_name
+from spmdrl.rewards.worker import RewardTimeout
+
 log = logging.getLogger("spmdrl")
-
-
-def reward_fn_name(fn: Callable) -> str:
-    """How errors name a reward function: its spec when loaded from one, else module:qualname."""
-    name = getattr(fn, "__spmdrl_spec__", None)
-    if name:
-        return name
-    module = getattr(fn, "__module__", None) or "?"
-    qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-    return f"{module}:{qualname}"
-
-
-def load_reward_fn(spec: str) -> Callable:
-    """Resolve `spec` to a callable; every failure is a one-line RewardError naming the spec."""
-    obj = load_object(spec, what="reward function", key="reward.custom_fn", error=RewardError)
-    if not callable(obj):
-        attr = spec.rpartition(":")[2]
-        raise RewardError(f"reward function {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
-    try:
-        obj.__spmdrl_spec__ = spec
-    except (AttributeError, TypeError):
-        pass
-    return obj
 
 
 def _as_score(value, name: str, i: int) -> float:
@@ -114,10 +93,6 @@ def compute_rewards(
 
 # ---- time limits and on_error ------------------------------------------------------------------------------
 
-class RewardTimeout(Exception):
-    """A reward function ran past reward.timeout_s on one sample."""
-
-
 class _Alarm(BaseException):
     """Raised inside the reward function by SIGALRM; a BaseException so its own `except Exception` cannot
     swallow the timeout."""
@@ -171,6 +146,32 @@ def _call_in_thread(fn: Callable, timeout_s: float, kwargs: dict):
     return box["value"]
 
 
+def build_reward_fn(reward_cfg) -> Callable:
+    """The reward function a run scores with, from its [reward] section: reward.custom_fn (a user function) in
+    a worker process under reward.timeout_s (rewards/worker.py: a timeout stops it whatever it is doing), or in
+    this process with reward.in_process = true (SIGALRM: Python code only); the rule functions registered by
+    data_source run in this process. Wrapped in GuardedReward when reward.on_error or timeout_s ask for it."""
+    r = reward_cfg
+    if not r.custom_fn:
+        fn: Callable = default_compute_score_fn()
+    else:
+        fn = load_reward_fn(r.custom_fn)  # here too: a bad spec or module is one line before anything starts
+        if r.timeout_s > 0 and not r.in_process:
+            from spmdrl.rewards.worker import RewardWorker
+
+            return GuardedReward(RewardWorker(r.custom_fn, r.timeout_s), on_error=r.on_error, timeout_s=0.0,
+                                 name=r.custom_fn)
+    if r.on_error != "raise" or r.timeout_s > 0:
+        return GuardedReward(fn, on_error=r.on_error, timeout_s=r.timeout_s)
+    return fn
+
+
+def default_compute_score_fn() -> Callable:
+    from spmdrl.rewards.registry import default_compute_score
+
+    return default_compute_score
+
+
 def _usable(out) -> bool:
     v = out.get("score") if isinstance(out, dict) else out
     if isinstance(v, torch.Tensor) and v.numel() == 1:
@@ -185,17 +186,19 @@ class GuardedReward:
     "zero": the sample scores 0 and is counted in `errors` (and `timeouts`), read with `take_counts()`.
     """
 
-    def __init__(self, fn: Callable, *, on_error: str = "raise", timeout_s: float = 0.0):
+    def __init__(self, fn: Callable, *, on_error: str = "raise", timeout_s: float = 0.0, name: str | None = None):
         if on_error not in ("raise", "zero"):
             raise RewardError(f"reward.on_error = {on_error!r} is not one of raise, zero")
         self.fn, self.on_error, self.timeout_s = fn, on_error, float(timeout_s)
         self.errors = self.timeouts = 0
         self._warned = False
-        self.__spmdrl_spec__ = reward_fn_name(fn)
+        self.__spmdrl_spec__ = name or reward_fn_name(fn)
 
     def __call__(self, **kwargs):
         try:
             out = call_with_timeout(self.fn, self.timeout_s, **kwargs)
+        except RewardError:  # the function cannot be used at all (its worker could not load it)
+            raise
         except Exception as e:
             if self.on_error == "raise":
                 raise

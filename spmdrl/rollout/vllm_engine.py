@@ -178,6 +178,7 @@ class VLLMEngine:
                     # the log-prob of the distribution each token was drawn from (after temperature, top-k, top-p):
                     # the behaviour policy an importance ratio needs; vLLM's default is the raw, pre-temperature one
                     logprobs_mode="processed_logprobs",
+                    use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),  # logging.verbosity = debug
                     **kwargs,
                 )
         finally:

@@ -68,6 +68,16 @@ class Sweep:
         return os.path.splitext(os.path.basename(self.path))[0]
 
 
+def _tracker_overrides(lg, sweep_name: str, point: dict[str, Any], path: str) -> list[str]:
+    """wandb / MLflow: the sweep is the group (unless logging.group is set), each run is tagged with its
+    axis values (`actor.lr=1e-06`); the run name is the run directory's name."""
+    out = [] if lg.group or "logging.group" in point else [f"logging.group={override_value(sweep_name, path)}"]
+    if "logging.tags" not in point:
+        tags = [*lg.tags, *(f"{k}={override_value(v, path, k)}" for k, v in point.items())]
+        out.append(f"logging.tags={override_value(tags, path)}")
+    return out
+
+
 # --- loading, expanding, validating ---------------------------------------------------------------------
 
 
@@ -236,7 +246,7 @@ def load_sweep(path: str, nproc: int | None = None, slurm: bool = False) -> Swee
             raise _err(path, f"overrides: {o.split('=', 1)[0]} is set per run to <output_dir>/<run name>; "
                              "set 'output_dir' at the top of the sweep file instead")
     try:
-        load_config(base, overrides)
+        shared = load_config(base, overrides)
     except ConfigError as e:
         raise _err(path, f"overrides: {_strip_override_origin(e)}") from None
     # each axis value alone, so an error names its axis
@@ -260,12 +270,13 @@ def load_sweep(path: str, nproc: int | None = None, slurm: bool = False) -> Swee
         raise _err(path, f"mode = \"zip\" needs axes of equal length: {lengths}")
 
     points = expand(axes, mode, seeds)
+    sweep_name = os.path.splitext(os.path.basename(path))[0]
     world = nproc * (slurm_opts.get("nodes", 1) if slurm else 1)
     runs = []
     for i, (name, point) in enumerate(zip(_names(points, labels, seeds), points)):
         out = os.path.join(output_dir, name)
         run_overrides = [*overrides, *(f"{k}={override_value(v, path, k)}" for k, v in point.items()),
-                         f"trainer.output_dir={out}"]
+                         f"trainer.output_dir={out}", *_tracker_overrides(shared.logging, sweep_name, point, path)]
         try:
             cfg = load_config(base, run_overrides)
             validate(cfg, world)

@@ -1,0 +1,619 @@
+"""The last mile of reliability (docs/reliability.md, "Cases and what they do now"): each case a user or an
+adversary hit, reproduced, with the behaviour it has now: one line naming the file, key, row or rank, exit code
+2 for user errors (not for external kills), and nothing lost."""
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from module_engine import ModuleEngine
+from spmdrl.checkpoint import CheckpointManager
+from spmdrl.checkpoint import files as ck_files
+from spmdrl.config import Config, load_config, to_toml, validate
+from spmdrl.errors import CheckpointError, ConfigError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from spmdrl.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def one_line_error(result, *needles):
+    out = result.output
+    assert result.exit_code == 2, out
+    assert out.startswith("error: ") and out.count("\n") == 1, out
+    for n in needles:
+        assert n in out, out
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from spmdrl.tiny import build_tiny
+
+    return build_tiny(str(tmp_path_factory.mktemp("tiny") / "model"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def exportable(tiny, tmp_path_factory):
+    """A checkpoint of the tiny HF model (hf/ included), as `spmdrl export` reads it; and the model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # differs from the model at `tiny`: the export must carry it
+    eng = ModuleEngine(module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def hf_files(d):
+        os.makedirs(d)
+        for f in os.listdir(tiny):
+            if not f.endswith(".safetensors"):
+                shutil.copy(os.path.join(tiny, f), d)
+
+    root = tmp_path_factory.mktemp("ckpt")
+    path = CheckpointManager(str(root)).save(1, engines={"actor": eng}, trainer_state={},
+                                             config_toml=to_toml(load_config(None, [])), hf_files=hf_files)
+    return path, model
+
+
+def copy_of(path, tmp_path):
+    dst = str(tmp_path / "ckpt" / os.path.basename(path))
+    shutil.copytree(path, dst)
+    return dst
+
+
+def rehash(path, rel):
+    """Rewrite the manifest's size and checksum of `rel`: an edit that the checksums do not catch."""
+    m = json.load(open(os.path.join(path, "manifest.json")))
+    p = os.path.join(path, rel)
+    m["files"][rel] = {"size": os.path.getsize(p), "sha256": ck_files.sha256(p)}
+    json.dump(m, open(os.path.join(path, "manifest.json"), "w"))
+
+
+# ---- export ----------------------------------------------------------------------------------------------
+
+def test_export_refuses_a_non_empty_target_and_writes_atomically(exportable, tmp_path):
+    """An older model.safetensors in --out once stayed beside the new shards and from_pretrained loaded it."""
+    from safetensors.torch import load_file, save_file
+
+    path, model = exportable
+    out = tmp_path / "exported"
+    out.mkdir()
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(out / "model.safetensors"))
+    before = (out / "model.safetensors").read_bytes()
+    one_line_error(cli("export", "--checkpoint", path, "--out", str(out)),
+                   f"export --out {out}: the directory is not empty (it holds model.safetensors)")
+    assert (out / "model.safetensors").read_bytes() == before and sorted(os.listdir(out)) == ["model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["exported"]  # no staging directory left behind
+
+    (out / "model.safetensors").unlink()  # an empty directory is fine: it is replaced by the finished export
+    assert cli("export", "--checkpoint", path, "--out", str(out)).exit_code == 0
+    assert sorted(os.listdir(tmp_path)) == ["exported"]
+    from transformers import AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    torch.testing.assert_close(back.lm_head.weight, model.lm_head.weight, atol=0, rtol=0)
+    shards = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    assert shards and all(set(load_file(str(out / f))) for f in shards)
+
+
+def test_export_to_an_existing_file_is_one_line(exportable, tmp_path):
+    target = tmp_path / "model.bin"
+    target.write_text("x")
+    one_line_error(cli("export", "--checkpoint", exportable[0], "--out", str(target)),
+                   f"export --out {target}: it is a file, not a directory")
+    assert target.read_text() == "x"
+
+
+def _hf_garbage(p):
+    open(f"{p}/hf/config.json", "w").write("{not json")
+    rehash(p, "hf/config.json")
+
+
+def _hf_unknown_type(p):
+    c = json.load(open(f"{p}/hf/config.json"))
+    c["model_type"] = "no_such_model"
+    json.dump(c, open(f"{p}/hf/config.json", "w"))
+    rehash(p, "hf/config.json")
+
+
+def _hf_bad_field(p):
+    c = json.load(open(f"{p}/hf/config.json"))
+    c["hidden_size"] = "wide"
+    json.dump(c, open(f"{p}/hf/config.json", "w"))
+    rehash(p, "hf/config.json")
+
+
+def _metadata_not_dcp(p):
+    open(f"{p}/state/actor/.metadata", "wb").write(pickle.dumps({"a": 1}))
+    rehash(p, "state/actor/.metadata")
+
+
+def _manifest(edit):
+    def damage(p):
+        m = json.load(open(f"{p}/manifest.json"))
+        edit(m)
+        json.dump(m, open(f"{p}/manifest.json", "w"))
+    return damage
+
+
+EDITS = {
+    "hf_config_not_json": (_hf_garbage, "hf/config.json does not load as a model config (OSError"),
+    "hf_config_unknown_model_type": (_hf_unknown_type, "hf/config.json does not load as a model config (ValueError"),
+    "hf_config_bad_field": (_hf_bad_field, "hf/config.json does not load as a model config"),
+    "dcp_metadata_not_metadata": (_metadata_not_dcp, "DCP metadata is corrupted (it holds a dict, not DCP's Metadata)"),
+    "manifest_params_not_a_list": (_manifest(lambda m: m["engines"]["actor"].update(params="x")),
+                                   "manifest.json is malformed (engines['actor'] needs a 'params' list)"),
+    "manifest_param_entry": (_manifest(lambda m: m["engines"]["actor"]["params"].__setitem__(0, [1])),
+                             "manifest.json is malformed (engines['actor'].params holds [1], not [name, shape, dtype])"),
+    "manifest_file_entry": (_manifest(lambda m: m["files"].__setitem__("trainer.json", "x")),
+                            "manifest.json is malformed (files['trainer.json'] needs an integer 'size'"),
+    "manifest_engine_not_a_dict": (_manifest(lambda m: m["engines"].__setitem__("actor", 5)),
+                                   "manifest.json is malformed (engines['actor'] needs a 'params' list)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDITS))
+def test_edited_checkpoint_with_rewritten_checksums_is_one_line(exportable, tmp_path, name):
+    """Once raw tracebacks (ValueError, AttributeError, TypeError ...) from export and resume."""
+    damage, message = EDITS[name]
+    path = copy_of(exportable[0], tmp_path)
+    damage(path)
+    one_line_error(cli("export", "--checkpoint", path, "--out", str(tmp_path / "out")), f"checkpoint {path}", message)
+    assert not (tmp_path / "out").exists()
+    if not name.startswith("hf_"):  # resume reads the same files (hf/ is only for export)
+        model = exportable[1]
+        eng = ModuleEngine(module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")
+                           .replace("[", r"\[").replace("]", r"\]")) as e:
+            CheckpointManager(os.path.dirname(path)).load(path, engines={"actor": eng})
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("how", ["appended", "truncated"])
+def test_a_shard_that_grew_or_shrank_fails_the_intact_check(exportable, tmp_path, how):
+    from spmdrl.checkpoint.verify import intact
+
+    path = copy_of(exportable[0], tmp_path)
+    shard = os.path.join(path, "state", "actor", "__0_0.distcp")
+    size = os.path.getsize(shard)
+    if how == "appended":
+        with open(shard, "ab") as f:
+            f.write(b"\0\0")
+    else:
+        os.truncate(shard, size - 2)
+    why = intact(path)
+    want = "grown: bytes were appended" if how == "appended" else "truncated"
+    assert why and f"state/actor/__0_0.distcp has {size + (2 if how == 'appended' else -2)} bytes, the manifest says {size} ({want}" in why
+
+
+# ---- rollout correction --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, shown", [
+    ({"rollout_rs": "token", "rollout_rs_threshold": 0.5}, "[1 / 0.5, 0.5] = [2, 0.5]"),
+    ({"rollout_rs": "sequence", "rollout_rs_threshold": 0.5, "rollout_rs_threshold_lower": 0.1}, "[0.1, 0.5]"),
+    ({"rollout_rs": "geometric", "rollout_rs_threshold": 3.0, "rollout_rs_threshold_lower": 1.5}, "[1.5, 3]"),
+])
+def test_a_rejection_window_without_ratio_1_is_refused(overrides, shown):
+    cfg = Config()
+    cfg.model.path, cfg.data.train_files = "m", ["t.parquet"]
+    for k, v in overrides.items():
+        setattr(cfg.rollout_correction, k, v)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=1)
+    assert str(e.value).startswith(f"rollout_correction: the rejection window {shown} ") and "\n" not in str(e.value)
+    assert "does not contain ratio 1" in str(e.value)
+
+
+def test_a_step_whose_tokens_are_all_rejected_is_a_bad_step(caplog):
+    """A window that holds 1 can still reject everything (a large mismatch): the step trains nothing, so it is
+    warned about, counted as a bad step (not checkpointed) and max_bad_steps of them in a row stop the run."""
+    from spmdrl.batch import Batch
+    from spmdrl.errors import SpmdrlError
+    from spmdrl.loop.correction import prepare_actor_update
+    from spmdrl.loop.run_state import BadSteps
+
+    cfg = Config()
+    cfg.rollout_correction.rollout_rs, cfg.rollout_correction.rollout_rs_threshold = "token", 1.5
+    mask = torch.ones(2, 3)
+    roll = torch.full((2, 3), -1.0)
+    batch = Batch({"old_log_probs": torch.full((2, 3), -3.0), "rollout_log_probs": roll, "response_mask": mask}, {})
+    ident = lambda t: t  # noqa: E731
+    with caplog.at_level("WARNING", logger="spmdrl"):
+        out, metrics = prepare_actor_update(cfg, None, batch, None, ident, ident)
+    assert out["response_mask"].sum() == 0 and metrics["rollout_corr/rollout_rs_masked_fraction"] == 1.0
+    assert "rollout_correction rejected every response token of this step" in caplog.text
+    bad = BadSteps(2, "/nonexistent")
+    assert bad.count(dict(metrics)) and bad.count(dict(metrics))
+    with pytest.raises(SpmdrlError, match=r"2 consecutive steps \(up to step 4\) trained nothing .*every token "
+                                          r"rejected by \[rollout_correction\]"):
+        bad.check(4)
+    half = dict(metrics, **{"rollout_corr/rollout_rs_masked_fraction": 0.5})
+    assert not bad.count(half)
+
+
+# ---- launch-only flags ---------------------------------------------------------------------------------
+
+def test_overwrite_is_not_part_of_what_a_checkpoint_pins():
+    """A run started with trainer.overwrite=true once could not be resumed without repeating the flag."""
+    from spmdrl.checkpoint import config_differences
+    import tomllib
+
+    first = tomllib.loads(to_toml(load_config(None, ["trainer.overwrite=true"])))
+    again = tomllib.loads(to_toml(load_config(None, [])))
+    assert config_differences(first, again) == []
+    assert config_differences(first, tomllib.loads(to_toml(load_config(None, ["actor.lr=0.5"]))))
+
+
+# ---- bad model and data files, before launch -------------------------------------------------------------
+
+GRPO = os.path.join(os.path.dirname(HERE), "configs", "grpo.toml")
+
+
+def dry(model, out, *overrides, nproc=2):
+    return cli("train", "--config", GRPO, "--dry-run", "--nproc", str(nproc), f"model.path={model}",
+               f"trainer.output_dir={out}", "data.max_prompt_length=256", "data.max_response_length=256", *overrides)
+
+
+def model_copy(tiny, tmp_path, skip=()):
+    d = tmp_path / "model"
+    shutil.copytree(tiny, d, ignore=shutil.ignore_patterns(*skip))
+    return d
+
+
+def test_a_truncated_safetensors_file_is_named_before_launch(tiny, tmp_path):
+    """Once a raw safetensors traceback from every rank that never named the file."""
+    from spmdrl.engines.loading import safetensors_problem
+
+    d = model_copy(tiny, tmp_path)
+    size = os.path.getsize(d / "model.safetensors")
+    assert safetensors_problem(str(d / "model.safetensors")) is None
+    os.truncate(d / "model.safetensors", size - 1000)
+    one_line_error(dry(d, tmp_path / "run"), f"model.path = '{d}': weights file model.safetensors is {size - 1000} bytes, "
+                   f"its header says {size} (truncated); download or copy the model again")
+    with open(d / "model.safetensors", "r+b") as f:
+        f.write(b"\xff" * 8)  # a header length past the end of the file
+    one_line_error(dry(d, tmp_path / "run"), "weights file model.safetensors is", "too short for its header")
+
+
+def test_a_model_directory_without_tokenizer_files_is_named_as_such(tiny, tmp_path):
+    """Once blamed on a missing chat template (transformers loads a one-token tokenizer from config.json)."""
+    d = model_copy(tiny, tmp_path, skip=("tokenizer*", "chat_template*", "vocab*", "merges*"))
+    one_line_error(dry(d, tmp_path / "run"), f"model.path = '{d}' has no tokenizer files (none of tokenizer.json",
+                   "set model.tokenizer_path")
+    assert dry(d, tmp_path / "run", f"model.tokenizer_path={tiny}").exit_code == 0
+
+
+def test_invalid_utf8_in_a_jsonl_prompt_file_names_the_file_and_row(tiny, tmp_path):
+    """Once a UnicodeDecodeError traceback from every rank, without the file."""
+    from transformers import AutoTokenizer
+
+    from spmdrl.data.prompts import PromptDataset
+    from spmdrl.errors import DataError
+
+    rows = [json.dumps({"prompt": [{"role": "user", "content": f"q{i}"}], "data_source": "arith",
+                        "reward_model": {"ground_truth": "1"}}).encode() for i in range(5)]
+    rows[3] = rows[3].replace(b"q3", b"q\xff3")
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b"\n".join(rows) + b"\n")
+    with pytest.raises(DataError) as e:
+        PromptDataset([str(path)], AutoTokenizer.from_pretrained(tiny), max_prompt_length=64)
+    offset = sum(len(r) + 1 for r in rows[:3]) + rows[3].index(b"\xff")
+    assert str(e.value) == (f"file {path}: row 4 (byte {offset}) is not valid UTF-8 (invalid start byte: b'\\xff'); "
+                            "fix or re-encode the file as UTF-8")
+
+
+# ---- config values ---------------------------------------------------------------------------------------
+
+def test_a_quoted_string_for_a_list_key_is_one_item_without_quotes():
+    """`data.train_files="x.parquet"` once became the list ['"x.parquet"'] (quotes inside)."""
+    assert load_config(None, ['data.train_files="x.parquet"']).data.train_files == ["x.parquet"]
+    assert load_config(None, ["data.train_files=x.parquet"]).data.train_files == ["x.parquet"]
+    assert load_config(None, ["rollout.stop=0"]).rollout.stop == ["0"]
+
+
+def test_a_string_for_a_list_key_in_a_file_says_how_to_write_it(tmp_path):
+    (tmp_path / "c.toml").write_text('[data]\ntrain_files = "a.parquet"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path / "c.toml"), [])
+    assert str(e.value) == (f"{tmp_path / 'c.toml'}: key 'data.train_files' expects list[str], found 'a.parquet' (str); "
+                            'write a list, e.g. data.train_files = ["a.parquet"]')
+
+
+def test_offload_kinds_the_reference_model_does_not_have_are_refused():
+    cfg = load_config(None, ["model.path=m", 'data.train_files=["t.parquet"]', 'memory.ref_offload=["params", "optimizer"]'])
+    with pytest.raises(ConfigError, match=r"^memory\.ref_offload has \['optimizer'\]: the reference model has no "
+                                          r"gradients or optimizer state, only 'params' applies"):
+        validate(cfg, world_size=1)
+
+
+# ---- resume, refused before launch ----------------------------------------------------------------------
+
+def run_config(tiny, out, *overrides):
+    return load_config(GRPO, [f"model.path={tiny}", f"trainer.output_dir={out}", "data.max_prompt_length=256",
+                              "data.max_response_length=256", "trainer.total_steps=10", *overrides])
+
+
+def save_run(exportable, cfg, steps=(1,), world_size=None):
+    """Checkpoints of `cfg`'s run under its output_dir (the tiny model's weights; its config recorded)."""
+    _, model = exportable
+    eng = ModuleEngine(module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    man = CheckpointManager(os.path.join(cfg.trainer.output_dir, "checkpoints"), keep_last=0)
+    paths = []
+    for step in steps:
+        paths.append(man.save(step, engines={"actor": eng}, trainer_state={}, config_toml=to_toml(cfg),
+                              hf_files=lambda d: model.config.save_pretrained(d)))
+        if world_size:
+            m = json.load(open(os.path.join(paths[-1], "manifest.json")))
+            m["world_size"] = world_size
+            json.dump(m, open(os.path.join(paths[-1], "manifest.json"), "w"))
+    return paths
+
+
+def test_a_manifest_edited_to_a_later_step_is_not_nothing_to_train(tiny, exportable, tmp_path, caplog):
+    """Once: the run exited 0 with 'nothing to train'. Now the step is cross-checked against the directory name
+    and trainer.json: auto falls back to the previous checkpoint, an explicit path is one line."""
+    from spmdrl.preflight import preflight
+
+    cfg = run_config(tiny, tmp_path / "run")
+    one, two = save_run(exportable, cfg, steps=(1, 2))
+    m = json.load(open(os.path.join(two, "manifest.json")))
+    m["step"] = 99
+    json.dump(m, open(os.path.join(two, "manifest.json"), "w"))
+    with caplog.at_level("WARNING", logger="spmdrl"):
+        plan = preflight(cfg, to_toml(cfg), world_size=1)
+    assert (plan.resume, plan.resume_step) == (one, 1)
+    assert f"skipping damaged checkpoint {two}" in caplog.text and "step 99 in a directory named for step 2" in caplog.text
+    one_line_error(dry(tiny, tmp_path / "run", "trainer.total_steps=10", f"checkpoint.resume={two}"),
+                   f"checkpoint.resume = '{two}': checkpoint {two}: manifest.json is malformed (step 99 in a directory "
+                   "named for step 2)")
+    m["step"] = 2  # the directory renamed instead: trainer.json disagrees
+    json.dump(m, open(os.path.join(two, "manifest.json"), "w"))
+    os.rename(two, two.replace("step_00000002", "step_00000003"))
+    m["step"] = 3
+    json.dump(m, open(os.path.join(two.replace("step_00000002", "step_00000003"), "manifest.json"), "w"))
+    with caplog.at_level("WARNING", logger="spmdrl"):
+        assert preflight(cfg, to_toml(cfg), world_size=1).resume == one
+    assert "trainer.json is at step 2, manifest.json says step 3" in caplog.text
+
+
+def test_crafted_metadata_on_resume_is_one_line_and_auto_falls_back(tiny, exportable, tmp_path, caplog):
+    """Once the refusal arrived wrapped in DCP's 'metadata is None' assertion and auto did not fall back."""
+    from spmdrl.preflight import preflight
+
+    cfg = run_config(tiny, tmp_path / "run")
+    one, two = save_run(exportable, cfg, steps=(1, 2))
+    payload = b"\x80\x04\x95\x1d\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94\x8c\x06system\x94\x93\x94\x8c\x04true\x94\x85\x94R\x94."
+    open(os.path.join(two, "state", "actor", ".metadata"), "wb").write(payload)
+    rehash(two, "state/actor/.metadata")
+    with caplog.at_level("WARNING", logger="spmdrl"):
+        assert preflight(cfg, to_toml(cfg), world_size=1).resume == one
+    assert "refers to os.system" in caplog.text and f"skipping damaged checkpoint {two}" in caplog.text
+    one_line_error(dry(tiny, tmp_path / "run", "trainer.total_steps=10", f"checkpoint.resume={two}"),
+                   f"checkpoint.resume = '{two}'", "DCP metadata refers to os.system", "refusing to unpickle it")
+
+
+def test_resuming_another_model_is_refused_before_launch(tiny, exportable, tmp_path):
+    cfg = run_config(tiny, tmp_path / "run")
+    save_run(exportable, cfg)
+    other = model_copy(tiny, tmp_path)
+    c = json.load(open(other / "config.json"))
+    c["intermediate_size"] *= 2
+    json.dump(c, open(other / "config.json", "w"))
+    one_line_error(dry(other, tmp_path / "run", "trainer.total_steps=10"),
+                   f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_00000001'} is for a different model "
+                   f"(intermediate_size = {c['intermediate_size'] // 2} in the checkpoint, {c['intermediate_size']} in "
+                   "model.path); check model.path")
+
+
+def test_a_split_run_with_batches_in_flight_resumes_on_its_world_size_only(tiny, exportable, tmp_path):
+    split = ["placement.mode=split", "placement.rollout_ranks=[0]", "placement.rollout_tp=1", "trainer.max_staleness=1",
+             "trainer.total_steps=10"]
+    cfg = run_config(tiny, tmp_path / "run", *split)
+    save_run(exportable, cfg, world_size=2)
+    assert dry(tiny, tmp_path / "run", *split).exit_code == 0  # the same world size: resumes
+    one_line_error(dry(tiny, tmp_path / "run", *split, nproc=3),
+                   f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_00000001'} was written by 2 ranks with batches "
+                   "in flight (trainer.max_staleness = 1, split placement), and this run has 3", "resume it on 2 ranks")
+
+
+# ---- reward functions in a worker process ---------------------------------------------------------------
+
+REWARD_FILE = '''
+import hashlib, os, time
+
+def score(data_source, solution_str, ground_truth, extra_info):
+    if solution_str == "c-loop":
+        return float(sum(range(10**11)))  # C code: no bytecode boundary for a signal handler for minutes
+    if solution_str == "pbkdf2":
+        return float(len(hashlib.pbkdf2_hmac("sha256", b"x", b"salt", 10**9)))
+    if solution_str == "boom":
+        raise ValueError("cannot parse " + ground_truth)
+    if solution_str == "die":
+        os._exit(3)
+    if solution_str == "pid":
+        return float(os.getpid())
+    print("scored", solution_str)  # prints must not disturb the protocol
+    return float(len(solution_str))
+'''
+
+
+def reward_cfg(tmp_path, **kw):
+    from spmdrl.config.schema import RewardConfig
+
+    (tmp_path / "rw.py").write_text(REWARD_FILE)
+    return RewardConfig(custom_fn=f"{tmp_path / 'rw.py'}:score", **kw)
+
+
+def call(fn, text, gt="1"):
+    return fn(data_source="d", solution_str=text, ground_truth=gt, extra_info=None)
+
+
+def test_a_reward_busy_in_c_code_is_stopped_by_the_timeout(tmp_path):
+    """sum(range(10**11)) and a long pbkdf2_hmac once ignored reward.timeout_s for minutes (SIGALRM waits for
+    the C call to return). In a worker process the call is killed at the limit and counted as a failed reward;
+    the next call gets a new worker."""
+    import time
+
+    from spmdrl.rewards.custom import build_reward_fn
+
+    fn = build_reward_fn(reward_cfg(tmp_path, timeout_s=1.0, on_error="zero"))
+    assert call(fn, "abc") == 3.0
+    first = call(fn, "pid")
+    for text in ("c-loop", "pbkdf2"):
+        t0 = time.monotonic()
+        assert call(fn, text) == 0.0
+        assert time.monotonic() - t0 < 5
+    assert fn.take_counts() == (2, 2)
+    assert not os.path.exists(f"/proc/{int(first)}") or open(f"/proc/{int(first)}/stat").read().split()[2] == "Z"
+    assert call(fn, "pid") != first and call(fn, "abcd") == 4.0  # a new worker
+    assert call(fn, "boom") == 0.0 and call(fn, "die") == 0.0 and call(fn, "ab") == 2.0
+    assert fn.take_counts() == (2, 0)
+    fn.fn.close()
+
+
+def test_a_reward_failure_in_the_worker_names_the_sample_and_the_original_error(tmp_path):
+    from spmdrl.errors import RewardError
+    from spmdrl.rewards.custom import RewardTimeout, build_reward_fn, compute_rewards
+
+    fn = build_reward_fn(reward_cfg(tmp_path, timeout_s=1.0))
+    with pytest.raises(RewardError, match=r"raised on sample 1 \(data_source 'd'\): ValueError: cannot parse 7$"):
+        compute_rewards(fn, ["d", "d"], ["ok", "boom"], ["7", "7"])
+    with pytest.raises(RewardError, match=r"raised on sample 0 .*RewardTimeout: took longer than reward.timeout_s=1s "
+                                          r"\(its worker process was killed and is replaced\)"):
+        compute_rewards(fn, ["d"], ["c-loop"], ["1"])
+    with pytest.raises(RewardError, match=r"raised on sample 0 .*RewardWorkerError: its worker process died \(exit code 3\)"):
+        compute_rewards(fn, ["d"], ["die"], ["1"])
+    with pytest.raises(RewardTimeout):
+        call(fn, "c-loop")
+    fn.fn.close()
+    in_process = build_reward_fn(reward_cfg(tmp_path, timeout_s=1.0, in_process=True))
+    assert call(in_process, "pid") == float(os.getpid())  # opted in: the rank's own process
+
+
+def test_a_rank_scoring_a_stuck_reward_stops_on_sigterm(tmp_path):
+    """The rank waits for its worker in select(), where SIGTERM is handled at once (in-process, a C call held
+    the signal until it returned)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    reward_cfg(tmp_path)
+    script = tmp_path / "rank.py"
+    script.write_text(f'''
+import sys
+from spmdrl.config.schema import RewardConfig
+from spmdrl.faults import stop_signals, Terminated
+from spmdrl.rewards.custom import build_reward_fn
+fn = build_reward_fn(RewardConfig(custom_fn={str(tmp_path / "rw.py")!r} + ":score", timeout_s=600))
+fn(data_source="d", solution_str="x", ground_truth="1", extra_info=None)
+print("ready", flush=True)
+with stop_signals():
+    try:
+        fn(data_source="d", solution_str="c-loop", ground_truth="1", extra_info=None)
+    except Terminated as e:
+        print("stopped by", e, flush=True)
+        sys.exit(143)
+''')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and "stopped by SIGTERM" in out and time.monotonic() - t0 < 5, err
+
+
+# ---- ranks killed, stopped or stuck -----------------------------------------------------------------------
+
+def _failure(tmp_path, rank, exitcode, line=None):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"error_{rank}.json"
+    if line is not None:
+        path.write_text(json.dumps({"message": f"error (rank {rank}): {line}", "timestamp": 0}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_the_launcher_names_a_rank_killed_from_outside_and_exits_1(tmp_path, capsys):
+    """kill -9 of a rank during a save was reported as 'stopped by SIGTERM ... the first failing rank's line has
+    the cause' with exit 2 (a user error), though the killed rank printed nothing."""
+    from spmdrl.launcher import summarise_failures
+
+    survivor = "step 2, stage 'checkpoint': saving checkpoint step 2 under /x failed while writing on rank 0: ..."
+    code = summarise_failures({1: _failure(tmp_path, 1, -9), 0: _failure(tmp_path, 0, 2, survivor)})
+    err = capsys.readouterr().err
+    assert code == 1 and err.splitlines() == [
+        "error: rank 1 (pid 1001) was killed by SIGKILL (from outside spmdrl: kill -9, the OOM killer, a scheduler) "
+        "and the launcher stopped the other ranks; its output above may have the cause; relaunch the same command to "
+        "resume from the last complete checkpoint"]
+    assert summarise_failures({0: _failure(tmp_path, 0, 2, "model.path = 'x': no such directory")}) == 2
+    assert summarise_failures({0: _failure(tmp_path, 0, 143, "step 3: stopped by SIGTERM (...)"),
+                               1: _failure(tmp_path, 1, 143, "step 3: stopped by SIGTERM (...)")}) == 143
+    assert capsys.readouterr().err == ""  # the ranks printed their line; the launcher adds none
+    assert summarise_failures({3: _failure(tmp_path, 3, 1)}) == 1  # no error file: a crash before reporting
+    assert capsys.readouterr().err == "error: rank 3 (pid 1003) exited with code 1; its output above has the cause\n"
+
+
+def test_a_stop_is_not_a_user_error():
+    """A rank stopped by a signal exits 128 + signal (the launcher's exit code then says so), not 2."""
+    import signal
+    import time
+
+    from spmdrl.faults import Stopped, named_failures
+    from spmdrl.metrics import StageTimer
+
+    with pytest.raises(Stopped) as e:
+        with named_failures(lambda: 3, 30):
+            with StageTimer()("checkpoint"):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+    assert e.value.signum == signal.SIGTERM
+    assert str(e.value).startswith("step 3, stage 'checkpoint': stopped by SIGTERM (Ctrl-C, a kill of the launcher, or "
+                                   "the launcher stopping every rank after one failed: the launcher's summary names "
+                                   "that rank)")
+
+
+def test_a_rank_blocked_in_cpp_leaves_soon_after_sigterm(tmp_path):
+    """kill -9 of rank 0 during start-up left its peer waiting in C++ (a store wait for the dead rank, where no
+    Python signal handler runs) until the launcher's SIGKILL 30 s later. The rank now leaves STOP_GRACE_S after
+    the signal, with one line and exit 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "rank.py"
+    script.write_text('''
+import datetime, sys
+from torch.distributed import TCPStore
+from spmdrl.faults import stop_signals, watch_stop_signals
+watch_stop_signals(lambda s: print(f"error (rank 1): stopped by signal {s} while blocked", file=sys.stderr, flush=True),
+                   grace_s=2.0)
+store = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=120))
+with stop_signals():
+    print("waiting", flush=True)
+    store.wait(["a key the dead rank would have set"])
+''')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout.readline().strip() == "waiting"
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 143 and 1.5 < took < 10, (proc.returncode, took, err)
+    assert err.strip().splitlines() == [f"error (rank 1): stopped by signal {int(signal.SIGTERM)} while blocked"], err
