@@ -4,13 +4,21 @@
 # the GRPO run in $OUT/<config name> (grpo, grpo_split, grpo_lora, ...), so each config keeps its own results.
 #   bash launch/quickstart.sh [extra GRPO overrides, e.g. trainer.total_steps=20]
 #   GRPO_CONFIG=configs/quickstart/grpo_split.toml bash launch/quickstart.sh   # split placement, one step off-policy
+#   TASK=tools bash launch/quickstart.sh   # long sums the tiny model solves only by calling the calculator
+#     (its own data, SFT on tool-call conversations and GRPO with multi-turn rollouts; OUT=outputs/quickstart_tools)
 # A second run reuses $OUT's tiny model, data and SFT model (delete $OUT/sft_model to train it again).
 # SFT_OVERRIDES="sft.max_steps=100" passes overrides to the SFT stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-outputs/quickstart}
+TASK=${TASK:-arith}
+case "$TASK" in
+  arith) SUFFIX= ; DATA=(synthetic --n-sft 4096) ;;
+  tools) SUFFIX=_tools ; DATA=(tool-sums) ;;
+  *) echo "error: TASK=$TASK is not one of arith, tools" >&2; exit 2 ;;
+esac
+OUT=${OUT:-outputs/quickstart$SUFFIX}
 NPROC=${NPROC:-2}
-GRPO_CONFIG=${GRPO_CONFIG:-configs/quickstart/grpo.toml}
+GRPO_CONFIG=${GRPO_CONFIG:-configs/quickstart/grpo$SUFFIX.toml}
 RUN="$OUT/$(basename "$GRPO_CONFIG" .toml)"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
@@ -21,12 +29,12 @@ if [ -f "$OUT/sft_model/config.json" ]; then
 else
   echo "== 1/4 tiny model and tokenizer -> $OUT/tiny"
   spmdrl model tiny --out "$OUT/tiny"
-  echo "== 2/4 synthetic arithmetic data -> $OUT/data"
-  spmdrl data synthetic --out "$OUT/data" --n-sft 4096
+  echo "== 2/4 synthetic data ($TASK) -> $OUT/data"
+  spmdrl data "${DATA[@]}" --out "$OUT/data"
   echo "== 3/4 SFT warm start ($NPROC processes)"
   t_sft=$(date +%s)
   # shellcheck disable=SC2086  # SFT_OVERRIDES is a list of words
-  spmdrl sft --nproc "$NPROC" --config configs/quickstart/sft.toml \
+  spmdrl sft --nproc "$NPROC" --config "configs/quickstart/sft$SUFFIX.toml" \
     model.path="$OUT/tiny" sft.train_files="[\"$OUT/data/sft.parquet\"]" \
     sft.save_dir="$OUT/sft_model" trainer.output_dir="$OUT/sft" ${SFT_OVERRIDES:-}
 fi

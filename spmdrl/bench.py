@@ -1,6 +1,7 @@
 """Step-time benchmark: where a GRPO step's time goes, and how much of it is SPMD overhead.
 
     spmdrl bench [--nproc 2] [--steps 12] [--model DIR] [overrides...]
+    spmdrl bench --tools [--model SFT_MODEL_DIR]     the multi-turn turn loop on the calculator task
 
 Runs the real trainer (torchrun, in-process vLLM) on the quickstart setup, then reads the per-stage timings
 from metrics.jsonl. Overhead = step time - (generation + forward/backward/optimizer + weight sync): the time
@@ -30,12 +31,17 @@ def prepare(work_dir: str, model: str | None) -> tuple[str, dict[str, str]]:
     return model, data
 
 
+def _quickstart_config(name: str) -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart", name)
+
+
 def launch(work_dir: str, model: str, data: dict[str, str], nproc: int, steps: int, overrides: list[str],
-           code_dir: str | None = None, run_name: str = "run") -> str:
-    """Run the trainer; `code_dir` puts another checkout first on the trainer's PYTHONPATH (A/B runs)."""
+           code_dir: str | None = None, run_name: str = "run", config: str = "grpo.toml") -> str:
+    """Run the trainer with configs/quickstart/`config`; `code_dir` puts another checkout first on the trainer's
+    PYTHONPATH (A/B runs)."""
     out = os.path.join(work_dir, run_name)
     shutil.rmtree(out, ignore_errors=True)  # the bench's own run directory: a fresh run every time
-    repo_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart", "grpo.toml")
+    repo_cfg = _quickstart_config(config)
     args = [
         "--config", repo_cfg, f"model.path={model}", f'data.train_files=["{data["train"]}"]', "data.val_files=[]",
         f"trainer.total_steps={steps}", f"trainer.output_dir={out}", "logging.tensorboard=false",
@@ -201,6 +207,110 @@ def lora_bench(work_dir: str, model: str | None, nproc: int, steps: int, overrid
         lines.append(f"{name:<12}" + "".join(
             f"{b.get(k, 0.0):>13.0f}" if k.startswith("weight_sync/") else f"{b.get(k, 0.0):>13.4f}" for k, _ in LORA_COLS))
     return "\n".join(lines)
+
+
+# ----- the multi-turn turn loop on the calculator task -----
+
+TOOL_SFT_DIR = "tools_sft_model"
+
+
+def prepare_tools(work_dir: str, model: str | None, nproc: int) -> tuple[str, dict[str, str]]:
+    """The calculator task's data (as the tool quickstart writes it) and a policy that calls the tool: `model`,
+    else the warm start of the tool quickstart (configs/quickstart/sft_tools.toml) trained once into
+    work_dir/tools_sft_model and reused after."""
+    from spmdrl.data.tool_sums import make_tool_sums
+    from spmdrl.tiny import build_tiny
+
+    data = make_tool_sums(os.path.join(work_dir, "tool_data"), seed=0)
+    if model is not None:
+        return model, data
+    model = os.path.join(work_dir, TOOL_SFT_DIR)
+    if os.path.isfile(os.path.join(model, "config.json")):
+        return model, data
+    tiny = build_tiny(os.path.join(work_dir, "model"), seed=0)
+    args = ["--config", _quickstart_config("sft_tools.toml"), f"model.path={tiny}",
+            f'sft.train_files=["{data["sft"]}"]', f"sft.save_dir={model}",
+            f"trainer.output_dir={os.path.join(work_dir, 'tools_sft')}", "logging.tensorboard=false",
+            "logging.progress=false"]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+           if nproc > 1 else [sys.executable]) + ["-m", "spmdrl.sft", *args]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    return model, data
+
+
+TURN_KEYS = {"generation": "timing/turn_generate_s", "tools": "timing/turn_tools_s",
+             "loop_other": "timing/turn_other_s", "idle": "timing/turn_idle_s"}
+"""The turn loop's time split per step, each a mean over the rollout ranks; idle is a rank's wait for the rollout
+rank whose loop took longest, so the four add up to the slowest rank's loop time."""
+
+
+def tool_breakdown(run_dir: str, skip: int = 2) -> dict[str, float]:
+    """Medians per step (after `skip` warm-up steps) of the turn loop's time split: generation, tool calls, the
+    loop's own work (parsing calls, rendering the template glue, the group's agreement check) and idle (waiting
+    for the slowest rollout rank), in seconds and as fractions of the loop's wall time (their sum); turns (loop
+    iterations per step, turns per trajectory), tool calls, and model tokens per second (tokens the policy
+    sampled; tool results and template glue not counted)."""
+    from spmdrl.metrics import read_jsonl
+
+    rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"), last_per_step=True) if "timing/step_s" in r]
+    rows = rows[skip:] or rows
+    samples = _samples_per_step(run_dir)
+
+    def med(fn):
+        return statistics.median(fn(r) for r in rows)
+
+    wall = [sum(r.get(k, 0.0) for k in TURN_KEYS.values()) for r in rows]
+    timed = [(r, w) for r, w in zip(rows, wall) if w > 0]
+    out = {}
+    for name, key in TURN_KEYS.items():
+        out[name] = med(lambda r, k=key: r.get(k, 0.0))
+        out[f"{name}_frac"] = statistics.median(r.get(key, 0.0) / w for r, w in timed) if timed else 0.0
+    out["loop_wall"] = statistics.median(wall)
+    out["step"] = med(lambda r: r["timing/step_s"])
+    out["loop_turns"] = med(lambda r: r.get("multi_turn/loop_turns", 0.0))
+    out["turns_mean"] = med(lambda r: r.get("multi_turn/turns_mean", 0.0))
+    out["turns_max"] = max(r.get("multi_turn/turns_max", 0.0) for r in rows)
+    out["tool_calls"] = med(lambda r: r.get("tools/calls", 0.0))
+    out["model_tokens_mean"] = med(lambda r: r.get("multi_turn/model_tokens_mean", 0.0))
+    out["tool_tokens_mean"] = med(lambda r: r.get("multi_turn/tool_tokens_mean", 0.0))
+    # the ranks generate their shares at the same time: the step's model tokens over the loop's wall time
+    out["model_tokens_per_s"] = statistics.median(
+        r.get("multi_turn/model_tokens_mean", 0.0) * samples / w for r, w in timed) if timed else 0.0
+    out["model_tokens_per_step_s"] = med(lambda r: r.get("multi_turn/model_tokens_mean", 0.0) * samples / r["timing/step_s"])
+    out["samples"] = float(samples)
+    out["steps_measured"] = float(len(rows))
+    return out
+
+
+def format_tool_breakdown(b: dict[str, float], nproc: int) -> str:
+    lines = [
+        f"turn loop on the calculator task: median per step over {int(b['steps_measured'])} steps, {nproc} ranks, "
+        f"{int(b['samples'])} trajectories per step",
+        "turn loop                          median s   % of loop wall",
+        "-" * 60,
+    ]
+    for name, label in (("generation", "generation"), ("tools", "tools"), ("loop_other", "loop (parse, glue, checks)"),
+                        ("idle", "idle (wait for slowest rank)")):
+        lines.append(f"{label:<32} {b[name]:>10.4f}   {100 * b[name + '_frac']:>8.1f}")
+    lines += [
+        "-" * 60,
+        f"{'loop wall (slowest rank)':<32} {b['loop_wall']:>10.4f}   (step {b['step']:.4f} s)",
+        f"turns: {b['loop_turns']:.0f} loop turns per step, {b['turns_mean']:.2f} per trajectory (max "
+        f"{b['turns_max']:.0f}), {b['tool_calls']:.0f} tool calls per step",
+        f"tokens per trajectory: {b['model_tokens_mean']:.1f} model, {b['tool_tokens_mean']:.1f} tool results and glue",
+        f"model tokens/s: {b['model_tokens_per_s']:.0f} over the loop's wall time, {b['model_tokens_per_step_s']:.0f} "
+        "over the whole step",
+    ]
+    return "\n".join(lines)
+
+
+def tool_bench(work_dir: str, model: str | None, nproc: int, steps: int, overrides: list[str]) -> str:
+    """GRPO with multi-turn rollouts on the calculator task (configs/quickstart/grpo_tools.toml, no validation,
+    no checkpoints) and the turn loop's time split."""
+    model_dir, data = prepare_tools(work_dir, model, nproc)
+    run = launch(work_dir, model_dir, data, nproc, steps, ["checkpoint.save_freq=-1", *overrides], run_name="tools",
+                 config="grpo_tools.toml")
+    return format_tool_breakdown(tool_breakdown(run), nproc)
 
 
 def _median_sum(run_dir: str, keys, skip: int = 2) -> float:

@@ -231,6 +231,31 @@ def data_synthetic(
         typer.echo(f"{name}: {path}")
 
 
+@data_app.command("tool-sums")
+@user_errors
+def data_tool_sums(
+    out: str = typer.Option(..., "--out", "-o", help="Output directory."),
+    n_train: int = typer.Option(4096, "--n-train", min=1, help="Training problems."),
+    n_val: int = typer.Option(256, "--n-val", min=0, help="Validation problems (disjoint from training)."),
+    n_sft: Optional[int] = typer.Option(
+        None, "--n-sft", min=1, help="Conversations in sft.parquet (from the training side); default --n-train."
+    ),
+    seed: int = typer.Option(0, "--seed", help="The files are a function of the seed."),
+    min_terms: int = typer.Option(2, "--min-terms", help="Fewest numbers per sum."),
+    max_terms: int = typer.Option(3, "--max-terms", help="Most numbers per sum."),
+    min_digits: int = typer.Option(5, "--min-digits", help="Fewest digits per number."),
+    max_digits: int = typer.Option(7, "--max-digits", help="Most digits per number."),
+):
+    """Write the calculator task ("1234567+89012=" -> "1323579", too long to add without the tool):
+    train/val.parquet and sft.parquet (tool-call demonstrations as whole conversations)."""
+    from spmdrl.data.tool_sums import make_tool_sums
+
+    paths = make_tool_sums(out, n_train=n_train, n_val=n_val, n_sft=n_sft, seed=seed, terms=(min_terms, max_terms),
+                           digits=(min_digits, max_digits))
+    for name, path in paths.items():
+        typer.echo(f"{name}: {path}")
+
+
 @model_app.command("tiny")
 @user_errors
 def model_tiny(
@@ -255,10 +280,16 @@ def bench(
                                             "split (max_staleness 1) on the same workload and world; one row each."),
     compare_lora: bool = typer.Option(False, "--lora", help="Run a LoRA actor with rollout.lora_sync adapter and merge "
                                       "on the same workload and world; one row each."),
+    tools: bool = typer.Option(False, "--tools", help="Run the multi-turn turn loop on the calculator task (the tool "
+                               "quickstart's GRPO; --model: its SFT model, default: trained once into the work dir) and "
+                               "report the loop's time split: generation, tools, idle, turns, model tokens/s."),
 ):
     """Time a GRPO step by stage on the quickstart setup and report the SPMD overhead."""
-    from spmdrl.bench import breakdown, format_breakdown, launch, lora_bench, placement_bench, prepare
+    from spmdrl.bench import breakdown, format_breakdown, launch, lora_bench, placement_bench, prepare, tool_bench
 
+    if tools:
+        typer.echo(tool_bench(work_dir, model, nproc, steps, _overrides(overrides)))
+        return
     if compare_lora:
         typer.echo(lora_bench(work_dir, model, nproc, steps, _overrides(overrides)))
         return

@@ -1,6 +1,7 @@
 """Supervised warm start on the RL training engine: `torchrun ... -m spmdrl.sft --config sft.toml`.
 
-Trains the policy on prompt/response parquet (loss on response tokens only) with the same FSDP2 engine
+Trains the policy on prompt/response parquet (loss on response tokens only) or on whole conversations (a
+`messages` column; loss on the assistant turns only, e.g. tool-call demonstrations) with the same FSDP2 engine
 the RL loop uses, and saves an HF model directory that an RL config's model.path can load.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ def validate_sft(cfg: SFTConfig, world_size: int):
     if not cfg.model.path:
         raise ConfigError("model.path is empty; set it to an HF model directory or hub id")
     if not s.train_files:
-        raise ConfigError("sft.train_files is empty; give parquet files with prompt and response columns")
+        raise ConfigError("sft.train_files is empty; give parquet files with prompt and response columns (or a "
+                          "messages column)")
     for key in ("max_length", "epochs", "batch_size", "micro_batch_size"):
         if getattr(s, key) <= 0:
             raise ConfigError(f"sft.{key} must be > 0, found {getattr(s, key)}")
@@ -60,7 +62,8 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
     seed_everything(cfg.trainer.seed)
     mesh = RoleMeshes(layout, rank, device.type)["actor"]
     tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    ds = SFTDataset(s.train_files, tok, s.max_length, s.prompt_key, s.response_key, s.truncation)
+    ds = SFTDataset(s.train_files, tok, s.max_length, s.prompt_key, s.response_key, s.truncation,
+                    messages_key=s.messages_key, tools_key=s.tools_key)
     sampler = DistributedPromptSampler(len(ds), dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, batch_size=s.batch_size, seed=cfg.trainer.seed)
     total = s.max_steps or s.epochs * sampler.steps_per_epoch
     engine = build_train_engine(
@@ -74,13 +77,19 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
         t0 = time.perf_counter()
         rows = next(sampler)
         items = [ds[i] for i in rows]
-        prompts = [torch.tensor(x["input_ids"][: x["loss_mask"].index(1)]) for x in items]
-        resps = [torch.tensor(x["input_ids"][x["loss_mask"].index(1):]) for x in items]
-        n_tokens = float(reduce_sum(torch.tensor([float(sum(len(r) for r in resps))]), group=dp_group)[0])
-        micro = [
-            pack_sequences(prompts[i: i + s.micro_batch_size], resps[i: i + s.micro_batch_size], ds.pad_id)
-            for i in range(0, len(items), s.micro_batch_size)
-        ]
+        # everything from the first trained token on is the "response" of the engine's batch; the loss mask
+        # within it is 1 on trained tokens only (a conversation's user and tool turns in between stay 0)
+        first = [x["loss_mask"].index(1) for x in items]
+        prompts = [torch.tensor(x["input_ids"][:f]) for x, f in zip(items, first)]
+        resps = [torch.tensor(x["input_ids"][f:]) for x, f in zip(items, first)]
+        masks = [torch.tensor(x["loss_mask"][f:]) for x, f in zip(items, first)]
+        n_tokens = float(reduce_sum(torch.tensor([float(sum(int(m.sum()) for m in masks))]), group=dp_group)[0])
+        micro = []
+        for i in range(0, len(items), s.micro_batch_size):
+            tb = pack_sequences(prompts[i: i + s.micro_batch_size], resps[i: i + s.micro_batch_size], ds.pad_id)
+            for b, m in enumerate(masks[i: i + s.micro_batch_size]):
+                tb.resp_mask[b, : len(m)] = m
+            micro.append(tb)
 
         def loss_fn(tb, eng):
             logp, _ = eng.logprobs(tb)

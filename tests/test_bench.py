@@ -43,3 +43,30 @@ def test_lora_sync_setups():
     assert lora_syncs([]) == {"adapter": ["lora.enable=true", "lora.rank=8", "rollout.lora_sync=adapter"],
                               "merge": ["lora.enable=true", "lora.rank=8", "rollout.lora_sync=merge"]}
     assert lora_syncs(["lora.rank=16"])["merge"] == ["lora.enable=true", "rollout.lora_sync=merge"]
+
+
+def test_tool_breakdown_reads_the_turn_loop_split(tmp_path):
+    from spmdrl.bench import format_tool_breakdown, tool_breakdown
+
+    (tmp_path / "config.toml").write_text("[data]\ntrain_batch_size = 2\n[rollout]\nn = 4\n")
+    # (generation, tools, loop other, idle, model tokens per trajectory); step 1 is warm-up
+    steps = [(9.0, 9.0, 9.0, 9.0, 50.0), (1.0, 0.2, 0.3, 0.5, 100.0), (2.0, 0.4, 0.6, 1.0, 120.0),
+             (3.0, 0.3, 0.7, 0.0, 90.0)]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for i, (g, t, o, idle, tok) in enumerate(steps, 1):
+            f.write(json.dumps({"step": i, "timing/step_s": 10.0, "timing/rollout_s": 7.0,
+                                "timing/turn_generate_s": g, "timing/turn_tools_s": t, "timing/turn_other_s": o,
+                                "timing/turn_idle_s": idle, "multi_turn/loop_turns": 2.0,
+                                "multi_turn/turns_mean": 1.5 + i / 10, "multi_turn/turns_max": 2.0,
+                                "multi_turn/model_tokens_mean": tok, "multi_turn/tool_tokens_mean": 20.0,
+                                "tools/calls": 7.0, "tools/calls/calculator": 6.0}) + "\n")
+    b = tool_breakdown(str(tmp_path), skip=1)
+    assert (b["generation"], b["tools"], b["idle"]) == (2.0, 0.3, 0.5)
+    # the loop's wall time per step is the sum of its parts (2, 4, 4); fractions per step, then the median
+    assert b["loop_wall"] == 4.0
+    assert abs(b["idle_frac"] - 0.25) < 1e-12 and abs(b["generation_frac"] - 0.5) < 1e-12  # idle .25 .25 0
+    assert b["turns_mean"] == 1.8 and b["tool_calls"] == 7.0 and b["samples"] == 8.0
+    # model tokens over the loop's wall time: 100*8/2, 120*8/4, 90*8/4 -> median 240
+    assert abs(b["model_tokens_per_s"] - 240.0) < 1e-9
+    text = format_tool_breakdown(b, 2)
+    assert "generation" in text and "idle" in text and "model tokens/s: 240" in text

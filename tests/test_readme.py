@@ -20,11 +20,11 @@ GRPO_SHORT = ("trainer.total_steps=2 trainer.val_before_train=false data.train_b
 # (pattern a command starts with, what replaces it or is added after it)
 SHORTEN = [
     (r"pip install ", lambda c: 'python -c "import wandb, mlflow"'),  # the test extra installs both
-    (r"(GRPO_CONFIG=\S+ )?bash launch/quickstart\.sh",
+    (r"((GRPO_CONFIG|TASK)=\S+ )?bash launch/quickstart\.sh",
      lambda c: "SFT_OVERRIDES='sft.max_steps=4 sft.batch_size=16 sft.micro_batch_size=8' " + c + " " + GRPO_SHORT),
     (r"python -m spmdrl\.train ", lambda c: c + " " + GRPO_SHORT),
     (r"spmdrl sft ", lambda c: c + " sft.max_steps=4 sft.batch_size=16 sft.micro_batch_size=8"),
-    (r"spmdrl bench$", lambda c: c + " --steps 3"),
+    (r"spmdrl bench($| --tools )", lambda c: c + " --steps 3"),
 ]
 
 

@@ -571,13 +571,19 @@ class SFTSection:
     """The warm start's data and optimisation (`spmdrl sft`; docs/sft.md)."""
 
     train_files: list[str] = field(default_factory=list)
-    """Parquet/jsonl files with a chat-message (or string) prompt column and a string response column."""
+    """Parquet/jsonl files with a chat-message (or string) prompt column and a string response column, or with a
+    messages column holding whole conversations (trained on their assistant turns)."""
     prompt_key: str = "prompt"
     """Prompt column."""
     response_key: str = "response"
     """Response column."""
+    messages_key: str = "messages"
+    """Conversation column; a file that has it is read as whole conversations instead of prompt + response."""
+    tools_key: str = "tools"
+    """Optional column of a conversation file: the tool schemas (a JSON string or a list of objects) passed to the
+    chat template's `tools`."""
     max_length: int = 512
-    """Longest prompt + response in tokens."""
+    """Longest prompt + response (or conversation) in tokens."""
     truncation: str = "error"
     """Over-long rows: error | right."""
     epochs: int = 1
