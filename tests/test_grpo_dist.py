@@ -58,7 +58,7 @@ def check_run(out, nranks):
     assert rows[2]["weight_sync/bytes_recv_max"] <= 1.1 * rows[2]["weight_sync/bytes_lower_bound"]
     assert os.listdir(out / "tensorboard") and os.path.isfile(out / "config.toml")
     documented = open(os.path.join(os.path.dirname(HERE), "docs", "metrics.md")).read()
-    undocumented = [k for r in rows for k in r if k != "step" and "/synthetic/" not in k and f"`{k}`" not in documented]
+    undocumented = [k for r in rows for k in r if k != "step" and "/synthetic/" not in k and not k.startswith("reward/extra/") and f"`{k}`" not in documented]
     assert not undocumented, f"metrics missing from docs/metrics.md: {sorted(set(undocumented))}"
     checks = [json.load(open(out / f"check_rank{r}.json")) for r in range(nranks)]
     for c in checks:
@@ -82,8 +82,16 @@ def test_grpo_two_ranks(assets, tmp_path, rollout_tp, actor_tp, monkeypatch):
     rows, checks = check_run(tmp_path, 2)
     # every sample is scored exactly once, also when both ranks of an actor tp group hold it:
     # 2 steps x 4 prompts x 4 samples, plus 16 validation prompts x 1 sample before training and after the last step
-    n_calls = sum(len(open(calls / f).read().split()) for f in os.listdir(calls))
-    assert n_calls == 2 * 4 * 4 + 2 * 16, n_calls
+    logged = [line.split() for f in os.listdir(calls) for line in open(calls / f).read().splitlines()]
+    assert len(logged) == 2 * 4 * 4 + 2 * 16, len(logged)
+    # the extra key the reward returns is logged as reward/extra/n_chars, the mean over each step's samples
+    # (each scored on one rank of its tp group): the two steps' means average to the mean over every training call
+    train_chars = [int(n) for split, n in logged if split == "train"]
+    assert len(train_chars) == 2 * 4 * 4
+    steps = {r["step"]: r for r in rows}
+    assert abs((steps[1]["reward/extra/n_chars"] + steps[2]["reward/extra/n_chars"]) / 2
+               - sum(train_chars) / len(train_chars)) < 1e-9
+    assert "reward/extra/n_chars" not in steps[0]  # validation logs no training-reward extras
     if rollout_tp == 2:  # one engine across both ranks: both see the same samples
         assert checks[0]["responses"] == checks[1]["responses"]
 

@@ -150,6 +150,20 @@ def all_gather_strings(texts: list[str], mesh: RoleMesh, n: int) -> list[str]:
     return out
 
 
+def sum_over_tp(values: dict[str, float], mesh: RoleMesh) -> dict[str, float]:
+    """Per-key sums of small scalar dicts over this rank's tp group (the ranks may hold different keys): one
+    all_gather_object of the dicts; every rank of the group gets the same result."""
+    if mesh.tp_size == 1:
+        return dict(values)
+    gathered: list = [None] * mesh.tp_size
+    dist.all_gather_object(gathered, values, group=mesh.group("tp"))
+    out: dict[str, float] = {}
+    for d in gathered:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
 def take_global_rows(batch: Batch, lo: int, hi: int, group=None) -> Batch:
     """Rows [lo, hi) of the concatenation, in `group` rank order, of every rank's `batch` (tensors only;
     meta is dropped). Ranks may hold different row counts but have the same keys. One all-gather agrees on

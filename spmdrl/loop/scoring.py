@@ -10,9 +10,9 @@ import torch
 from spmdrl.algos.sampling import overlong_penalty
 from spmdrl.batch import Batch
 from spmdrl.data.prompts import PromptDataset
-from spmdrl.dist.collectives import all_gather_strings, gather_tp_slices, reduce_sum
+from spmdrl.dist.collectives import all_gather_strings, gather_tp_slices, reduce_sum, sum_over_tp
 from spmdrl.dist.meshes import RoleMesh
-from spmdrl.rewards.custom import GuardedReward, compute_rewards, takes_trajectory
+from spmdrl.rewards.custom import GuardedReward, compute_rewards, extra_sums, takes_trajectory
 from spmdrl.rewards.model import RewardModelScorer, combine_rewards
 from spmdrl.rewards.registry import accuracy_score_fn
 from spmdrl.rollout.trajectory import decode_infos, messages_of
@@ -66,14 +66,19 @@ class Scorer:
         start = int(holes[-1]) + 1 if len(holes) else 0
         return ids[start:end].tolist()
 
-    def _scores(self, fn: Callable, batch: Batch, mesh: RoleMesh) -> torch.Tensor:
+    def _scores(self, fn: Callable, batch: Batch, mesh: RoleMesh, extras: dict | None = None) -> torch.Tensor:
+        """Scores of every sample (each tp rank scores its share; all-gathered). extras: filled with the sums
+        and counts of the numeric extra keys the function returned over this tp group's samples
+        (rewards/custom.py extra_sums; the trainer turns them into reward/extra/<key>)."""
         mine = mesh.tp_range(len(batch))
         meta = batch.meta
         trajectories = [meta["trajectory"][i] for i in mine] if "trajectory" in meta and takes_trajectory(fn) else None
-        scores, _ = compute_rewards(
+        scores, returned = compute_rewards(
             fn, *([meta[k][i] for i in mine] for k in ("data_source", "response_text", "ground_truth", "extra_info")),
             trajectories=trajectories,
         )
+        if extras is not None:
+            extras.update(sum_over_tp(extra_sums(returned), mesh))
         return gather_tp_slices(scores.float(), mesh, len(batch)) if mesh.tp_size > 1 else scores
 
     def score(self, batch: Batch, mesh: RoleMesh, shaping: bool = True) -> dict[str, float]:
@@ -83,8 +88,8 @@ class Scorer:
         function runs once per sample: each rank of a tp group scores its share, all-gathered over the group."""
         r = self.cfg.reward
         meta = batch.meta
-        scores = self._scores(self.reward_fn, batch, mesh)
         metrics = {}
+        scores = self._scores(self.reward_fn, batch, mesh, extras=metrics if shaping else None)
         batch["rule_scores"] = scores  # before weighting, reward model and shaping: dynamic sampling's default signal
         if not shaping:
             batch["scores"] = scores

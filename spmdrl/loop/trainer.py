@@ -46,7 +46,7 @@ from spmdrl.loop.validate import Validator
 from spmdrl.metrics import MetricsLogger, StageTimer, device_peak_tflops, flops_metrics, logger_for, peak_memory_gb
 from spmdrl.reshard.adapter import AdapterSync
 from spmdrl.reshard.sync import WeightSync
-from spmdrl.rewards.custom import build_reward_fn
+from spmdrl.rewards.custom import build_reward_fn, extra_means
 from spmdrl.rng import seed_everything
 
 log = logging.getLogger("spmdrl")
@@ -302,7 +302,7 @@ class Trainer:
             with timer("train_wait" if self.trains else "rollout_wait"):
                 split_max = self.split_maxima(metrics)
             metrics.update(timer.as_metrics())
-        metrics = reduce_mean(metrics, weight=mesh.leader_weight())
+        metrics = extra_means(reduce_mean(metrics, weight=mesh.leader_weight()))
         if split:
             metrics.update(split_max)
         tokens = metrics.pop("_tokens") * self.actor_mesh.dp_size

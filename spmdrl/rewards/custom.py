@@ -98,6 +98,34 @@ def compute_rewards(
     return torch.tensor(scores, dtype=torch.float32), extras
 
 
+EXTRA_SUM, EXTRA_COUNT = "_reward_extra_sum/", "_reward_extra_n/"
+
+
+def extra_sums(extras: dict[str, list]) -> dict[str, float]:
+    """The numeric extra keys a reward function returned (compute_rewards' extras): per key, the sum over the
+    samples that returned a number (bools count 0/1; None, strings and other values are skipped) and their count."""
+    out: dict[str, float] = {}
+    for key, values in extras.items():
+        nums = [float(v) for v in values if isinstance(v, numbers.Real) and math.isfinite(float(v))]
+        if nums:
+            out[EXTRA_SUM + str(key)] = sum(nums)
+            out[EXTRA_COUNT + str(key)] = float(len(nums))
+    return out
+
+
+def extra_means(metrics: dict[str, float]) -> dict[str, float]:
+    """Replace the sums and counts of extra_sums (averaged or summed alike over ranks) by reward/extra/<key>: the
+    mean over every sample of the step that returned the key."""
+    out = {k: v for k, v in metrics.items() if not k.startswith((EXTRA_SUM, EXTRA_COUNT))}
+    for k, v in metrics.items():
+        if k.startswith(EXTRA_SUM):
+            key = k[len(EXTRA_SUM):]
+            n = metrics.get(EXTRA_COUNT + key, 0.0)
+            if n:
+                out[f"reward/extra/{key}"] = v / n
+    return out
+
+
 def takes_trajectory(fn: Callable) -> bool:
     """Whether a reward function (or the one a GuardedReward guards) declares a `trajectory` parameter; a
     wrapper that calls it elsewhere (a RewardWorker) says so in its `takes_trajectory` attribute."""
