@@ -11,6 +11,7 @@ import torch
 
 from spmdrl.batch import Batch
 from spmdrl.data.prompts import PromptDataset
+from spmdrl.dist.collectives import reduce_max
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.loop.build import Specs
 from spmdrl.loop.memory import MemoryLifecycle
@@ -110,8 +111,12 @@ class Generator:
         if self.agent is None:
             return
         st, m = self.agent.stats, self.loop_time
+        busy = st.generate_s + st.tools_s + st.other_s
+        # idle: this rank's wait for the rollout rank whose loop took longest (one max over the rollout dp ranks)
+        slowest = reduce_max(torch.tensor([busy]), group=self.mesh.group("dp"))[0] if self.mesh.dp_size > 1 else busy
         for k, v in (("timing/turn_generate_s", st.generate_s), ("timing/turn_tools_s", st.tools_s),
-                     ("timing/turn_other_s", st.other_s), ("multi_turn/loop_turns", float(st.turns))):
+                     ("timing/turn_other_s", st.other_s), ("timing/turn_idle_s", slowest - busy),
+                     ("multi_turn/loop_turns", float(st.turns))):
             m[k] = m.get(k, 0.0) + v
 
     def generate(self, prompt_idx: list[int], step: int, round_: int = 0) -> Batch:
