@@ -327,6 +327,23 @@ def forward_flops_per_token(hf_config, context: float, head: bool = True) -> flo
     return 2.0 * matmul_params + 4.0 * layers * q * context
 
 
+def _flop_terms(hf_config) -> tuple[float, float, float]:
+    """Forward FLOPs per token of the transformer layers' matmuls, per token of the lm_head, and per query-key
+    pair of attention (over all layers)."""
+    body = forward_flops_per_token(hf_config, 0.0, head=False)
+    lm_head = forward_flops_per_token(hf_config, 0.0) - body
+    return body, lm_head, forward_flops_per_token(hf_config, 1.0) - body - lm_head
+
+
+def executed_forward_flops(hf_config, *, rows: int, width: int, head_tokens: float) -> float:
+    """Forward FLOPs a micro-batch of `rows` x `width` tokens (padded: one sequence per row; packed: several)
+    runs with a masked dense attention (torch SDPA's math kernel, eager attention): the layers on every
+    position, padding included, and QK^T / AV over all width x width pairs of each row, masked or not; the
+    lm_head on `head_tokens` positions. Hardware FLOPs, the counterpart of flops_metrics' model FLOPs."""
+    body, lm_head, attn_per_pair = _flop_terms(hf_config)
+    return body * rows * width + lm_head * head_tokens + attn_per_pair * rows * width * width
+
+
 def device_peak_tflops(device, configured: float = 0.0) -> float:
     """Peak of one device for MFU: `configured` when > 0, else the bf16 dense peak of a known CUDA device,
     else 0 (CPU and unknown devices: only achieved TFLOP/s are reported)."""
@@ -348,14 +365,16 @@ def flops_metrics(hf_config, *, seq_lens_sum: float, seq_sq_sum: float, head_tok
     The transformer layers run on every prompt and response token (seq_lens_sum); the lm_head only on the
     `head_tokens` positions whose logits are computed: the response tokens (the training engines project response
     positions only, and a sampler computes logits for the token it samples). Actor update: 3 x forward (forward
-    + backward), update_passes times (ppo_epochs); the attention context of the token at position t is t, so
-    the summed context is sum_s len_s^2 / 2 (seq_sq_sum / 2). Rollout: one forward (prefill + decode, the same
-    count with a KV cache). Figures over all `devices` ranks; divided per device.
+    + backward), update_passes times (ppo_epochs). Attention by each sequence's own length: the token at position
+    t (from 0) attends to the t + 1 keys of its sequence up to itself, so a sequence of n tokens has n(n+1)/2
+    query-key pairs and the batch (seq_sq_sum + seq_lens_sum) / 2, whatever the layout (padding, and the
+    masked-out blocks of a packed row, are not counted). Rollout: one forward (prefill + decode, the same
+    count with a KV cache). Figures over all `devices` ranks; divided per device. These are model FLOPs:
+    recomputation (the log-prob head's chunks in backward, gradient checkpointing) is not counted; see
+    executed_forward_flops for what a padded or packed micro-batch runs.
     """
-    body = forward_flops_per_token(hf_config, 0.0, head=False)
-    lm_head = forward_flops_per_token(hf_config, 0.0) - body
-    attn_per_ctx = forward_flops_per_token(hf_config, 1.0) - body - lm_head
-    fwd = body * seq_lens_sum + lm_head * head_tokens + attn_per_ctx * seq_sq_sum / 2
+    body, lm_head, attn_per_pair = _flop_terms(hf_config)
+    fwd = body * seq_lens_sum + lm_head * head_tokens + attn_per_pair * (seq_sq_sum + seq_lens_sum) / 2
     out = {}
     for name, flops, secs in (("actor", 3.0 * fwd * update_passes, update_s), ("rollout", fwd, rollout_s)):
         if secs > 0:

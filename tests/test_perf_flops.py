@@ -2,7 +2,10 @@
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from spmdrl.metrics import device_peak_tflops, flops_metrics, forward_flops_per_token
+import pytest
+
+from spmdrl.engines.fsdp import _LogprobHead, pack_sequences
+from spmdrl.metrics import device_peak_tflops, executed_forward_flops, flops_metrics, forward_flops_per_token
 from spmdrl.tiny import build_model
 
 
@@ -37,7 +40,8 @@ def test_lm_head_counted_at_response_positions_only():
     fwd = _mm_flops(engine_forward)
     m = flops_metrics(model.config, seq_lens_sum=2 * (P + R), seq_sq_sum=0.0, head_tokens=2 * R, update_s=1.0,
                       rollout_s=1.0, devices=1, peak_tflops=0.0)
-    assert abs(m["perf/rollout_tflops"] * 1e12 - fwd) <= 1e-9 * fwd  # attention kernels aside (seq_sq_sum 0)
+    attn = (forward_flops_per_token(model.config, 1.0) - forward_flops_per_token(model.config, 0.0)) * (P + R)
+    assert abs(m["perf/rollout_tflops"] * 1e12 - attn - fwd) <= 1e-9 * fwd  # the attention kernels aside (n = 1 pair)
     full = _mm_flops(lambda: model(input_ids=ids))
     assert full > fwd  # the old count (lm_head on every token) was this one
 
@@ -50,12 +54,60 @@ def test_flops_metrics_attention_term_and_mfu():
                       update_s=2.0, rollout_s=1.0, devices=2, peak_tflops=1e-3)
     dense = forward_flops_per_token(cfg, 0.0)
     q = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    # causal attention: token t attends to t earlier positions, QK^T and AV cost 2 x 2 x q x t per layer
-    attn = sum(4 * cfg.num_hidden_layers * q * t for n in lens for t in range(n))
+    # causal attention: token t attends to the t + 1 keys up to itself, QK^T and AV cost 2 x 2 x q per key per layer
+    attn = sum(4 * cfg.num_hidden_layers * q * (t + 1) for n in lens for t in range(n))
     fwd = dense * sum(lens) + attn
-    assert abs(m["perf/rollout_tflops"] - fwd / 1.0 / 2 / 1e12) / m["perf/rollout_tflops"] < 0.05  # sum t vs n^2/2
+    assert abs(m["perf/rollout_tflops"] - fwd / 1.0 / 2 / 1e12) <= 1e-9 * m["perf/rollout_tflops"]
     assert abs(m["perf/actor_tflops"] / m["perf/rollout_tflops"] - 3 * 1.0 / 2.0) < 1e-12
     assert abs(m["perf/mfu_actor"] - m["perf/actor_tflops"] / 1e-3) < 1e-12
     assert "perf/mfu_actor" not in flops_metrics(cfg, seq_lens_sum=1, seq_sq_sum=1, head_tokens=1, update_s=1,
                                                  rollout_s=1, devices=1, peak_tflops=0.0)
     assert device_peak_tflops(torch.device("cpu")) == 0.0 and device_peak_tflops(torch.device("cpu"), 50.0) == 50.0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_engine_update_flops_match_torch_counter(packed):
+    """The FSDP2 engine's root module (backbone + chunked log-prob head at response positions) on a batch of
+    varied lengths, forward + backward under torch's FLOP counter. Eager attention: the counter does not see
+    inside CPU SDPA's fused kernel, and eager runs the same dense masked QK^T / AV matmuls. The counter's total
+    (every op, attention included) matches 3 x executed_forward_flops + the head's recompute in backward within
+    2%; the model FLOPs flops_metrics reports are the same terms over real tokens and the query-key pairs the
+    engine's own mask allows."""
+    model = build_model(vocab_size=320, num_kv_heads=2, seed=0)
+    model.config._attn_implementation = "eager"
+    g = torch.Generator().manual_seed(3)
+    plens, rlens = [5, 12, 7, 30, 2, 9], [20, 3, 40, 9, 1, 17]
+    prompts = [torch.randint(3, 300, (n,), generator=g) for n in plens]
+    resps = [torch.randint(3, 300, (n,), generator=g) for n in rlens]
+    tb = pack_sequences(prompts, resps, 0, packed=packed, row_len=64 if packed else 0)
+    rows, width = tb.input_ids.shape
+    with FlopCounterMode(display=False) as fc:
+        lp, _ = _LogprobHead(model)(tb, 1.0, True, 16)
+        (lp * tb.resp_mask).sum().backward()
+    counted = fc.get_total_flops()
+    heads = sum(rlens)
+    lm_head = forward_flops_per_token(model.config, 0.0) - forward_flops_per_token(model.config, 0.0, head=False)
+    executed = 3 * executed_forward_flops(model.config, rows=rows, width=width, head_tokens=heads) + lm_head * heads
+    assert abs(counted - executed) <= 0.02 * counted, (counted, executed)
+
+    # model FLOPs: the same terms over what the batch holds, from the mask the engine ran with
+    lens = [p + r for p, r in zip(plens, rlens)]
+    if packed:
+        real = torch.zeros(rows, width, dtype=torch.bool)  # a row's tail padding is a masked block of its own
+        for i, (p, n) in enumerate(zip(plens, lens)):
+            start = int(tb.resp_pos[i, 0]) - p + 1
+            real[int(tb.resp_row[i]), start: start + n] = True
+        pairs = int((tb.attention_mask[:, 0] & real[:, :, None]).sum())  # block-diagonal causal [rows, 1, L, L]
+        tokens = int(real.sum())
+    else:
+        valid = tb.attention_mask.bool()
+        pairs = int((valid[:, :, None] & valid[:, None, :] & torch.ones(width, width, dtype=torch.bool).tril()).sum())
+        tokens = int(valid.sum())
+    assert tokens == sum(lens) and pairs == sum(n * (n + 1) // 2 for n in lens)
+    m = flops_metrics(model.config, seq_lens_sum=sum(lens), seq_sq_sum=sum(n * n for n in lens), head_tokens=heads,
+                      update_s=1.0, rollout_s=0.0, devices=1, peak_tflops=0.0)
+    body = forward_flops_per_token(model.config, 0.0, head=False)
+    attn_pair = forward_flops_per_token(model.config, 1.0) - forward_flops_per_token(model.config, 0.0)
+    model_flops = 3 * (body * tokens + lm_head * heads + attn_pair * pairs)
+    assert abs(m["perf/actor_tflops"] * 1e12 - model_flops) <= 1e-9 * model_flops
+    assert model_flops < executed  # padding, masked pairs and the head's recompute are not model FLOPs
