@@ -152,3 +152,38 @@ def test_update_gradient_is_layout_independent(tmp_path):
         err = max(float((g[n].double() - expected[n]).abs().max()) for n in g)
         scale = max(float(expected[n].abs().max()) for n in g)
         assert err < 1e-5 * max(scale, 1.0), f"{layout}: max gradient error {err} (scale {scale})"
+
+
+@pytest.mark.parametrize("row_len", [0, 64])
+def test_packed_metadata_restarts_positions_and_masks_each_sequence(row_len):
+    """The packing metadata itself, not the masked outputs (a constant shift of the position ids would leave
+    those unchanged on the masked path but breaks varlen kernels, which find boundaries from the position ids):
+    each sequence's position ids are 0..n-1 at its own start, a row's tail padding restarts at 0 too, the
+    position-id restarts are exactly the sequence boundaries, the mask is the block-diagonal causal mask of
+    those spans, and resp_pos points at the hidden state before each response token."""
+    prompts, resps = ragged(5, 11)
+    tb = pack_sequences(prompts, resps, 0, packed=True, row_len=row_len)
+    lens = [len(p) + len(r) for p, r in zip(prompts, resps)]
+    rows, L = tb.input_ids.shape
+    assert L == (row_len or max(lens)) and tb.attention_mask.shape == (rows, 1, L, L)
+    spans = [[] for _ in range(rows)]  # (start, end) of each sequence, from the token ids alone
+    for i, (p, r) in enumerate(zip(prompts, resps)):
+        row, start = int(tb.resp_row[i]), int(tb.resp_pos[i, 0]) - len(p) + 1
+        assert torch.equal(tb.input_ids[row, start: start + lens[i]], torch.cat([p, r]))
+        assert torch.equal(tb.position_ids[row, start: start + lens[i]], torch.arange(lens[i]))
+        assert torch.equal(tb.input_ids[row, tb.resp_pos[i, : len(r)] + 1], r)  # hidden at t predicts t + 1
+        spans[row].append((start, start + lens[i]))
+    expected = torch.zeros(rows, L, L, dtype=torch.bool)
+    for row, sp in enumerate(spans):
+        sp.sort()
+        assert all(a[1] == b[0] for a, b in zip(sp, sp[1:])) and sp[0][0] == 0  # contiguous from column 0
+        end = sp[-1][1]
+        if end < L:
+            sp.append((end, L))  # the tail padding: one block of its own
+            assert torch.equal(tb.position_ids[row, end:], torch.arange(L - end))
+        starts = torch.nonzero(tb.position_ids[row] == 0).flatten().tolist()
+        assert starts == [a for a, _ in sp]  # cu_seqlens, as a varlen kernel derives it
+        for a, b in sp:
+            expected[row, a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    assert torch.equal(tb.attention_mask[:, 0], expected)
+    assert sum(len(sp) for sp in spans) >= len(lens) and rows < len(lens)  # several sequences share rows
