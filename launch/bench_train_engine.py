@@ -12,6 +12,12 @@ phase (CUDA max_memory_allocated after a reset; on CPU the process's peak RSS, w
 
     python launch/bench_train_engine.py --backend megatron              # on a GPU
     python launch/bench_train_engine.py --backend fsdp --tiny --device cpu
+
+--shape qwen2.5-1.5b / qwen2.5-3b set Qwen2.5-1.5B's / Qwen2.5-3B's dimensions (random init); --length-mix rl
+draws each group's prompt length uniformly in [128, 1024] and each response's length log-uniformly in [64, 4096]
+(seeded), instead of fixed lengths; --max-tokens / --forward-max-tokens set token-budget micro-batches and
+--packed packs them. launch/bench_update_mix.sh runs both shapes on both backends with that mix; it has not run
+on a GPU.
 """
 from __future__ import annotations
 
@@ -41,18 +47,44 @@ def build_model_dir(args, out_dir: str, dtype: torch.dtype) -> None:
     build_tokenizer(out_dir)
 
 
+# (hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings) of the published configs
+SHAPES = {
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936, True),
+    "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936, True),
+    "qwen2.5-3b": (2048, 36, 16, 2, 11008, 151936, True),
+}
+
+
+def rl_lengths(args, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B] prompt lengths (one per group of n, uniform in [prompt_min, prompt_len]) and [B] response lengths
+    (log-uniform in [response_min, response_len]): the long-tailed mix of RL rollouts."""
+    groups = args.batch // args.n
+    plen = torch.randint(args.prompt_min, args.prompt_len + 1, (groups,), generator=g).repeat_interleave(args.n)
+    lo, hi = math.log(args.response_min), math.log(args.response_len)
+    rlen = torch.exp(lo + (hi - lo) * torch.rand(args.batch, generator=g, dtype=torch.float64)).round().long()
+    return plen, rlen.clamp(args.response_min, args.response_len)
+
+
 def synthetic_batch(args):
-    """GRPO-shaped: B sequences in groups of n, fixed prompt and response lengths, random tokens and advantages."""
+    """GRPO-shaped: B sequences in groups of n, fixed (or --length-mix rl) prompt and response lengths, random
+    tokens and advantages; padded to the longest, with the lengths and masks marking the real tokens."""
     from spmdrl.batch import Batch
 
     g = torch.Generator().manual_seed(args.seed)
     B, P, R = args.batch, args.prompt_len, args.response_len
-    adv = torch.randn(B // args.n, 1, generator=g).repeat_interleave(args.n, 0).expand(B, R).contiguous()
+    if args.length_mix == "rl":
+        plen, rlen = rl_lengths(args, g)
+    else:
+        plen, rlen = torch.full((B,), P), torch.full((B,), R)
+    prompts = torch.randint(5, args.vocab - 1, (B, P), generator=g)
+    prompts[torch.arange(P)[None, :] >= plen[:, None]] = 0
+    response_mask = (torch.arange(R)[None, :] < rlen[:, None]).float()
+    adv = torch.randn(B // args.n, 1, generator=g).repeat_interleave(args.n, 0).expand(B, R) * response_mask
     return Batch({
-        "prompts": torch.randint(5, args.vocab - 1, (B, P), generator=g), "prompt_len": torch.full((B,), P),
-        "responses": torch.randint(5, args.vocab - 1, (B, R), generator=g), "response_len": torch.full((B,), R),
-        "response_mask": torch.ones(B, R), "advantages": adv, "rollout_log_probs": torch.zeros(B, R),
-        "index": torch.arange(B // args.n).repeat_interleave(args.n),
+        "prompts": prompts, "prompt_len": plen,
+        "responses": torch.randint(5, args.vocab - 1, (B, R), generator=g) * response_mask.long(),
+        "response_len": rlen, "response_mask": response_mask, "advantages": adv.contiguous(),
+        "rollout_log_probs": torch.zeros(B, R), "index": torch.arange(B // args.n).repeat_interleave(args.n),
     })
 
 
@@ -78,6 +110,16 @@ def main() -> int:
     p.add_argument("--backend", choices=["fsdp", "megatron"], required=True)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--tiny", action="store_true", help="a ~1M-parameter model and a small batch (CPU smoke test)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="",
+                   help="a published model's dimensions (overrides --hidden ... --vocab and --untied)")
+    p.add_argument("--length-mix", choices=["fixed", "rl"], default="fixed",
+                   help="rl: prompts uniform in [--prompt-min, --prompt-len] per group, responses log-uniform in "
+                        "[--response-min, --response-len]")
+    p.add_argument("--prompt-min", type=int, default=128)
+    p.add_argument("--response-min", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=0, help="update token budget per micro-batch (0: --micro sequences)")
+    p.add_argument("--forward-max-tokens", type=int, default=0, help="forward token budget per micro-batch")
+    p.add_argument("--packed", action="store_true", help="pack sequences into rows (with the token budgets)")
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--heads", type=int, default=14)
@@ -98,9 +140,16 @@ def main() -> int:
                    help="megatron local-spec core attention: torch SDPA or megatron's DotProductAttention")
     p.add_argument("--recompute", action="store_true", help="activation recompute (model.gradient_checkpointing)")
     args = p.parse_args()
+    if args.shape:
+        args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab, tied = SHAPES[args.shape]
+        args.untied = not tied
     if args.tiny:
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab = 128, 2, 4, 2, 256, 512
         args.batch, args.n, args.prompt_len, args.response_len, args.micro, args.forward_micro = 8, 4, 16, 32, 4, 8
+        args.prompt_min, args.response_min = min(args.prompt_min, 4), min(args.response_min, 2)
+        args.max_tokens, args.forward_max_tokens = min(args.max_tokens, 128), min(args.forward_max_tokens, 192)
+    if args.length_mix == "rl" and not (0 < args.prompt_min <= args.prompt_len and 0 < args.response_min <= args.response_len):
+        p.error("--length-mix rl needs 0 < --prompt-min <= --prompt-len and 0 < --response-min <= --response-len")
     os.environ.setdefault("MASTER_PORT", "29531")
 
     from spmdrl.algos import POLICY_LOSSES
@@ -138,11 +187,13 @@ def main() -> int:
 
     def forward():
         return forward_all(engine, batch, args.forward_micro, 0,
-                           lambda e, tb: e.logprobs(tb, temperature=1.0, chunk_size=cfg.actor.logprob_chunk_size)[0])
+                           lambda e, tb: e.logprobs(tb, temperature=1.0, chunk_size=cfg.actor.logprob_chunk_size)[0],
+                           max_tokens=args.forward_max_tokens, packed=args.packed)
 
     def update():
         return run_updates(engine, batch, epochs=1, mini_size=len(batch), micro_size=args.micro, pad_id=0, dp_size=1,
-                           dp_group=mesh.group("dp"), body=body, prefix="actor")
+                           dp_group=mesh.group("dp"), body=body, prefix="actor", max_tokens=args.max_tokens,
+                           packed=args.packed)
 
     times = {}
     for name, fn in (("logprobs", forward), ("train_step", update)):
@@ -165,8 +216,13 @@ def main() -> int:
                       update_s=times["train_step"], rollout_s=times["logprobs"], devices=1, peak_tflops=peak)
     out.update({
         "params": sum(math.prod(s) for _, s in engine.param_shapes()),
+        "shape": "tiny" if args.tiny else args.shape or None,
         "batch": {"sequences": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len,
-                  "micro": args.micro, "forward_micro": args.forward_micro, "tokens": tokens},
+                  "length_mix": args.length_mix, "mean_prompt_len": float(batch["prompt_len"].double().mean()),
+                  "mean_response_len": float(batch["response_len"].double().mean()),
+                  "max_len": int(lens.max()), "micro": args.micro, "forward_micro": args.forward_micro,
+                  "max_tokens": args.max_tokens, "forward_max_tokens": args.forward_max_tokens,
+                  "packed": args.packed, "tokens": tokens},
         "logprobs_s": times["logprobs"], "train_step_s": times["train_step"],
         "logprobs_tokens_per_s": tokens / times["logprobs"], "train_step_tokens_per_s": tokens / times["train_step"],
         "logprobs_tflops": f.get("perf/rollout_tflops"), "train_step_tflops": f.get("perf/actor_tflops"),
