@@ -1,12 +1,16 @@
 """perf/*_tflops and perf/mfu_*: the FLOP count against torch's own FLOP counter on a real Qwen2 forward/backward."""
-import torch
-from torch.utils.flop_counter import FlopCounterMode
+import json
+import os
 
 import pytest
+import torch
+from launching import run
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoConfig
 
 from spmdrl.engines.fsdp import _LogprobHead, pack_sequences
 from spmdrl.metrics import device_peak_tflops, executed_forward_flops, flops_metrics, forward_flops_per_token
-from spmdrl.tiny import build_model
+from spmdrl.tiny import build_model, build_tiny
 
 
 def _mm_flops(fn) -> int:
@@ -111,3 +115,24 @@ def test_engine_update_flops_match_torch_counter(packed):
     model_flops = 3 * (body * tokens + lm_head * heads + attn_pair * pairs)
     assert abs(m["perf/actor_tflops"] * 1e12 - model_flops) <= 1e-9 * model_flops
     assert model_flops < executed  # padding, masked pairs and the head's recompute are not model FLOPs
+
+
+def test_megatron_update_flops_match_torch_counter(tmp_path):
+    """The Megatron engine's actor update (one plain process, megatron's own attention so the counter sees the
+    attention matmuls; tests/dist_scripts/megatron_flops.py), padded and packed: the counter's total matches
+    3 x executed_forward_flops + the head's recompute within 2%. The remainder is exactly the vocabulary padding
+    megatron adds (to a multiple of 128), whose rows the lm_head computes in each of its four passes."""
+    model = build_tiny(str(tmp_path / "m"), seed=0)
+    script = os.path.join(os.path.dirname(__file__), "dist_scripts", "megatron_flops.py")
+    proc = run([script, "--model", model], nproc=None, timeout=600)
+    res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("FLOPS "))[len("FLOPS "):])
+    cfg = AutoConfig.from_pretrained(model)
+    lm_head = forward_flops_per_token(cfg, 0.0) - forward_flops_per_token(cfg, 0.0, head=False)
+    padded_vocab = -(-cfg.vocab_size // 128) * 128
+    for layout in ("padded", "packed"):
+        r = res[layout]
+        heads = sum(r["response_lengths"])
+        executed = 3 * executed_forward_flops(cfg, rows=r["rows"], width=r["width"], head_tokens=heads) + lm_head * heads
+        assert abs(r["flops"] - executed) <= 0.02 * r["flops"], (layout, r["flops"], executed)
+        assert r["flops"] == executed + 4 * 2 * (padded_vocab - cfg.vocab_size) * cfg.hidden_size * heads
+    assert res["packed"]["rows"] < res["padded"]["rows"]
