@@ -101,11 +101,35 @@ def clipped_step(optimizer, clip_grad_norm: Callable[[], float]) -> tuple[float,
     return grad_norm, finite
 
 
-def step_metrics(sums: dict[str, float], n: int, grad_norm: float, finite: bool, scheduler) -> dict[str, float]:
-    """train_step's result, shared by the backends: the micro-batch mean of each loss metric, the grad norm, the lr
-    the step used and whether it was skipped; advances the lr scheduler."""
+def accumulate(sums: dict, metrics: dict) -> None:
+    """Add one micro-batch's metrics into `sums` without reading them: values stay tensors (0-dim, on whatever
+    device the loss ran) until step_metrics copies them to the host once per optimizer step, so the
+    micro-batch loop never waits for the device. Plain floats are summed as they are."""
+    for k, v in metrics.items():
+        v = v.detach() if isinstance(v, torch.Tensor) else v
+        sums[k] = sums[k] + v if k in sums else v
+
+
+def host_floats(values: dict) -> dict[str, float]:
+    """{name: float} of a dict of 0-dim tensors and floats, with one device-to-host copy for all the tensors
+    that share a device (instead of one blocking copy per value)."""
+    out = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
+    by_device: dict = {}
+    for k, v in values.items():
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(k)
+    for keys in by_device.values():
+        stacked = torch.stack([values[k].detach().reshape(()).double() for k in keys]).cpu().tolist()
+        out.update(zip(keys, stacked))
+    return out
+
+
+def step_metrics(sums: dict, n: int, grad_norm: float, finite: bool, scheduler) -> dict[str, float]:
+    """train_step's result, shared by the backends: the micro-batch mean of each loss metric (`sums` from
+    accumulate: read from the device here, once), the grad norm, the lr the step used and whether it was skipped;
+    advances the lr scheduler."""
     lr = scheduler.get_last_lr()[0]
     scheduler.step()
-    out = {k: v / n for k, v in sums.items()}
+    out = {k: v / n for k, v in host_floats(sums).items()}
     out.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0 if finite else 1.0)
     return out

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from spmdrl.algos.token_stats import logprobs_from_hidden
-from spmdrl.engines.base import clipped_step, step_metrics
+from spmdrl.engines.base import accumulate, clipped_step, step_metrics
 from spmdrl.engines.loading import build_meta_model, materialise
 from spmdrl.reshard.plan import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
@@ -282,13 +282,12 @@ class FSDPEngine:
         """
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
+        sums: dict = {}
         for i, mb in enumerate(micro_batches):
             self.module.set_requires_gradient_sync(not self.defer_grad_sync or i == len(micro_batches) - 1)
             loss, metrics = loss_fn(mb, self)
             loss.backward()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            accumulate(sums, metrics)  # stays on the device: no host sync per micro-batch
         grad_norm, finite = clipped_step(self.optimizer, self.clip_grad_norm)
         return step_metrics(sums, len(micro_batches), grad_norm, finite, self.scheduler)
 
