@@ -70,7 +70,7 @@ def run_updates(
     global (all dp ranks) values, the same on every rank, plus the engine's grad_norm / lr / skipped_step.
     """
     mode = getattr(body, "agg_mode", None) or agg_mode or "token-mean"
-    local: dict[str, float] = {}  # this rank's share of each step's global objective, summed over steps
+    local: dict = {}  # this rank's share of each step's global objective, summed over steps (on the device)
     engine_sums: dict[str, float] = {}
     steps = 0
     minis = batch.split(mini_size)  # fixed order: the same config and seed give the same updates
@@ -79,31 +79,45 @@ def run_updates(
         torch.stack([agg_units(mini["response_mask"], mode), agg_units(mini["response_mask"], "token-mean")])
         for mini in minis
     ]).float(), group=dp_group) if minis else None
+
+    def loss_fn(item, eng):
+        mb, tb, (w, w_tok) = item
+        loss, terms, stats = body(mb, tb, eng)
+        # metrics stay tensors on the loss's device: read once per update, never per micro-batch
+        for k, v in terms.items():
+            local[k] = local.get(k, 0.0) + _detached(v) * w
+        for k, v in stats.items():
+            local[k] = local.get(k, 0.0) + _detached(v) * w_tok
+        return loss * (w * dp_size), {}
+
     for _ in range(epochs):
         for i, mini in enumerate(minis):
-            unit_total, token_total = float(all_totals[i, 0]), float(all_totals[i, 1])
-
-            def loss_fn(item, eng):
-                mb, tb = item
-                loss, terms, stats = body(mb, tb, eng)
-                w = float(agg_units(mb["response_mask"], mode)) / unit_total if unit_total else 0.0
-                w_tok = float(agg_units(mb["response_mask"], "token-mean")) / token_total if token_total else 0.0
-                for k, v in terms.items():
-                    local[k] = local.get(k, 0.0) + float(v) * w
-                for k, v in stats.items():
-                    local[k] = local.get(k, 0.0) + float(v) * w_tok
-                return loss * (w * dp_size), {}
-
+            unit_total, token_total = all_totals[i].tolist()
             mbs = micro_batches(mini, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=dp_group)
-            out = engine.train_step(mbs, loss_fn)
+            # each micro-batch's share of the mini-batch's units and tokens, from the host-side masks
+            shares = torch.stack([torch.stack([agg_units(mb["response_mask"], mode),
+                                               agg_units(mb["response_mask"], "token-mean")]) for mb, _ in mbs])
+            shares = (shares / torch.tensor([unit_total or 1.0, token_total or 1.0], dtype=torch.float64)).tolist()
+            out = engine.train_step([(mb, tb, tuple(w)) for (mb, tb), w in zip(mbs, shares)], loss_fn)
             for k, v in out.items():
                 engine_sums[k] = engine_sums.get(k, 0.0) + v
             steps += 1
     keys = sorted(local)  # every rank has the same keys: they depend on the config only
-    summed = reduce_sum(torch.tensor([local[k] for k in keys], dtype=torch.float64), group=dp_group) if keys else []
+    summed = reduce_sum(_stacked([local[k] for k in keys]), group=dp_group).tolist() if keys else []
     res = {k: float(v) / max(steps, 1) for k, v in zip(keys, summed)}
     res.update({f"{prefix}/{k}": v / max(steps, 1) for k, v in engine_sums.items()})
     return res
+
+
+def _detached(v):
+    return v.detach().double() if torch.is_tensor(v) else float(v)
+
+
+def _stacked(values: list) -> torch.Tensor:
+    """A float64 vector of scalars (0-dim tensors on one device, or floats), built without reading any of them."""
+    dev = next((v.device for v in values if torch.is_tensor(v)), torch.device("cpu"))
+    return torch.stack([v.to(dev, torch.float64).reshape(()) if torch.is_tensor(v)
+                        else torch.tensor(v, dtype=torch.float64, device=dev) for v in values])
 
 
 def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:

@@ -1,0 +1,123 @@
+"""The update's micro-batch loop never waits for the device.
+
+On CUDA, reading a tensor's value on the host (.item(), float(), bool(), .tolist()) or running an op whose output
+shape depends on the data (nonzero, boolean-mask indexing, masked_select) blocks the CPU until the GPU has
+caught up, so a read per micro-batch serialises the CPU's kernel launches with the GPU's work. There is no GPU
+here; instead a dispatch mode records every such op (they are the same ops on CPU), and the test asserts that a
+whole update with 4 micro-batches per optimizer step performs exactly as many as with 1: what is read is read
+once per optimizer step (the grad norm, the step's metrics) or once per update, never per micro-batch.
+"""
+import collections
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spmdrl.algos import POLICY_LOSSES
+from spmdrl.batch import Batch
+from spmdrl.config import load_config
+from spmdrl.dist.layout import plan_layout
+from spmdrl.dist.meshes import RoleMeshes
+from spmdrl.engines.fsdp import FSDPEngine
+from spmdrl.loop.update import actor_body, run_updates
+from spmdrl.tiny import build_tiny
+
+aten = torch.ops.aten
+# ops that synchronise with a CUDA device: a value read on the host, or an output shape that depends on the data
+SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.is_nonzero.default,
+           aten.equal.default, aten.unique_consecutive.default, aten._unique2.default}
+
+
+class HostReads(TorchDispatchMode):
+    """Records each op above (and boolean-mask indexing, which runs nonzero inside the kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _in_optimizer():  # torch's AdamW reads its host-side step counters: once per step, never a device sync
+            pass
+        elif func in SYNCING or func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or [])):
+            self.ops.append(f"{func.__name__} at {_caller()}")
+        return func(*args, **kwargs)
+
+
+def _in_optimizer() -> bool:
+    return any("/torch/optim/" in f.filename for f in traceback.extract_stack())
+
+
+def _caller() -> str:
+    """The innermost spmdrl frame that issued the op."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/spmdrl/" in frame.filename:
+            return f"{frame.filename.split('/spmdrl/')[-1]}:{frame.lineno}"
+    return "?"
+
+
+def engine_reads(eng):
+    """Run eng.train_step under HostReads; returns the list the reads go to. The batch preparation before it
+    (splitting, padding or packing the host-side batch) reads host tensors only and is not counted."""
+    ops = []
+    step = eng.train_step
+
+    def counted(*a, **k):
+        with HostReads() as reads:
+            out = step(*a, **k)
+        ops.extend(reads.ops)
+        return out
+
+    eng.train_step = counted
+    return ops
+
+
+@pytest.fixture(scope="module")
+def actor(tmp_path_factory):
+    from launching import free_port
+
+    model = build_tiny(str(tmp_path_factory.mktemp("syncs")))
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    cfg = load_config(None, [f"model.path={model}", "actor.loss_agg_mode=token-mean"])
+    mesh = RoleMeshes(plan_layout(cfg.placement, 1), 0, "cpu")["actor"]
+    eng = FSDPEngine(model, mesh, torch.device("cpu"), trainable=True, optim=dict(lr=1e-4, grad_clip=1.0))
+    yield cfg, mesh, eng
+    if created:
+        dist.destroy_process_group()
+
+
+def batch(n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(3, 9, (n,), generator=g)
+    rlen = torch.randint(1, 12, (n,), generator=g)
+    P, R = int(plen.max()), int(rlen.max())
+    mask = (torch.arange(R)[None] < rlen[:, None]).float()
+    return Batch({
+        "prompts": torch.randint(3, 200, (n, P), generator=g), "prompt_len": plen,
+        "responses": torch.randint(3, 200, (n, R), generator=g) * mask.long(), "response_len": rlen,
+        "response_mask": mask, "advantages": torch.randn(n, R, generator=g) * mask,
+        "old_log_probs": -torch.rand(n, R, generator=g) * mask, "ref_log_probs": -torch.rand(n, R, generator=g) * mask,
+    })
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fsdp_update_reads_nothing_per_micro_batch(actor, packed):
+    cfg, mesh, eng = actor
+    body = actor_body(cfg, POLICY_LOSSES.get("ppo"), 1.0)
+    b = batch()
+    counts = {}
+    for micro in (8, 2):  # one optimizer step over 8 samples: 1 micro-batch, then 4
+        counts[micro] = engine_reads(eng)
+        try:
+            out = run_updates(eng, b, epochs=1, mini_size=8, micro_size=micro, pad_id=0, dp_size=1,
+                              dp_group=mesh.group("dp"), body=body, prefix="actor", packed=packed)
+        finally:
+            del eng.train_step
+        assert out["actor/pg_loss"] == out["actor/pg_loss"] and "actor/grad_norm" in out
+    assert counts[2] == counts[8], "\n".join(f"{k}: {collections.Counter(v)}" for k, v in counts.items())
+    assert len(counts[8]) <= 2, counts[8]  # the grad norm and the step's metrics
