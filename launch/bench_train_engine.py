@@ -22,6 +22,7 @@ on a GPU.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -152,6 +153,7 @@ def main() -> int:
         p.error("--length-mix rl needs 0 < --prompt-min <= --prompt-len and 0 < --response-min <= --response-len")
     os.environ.setdefault("MASTER_PORT", "29531")
 
+    import spmdrl
     from spmdrl.algos import POLICY_LOSSES
     from spmdrl.config import Config
     from spmdrl.dist.init import init_distributed
@@ -159,7 +161,10 @@ def main() -> int:
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
     from spmdrl.metrics import device_peak_tflops, flops_metrics
-    from spmdrl.loop.update import actor_body, forward_all, run_updates
+    try:
+        from spmdrl.loop.update import actor_body, forward_all, run_updates
+    except ImportError:  # an older spmdrl (launch/bench_side_by_side.sh runs this script against a previous revision)
+        from spmdrl.update import actor_body, forward_all, run_updates
 
     env, device = init_distributed(args.device)
     cuda = device.type == "cuda"
@@ -211,9 +216,10 @@ def main() -> int:
     lens = (batch["prompt_len"] + batch["response_len"]).double()
     tokens = float(lens.sum())
     peak = device_peak_tflops(device)
-    f = flops_metrics(engine.hf_config(), seq_lens_sum=tokens, seq_sq_sum=float((lens ** 2).sum()),
-                      head_tokens=float(batch["response_len"].sum()),
-                      update_s=times["train_step"], rollout_s=times["logprobs"], devices=1, peak_tflops=peak)
+    counts = dict(seq_lens_sum=tokens, seq_sq_sum=float((lens ** 2).sum()), head_tokens=float(batch["response_len"].sum()))
+    known = inspect.signature(flops_metrics).parameters  # an older formula had no head_tokens (lm_head at every token)
+    f = flops_metrics(engine.hf_config(), **{k: v for k, v in counts.items() if k in known}, update_s=times["train_step"], rollout_s=times["logprobs"], devices=1,
+                      peak_tflops=peak)
     out.update({
         "params": sum(math.prod(s) for _, s in engine.param_shapes()),
         "shape": "tiny" if args.tiny else args.shape or None,
@@ -223,12 +229,15 @@ def main() -> int:
                   "max_len": int(lens.max()), "micro": args.micro, "forward_micro": args.forward_micro,
                   "max_tokens": args.max_tokens, "forward_max_tokens": args.forward_max_tokens,
                   "packed": args.packed, "tokens": tokens},
+        "model_dir": model_dir, "counts": counts, "spmdrl": os.path.dirname(os.path.dirname(os.path.abspath(spmdrl.__file__))),
         "logprobs_s": times["logprobs"], "train_step_s": times["train_step"],
         "logprobs_tokens_per_s": tokens / times["logprobs"], "train_step_tokens_per_s": tokens / times["train_step"],
         "logprobs_tflops": f.get("perf/rollout_tflops"), "train_step_tflops": f.get("perf/actor_tflops"),
         "logprobs_mfu": f.get("perf/mfu_rollout"), "train_step_mfu": f.get("perf/mfu_actor"), "peak_tflops": peak or None,
     })
-    print(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1), flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # gloo's threads otherwise may abort the interpreter's exit
     return 0
 
 
