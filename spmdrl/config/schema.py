@@ -50,6 +50,9 @@ class ModelConfig:
     """Parameter dtype for training: auto (bf16 params on CUDA under mixed precision, fp32 on CPU) | float32 | bfloat16."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    compile: bool = False
+    """torch.compile each decoder block's forward (dynamic shapes) in the training engines (fsdp backend only). The
+    first micro-batches pay the compilation (tens of seconds per engine)."""
 
 
 @dataclass

@@ -92,6 +92,9 @@ def validate(cfg, world_size: int):
 
     check_finite(cfg)
     check_backends(cfg.logging)
+    if cfg.model.compile and "megatron" in [b for r, b in role_backends(cfg).items() if r != "critic" or cfg.critic.enable]:
+        raise ConfigError("model.compile = true compiles the fsdp backend's decoder blocks; the megatron backend "
+                          "has no compile path: set model.compile = false or trainer.backend = 'fsdp'")
 
     for key, allowed in CHOICES.items():
         v = _get(cfg, key)

@@ -185,6 +185,7 @@ class FSDPEngine:
         total_steps: int = 1,
         defer_grad_sync: bool = False,
         lora=None,
+        compile: bool = False,
     ):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         self.device = device
@@ -228,9 +229,14 @@ class FSDPEngine:
         kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp)
         if self.host_offload_policy:
             kw["offload_policy"] = CPUOffloadPolicy()
-        for block in getattr(hf, hf.base_model_prefix).layers:
-            fully_shard(block, **kw)
-        fully_shard(self.module, **kw)
+        blocks = getattr(hf, hf.base_model_prefix).layers
+        for i, block in enumerate(blocks):
+            if compile:  # the block's own computation; FSDP2's hooks around it stay eager
+                block.forward = torch.compile(block.forward, dynamic=True)
+            # a trainable engine's last block is needed again at once by the backward: keeping it gathered after the
+            # forward saves one all-gather per micro-batch (forward-only engines reshard every block)
+            fully_shard(block, **kw, reshard_after_forward=not (trainable and i == len(blocks) - 1))
+        fully_shard(self.module, **kw)  # the root: FSDP2 keeps it gathered between forward and backward
         # each rank reads only its blocks of the checkpoint (spmdrl/engines/loading.py)
         self.load_stats = materialise(self.module, hf, model_path, torch.device("cpu") if self.host_offload_policy else device,
                                       initializer_range=getattr(hf.config, "initializer_range", 0.02),

@@ -36,6 +36,8 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
     mini = a.ppo_mini_batch_size or d.train_batch_size
     updates_per_step = a.ppo_epochs * (d.train_batch_size // mini)
     common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.model.compile:
+        common["compile"] = True
     lora = {}
     if cfg.lora.enable:
         from spmdrl.engines.lora import settings_from_config
