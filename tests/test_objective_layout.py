@@ -43,7 +43,8 @@ def test_gradient_and_logged_loss_independent_of_layout(runs, case):
         torch.testing.assert_close(g2[k], g1[k], atol=1e-6, rtol=1e-6, msg=lambda m: f"{case} {k}: {m}")
     assert max(float(g.abs().max()) for g in g1.values()) > 1e-2  # a real gradient, not zeros
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl", "actor/loss", "actor/clipfrac", "actor/ppo_kl"):
-        assert dp2["metrics"][case][key] == pytest.approx(dp1["metrics"][case][key], abs=1e-6), key
+        # float32 metrics (the entropy is ~25 in seq-mean-token-sum): equal to float32 rounding
+        assert dp2["metrics"][case][key] == pytest.approx(dp1["metrics"][case][key], abs=1e-6, rel=1e-6), key
 
 
 def _reference(model_path: str, mode: str, weights=None, keep=None):

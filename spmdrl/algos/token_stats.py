@@ -1,9 +1,14 @@
 """Per-token log-probabilities and entropies, computed without a float32 [B, T, V] logits tensor.
 
 For a 150k vocabulary, float32 logits of 16k tokens are ~10 GB, and autograd would keep them (plus the
-softmax) for backward. ``logprobs_from_hidden`` instead projects ``chunk_size`` rows at a time and wraps
-each chunk in activation checkpointing: backward keeps only the hidden chunk and recomputes that chunk's
-logits, so peak memory is O(chunk_size * V) whatever N is, at the cost of one extra lm_head matmul.
+softmax) for backward. ``logprobs_from_hidden`` instead projects ``chunk_size`` rows at a time. Under autograd
+(no top-k / top-p truncation) it runs ``LinearLogprob``: a custom autograd function whose forward keeps, per
+token, only the log-sum-exp and the results, and whose backward recomputes each chunk's logits once and writes
+the gradient of log p(y) and H straight into that buffer (d log p_y / dz = onehot(y) - p, dH / dz = -p (log p +
+H)), so a chunk costs two float32 [chunk, V] buffers in forward and in backward, instead of the five or so that
+autograd through log_softmax, gather and the entropy would keep. The projection matmuls run in the weight's
+dtype (bf16 under mixed precision), the softmax math in float32. Total matmul work: forward, recompute, and the
+two gradient matmuls, as with activation checkpointing.
 """
 from __future__ import annotations
 
@@ -131,6 +136,10 @@ def logprobs_from_hidden(
         return _chunk(hc, lm_head_weight, lm_head_bias, yc, 1.0 / temperature, ignore_index, with_entropy, entropy_grad,
                       top_k, top_p)
 
+    if use_ckpt and top_k <= 0 and top_p >= 1.0:  # the training path: analytic backward, one recompute per chunk
+        logp, ent = LinearLogprob.apply(h2, lm_head_weight, lm_head_bias, y, 1.0 / temperature, ignore_index,
+                                        with_entropy, entropy_grad, chunk_size)
+        return logp.reshape(out_shape), (ent.reshape(out_shape) if with_entropy else None)
     logps, ents = [], []
     for s in range(0, h2.shape[0], chunk_size):
         hc, yc = h2[s : s + chunk_size], y[s : s + chunk_size]
@@ -142,3 +151,76 @@ def logprobs_from_hidden(
     logp = (torch.cat(logps) if logps else empty).reshape(out_shape)
     ent = (torch.cat(ents) if ents else empty).reshape(out_shape) if with_entropy else None
     return logp, ent
+
+
+class LinearLogprob(torch.autograd.Function):
+    """(log p(y_n), H_n) with p = softmax((W h_n + b) * inv_temp), chunked over n, with an analytic backward.
+
+    forward(h [N, H], w [V, H], b [V] or None, labels [N], inv_temp, ignore_index, with_entropy, entropy_grad,
+    chunk_size) -> (logp [N], entropy [N] (zeros without with_entropy)), float32. Saved for backward: h, w, b,
+    labels and three float32 [N] vectors; never a [N, V] tensor. The entropy's gradient flows only with
+    entropy_grad (otherwise it is a metric). Labels equal to ignore_index give logp 0 and no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, h, w, b, labels, inv_temp, ignore_index, with_entropy, entropy_grad, chunk_size):
+        n = h.shape[0]
+        logp = torch.zeros(n, dtype=torch.float32, device=h.device)
+        ent = torch.zeros(n, dtype=torch.float32, device=h.device)
+        lse = torch.zeros(n, dtype=torch.float32, device=h.device)
+        keep = labels != ignore_index
+        safe = torch.where(keep, labels, torch.zeros_like(labels))
+        for s in range(0, n, chunk_size):
+            z = F.linear(h[s: s + chunk_size], w, b).float()
+            if inv_temp != 1.0:
+                z.mul_(inv_temp)
+            m = z.logsumexp(-1)
+            lse[s: s + chunk_size] = m
+            z.sub_(m[:, None])  # log p, in the logits' buffer
+            logp[s: s + chunk_size] = z.gather(-1, safe[s: s + chunk_size, None]).squeeze(-1)
+            if with_entropy:  # H = -sum_v p_v log p_v (finite logits: no truncation on this path)
+                ent[s: s + chunk_size] = -z.exp().mul_(z).sum(-1)
+            del z
+        logp = torch.where(keep, logp, torch.zeros_like(logp))
+        ctx.save_for_backward(h, w, b, safe, keep, lse, ent)
+        ctx.args = (inv_temp, with_entropy and entropy_grad, chunk_size)
+        ctx.set_materialize_grads(False)  # an output nobody differentiates comes back as None, not zeros
+        if not (with_entropy and entropy_grad):
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        h, w, b, labels, keep, lse, ent = ctx.saved_tensors
+        inv_temp, ent_grad, chunk_size = ctx.args
+        g_logp = torch.where(keep, g_logp, torch.zeros_like(g_logp)) if g_logp is not None else torch.zeros_like(lse)
+        use_ent = ent_grad and g_ent is not None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dh = torch.zeros_like(h) if need_h else None
+        dw = torch.zeros_like(w) if need_w else None  # accumulated like autograd's, in the weight's dtype
+        db = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) if need_b and b is not None else None
+        for s in range(0, h.shape[0], chunk_size):
+            hc, sl = h[s: s + chunk_size], slice(s, s + chunk_size)
+            logp_all = F.linear(hc, w, b).float()
+            if inv_temp != 1.0:
+                logp_all.mul_(inv_temp)
+            logp_all.sub_(lse[sl, None])
+            # dL/dz = g_logp (onehot(y) - p) + g_ent (-p (log p + H)), times inv_temp for z = inv_temp * (W h + b)
+            if use_ent:
+                p = logp_all.exp()
+                gz = logp_all.add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])  # in the logits' buffer
+                gz.sub_(p.mul_(g_logp[sl, None]))
+                del p
+            else:
+                gz = logp_all.exp_().mul_(-g_logp[sl, None])
+            gz.scatter_add_(-1, labels[sl, None], g_logp[sl, None])
+            if inv_temp != 1.0:
+                gz.mul_(inv_temp)
+            gz = gz.to(w.dtype)
+            if need_h:
+                dh[sl] = gz @ w
+            if need_w:
+                dw.addmm_(gz.t(), hc.to(w.dtype))
+            if db is not None:
+                db += gz.float().sum(0)
+        return dh, dw, (db.to(b.dtype) if db is not None else None), None, None, None, None, None, None
