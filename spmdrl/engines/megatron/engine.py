@@ -1,7 +1,17 @@
 """megatron-core training engine: GPTModel (TP x PP x DP from the role mesh) behind spmdrl's TrainEngine protocol.
 
-Forward and backward run through megatron-core's pipeline schedules (`get_forward_backward_func`), one call per
-`logprobs` / `values` (forward_only, one micro-batch) and per `train_step` (all micro-batches, 1F1B with PP).
+Forward and backward run through megatron-core's pipeline schedules (`get_forward_backward_func`): one call per
+`train_step` (all micro-batches, 1F1B with PP) and one per forward-only pass (`forward_micro_batches`: all the
+pass's micro-batches, so the PP stages pipeline them; `logprobs` / `values` are its one-micro-batch form). With
+PP > 1 the last stage's results reach the other stages in one broadcast per call.
+
+Host reads. Every micro-batch is staged before its schedule runs (`_stage`): its data-dependent sizes (where the
+valid response tokens are, forward.ResponseIndex) are computed from the caller's host TokenBatch, so the heads
+select rows with integer indices instead of a boolean mask of device data; loss metrics stay on the device
+(engines/base.accumulate) and are read once per optimizer step. What still reads the device in a step: the
+metrics and the grad norm (once each), megatron's optimizer step on CUDA, and with PP > 1 megatron's exchange of
+each pipeline transfer's shape (variable_seq_lengths: micro-batches differ in shape) plus one read of the replayed
+loss's tensor counts. Counted on CPU for 1 and 4 micro-batches (tests/test_megatron_host_syncs.py).
 
 Loss scaling in train_step. spmdrl's contract (engines/base.py): the caller's micro-batch losses are already
 dp * sum_i l_i / N_global; the engine must apply the gradient of their SUM, averaged over dp. Megatron's

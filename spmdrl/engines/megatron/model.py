@@ -7,9 +7,10 @@ here). megatron's parallel state is one per process, so every Megatron role of a
 
 Rotary embeddings: the engine computes the rotary angles itself from each token's position id with HF's own
 inverse frequencies (`transformers.modeling_rope_utils`, so rope_theta and rope scaling follow the HF config
-exactly) and hands them to megatron's attention as `rotary_pos_emb` [s, b, 1, d]; megatron applies them with its
-unfused RoPE. This is what lets packed rows (several sequences, each with positions 0, 1, ...) work without
-TransformerEngine.
+exactly) and hands them to megatron's attention as `rotary_pos_emb` [s, b, 1, d] (b = 1 for padded rows, which
+all have positions 0, 1, ...); megatron applies them unfused, or with TE's fused RoPE on the TE spec
+(fusion_flags). Per-row tables are what let packed rows (several sequences, each with positions 0, 1, ...) work
+without TransformerEngine.
 """
 from __future__ import annotations
 
