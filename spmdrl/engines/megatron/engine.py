@@ -247,7 +247,7 @@ class MegatronEngine:
 
     def forward_micro_batches(self, tbs: list, head: str, **head_kw) -> list[torch.Tensor]:
         """See TrainEngine.forward_micro_batches: every micro-batch in one forward-only pipeline schedule."""
-        if head == "logprobs":
+        if head == "logprobs" and set(head_kw) <= {"temperature", "chunk_size", "top_k", "top_p"}:
             kw = {"temperature": 1.0, "chunk_size": 1024, "top_k": -1, "top_p": 1.0, **head_kw}
 
             def fn(out, st):
