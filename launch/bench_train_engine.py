@@ -191,9 +191,8 @@ def main() -> int:
     body = actor_body(cfg, POLICY_LOSSES.get(cfg.actor.policy_loss), 1.0)
 
     def forward():
-        return forward_all(engine, batch, args.forward_micro, 0,
-                           lambda e, tb: e.logprobs(tb, temperature=1.0, chunk_size=cfg.actor.logprob_chunk_size)[0],
-                           max_tokens=args.forward_max_tokens, packed=args.packed)
+        return forward_all(engine, batch, args.forward_micro, 0, "logprobs", max_tokens=args.forward_max_tokens,
+                           packed=args.packed, temperature=1.0, chunk_size=cfg.actor.logprob_chunk_size)
 
     def update():
         return run_updates(engine, batch, epochs=1, mini_size=len(batch), micro_size=args.micro, pad_id=0, dp_size=1,

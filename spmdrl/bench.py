@@ -373,7 +373,7 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
                     max_tokens=a.max_tokens_per_micro_batch, packed=a.use_packing)
 
     def forward():
-        forward_all(eng, batch, a.forward_micro_batch_size or a.micro_batch_size, 0, lambda e, tb: e.logprobs(tb)[0],
+        forward_all(eng, batch, a.forward_micro_batch_size or a.micro_batch_size, 0, "logprobs",
                     max_tokens=a.forward_max_tokens_per_micro_batch or a.max_tokens_per_micro_batch, packed=a.use_packing)
 
     out = {"tokens": float((plen + rlen).sum()), "response_tokens": float(rlen.sum())}

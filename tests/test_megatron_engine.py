@@ -16,7 +16,7 @@ from launching import run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
-from megatron_engine import MODES, TRUNC, fixed_batch  # noqa: E402
+from megatron_engine import MODES, SPLIT, TRUNC, fixed_batch  # noqa: E402
 from test_objective_layout import _reference as _reference_uncached  # noqa: E402
 
 pytest.importorskip("megatron.core")
@@ -78,6 +78,26 @@ def test_logprobs_match_unsharded_hf(runs, layout):
                     torch.testing.assert_close(lp[i, :n].double(), want_lp, atol=1e-5, rtol=0)
                     torch.testing.assert_close(ent[i, :n].double(), want_ent, atol=1e-5, rtol=0)
                     assert float(lp[i, n:].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS])
+def test_forward_micro_batches_one_schedule_match_per_call_and_hf(runs, layout):
+    """Several micro-batches of different shapes in one forward-only pipeline schedule (forward_all's path; pp 2:
+    the stages pipeline them, one broadcast brings the last stage's results to every rank): bitwise the results
+    of one call per micro-batch, and the unsharded float64 HF log-probs / critic values."""
+    model, d, ranks = runs[layout]
+    ref = _hf_logprobs(model, 0.7)
+    values, _, _ = _critic_reference(str(d / "critic_export"))
+    for res in ranks:
+        for key, want in (("forward_mb", [lp for lp, _ in ref]), ("values_mb", values)):
+            for packed in (False, True):
+                r = res[key][packed]
+                assert r["schedules"] == 1 and r["equal_per_call"], (key, packed)
+                for (a, b), got in zip(SPLIT, r["got"]):
+                    for i in range(a, b):
+                        n = len(want[i])
+                        torch.testing.assert_close(got[i - a, :n].double(), want[i], atol=1e-5, rtol=0)
+                        assert float(got[i - a, n:].abs().sum()) == 0.0
 
 
 def test_tp2_ran_the_gpu_configuration(runs):

@@ -15,7 +15,12 @@ import torch
 pytest.importorskip("megatron.core")
 
 
-def _configs(tp):
+FUSIONS = {"bias_activation_fusion", "gradient_accumulation_fusion", "apply_rope_fusion", "masked_softmax_fusion",
+           "bias_dropout_fusion", "persist_layer_norm", "cross_entropy_loss_fusion"}
+ALL_KERNELS = {"triton": True, "te_rope": True, "apex_wgrad": True, "softmax": True}
+
+
+def _configs(tp, **kw):
     from spmdrl.engines.megatron.convert import dims_from_hf
     from spmdrl.engines.megatron.model import transformer_config
     from spmdrl.tiny import build_model
@@ -24,18 +29,63 @@ def _configs(tp):
     dims = dims_from_hf(hf, tp=tp, divisible_by=128, value_head=False)
     mesh = SimpleNamespace(tp_size=tp, pp_size=2)
     # TransformerConfig is a plain dataclass: building it for a CUDA device needs no GPU
-    return (transformer_config(dims, hf, mesh, torch.device("cuda"), torch.bfloat16),
-            transformer_config(dims, hf, mesh, torch.device("cpu"), torch.bfloat16))
+    return (transformer_config(dims, hf, mesh, torch.device("cuda"), torch.bfloat16, **kw),
+            transformer_config(dims, hf, mesh, torch.device("cpu"), torch.bfloat16, **kw))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_cpu_builds_the_transformer_config_cuda_gets(tp):
+    """Only where the weights are first allocated and the fusion flags (all off on CPU) differ; the CUDA config
+    carries fusion_flags' decision for the kernels this process finds."""
+    from spmdrl.engines.megatron.model import fused_kernels, fusion_flags
+
     cuda, cpu = _configs(tp)
     assert cuda.sequence_parallel is (tp > 1)
+    assert cuda.batch_p2p_sync is False and cuda.variable_seq_lengths is True
     differ = {f.name for f in dataclasses.fields(cuda)
               if not f.name.endswith("init_method")  # functions built per instance
               and getattr(cuda, f.name) != getattr(cpu, f.name)}
-    assert differ == {"use_cpu_initialization"}  # where the weights are first allocated, nothing else
+    assert differ - FUSIONS == {"use_cpu_initialization"}
+    assert {f: getattr(cuda, f) for f in FUSIONS} == fusion_flags(torch.device("cuda"), False, True, fused_kernels())
+    assert not any(getattr(cpu, f) for f in FUSIONS)
+
+
+@pytest.mark.parametrize("use_te", [False, True])
+def test_fusion_flags_megatron_accepts(use_te, monkeypatch):
+    """What CUDA gets with every kernel present (TE spec and local spec, trainable and frozen), and that
+    megatron's TransformerConfig validation accepts it. megatron checks apply_rope_fusion against TE's fused RoPE
+    at construction; TE does not build here, so its presence is replayed with a stand-in function."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from spmdrl.engines.megatron.model import fusion_flags
+
+    cuda = torch.device("cuda")
+    want = dict(bias_activation_fusion=True, gradient_accumulation_fusion=True, apply_rope_fusion=use_te,
+                masked_softmax_fusion=True, bias_dropout_fusion=False, persist_layer_norm=False,
+                cross_entropy_loss_fusion=False)
+    assert fusion_flags(cuda, use_te, True, ALL_KERNELS) == want
+    assert fusion_flags(cuda, use_te, False, ALL_KERNELS)["gradient_accumulation_fusion"] is False  # frozen
+    none = dict.fromkeys(ALL_KERNELS, False)
+    assert fusion_flags(cuda, use_te, True, none) == {**dict.fromkeys(FUSIONS, False),
+                                                      "gradient_accumulation_fusion": use_te}  # TE's own wgrad fusion
+    assert not any(fusion_flags(torch.device("cpu"), use_te, True, ALL_KERNELS).values())
+    if use_te:
+        monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda t, freqs, interleaved=False: t)
+    for tp in (1, 2):
+        cfg, _ = _configs(tp, use_te=use_te, trainable=True, kernels=ALL_KERNELS)
+        assert {f: getattr(cfg, f) for f in FUSIONS} == want
+
+
+def test_rope_fusion_refuses_per_row_positions():
+    """TE's fused RoPE takes one rotary table per batch: the stage model refuses per-row positions (packed rows)
+    with the flag on, before any kernel runs."""
+    from spmdrl.engines.megatron.model import StageModel
+
+    gpt = SimpleNamespace(config=SimpleNamespace(apply_rope_fusion=True), model_type=None, pre_process=False,
+                          post_process=False, share_embeddings_and_output_weights=False)
+    stage = StageModel(gpt, torch.ones(4), value_head=False, dtype=torch.float32)
+    with pytest.raises(ValueError, match="one rotary table per batch"):
+        stage(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long), None)
 
 
 def test_inner_optimizer_is_torch_adam_even_where_megatron_would_pick_fused_adam(monkeypatch):

@@ -42,6 +42,13 @@ class TrainEngine(Protocol):
     def values(self, tb) -> torch.Tensor:
         """Critic values [B, R] at response positions (value-head engines only)."""
 
+    def forward_micro_batches(self, tbs: list, head: str, **head_kw) -> list[torch.Tensor]:
+        """Forward-only pass (no autograd) over several token batches: head "logprobs" (head_kw: temperature,
+        chunk_size, top_k, top_p, as for logprobs; log p of the response tokens) or "values" (value-head engines).
+        One float32 [B_i, R_i] per batch, on the engine's device (not copied to the host), the same on every rank
+        of the mesh. The Megatron engine runs them all in one pipeline schedule; FSDP one forward per batch
+        (forward_each)."""
+
     def eval(self) -> None:
         """Switch to inference mode (dropout off) before forward-only passes."""
 
@@ -88,6 +95,16 @@ class TrainEngine(Protocol):
 
     def onload(self, kinds: tuple[str, ...] = OFFLOAD_KINDS) -> None:
         """Bring offloaded state back to the device."""
+
+
+def forward_each(engine: TrainEngine, tbs: list, head: str, **head_kw) -> list[torch.Tensor]:
+    """forward_micro_batches as one logprobs / values call per token batch (engines that gain nothing from
+    running them together)."""
+    if head == "logprobs":
+        return [engine.logprobs(tb, **head_kw)[0].float() for tb in tbs]
+    if head == "values" and not head_kw:
+        return [engine.values(tb).float() for tb in tbs]
+    raise ValueError(f"forward_micro_batches: head {head!r} with {sorted(head_kw)} (logprobs or values)")
 
 
 def clipped_step(optimizer, clip_grad_norm: Callable[[], float]) -> tuple[float, bool]:

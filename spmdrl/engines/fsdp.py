@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from spmdrl.algos.token_stats import logprobs_from_hidden
-from spmdrl.engines.base import accumulate, clipped_step, step_metrics
+from spmdrl.engines.base import accumulate, clipped_step, forward_each, step_metrics
 from spmdrl.engines.loading import build_meta_model, materialise
 from spmdrl.reshard.plan import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
@@ -276,6 +276,10 @@ class FSDPEngine:
     def values(self, b: TokenBatch) -> torch.Tensor:
         """Critic values [B, R] at response positions (zero on padding)."""
         return self.module(b.to(self.device))[0]
+
+    def forward_micro_batches(self, tbs: list, head: str, **head_kw) -> list[torch.Tensor]:
+        """See TrainEngine.forward_micro_batches: one forward per token batch."""
+        return forward_each(self, tbs, head, **head_kw)
 
     # ---- update -------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list, loss_fn: Callable) -> dict[str, float]:

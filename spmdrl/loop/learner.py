@@ -35,10 +35,9 @@ class Learner:
         sampling distribution (what the rollout engine's processed log-probs are)."""
         a = self.cfg.actor
         return forward_all(
-            engine, batch, a.forward_micro_batch_size or a.micro_batch_size, self.pad_id,
-            lambda eng, tb: eng.logprobs(tb, temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size,
-                                         top_k=top_k, top_p=top_p)[0],
+            engine, batch, a.forward_micro_batch_size or a.micro_batch_size, self.pad_id, "logprobs",
             max_tokens=a.forward_max_tokens_per_micro_batch or a.max_tokens_per_micro_batch, packed=a.use_packing,
+            temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size, top_k=top_k, top_p=top_p,
         )
 
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
@@ -51,7 +50,7 @@ class Learner:
 
     def values(self, batch: Batch) -> torch.Tensor:
         c = self.cfg.critic
-        return forward_all(self.critic, batch, c.micro_batch_size, self.pad_id, lambda eng, tb: eng.values(tb),
+        return forward_all(self.critic, batch, c.micro_batch_size, self.pad_id, "values",
                            max_tokens=c.max_tokens_per_micro_batch, packed=c.use_packing)
 
     # ---- rewards and advantages ----------------------------------------------------------------------------

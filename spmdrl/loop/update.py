@@ -205,18 +205,23 @@ def critic_body(cfg) -> Callable:
 
 @torch.no_grad()
 def forward_all(
-    engine: TrainEngine, batch: Batch, micro_size: int, pad_id: int, fn: Callable, *, max_tokens: int = 0,
-    packed: bool = False,
+    engine: TrainEngine, batch: Batch, micro_size: int, pad_id: int, head: str, *, max_tokens: int = 0,
+    packed: bool = False, **head_kw,
 ) -> torch.Tensor:
-    """fn(engine, tb) -> [b, R'] for each micro-batch, assembled into a [B, R] CPU float tensor in batch order.
+    """engine.forward_micro_batches(micro-batches, head, **head_kw) (head "logprobs" or "values") over `batch`,
+    assembled into a [B, R] CPU float tensor in batch order. The engine runs every micro-batch of the pass in one
+    call (Megatron: one pipeline schedule); the results are assembled on the device and copied to the host once.
 
     Forward-only passes keep no activations for backward, so they can take larger micro-batches than the
     update (actor.forward_micro_batch_size / forward_max_tokens_per_micro_batch)."""
     engine.eval()
-    out = torch.zeros(len(batch), batch["responses"].shape[1])
     batch = Batch({**batch.tensors, "_row": torch.arange(len(batch))})  # where each sample goes back to
     group = engine.mesh.group("dp") if max_tokens > 0 else None
-    for mb, tb in micro_batches(batch, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=group):
-        vals = fn(engine, tb)
-        out[mb["_row"], : vals.shape[1]] = vals.float().cpu()
-    return out
+    mbs = micro_batches(batch, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=group)
+    results = engine.forward_micro_batches([tb for _, tb in mbs], head, **head_kw)
+    if not results:
+        return torch.zeros(len(batch), batch["responses"].shape[1])
+    out = torch.zeros(len(batch), batch["responses"].shape[1], device=results[0].device)
+    for (mb, _), vals in zip(mbs, results):
+        out[mb["_row"].to(out.device, non_blocking=True), : vals.shape[1]] = vals.float()
+    return out.cpu()

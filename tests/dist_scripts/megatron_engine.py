@@ -3,6 +3,9 @@ tiny fp32 HF Qwen2 model. Writes <out>/rank<r>.pt with, per rank:
 
   logprobs: {(packed, temperature): (logp [B, R], entropy [B, R])} of a fixed batch (every rank the whole batch);
   trunc: {(packed, top_k, top_p): (logp, entropy)} of the same batch at temperature 0.7 with the sampler's truncation;
+  forward_mb / values_mb: {packed: {"got": [per micro-batch tensors], "schedules": megatron schedule calls,
+      "equal_per_call": bitwise equal to one logprobs / values call per micro-batch}} of forward_micro_batches over
+      the fixed batch in 3 micro-batches of different shapes (sequences [0], [1, 2], [3]), temperature 0.7;
   grads: {loss_agg_mode: {HF name: [(block, tensor)]}}: the gradient of one PPO actor update (spmdrl.loop.update,
       lr 0) over the global batch of tests/dist_scripts/objective_layout.py, dp-sharded, micro-batches of --micro,
       read just before the optimizer step as HF blocks (this rank's pieces);
@@ -103,6 +106,36 @@ def offload_round_trip(e, tb, res):
     res["offload_state_equal"] = all(torch.equal(x, y) for x, y in zip(values, params + moments))
 
 
+SPLIT = [(0, 1), (1, 3), (3, 4)]  # micro-batches of the fixed batch for forward_micro_batches
+
+
+def forward_mb(engine, prompts, resps, head, **kw):
+    """forward_micro_batches over SPLIT (one call), its megatron schedule count, and whether it equals one
+    logprobs / values call per micro-batch bitwise."""
+    import megatron.core.pipeline_parallel as mpp
+
+    from spmdrl.engines import pack_sequences
+
+    out = {}
+    for packed in (False, True):
+        tbs = [pack_sequences(prompts[a:b], resps[a:b], 0, packed=packed) for a, b in SPLIT]
+        calls, real = [0], mpp.get_forward_backward_func
+
+        def counting(*a, **k):
+            calls[0] += 1
+            return real(*a, **k)
+
+        mpp.get_forward_backward_func = counting
+        try:
+            got = engine.forward_micro_batches(tbs, head, **kw)
+        finally:
+            mpp.get_forward_backward_func = real
+        per = [engine.logprobs(tb, **kw)[0] if head == "logprobs" else engine.values(tb) for tb in tbs]
+        out[packed] = {"got": [g.clone() for g in got], "schedules": calls[0],
+                       "equal_per_call": all(torch.equal(g, q) for g, q in zip(got, per))}
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -156,6 +189,8 @@ def main():
             lp, ent = eng.logprobs(tb, temperature=0.7, with_entropy=True, chunk_size=3, top_k=k, top_p=top_p)
             res["trunc"][(packed, k, top_p)] = (lp.clone(), ent.clone())
 
+    res["forward_mb"] = forward_mb(eng, prompts, resps, "logprobs", temperature=0.7, chunk_size=3)
+
     shards = {n: (t, b) for n, t, b in eng.weight_shards()}
     mine = {n: dict(bs)[env.rank] for n, bs in eng.source_blocks().items() if env.rank in dict(bs)}
     res["blocks_ok"] = set(shards) == set(mine) and all(
@@ -193,6 +228,7 @@ def main():
                                 optim=dict(lr=0.0, weight_decay=0.0, grad_clip=0.0))
     res["values"] = {packed: critic.values(pack_sequences(prompts, resps, 0, packed=packed)).clone()
                      for packed in (False, True)}
+    res["values_mb"] = forward_mb(critic, prompts, resps, "values")
     critic.export_hf(os.path.join(args.out, "critic_export"))
     cgrads, cclip = {}, critic.clip_grad_norm
 

@@ -1,7 +1,17 @@
 """megatron-core training engine: GPTModel (TP x PP x DP from the role mesh) behind spmdrl's TrainEngine protocol.
 
-Forward and backward run through megatron-core's pipeline schedules (`get_forward_backward_func`), one call per
-`logprobs` / `values` (forward_only, one micro-batch) and per `train_step` (all micro-batches, 1F1B with PP).
+Forward and backward run through megatron-core's pipeline schedules (`get_forward_backward_func`): one call per
+`train_step` (all micro-batches, 1F1B with PP) and one per forward-only pass (`forward_micro_batches`: all the
+pass's micro-batches, so the PP stages pipeline them; `logprobs` / `values` are its one-micro-batch form). With
+PP > 1 the last stage's results reach the other stages in one broadcast per call.
+
+Host reads. Every micro-batch is staged before its schedule runs (`_stage`): its data-dependent sizes (where the
+valid response tokens are, forward.ResponseIndex) are computed from the caller's host TokenBatch, so the heads
+select rows with integer indices instead of a boolean mask of device data; loss metrics stay on the device
+(engines/base.accumulate) and are read once per optimizer step. What still reads the device in a step: the
+metrics and the grad norm (once each), megatron's optimizer step on CUDA, and with PP > 1 megatron's exchange of
+each pipeline transfer's shape (variable_seq_lengths: micro-batches differ in shape) plus one read of the replayed
+loss's tensor counts. Counted on CPU for 1 and 4 micro-batches (tests/test_megatron_host_syncs.py).
 
 Loss scaling in train_step. spmdrl's contract (engines/base.py): the caller's micro-batch losses are already
 dp * sum_i l_i / N_global; the engine must apply the gradient of their SUM, averaged over dp. Megatron's
@@ -22,13 +32,14 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from spmdrl.dist.meshes import RoleMesh
-from spmdrl.engines.base import clipped_step, step_metrics
+from spmdrl.engines.base import accumulate, clipped_step, step_metrics
 from spmdrl.engines.fsdp import TokenBatch, lr_lambda
 from spmdrl.errors import ConfigError
 from spmdrl.reshard.plan import MEGATRON_MODEL_TYPES
@@ -74,7 +85,8 @@ class MegatronEngine:
         self.dims = dims_from_hf(self.config, tp=mesh.tp_size, divisible_by=make_vocab_size_divisible_by,
                                  value_head=value_head)
         gpt, self.tcfg = build_gpt(self.dims, self.config, mesh, device, self.dtype, self.use_te,
-                                   recompute=gradient_checkpointing and trainable, attention=attention)
+                                   recompute=gradient_checkpointing and trainable, attention=attention,
+                                   trainable=trainable)
         self.stage = StageModel(gpt, rope_inv_freq(self.config), value_head, self.dtype).to(device)
         self.first_layer = stage_layers(self.dims.layers, mesh.pp_size, mesh.pp_rank).start
         self.is_last = mesh.pp_rank == mesh.pp_size - 1
@@ -124,104 +136,136 @@ class MegatronEngine:
     def eval(self) -> None:
         self.stage.eval()
 
-    def _schedule(self, items: list, step_fn: Callable, forward_only: bool) -> list:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        tbs = [it[1] if isinstance(it, tuple) else it for it in items]
-        fb = get_forward_backward_func()
-        return fb(forward_step_func=step_fn, data_iterator=iter(items), model=[self.model], num_microbatches=len(items),
-                  seq_length=max(tb.input_ids.shape[1] for tb in tbs), micro_batch_size=max(tb.input_ids.shape[0] for tb in tbs),
-                  forward_only=forward_only)
-
-    def _run_stage(self, tb: TokenBatch):
-        tb = tb.to(self.device)
-        if self.use_te and tb.attention_mask.dim() == 4:
+    def _stage(self, tb: TokenBatch) -> "_Staged":
+        """One micro-batch's device inputs, built from the host TokenBatch before the schedule runs: every
+        data-dependent size (the response positions, ResponseIndex) is computed here on the host, so nothing in
+        the schedule reads the device; the copies are non-blocking."""
+        packed = tb.attention_mask.dim() == 4
+        if self.use_te and packed:
             raise ConfigError("megatron backend with TransformerEngine layers: packed micro-batches need THD attention, "
                               "which is not wired up; turn packing off (padded micro-batches)")
-        ids, pos, mask = tb.input_ids, tb.position_ids, tb.attention_mask
+        ids, mask = tb.input_ids, tb.attention_mask
+        # packed rows: each sequence's own positions; padded rows are right-padded, so every row's positions are
+        # 0 .. L-1: one [1, L] row (one rotary table broadcast over the batch, what TE's fused RoPE takes)
+        pos = tb.position_ids if packed else torch.arange(ids.shape[1], device=ids.device)[None]
         if self.tcfg.sequence_parallel:  # the sequence is split over tp: its length must divide
             ids, pos, mask = pad_sequence_dim(ids, pos, mask, self.mesh.tp_size)
         # padded rows: causal attention is exact for every real token (right padding), and lets SDPA use its
         # causal kernels; packed rows need the block-diagonal mask
-        return tb, self.model(ids, pos, megatron_mask(mask) if mask.dim() == 4 else None)
+        dev = self.device
+        return _Staged(ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True),
+                       megatron_mask(mask).to(dev, non_blocking=True) if packed else None,
+                       fw.ResponseIndex.of(tb).to(dev))
 
-    def _lm_head(self, hidden, tb: TokenBatch, temperature: float, with_entropy, chunk_size: int, top_k: int = -1,
+    def _schedule(self, items: list, staged: list["_Staged"], step_fn: Callable, forward_only: bool) -> list:
+        """One megatron pipeline schedule over len(items) micro-batches; step_fn pulls (item, staged) pairs."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        fb = get_forward_backward_func()
+        return fb(forward_step_func=step_fn, data_iterator=iter(list(zip(items, staged))), model=[self.model],
+                  num_microbatches=len(items), seq_length=max(st.ids.shape[1] for st in staged),
+                  micro_batch_size=max(st.ids.shape[0] for st in staged), forward_only=forward_only)
+
+    def _run_stage(self, st: "_Staged"):
+        return self.model(st.ids, st.pos, st.mask)
+
+    def _lm_head(self, hidden, st: "_Staged", temperature: float, with_entropy, chunk_size: int, top_k: int = -1,
                  top_p: float = 1.0):
         from megatron.core import parallel_state as ps
 
         gpt = self.stage.gpt
         w = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
-        h = fw.response_hidden(hidden, tb, sequence_parallel=self.tcfg.sequence_parallel, replicated_use=False)
-        labels = tb.resp_ids[tb.resp_mask.bool()]
+        h = fw.response_hidden(hidden, st.index, sequence_parallel=self.tcfg.sequence_parallel, replicated_use=False)
+        labels = st.index.labels
         group = ps.get_tensor_model_parallel_group()
         if top_k > 0 or top_p < 1.0:  # the sampler's truncation needs whole rows: gathered over tp (forward only)
             logp, ent = fw.gathered_truncated_logprobs(h, w, labels, vocab=self.dims.vocab, temperature=temperature,
                                                        top_k=top_k, top_p=top_p, chunk_size=chunk_size,
                                                        with_entropy=with_entropy, group=group)
-            return fw.scatter_rows(logp, tb.resp_mask), (None if ent is None else fw.scatter_rows(ent, tb.resp_mask))
+            return fw.scatter_rows(logp, st.index), (None if ent is None else fw.scatter_rows(ent, st.index))
         lo = vocab_rows(self.dims, self.mesh.tp_size, self.mesh.tp_rank)[0]  # columns >= V are padding, masked
         logp, ent = fw.vocab_parallel_logprobs(h, w, labels, vocab_start=lo, vocab=self.dims.vocab, temperature=temperature,
-                                               chunk_size=chunk_size, with_entropy=with_entropy,
-                                               group=ps.get_tensor_model_parallel_group())
-        return fw.scatter_rows(logp, tb.resp_mask), (fw.scatter_rows(ent, tb.resp_mask) if ent is not None else None)
+                                               chunk_size=chunk_size, with_entropy=with_entropy, group=group)
+        return fw.scatter_rows(logp, st.index), (fw.scatter_rows(ent, st.index) if ent is not None else None)
 
-    def _value_head(self, hidden, tb: TokenBatch):
-        h = fw.response_hidden(hidden, tb, sequence_parallel=self.tcfg.sequence_parallel, replicated_use=True)
-        return fw.scatter_rows(self.stage.value_head(h).squeeze(-1).float(), tb.resp_mask)
+    def _value_head(self, hidden, st: "_Staged"):
+        h = fw.response_hidden(hidden, st.index, sequence_parallel=self.tcfg.sequence_parallel, replicated_use=True)
+        return fw.scatter_rows(self.stage.value_head(h).squeeze(-1).float(), st.index)
 
-    def _broadcast_last(self, t: torch.Tensor | None, shape) -> torch.Tensor:
-        """The last PP stage's tensor on every stage of this rank's pp group."""
+    def _broadcast_last(self, ts: list[torch.Tensor] | None, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """The last PP stage's tensors (float32, `shapes`) on every stage of this rank's pp group: one broadcast
+        of them all, flattened into one buffer."""
         if self.mesh.pp_size == 1:
-            return t
+            return ts
         group = self.mesh.group("pp")
-        buf = t.detach().float().contiguous() if self.is_last else torch.empty(shape, dtype=torch.float32, device=self.device)
+        sizes = [math.prod(s) for s in shapes]
+        if self.is_last:
+            buf = torch.cat([t.detach().float().reshape(-1) for t in ts]) if ts else torch.zeros(0, device=self.device)
+        else:
+            buf = torch.empty(sum(sizes), dtype=torch.float32, device=self.device)
         dist.broadcast(buf, src=dist.get_global_rank(group, self.mesh.pp_size - 1), group=group)
-        return buf
+        return [part.view(s) for part, s in zip(buf.split(sizes), shapes)]
+
+    def _forward_only(self, tbs: list, head: Callable, k: int) -> list[torch.Tensor]:
+        """head(hidden, staged) -> [k, B, R] float32 for every token batch, all in ONE forward-only pipeline
+        schedule (num_microbatches = len(tbs), so the stages pipeline them), then one broadcast from the last
+        stage. Results stay on the device."""
+        staged = [self._stage(tb) for tb in tbs]
+
+        def step(it, model):
+            _, st = next(it)
+            return self._run_stage(st), lambda out: (out.new_zeros(()), head(out, st))
+
+        with torch.no_grad():
+            res = self._schedule(list(tbs), staged, step, forward_only=True)
+        return self._broadcast_last(res if self.is_last else None, [(k, *st.index.shape) for st in staged])
 
     def logprobs(self, tb: TokenBatch, *, temperature: float = 1.0, with_entropy=False, chunk_size: int = 1024,
                  top_k: int = -1, top_p: float = 1.0):
         """See TrainEngine.logprobs; top_k / top_p (forward only) gather the vocabulary over tp per chunk."""
         if self._ctx is not None:  # inside train_step's loss on the last stage: differentiable
-            ctb, hidden = self._ctx
-            return self._lm_head(hidden, ctb, temperature, with_entropy, chunk_size, top_k, top_p)
+            st, hidden = self._ctx
+            return self._lm_head(hidden, st, temperature, with_entropy, chunk_size, top_k, top_p)
         if self._replay is not None:  # train_step replaying the loss on a non-last stage: detached values
             lp, ent = self._replay
             return lp, (ent if with_entropy else None)
 
-        def step(it, model):
-            t, hidden = self._run_stage(next(it))
-            return hidden, lambda out: (out.new_zeros(()), self._lm_head(out, t, temperature, with_entropy, chunk_size,
-                                                                         top_k, top_p))
+        def head(out, st):
+            lp, ent = self._lm_head(out, st, temperature, with_entropy, chunk_size, top_k, top_p)
+            return torch.stack([lp, ent]) if with_entropy else lp[None]
 
-        B, R = tb.resp_ids.shape
-        with torch.no_grad():
-            res = self._schedule([tb], step, forward_only=True)
-        lp, ent = res[0] if self.is_last else (None, None)
-        both = torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)]) if self.is_last else None
-        both = self._broadcast_last(both, (2, B, R))
+        both = self._forward_only([tb], head, 2 if with_entropy else 1)[0]
         return both[0], (both[1] if with_entropy else None)
 
     def values(self, tb: TokenBatch) -> torch.Tensor:
         if self._ctx is not None:
-            ctb, hidden = self._ctx
-            return self._value_head(hidden, ctb)
+            st, hidden = self._ctx
+            return self._value_head(hidden, st)
         if self._replay is not None:
             return self._replay[0]
+        return self._forward_only([tb], lambda out, st: self._value_head(out, st)[None], 1)[0][0]
 
-        def step(it, model):
-            t, hidden = self._run_stage(next(it))
-            return hidden, lambda out: (out.new_zeros(()), self._value_head(out, t))
+    def forward_micro_batches(self, tbs: list, head: str, **head_kw) -> list[torch.Tensor]:
+        """See TrainEngine.forward_micro_batches: every micro-batch in one forward-only pipeline schedule."""
+        if head == "logprobs" and set(head_kw) <= {"temperature", "chunk_size", "top_k", "top_p"}:
+            kw = {"temperature": 1.0, "chunk_size": 1024, "top_k": -1, "top_p": 1.0, **head_kw}
 
-        with torch.no_grad():
-            res = self._schedule([tb], step, forward_only=True)
-        return self._broadcast_last(res[0] if self.is_last else None, tuple(tb.resp_ids.shape))
+            def fn(out, st):
+                return self._lm_head(out, st, kw["temperature"], False, kw["chunk_size"], kw["top_k"], kw["top_p"])[0][None]
+        elif head == "values" and not head_kw:
+            def fn(out, st):
+                return self._value_head(out, st)[None]
+        else:
+            raise ValueError(f"forward_micro_batches: head {head!r} with {sorted(head_kw)} (logprobs or values)")
+        return [r[0] for r in self._forward_only(tbs, fn, 1)] if tbs else []
 
     # ---- update -------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list, loss_fn: Callable) -> dict[str, float]:
         """One optimizer step over `micro_batches`; loss_fn(micro, engine) -> (loss, metrics). See the module
         docstring for the scaling. On stages other than the last, loss_fn runs after the schedule on the last
         stage's (broadcast, detached) log-probs / values so that its metrics (and any side effects) are the same
-        on every rank; those losses are not differentiated."""
+        on every rank; those losses are not differentiated. Metrics stay on the device (accumulate) until
+        step_metrics reads them, once."""
         from megatron.core import parallel_state as ps
 
         assert ps.get_context_parallel_world_size() == 1
@@ -229,30 +273,30 @@ class MegatronEngine:
         self.stage.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        sums: dict[str, float] = {}
+        staged = [self._stage(it[1] if isinstance(it, tuple) else it) for it in micro_batches]
+        sums: dict = {}
         outs: list = []  # per micro-batch, what loss_fn read from the heads (last stage)
 
         def step(it, model):
-            item = next(it)
-            t, hidden = self._run_stage(item[1] if isinstance(item, tuple) else item)
+            item, st = next(it)
+            hidden = self._run_stage(st)
 
             def loss_func(out):
-                self._ctx = (t, out)
+                self._ctx = (st, out)
                 rec = _Recorder(self)
                 try:
                     loss, metrics = loss_fn(item, rec)
                 finally:
                     self._ctx = None
                 outs.append(rec.seen)
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                accumulate(sums, metrics)
                 return loss * M, {}
 
             return hidden, loss_func
 
-        self._schedule(list(micro_batches), step, forward_only=False)
+        self._schedule(list(micro_batches), staged, step, forward_only=False)
         if self.mesh.pp_size > 1:
-            self._replay_on_other_stages(micro_batches, loss_fn, outs, sums)
+            self._replay_on_other_stages(micro_batches, staged, loss_fn, outs, sums)
         if self.device.type == "cuda":
             ok, grad_norm, _ = self.optimizer.step()
             grad_norm = float(grad_norm) if grad_norm is not None else 0.0
@@ -263,24 +307,25 @@ class MegatronEngine:
             grad_norm, finite = clipped_step(self.optimizer, self.clip_grad_norm)
         return step_metrics(sums, M, grad_norm, finite, self.scheduler)
 
-    def _replay_on_other_stages(self, micro_batches, loss_fn, outs, sums) -> None:
-        """Broadcast what each micro-batch's loss read on the last stage ([k, B, R] stacked) to the other
-        stages and run loss_fn there on it, for the metrics."""
-        for i, item in enumerate(micro_batches):
-            tb = item[1] if isinstance(item, tuple) else item
-            B, R = tb.resp_ids.shape
-            k = torch.tensor([len(outs[i]) if self.is_last else 0], device=self.device)
-            dist.broadcast(k, src=dist.get_global_rank(self.mesh.group("pp"), self.mesh.pp_size - 1), group=self.mesh.group("pp"))
-            seen = self._broadcast_last(torch.stack(outs[i]) if self.is_last else None, (int(k), B, R))
-            if self.is_last:
-                continue
-            self._replay = (seen[0], seen[1] if len(seen) > 1 else None)
+    def _replay_on_other_stages(self, micro_batches, staged, loss_fn, outs, sums) -> None:
+        """Broadcast what every micro-batch's loss read on the last stage ([k_i, B_i, R_i] stacked) to the other
+        stages (the counts k in one broadcast and one host read, the tensors in one broadcast) and run loss_fn
+        there on it, for the metrics."""
+        group = self.mesh.group("pp")
+        k = torch.tensor([len(o) for o in outs] if self.is_last else [0] * len(micro_batches), device=self.device)
+        dist.broadcast(k, src=dist.get_global_rank(group, self.mesh.pp_size - 1), group=group)
+        shapes = [(n, *st.index.shape) for n, st in zip(k.tolist(), staged)]
+        seen = self._broadcast_last([torch.stack(o) if o else torch.zeros(s, device=self.device)
+                                     for o, s in zip(outs, shapes)] if self.is_last else None, shapes)
+        if self.is_last:
+            return
+        for item, s in zip(micro_batches, seen):
+            self._replay = (s[0] if len(s) else None, s[1] if len(s) > 1 else None)
             try:
                 _, metrics = loss_fn(item, self)
             finally:
                 self._replay = None
-            for key, v in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(v)
+            accumulate(sums, metrics)
 
     def clip_grad_norm(self) -> float:
         """Global grad norm (megatron's rule, see the module docstring), then clip to grad_clip."""
@@ -399,6 +444,16 @@ class MegatronEngine:
     def load_checkpoint_state(self, tensors: dict, meta: dict) -> None:
         self._unpark(CHECKPOINTED)
         hfstate.load_checkpoint_state(self, tensors, meta)
+
+
+@dataclass
+class _Staged:
+    """One micro-batch on the device, as the stage model takes it (engine._stage)."""
+
+    ids: torch.Tensor  # [N, L] (L padded to a multiple of tp under sequence parallelism)
+    pos: torch.Tensor  # [N, L] packed, [1, L] padded (positions shared by every row)
+    mask: torch.Tensor | None  # megatron's [N, 1, L, L] bool (True = not allowed) for packed rows; None = causal
+    index: fw.ResponseIndex
 
 
 class _Recorder:

@@ -7,9 +7,10 @@ here). megatron's parallel state is one per process, so every Megatron role of a
 
 Rotary embeddings: the engine computes the rotary angles itself from each token's position id with HF's own
 inverse frequencies (`transformers.modeling_rope_utils`, so rope_theta and rope scaling follow the HF config
-exactly) and hands them to megatron's attention as `rotary_pos_emb` [s, b, 1, d]; megatron applies them with its
-unfused RoPE. This is what lets packed rows (several sequences, each with positions 0, 1, ...) work without
-TransformerEngine.
+exactly) and hands them to megatron's attention as `rotary_pos_emb` [s, b, 1, d] (b = 1 for padded rows, which
+all have positions 0, 1, ...); megatron applies them unfused, or with TE's fused RoPE on the TE spec
+(fusion_flags). Per-row tables are what let packed rows (several sequences, each with positions 0, 1, ...) work
+without TransformerEngine.
 """
 from __future__ import annotations
 
@@ -68,11 +69,72 @@ def init_parallel_state(mesh, device: torch.device, seed: int) -> None:
             )
 
 
-def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, recompute: bool = False):
+def fused_kernels() -> dict[str, bool]:
+    """Which of the kernels behind megatron-core's fusion flags import in this process (nothing is run):
+      triton       torch.compile's GPU backend: megatron's jit_fuser is torch.compile (fused SwiGLU)
+      te_rope      TransformerEngine's fused RoPE (megatron.core.extensions.transformer_engine)
+      apex_wgrad   apex's fused_weight_gradient_mlp_cuda (wgrad GEMM accumulating into main_grad, local spec)
+      softmax      megatron's fused masked-softmax CUDA extensions (scaled_[upper_triang_]masked_softmax_cuda)"""
+    import importlib.util
+
+    def found(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    from torch.utils._triton import has_triton_package
+
+    te_rope = False
+    if have_te():
+        from megatron.core.models.common.embeddings import rope_utils
+
+        te_rope = rope_utils.fused_apply_rotary_pos_emb is not None
+    return {"triton": has_triton_package(), "te_rope": te_rope, "apex_wgrad": found("fused_weight_gradient_mlp_cuda"),
+            "softmax": found("scaled_masked_softmax_cuda") and found("scaled_upper_triang_masked_softmax_cuda")
+            and found("scaled_softmax_cuda")}
+
+
+def fusion_flags(device: torch.device, use_te: bool, trainable: bool, kernels: dict[str, bool] | None = None) -> dict:
+    """megatron-core 0.16.1's TransformerConfig fusion flags for spmdrl's model (RMSNorm of its own or TE's, SwiGLU,
+    no biases but Qwen2's qkv bias, dropout 0, RoPE from per-token position ids, log-probs computed by spmdrl).
+    All off on CPU (the kernels are CUDA / Triton ones); on CUDA each is on only where its kernel imports
+    (`kernels`, default fused_kernels()) and where it applies:
+
+      bias_activation_fusion   on with Triton: the MLP's SwiGLU runs as megatron's torch.compile'd swiglu (one
+                               fused kernel forward and backward instead of silu, mul and their backward); both specs
+      gradient_accumulation_fusion  trainable engines; TE spec: TE's own fused wgrad accumulation into main_grad;
+                               local spec: only with apex's fused_weight_gradient_mlp_cuda (megatron refuses the
+                               flag without it)
+      apply_rope_fusion        TE spec with TE's fused RoPE: it takes one rotary table for the whole batch
+                               ([s, 1, 1, d]), which padded rows give (the TE spec refuses packed rows); the local
+                               spec packs rows, whose positions restart per sequence, so its RoPE stays unfused
+      masked_softmax_fusion    with megatron's fused softmax extensions: read only by megatron's own
+                               DotProductAttention (attention = "local"); SDPA and TE attention ignore it
+      bias_dropout_fusion      off: the residual adds have no bias and dropout is 0, so the unfused path is one add
+      persist_layer_norm       off: read only by apex's FusedLayerNorm; spmdrl's RMSNorm and TE's norms ignore it
+      cross_entropy_loss_fusion off: read only by GPTModel's own loss; spmdrl computes log-probs itself (forward.py)
+    None of these has run on a GPU."""
+    if device.type != "cuda":
+        return dict(bias_activation_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
+                    masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+                    cross_entropy_loss_fusion=False)
+    k = fused_kernels() if kernels is None else kernels
+    return dict(bias_activation_fusion=k["triton"],
+                gradient_accumulation_fusion=trainable and (use_te or k["apex_wgrad"]),
+                apply_rope_fusion=use_te and k["te_rope"], masked_softmax_fusion=k["softmax"],
+                bias_dropout_fusion=False, persist_layer_norm=False, cross_entropy_loss_fusion=False)
+
+
+def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, recompute: bool = False,
+                       use_te: bool = False, trainable: bool = True, kernels: dict[str, bool] | None = None):
     """recompute: megatron's full activation recompute, one layer per checkpoint (model.gradient_checkpointing).
 
-    The same configuration on every device: sequence parallelism is on whenever tp > 1 (CPU included, so the CPU
-    tests run the layout a GPU gets); only where the weights are first allocated depends on the device."""
+    The same configuration on every device (sequence parallelism is on whenever tp > 1, CPU included, so the CPU
+    tests run the layout a GPU gets) except where the weights are first allocated and the fusion flags
+    (fusion_flags: all off on CPU). batch_p2p_sync is off: megatron's device-wide synchronize after every batched
+    pipeline send / receive works around a bug of old PyTorch versions; variable_seq_lengths stays on (micro-batches
+    differ in shape), so with pp > 1 megatron still exchanges each send's shape first (a small read per transfer)."""
     from megatron.core.transformer import TransformerConfig
 
     cuda = device.type == "cuda"
@@ -86,21 +148,21 @@ def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype:
         sequence_parallel=mesh.tp_size > 1,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=not cuda, perform_initialization=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        **fusion_flags(device, use_te, trainable, kernels),
         recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
-        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", deallocate_pipeline_outputs=False,
+        variable_seq_lengths=True, batch_p2p_sync=False, moe_token_dispatcher_type="alltoall",
+        deallocate_pipeline_outputs=False,
     )
 
 
 def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, use_te: bool, recompute: bool = False,
-              attention: str = "sdpa"):
+              attention: str = "sdpa", trainable: bool = True):
     """The GPTModel of this rank's PP stage (weights uninitialised), on `device`. attention (local spec only):
     "sdpa" (torch scaled_dot_product_attention, SdpaAttention) or "local" (megatron's DotProductAttention)."""
     from megatron.core.models.gpt import GPTModel
 
-    cfg = transformer_config(dims, hf_config, mesh, device, dtype, recompute)
+    cfg = transformer_config(dims, hf_config, mesh, device, dtype, recompute, use_te=use_te, trainable=trainable)
     spec = block_spec(cfg, use_te, attention, len(stage_layers(dims.layers, mesh.pp_size, mesh.pp_rank)))
     first, last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp_size - 1
     kw = dict(config=cfg, transformer_layer_spec=spec, vocab_size=dims.vocab_padded,
@@ -222,7 +284,11 @@ class StageModel(nn.Module):
         self.gpt.set_input_tensor(input_tensor)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor):
-        # angles in float32 like HF: [N, L] positions x [d/2] -> [L, N, 1, d]
+        """position_ids [N, L], or [1, L] when every row has the same positions (padded rows)."""
+        if self.config.apply_rope_fusion and position_ids.shape[0] != 1:
+            raise ValueError("megatron backend: TE's fused RoPE takes one rotary table per batch; packed rows (their "
+                             "own positions per row) need apply_rope_fusion off")
+        # angles in float32 like HF: [N or 1, L] positions x [d/2] -> [L, N or 1, 1, d]
         freqs = position_ids.t().float()[..., None] * self.inv_freq.float()
         freqs = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
         x = self.gpt.embedding(input_ids=input_ids, position_ids=None) if self.gpt.pre_process else None
@@ -232,7 +298,8 @@ class StageModel(nn.Module):
 class SdpaAttention(nn.Module):
     """megatron core attention through torch's scaled_dot_product_attention (flash / memory-efficient kernels on
     CUDA) instead of megatron's local DotProductAttention, which materialises [b, heads, s, s] scores.
-    query [sq, b, np, hn], key / value [sk, b, ng, hn] (GQA groups, expanded here) -> [sq, b, np * hn].
+    query [sq, b, np, hn], key / value [sk, b, ng, hn] -> [sq, b, np * hn]; GQA groups go to SDPA as they are
+    (enable_gqa: no repeated copy of K / V; CUDA's flash and memory-efficient kernels take grouped heads).
     attention_mask None means causal (padded rows: right padding never reaches a real query); otherwise megatron's
     bool mask, True = not allowed. Scale 1 / sqrt(hn) unless the config sets softmax_scale; no dropout."""
 
@@ -245,13 +312,11 @@ class SdpaAttention(nn.Module):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SdpaAttention: spmdrl passes packed rows as a block-diagonal attention_mask, never packed_seq_params or attention_bias")
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
-        if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = k.shape[1] != q.shape[1]
         if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.scale, enable_gqa=gqa)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
