@@ -161,9 +161,11 @@ def main() -> int:
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
     from spmdrl.metrics import device_peak_tflops, flops_metrics
-    try:
+    # launch/bench_side_by_side.sh runs this script against a previous revision too, whose update module may be
+    # spmdrl/update.py (checked on disk: an editable install of this checkout would answer a failed import)
+    if os.path.isdir(os.path.join(os.path.dirname(spmdrl.__file__), "loop")):
         from spmdrl.loop.update import actor_body, forward_all, run_updates
-    except ImportError:  # an older spmdrl (launch/bench_side_by_side.sh runs this script against a previous revision)
+    else:
         from spmdrl.update import actor_body, forward_all, run_updates
 
     env, device = init_distributed(args.device)
@@ -191,8 +193,12 @@ def main() -> int:
     body = actor_body(cfg, POLICY_LOSSES.get(cfg.actor.policy_loss), 1.0)
 
     def forward():
-        return forward_all(engine, batch, args.forward_micro, 0, "logprobs", max_tokens=args.forward_max_tokens,
-                           packed=args.packed, temperature=1.0, chunk_size=cfg.actor.logprob_chunk_size)
+        kw = dict(max_tokens=args.forward_max_tokens, packed=args.packed)
+        if "head" not in inspect.signature(forward_all).parameters:  # an older spmdrl: a per-micro-batch callback
+            return forward_all(engine, batch, args.forward_micro, 0, lambda e, tb: e.logprobs(
+                tb, temperature=1.0, chunk_size=cfg.actor.logprob_chunk_size)[0], **kw)
+        return forward_all(engine, batch, args.forward_micro, 0, "logprobs", temperature=1.0,
+                           chunk_size=cfg.actor.logprob_chunk_size, **kw)
 
     def update():
         return run_updates(engine, batch, epochs=1, mini_size=len(batch), micro_size=args.micro, pad_id=0, dp_size=1,
