@@ -98,7 +98,8 @@ def run_updates(
             shares = torch.stack([torch.stack([agg_units(mb["response_mask"], mode),
                                                agg_units(mb["response_mask"], "token-mean")]) for mb, _ in mbs])
             shares = (shares / torch.tensor([unit_total or 1.0, token_total or 1.0], dtype=torch.float64)).tolist()
-            out = engine.train_step([(mb, tb, tuple(w)) for (mb, tb), w in zip(mbs, shares)], loss_fn)
+            dev = getattr(engine, "device", torch.device("cpu"))
+            out = engine.train_step([(_staged(mb, dev), tb, tuple(w)) for (mb, tb), w in zip(mbs, shares)], loss_fn)
             for k, v in out.items():
                 engine_sums[k] = engine_sums.get(k, 0.0) + v
             steps += 1
@@ -107,6 +108,14 @@ def run_updates(
     res = {k: float(v) / max(steps, 1) for k, v in zip(keys, summed)}
     res.update({f"{prefix}/{k}": v / max(steps, 1) for k, v in engine_sums.items()})
     return res
+
+
+def _staged(mb: Batch, device: torch.device) -> Batch:
+    """The micro-batch's tensors on the engine's device, copied from pinned memory without blocking the host, so
+    that the loss's `.to(device)` reads cost no wait on the device queue per micro-batch (never run on a GPU)."""
+    if device.type == "cpu":
+        return mb
+    return Batch({k: v.pin_memory().to(device, non_blocking=True) for k, v in mb.tensors.items()}, mb.meta)
 
 
 def _detached(v):
