@@ -23,8 +23,9 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.dist
 SCRIPT = os.path.join(HERE, "dist_scripts", "megatron_engine.py")
 # (name, model, nproc, tp, pp, extra args): dp = nproc / (tp * pp); the first runs torch SDPA attention (the
-# default), the second megatron's own DotProductAttention and activation recompute
-LAYOUTS = [("tp2_pp2_tied", "tied", 4, 2, 2, []),
+# default) with selective recompute (core attention), the second megatron's own DotProductAttention and full
+# activation recompute
+LAYOUTS = [("tp2_pp2_tied", "tied", 4, 2, 2, ["--recompute", "selective"]),
            ("pp2_dp2_local_recompute", "untied", 4, 1, 2, ["--recompute", "--attention", "local"])]
 
 
@@ -105,10 +106,12 @@ def test_tp2_ran_the_gpu_configuration(runs):
     final one) spmdrl's SP-capable RMSNorm with its weight marked for finalize_model_grads' tp all-reduce
     (megatron's own torch norm asserts that sequence parallelism is off). The gradient test below fails when
     that mark is missing."""
-    for res in runs["tp2_pp2_tied"][2]:
-        assert res["config"] == {"sequence_parallel": True, "norms": [("RMSNorm", True)]}
+    for res in runs["tp2_pp2_tied"][2]:  # selective recompute: core attention checkpointed in every layer
+        assert res["config"] == {"sequence_parallel": True, "norms": [("RMSNorm", True)], "recompute": "selective",
+                                 "core_attention_checkpointed": [True]}
     for res in runs["pp2_dp2_local_recompute"][2]:  # tp 1: nothing to split the sequence over
-        assert res["config"] == {"sequence_parallel": False, "norms": [("RMSNorm", False)]}
+        assert res["config"] == {"sequence_parallel": False, "norms": [("RMSNorm", False)], "recompute": "full",
+                                 "core_attention_checkpointed": [False]}
 
 
 def _assemble(ranks, key, mode, shapes):

@@ -49,7 +49,16 @@ class ModelConfig:
     dtype: str = "auto"
     """Parameter dtype for training: auto (bf16 params on CUDA under mixed precision, fp32 on CPU) | float32 | bfloat16."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    """Recompute activations in the backward pass to save memory (actor and critic), with checkpoint_policy."""
+    checkpoint_policy: str = "full"
+    """With gradient_checkpointing: full (a layer keeps only its input and reruns its forward in backward) | selective
+    (a layer keeps its matmul and attention outputs and reruns only the elementwise ops between them; megatron:
+    its selective recompute of core attention)."""
+    checkpoint_every_n_layers: int = 1
+    """With gradient_checkpointing: checkpoint every n-th decoder layer only; the others keep their activations (fsdp
+    backend only)."""
+    checkpoint_offload: bool = False
+    """With gradient_checkpointing on CUDA: keep what the checkpoints save in pinned host memory (fsdp backend only)."""
     compile: bool = False
     """torch.compile each decoder block's forward (dynamic shapes) in the training engines (fsdp backend only). The
     first micro-batches pay the compilation (tens of seconds per engine)."""

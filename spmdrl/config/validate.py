@@ -18,6 +18,7 @@ CHOICES = {
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "trainer.device": ("auto", "cuda", "cpu"),
     "trainer.backend": ("fsdp", "megatron"),
+    "model.checkpoint_policy": ("full", "selective"),
     "trainer.critic_backend": ("", "fsdp", "megatron"),
     "lora.init": ("default", "gaussian"),  # spmdrl.engines.lora.INITS
     "multi_turn.http_exec_api": ("sandbox_fusion", "piston"),  # spmdrl.tools.builtin.HTTP_APIS
@@ -92,9 +93,13 @@ def validate(cfg, world_size: int):
 
     check_finite(cfg)
     check_backends(cfg.logging)
-    if cfg.model.compile and "megatron" in [b for r, b in role_backends(cfg).items() if r != "critic" or cfg.critic.enable]:
-        raise ConfigError("model.compile = true compiles the fsdp backend's decoder blocks; the megatron backend "
-                          "has no compile path: set model.compile = false or trainer.backend = 'fsdp'")
+    if "megatron" in [b for r, b in role_backends(cfg).items() if r != "critic" or cfg.critic.enable]:
+        m = cfg.model
+        for key, bad in (("model.compile", m.compile), ("model.checkpoint_every_n_layers", m.checkpoint_every_n_layers != 1),
+                         ("model.checkpoint_offload", m.checkpoint_offload)):
+            if bad:
+                raise ConfigError(f"{key} = {_get(cfg, key)!r} is an fsdp backend option; the megatron backend has "
+                                  f"none: reset it or use trainer.backend = 'fsdp'")
 
     for key, allowed in CHOICES.items():
         v = _get(cfg, key)
@@ -115,7 +120,7 @@ def validate(cfg, world_size: int):
         "rollout.val_n", "actor.ppo_epochs", "actor.micro_batch_size", "ref.micro_batch_size",
         "critic.micro_batch_size", "critic.ppo_epochs", "trainer.total_steps", "rollout.max_num_seqs",
         "rollout.weight_sync_bucket_mb", "actor.logprob_chunk_size", "algorithm.max_sample_rounds",
-        "reward.model_micro_batch_size", "trainer.max_bad_steps",
+        "reward.model_micro_batch_size", "trainer.max_bad_steps", "model.checkpoint_every_n_layers",
     ]
     for key in positive:
         if _get(cfg, key) <= 0:

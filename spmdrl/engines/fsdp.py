@@ -186,6 +186,9 @@ class FSDPEngine:
         defer_grad_sync: bool = False,
         lora=None,
         compile: bool = False,
+        checkpoint_policy: str = "full",
+        checkpoint_every_n_layers: int = 1,
+        checkpoint_offload: bool = False,
     ):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         self.device = device
@@ -200,7 +203,9 @@ class FSDPEngine:
         hf = build_meta_model(model_path, value_head=value_head, trust_remote_code=trust_remote_code, dtype=store_dtype)
         hf.config.use_cache = False
         if gradient_checkpointing and trainable:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            from .recompute import enable as enable_recompute
+
+            enable_recompute(hf, checkpoint_policy, checkpoint_every_n_layers, checkpoint_offload and cuda)
         self.lora = None  # the resolved LoRA settings (spmdrl.engines.lora.LoraSettings) when adapters are trained
         self.model_path = model_path
         init_fresh = None

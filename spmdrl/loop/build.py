@@ -35,9 +35,15 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
     on_built = on_built or (lambda role, engine: None)
     mini = a.ppo_mini_batch_size or d.train_batch_size
     updates_per_step = a.ppo_epochs * (d.train_batch_size // mini)
-    common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
-    if cfg.model.compile:
+    m = cfg.model
+    common = dict(dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    if m.compile:
         common["compile"] = True
+    recompute = dict(gradient_checkpointing=m.gradient_checkpointing)  # the trainable engines'
+    if m.gradient_checkpointing and m.checkpoint_policy != "full":
+        recompute["checkpoint_policy"] = m.checkpoint_policy
+    if m.gradient_checkpointing and (m.checkpoint_every_n_layers != 1 or m.checkpoint_offload):  # fsdp only (validated)
+        recompute.update(checkpoint_every_n_layers=m.checkpoint_every_n_layers, checkpoint_offload=m.checkpoint_offload)
     lora = {}
     if cfg.lora.enable:
         from spmdrl.engines.lora import settings_from_config
@@ -48,7 +54,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
         backend["actor"], cfg.model.path, meshes["actor"], device, trainable=True,
         optim=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
                    lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip),
-        gradient_checkpointing=cfg.model.gradient_checkpointing, defer_grad_sync=cfg.memory.defer_grad_sync,
+        **recompute, defer_grad_sync=cfg.memory.defer_grad_sync,
         total_steps=cfg.trainer.total_steps * updates_per_step, **common, **lora,
     )
     on_built("actor", actor)
@@ -61,7 +67,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
     if c.enable:
         critic = build_train_engine(
             backend["critic"], c.path or cfg.model.path, meshes["critic"], device, trainable=True, value_head=True,
-            gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=cfg.trainer.total_steps * c.ppo_epochs,
+            **recompute, total_steps=cfg.trainer.total_steps * c.ppo_epochs,
             optim=dict(lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip=c.grad_clip),
             defer_grad_sync=cfg.memory.defer_grad_sync, **common, **(lora if cfg.lora.critic else {}),
         )

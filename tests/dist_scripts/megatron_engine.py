@@ -144,7 +144,8 @@ def main():
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--skip-resume", action="store_true")
-    p.add_argument("--recompute", action="store_true", help="trainable engines with model.gradient_checkpointing")
+    p.add_argument("--recompute", nargs="?", const="full", default="",
+                   help="trainable engines with model.gradient_checkpointing and this checkpoint_policy (full | selective)")
     p.add_argument("--attention", default="sdpa", help="sdpa | local (megatron's DotProductAttention)")
     args = p.parse_args()
     from spmdrl.algos import POLICY_LOSSES
@@ -166,14 +167,17 @@ def main():
 
     def engine(lr=0.0, weight_decay=0.0, grad_clip=0.0):
         return build_train_engine("megatron", args.model, mesh, device, trainable=True,
-                                  gradient_checkpointing=args.recompute, attention=args.attention, optim=dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip))
+                                  gradient_checkpointing=bool(args.recompute), checkpoint_policy=args.recompute or "full", attention=args.attention, optim=dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip))
 
     eng = engine()
     # the configuration a GPU gets (sequence parallelism with tp > 1, the spec's norms): checked by the test
     res["config"] = {"sequence_parallel": eng.tcfg.sequence_parallel,
                      "norms": sorted({(type(m).__name__, bool(getattr(m.weight, "sequence_parallel", False)))
                                       for n, m in eng.stage.named_modules()
-                                      if n.endswith("layernorm") and hasattr(m, "weight")})}
+                                      if n.endswith("layernorm") and hasattr(m, "weight")}),
+                     "recompute": eng.tcfg.recompute_granularity,
+                     "core_attention_checkpointed": sorted({m.checkpoint_core_attention for m in eng.stage.modules()
+                                                            if hasattr(m, "checkpoint_core_attention")})}
     prompts, resps = fixed_batch()
     res["logprobs"] = {}
     for packed in (False, True):
@@ -224,7 +228,7 @@ def main():
 
     # ---- a critic (value head on the last stage): values, export, one value-loss update --------------------
     critic = build_train_engine("megatron", args.model, mesh, device, trainable=True, value_head=True,
-                                gradient_checkpointing=args.recompute, attention=args.attention,
+                                gradient_checkpointing=bool(args.recompute), checkpoint_policy=args.recompute or "full", attention=args.attention,
                                 optim=dict(lr=0.0, weight_decay=0.0, grad_clip=0.0))
     res["values"] = {packed: critic.values(pack_sequences(prompts, resps, 0, packed=packed)).clone()
                      for packed in (False, True)}

@@ -63,7 +63,7 @@ class MegatronEngine:
                  value_head: bool = False, optim: dict | None = None, total_steps: int = 1,
                  trust_remote_code: bool = False, seed: int = 0, make_vocab_size_divisible_by: int = 128,
                  use_te: bool | None = None, gradient_checkpointing: bool = False, offload: bool = False,
-                 defer_grad_sync: bool = False, attention: str = "sdpa"):
+                 defer_grad_sync: bool = False, attention: str = "sdpa", checkpoint_policy: str = "full"):
         from transformers import AutoConfig
 
         self.device, self.mesh, self.trainable, self.model_path, self.seed = device, mesh, trainable, model_path, seed
@@ -85,7 +85,8 @@ class MegatronEngine:
         self.dims = dims_from_hf(self.config, tp=mesh.tp_size, divisible_by=make_vocab_size_divisible_by,
                                  value_head=value_head)
         gpt, self.tcfg = build_gpt(self.dims, self.config, mesh, device, self.dtype, self.use_te,
-                                   recompute=gradient_checkpointing and trainable, attention=attention,
+                                   recompute=checkpoint_policy if gradient_checkpointing and trainable else None,
+                                   attention=attention,
                                    trainable=trainable)
         self.stage = StageModel(gpt, rope_inv_freq(self.config), value_head, self.dtype).to(device)
         self.first_layer = stage_layers(self.dims.layers, mesh.pp_size, mesh.pp_rank).start

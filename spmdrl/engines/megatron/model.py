@@ -126,9 +126,11 @@ def fusion_flags(device: torch.device, use_te: bool, trainable: bool, kernels: d
                 bias_dropout_fusion=False, persist_layer_norm=False, cross_entropy_loss_fusion=False)
 
 
-def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, recompute: bool = False,
+def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, recompute: bool | str = False,
                        use_te: bool = False, trainable: bool = True, kernels: dict[str, bool] | None = None):
-    """recompute: megatron's full activation recompute, one layer per checkpoint (model.gradient_checkpointing).
+    """recompute (model.gradient_checkpointing with model.checkpoint_policy): None, "full" (megatron's full
+    activation recompute, one layer per checkpoint; True means "full") or "selective" (megatron's selective
+    recompute of core attention).
 
     The same configuration on every device (sequence parallelism is on whenever tp > 1, CPU included, so the CPU
     tests run the layout a GPU gets) except where the weights are first allocated and the fusion flags
@@ -138,6 +140,9 @@ def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype:
     from megatron.core.transformer import TransformerConfig
 
     cuda = device.type == "cuda"
+    mode = ("full" if recompute is True else recompute) or None
+    if mode not in (None, "full", "selective"):
+        raise ConfigError(f"megatron backend: recompute {recompute!r} is not one of full, selective")
     return TransformerConfig(
         num_layers=dims.layers, hidden_size=dims.hidden, num_attention_heads=dims.heads,
         num_query_groups=dims.groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn,
@@ -149,14 +154,14 @@ def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype:
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=not cuda, perform_initialization=False,
         **fusion_flags(device, use_te, trainable, kernels),
-        recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        recompute_granularity=mode, recompute_method="uniform" if mode == "full" else None,
+        recompute_num_layers=1 if mode == "full" else None,
         variable_seq_lengths=True, batch_p2p_sync=False, moe_token_dispatcher_type="alltoall",
         deallocate_pipeline_outputs=False,
     )
 
 
-def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, use_te: bool, recompute: bool = False,
+def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, use_te: bool, recompute: bool | str = False,
               attention: str = "sdpa", trainable: bool = True):
     """The GPTModel of this rank's PP stage (weights uninitialised), on `device`. attention (local spec only):
     "sdpa" (torch scaled_dot_product_attention, SdpaAttention) or "local" (megatron's DotProductAttention)."""
