@@ -39,7 +39,7 @@ class HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _in_optimizer():  # torch's AdamW reads its host-side step counters: once per step, never a device sync
+        if _in_optimizer() or _in_host_builder():  # host memory: never a wait for the device
             pass
         elif func in SYNCING or func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
                 isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or [])):
@@ -48,7 +48,13 @@ class HostReads(TorchDispatchMode):
 
 
 def _in_optimizer() -> bool:
+    """torch's AdamW reads its host-side step counters (once per step)."""
     return any("/torch/optim/" in f.filename for f in traceback.extract_stack())
+
+
+def _in_host_builder() -> bool:
+    """The response positions are computed from the caller's host TokenBatch (ResponseIndex.of), before it moves."""
+    return any(f.filename.endswith("response_index.py") and f.name == "of" for f in traceback.extract_stack())
 
 
 def _caller() -> str:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from spmdrl.algos.token_stats import logprobs_from_hidden
 from spmdrl.engines.base import accumulate, clipped_step, forward_each, step_metrics
 from spmdrl.engines.loading import build_meta_model, materialise
+from spmdrl.engines.response_index import ResponseIndex
 from spmdrl.reshard.plan import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import ConfigError
@@ -105,24 +106,21 @@ class _LogprobHead(nn.Module):
         self.hf = hf_model
 
     def forward(self, b: TokenBatch, temperature: float, with_entropy: bool, chunk_size: int, top_k: int = -1,
-                top_p: float = 1.0):
+                top_p: float = 1.0, index: ResponseIndex | None = None):
+        """index: b's response positions computed on the host (FSDPEngine.logprobs); None computes it from b."""
         hidden = _backbone_hidden(self.hf, b)
-        B, R = b.resp_ids.shape
-        h = hidden[b.rows(), b.resp_pos]  # [B, R, H]
-        sel = b.resp_mask.bool()
+        if index is None:
+            index = ResponseIndex.of(b, batch_first=True).to(hidden.device)
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index.hidden)  # [n, H]: no host read of a count
         weight = self.hf.get_output_embeddings().weight
         if isinstance(weight, DTensor):
             weight = weight.full_tensor()
         # with_entropy: True (differentiable), "detached" (computed without autograd, for the metric) or False
         logp_flat, ent_flat = logprobs_from_hidden(
-            h[sel], weight, b.resp_ids[sel], temperature=temperature, chunk_size=chunk_size,
+            h, weight, index.labels, temperature=temperature, chunk_size=chunk_size,
             with_entropy=bool(with_entropy), entropy_grad=with_entropy != "detached", top_k=top_k, top_p=top_p,
         )
-        logp = torch.zeros(B, R, dtype=logp_flat.dtype, device=h.device).masked_scatter(sel, logp_flat)
-        ent = None
-        if with_entropy:
-            ent = torch.zeros(B, R, dtype=ent_flat.dtype, device=h.device).masked_scatter(sel, ent_flat)
-        return logp, ent
+        return index.scatter(logp_flat), (index.scatter(ent_flat) if with_entropy else None)
 
 
 class _ValueHead(nn.Module):
@@ -267,7 +265,8 @@ class FSDPEngine:
     # ---- forward ------------------------------------------------------------------------------------
     def logprobs(self, b: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024,
                  top_k: int = -1, top_p: float = 1.0):
-        return self.module(b.to(self.device), temperature, with_entropy, chunk_size, top_k, top_p)
+        index = ResponseIndex.of(b, batch_first=True).to(self.device)  # from the host batch, before it moves
+        return self.module(b.to(self.device), temperature, with_entropy, chunk_size, top_k, top_p, index)
 
     def adapters_disabled(self):
         """A context in which the forward heads compute the base model alone: with LoRA, the reference policy

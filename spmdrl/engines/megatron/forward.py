@@ -18,13 +18,13 @@ vocab_parallel_cross_entropy is not used). Chunks of `chunk_size` rows are recom
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from spmdrl.engines.response_index import ResponseIndex  # noqa: F401  (re-exported for the engine)
 from spmdrl.errors import SpmdrlError
 
 
@@ -129,39 +129,6 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-@dataclass
-class ResponseIndex:
-    """Where a TokenBatch's valid response tokens are, as flat integer indices computed on the host from the
-    batch's CPU tensors (ResponseIndex.of), so that selecting them on the device needs no device-to-host read
-    (a boolean-mask index would: its result's size lives on the device). n = valid response tokens.
-
-    hidden  [n] into hidden states [L, N, H] flattened to [L * N, H]: resp_pos * N + row
-    labels  [n] the response token ids at those positions
-    out     [n] into [B * R] (resp_mask's True positions, row-major): where each result goes back
-    shape   (B, R)"""
-
-    hidden: torch.Tensor
-    labels: torch.Tensor
-    out: torch.Tensor
-    shape: tuple[int, int]
-
-    @classmethod
-    def of(cls, tb) -> "ResponseIndex":
-        n_rows = tb.input_ids.shape[0]
-        sel = tb.resp_mask.bool().reshape(-1)
-        out = sel.nonzero().squeeze(1)  # on the host: the TokenBatch comes from micro_batches on the CPU
-        flat = (tb.resp_pos * n_rows + tb.rows()).reshape(-1)
-        return cls(flat[out], tb.resp_ids.reshape(-1)[out], out, tuple(tb.resp_ids.shape))
-
-    @property
-    def n(self) -> int:
-        return self.out.shape[0]
-
-    def to(self, device) -> "ResponseIndex":
-        return ResponseIndex(self.hidden.to(device, non_blocking=True), self.labels.to(device, non_blocking=True),
-                             self.out.to(device, non_blocking=True), self.shape)
-
-
 def response_hidden(hidden: torch.Tensor, index: ResponseIndex, *, sequence_parallel: bool, replicated_use: bool):
     """Hidden states [L(/tp), N, H] -> [n, H] at the valid response positions (index.hidden, in resp_mask order).
 
@@ -181,5 +148,4 @@ def response_hidden(hidden: torch.Tensor, index: ResponseIndex, *, sequence_para
 
 def scatter_rows(values: torch.Tensor, index: ResponseIndex) -> torch.Tensor:
     """[n] values at the valid response positions -> [B, R], zero elsewhere."""
-    B, R = index.shape
-    return values.new_zeros(B * R).index_copy(0, index.out, values).view(B, R)
+    return index.scatter(values)
