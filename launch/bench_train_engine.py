@@ -140,6 +140,9 @@ def main() -> int:
     p.add_argument("--megatron-attention", default="sdpa", choices=["sdpa", "local"],
                    help="megatron local-spec core attention: torch SDPA or megatron's DotProductAttention")
     p.add_argument("--recompute", action="store_true", help="activation recompute (model.gradient_checkpointing)")
+    p.add_argument("--recompute-policy", default="", choices=["", "full", "selective"],
+                   help="model.checkpoint_policy with --recompute (empty: the engine's default, full)")
+    p.add_argument("--compile", action="store_true", help="model.compile: torch.compile each decoder block (fsdp)")
     args = p.parse_args()
     if args.shape:
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab, tied = SHAPES[args.shape]
@@ -180,12 +183,17 @@ def main() -> int:
     reset_peak(device)
     t0 = time.perf_counter()
     extra = {"attention": args.megatron_attention} if args.backend == "megatron" else {}
+    if args.recompute_policy:  # options an older revision's engines do not take are passed only when set
+        extra["checkpoint_policy"] = args.recompute_policy
+    if args.compile:
+        extra["compile"] = True
     engine = build_train_engine(args.backend, model_dir, mesh, device, trainable=True,
                                 dtype="bfloat16" if cuda else "float32", gradient_checkpointing=args.recompute, **extra,
                                 optim=dict(lr=1e-6, weight_decay=0.01, grad_clip=1.0))
     sync(device)
     out = {"backend": args.backend, "megatron_attention": args.megatron_attention if args.backend == "megatron" else None,
-           "recompute": args.recompute, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+           "recompute": args.recompute, "recompute_policy": args.recompute_policy or None, "compile": args.compile,
+           "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "torch": torch.__version__, "engine_build_s": time.perf_counter() - t0, "model_build_s": build_model_s,
            "peak_gb_build": peak_gb(device)}
     batch = synthetic_batch(args)
