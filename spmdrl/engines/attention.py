@@ -44,14 +44,15 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def _varlen_loop(q, k, v, cu_seqlens, scale):
     """One SDPA call per sequence, each on its own slice (the CPU path, and the CUDA fallback)."""
-    bounds = cu_seqlens.tolist()
+    lengths = cu_seqlens.diff().tolist()
     gqa = q.shape[1] != k.shape[1]
     outs = []
-    for a, b in zip(bounds, bounds[1:]):
-        # [n, H, D] -> [H, n, D]: SDPA's batch dims lead, heads third from last (enable_gqa groups over them)
-        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                                           is_causal=True, scale=scale, enable_gqa=gqa)
-        outs.append(o.transpose(0, 1))
+    # split, not one slice per sequence: its backward is one concatenation, not a zero-filled [T, H, D] each
+    for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        # [n, H, D] -> [1, H, n, D] (4-D: CPU SDPA's flash kernel; enable_gqa groups the heads)
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                           vs.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(o[0].transpose(0, 1))
     return torch.cat(outs) if outs else q.new_empty(q.shape)
 
 
