@@ -351,7 +351,8 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
     a = cfg.actor
     mesh = RoleMeshes(plan_layout(cfg.placement, 1), 0, "cpu")["actor"]
     torch.manual_seed(seed)
-    eng = build_train_engine("fsdp", model, mesh, torch.device("cpu"), trainable=True, optim=dict(lr=1e-6), total_steps=10**6)
+    eng = build_train_engine("fsdp", model, mesh, torch.device("cpu"), trainable=True, optim=dict(lr=1e-6), total_steps=10**6,
+                             attn_implementation=cfg.model.attn_implementation)
     g = torch.Generator().manual_seed(seed)
     plen = torch.randint(prompt_len[0], prompt_len[1] + 1, (samples,), generator=g)
     rlen = torch.randint(response_len[0], response_len[1] + 1, (samples,), generator=g)

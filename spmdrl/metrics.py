@@ -335,13 +335,17 @@ def _flop_terms(hf_config) -> tuple[float, float, float]:
     return body, lm_head, forward_flops_per_token(hf_config, 1.0) - body - lm_head
 
 
-def executed_forward_flops(hf_config, *, rows: int, width: int, head_tokens: float) -> float:
-    """Forward FLOPs a micro-batch of `rows` x `width` tokens (padded: one sequence per row; packed: several)
-    runs with a masked dense attention (torch SDPA's math kernel, eager attention): the layers on every
-    position, padding included, and QK^T / AV over all width x width pairs of each row, masked or not; the
-    lm_head on `head_tokens` positions. Hardware FLOPs, the counterpart of flops_metrics' model FLOPs."""
+def executed_forward_flops(hf_config, *, rows: int, width: int, head_tokens: float,
+                           seq_sq_sum: float | None = None) -> float:
+    """Forward FLOPs a micro-batch of `rows` x `width` tokens runs: the layers on every position, padding
+    included, and the lm_head on `head_tokens` positions. Attention (QK^T and AV) with a dense kernel: padded
+    rows, and the rows of the row-packed layout, run all width x width pairs of each row, masked or not (torch
+    SDPA's math kernel, eager attention); a packed variable-length batch (one row of every sequence's tokens,
+    seq_sq_sum given) runs each sequence's own n x n pairs, seq_sq_sum = sum of n^2 (causal flash kernels
+    skip about half of those). Hardware FLOPs, the counterpart of flops_metrics' model FLOPs."""
     body, lm_head, attn_per_pair = _flop_terms(hf_config)
-    return body * rows * width + lm_head * head_tokens + attn_per_pair * rows * width * width
+    pairs = rows * width * width if seq_sq_sum is None else seq_sq_sum
+    return body * rows * width + lm_head * head_tokens + attn_per_pair * pairs
 
 
 def device_peak_tflops(device, configured: float = 0.0) -> float:

@@ -68,7 +68,7 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
     total = s.max_steps or s.epochs * sampler.steps_per_epoch
     engine = build_train_engine(
         "fsdp", cfg.model.path, mesh, device, trainable=True, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
-        gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=total,
+        gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=total, attn_implementation=cfg.model.attn_implementation,
         optim=dict(lr=s.lr, weight_decay=s.weight_decay, warmup_steps=s.warmup_steps, lr_scheduler=s.lr_scheduler, grad_clip=s.grad_clip),
     )
     logger = logger_for(cfg, rank, resume=False, progress_total=total)

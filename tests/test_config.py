@@ -327,7 +327,8 @@ def test_unknown_estimator_lists_registered():
 
 @pytest.mark.parametrize(
     "override, key", [("actor.policy_loss=nope", "actor.policy_loss"), ("actor.kl_loss_type=k9", "actor.kl_loss_type"),
-                      ("actor.loss_agg_mode=sum", "actor.loss_agg_mode"), ("trainer.device=tpu", "trainer.device")]
+                      ("actor.loss_agg_mode=sum", "actor.loss_agg_mode"), ("trainer.device=tpu", "trainer.device"),
+                      ("model.attn_implementation=flash", "model.attn_implementation")]
 )
 def test_unknown_choices_are_named(override, key):
     assert key in validate_error(1, override)

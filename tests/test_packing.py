@@ -5,7 +5,7 @@ import torch
 
 from spmdrl.algos.token_stats import logprobs_from_hidden
 from spmdrl.batch import Batch
-from spmdrl.engines.fsdp import _LogprobHead, pack_sequences
+from spmdrl.engines.fsdp import _LogprobHead, dense_rows, pack_sequences
 from spmdrl.engines.packing import balanced_partition, first_fit_decreasing, micro_batch_count
 from spmdrl.errors import ConfigError
 from spmdrl.tiny import build_model
@@ -156,13 +156,16 @@ def test_update_gradient_is_layout_independent(tmp_path):
 
 @pytest.mark.parametrize("row_len", [0, 64])
 def test_packed_metadata_restarts_positions_and_masks_each_sequence(row_len):
-    """The packing metadata itself, not the masked outputs (a constant shift of the position ids would leave
+    """The row-packed reference layout (rows of row_len tokens; 0: dense_rows of a packed varlen batch, rows of
+    its longest sequence); the varlen layout's own metadata is tests/test_attention.py's. The packing metadata itself, not the masked outputs (a constant shift of the position ids would leave
     those unchanged on the masked path but breaks varlen kernels, which find boundaries from the position ids):
     each sequence's position ids are 0..n-1 at its own start, a row's tail padding restarts at 0 too, the
     position-id restarts are exactly the sequence boundaries, the mask is the block-diagonal causal mask of
     those spans, and resp_pos points at the hidden state before each response token."""
     prompts, resps = ragged(5, 11)
     tb = pack_sequences(prompts, resps, 0, packed=True, row_len=row_len)
+    if not row_len:
+        tb = dense_rows(tb)
     lens = [len(p) + len(r) for p, r in zip(prompts, resps)]
     rows, L = tb.input_ids.shape
     assert L == (row_len or max(lens)) and tb.attention_mask.shape == (rows, 1, L, L)

@@ -69,34 +69,47 @@ def test_flops_metrics_attention_term_and_mfu():
     assert device_peak_tflops(torch.device("cpu")) == 0.0 and device_peak_tflops(torch.device("cpu"), 50.0) == 50.0
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_engine_update_flops_match_torch_counter(packed):
+@pytest.mark.parametrize("layout", ["padded", "rows", "varlen"])
+def test_engine_update_flops_match_torch_counter(layout):
     """The FSDP2 engine's root module (backbone + chunked log-prob head at response positions) on a batch of
-    varied lengths, forward + backward under torch's FLOP counter. Eager attention: the counter does not see
-    inside CPU SDPA's fused kernel, and eager runs the same dense masked QK^T / AV matmuls. The counter's total
-    (every op, attention included) matches 3 x executed_forward_flops + the head's recompute in backward within
-    2%; the model FLOPs flops_metrics reports are the same terms over real tokens and the query-key pairs the
-    engine's own mask allows."""
+    varied lengths, forward + backward under torch's FLOP counter. The counter does not see inside CPU SDPA's
+    fused kernel: padded and row-packed batches run eager attention (the same dense masked QK^T / AV matmuls),
+    the packed varlen batch runs spmdrl's attention with SDPA held to its math kernel (each sequence's own
+    n x n matmuls, the causal mask applied to them). The counter's total (every op, attention included) matches
+    3 x executed_forward_flops + the head's recompute in backward within 2%; the model FLOPs flops_metrics
+    reports are the same terms over real tokens and the query-key pairs the engine's own mask allows."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from spmdrl.engines.attention import register_hf
+
+    packed = layout != "padded"
     model = build_model(vocab_size=320, num_kv_heads=2, seed=0)
-    model.config._attn_implementation = "eager"
+    model.config._attn_implementation = register_hf() if layout == "varlen" else "eager"
     g = torch.Generator().manual_seed(3)
     plens, rlens = [5, 12, 7, 30, 2, 9], [20, 3, 40, 9, 1, 17]
     prompts = [torch.randint(3, 300, (n,), generator=g) for n in plens]
     resps = [torch.randint(3, 300, (n,), generator=g) for n in rlens]
-    tb = pack_sequences(prompts, resps, 0, packed=packed, row_len=64 if packed else 0)
+    tb = pack_sequences(prompts, resps, 0, packed=packed, row_len=64 if layout == "rows" else 0)
     rows, width = tb.input_ids.shape
-    with FlopCounterMode(display=False) as fc:
+    with FlopCounterMode(display=False) as fc, sdpa_kernel(SDPBackend.MATH):
         lp, _ = _LogprobHead(model)(tb, 1.0, True, 16)
         (lp * tb.resp_mask).sum().backward()
     counted = fc.get_total_flops()
     heads = sum(rlens)
     lm_head = forward_flops_per_token(model.config, 0.0) - forward_flops_per_token(model.config, 0.0, head=False)
-    executed = 3 * executed_forward_flops(model.config, rows=rows, width=width, head_tokens=heads) + lm_head * heads
+    lens = [p + r for p, r in zip(plens, rlens)]
+    sq = sum(n * n for n in lens) if layout == "varlen" else None
+    executed = 3 * executed_forward_flops(model.config, rows=rows, width=width, head_tokens=heads, seq_sq_sum=sq) + lm_head * heads
     assert abs(counted - executed) <= 0.02 * counted, (counted, executed)
+    if layout == "varlen":
+        assert rows == 1 and width == sum(lens) and tb.mask is None
+        assert executed < 3 * executed_forward_flops(model.config, rows=rows, width=width, head_tokens=heads) + lm_head * heads
 
     # model FLOPs: the same terms over what the batch holds, from the mask the engine ran with
-    lens = [p + r for p, r in zip(plens, rlens)]
-    if packed:
+    if layout == "varlen":
+        mask = tb.attention_mask[0, 0]  # the dense form of its boundaries, for counting only
+        pairs, tokens = int(mask.sum()), width
+    elif packed:
         real = torch.zeros(rows, width, dtype=torch.bool)  # a row's tail padding is a masked block of its own
         for i, (p, n) in enumerate(zip(plens, lens)):
             start = int(tb.resp_pos[i, 0]) - p + 1

@@ -156,3 +156,17 @@ def test_no_class_split_across_modules_by_inheritance():
                 if name in defined and defined[name] != mod or (name or "").endswith("Mixin"):
                     hits.append(f"{mod}.{node.name} inherits {defined.get(name, '?')}.{name}")
     assert not hits, "classes split across modules by inheritance:\n" + "\n".join(hits)
+
+
+def test_no_merge_conflict_markers():
+    """A merge resolved by hand must not leave its markers in code, docs or configs."""
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
+    hits = []
+    for sub in ("spmdrl", "tests", "docs", "launch", "configs", "slurm"):
+        for path in (ROOT / sub).rglob("*"):
+            if path.is_file() and path.suffix in (".py", ".md", ".toml", ".sh", ".sbatch", ".yaml", ".json"):
+                text = path.read_text(errors="replace")
+                hits += [f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}" for m in marker.finditer(text)]
+    readme = (ROOT / "README.md").read_text()
+    hits += [f"README.md:{readme[:m.start()].count(chr(10)) + 1}" for m in marker.finditer(readme)]
+    assert not hits, hits

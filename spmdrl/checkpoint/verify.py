@@ -24,7 +24,7 @@ MAY_CHANGE_ON_RESUME = (
     "trainer.total_steps", "trainer.output_dir", "trainer.overwrite", "trainer.experiment_name", "trainer.device",
     "trainer.dist_timeout_s", "trainer.max_bad_steps", "trainer.test_freq", "trainer.val_before_train",
     "checkpoint.*", "logging.*", "placement.*", "ref.*",
-    "model.path", "model.tokenizer_path", "model.gradient_checkpointing",
+    "model.path", "model.tokenizer_path", "model.gradient_checkpointing", "model.attn_implementation",
     "actor.micro_batch_size", "actor.logprob_chunk_size", "critic.micro_batch_size",
     "rollout.gpu_memory_utilization", "rollout.kv_cache_gb", "rollout.max_num_seqs",
     "rollout.max_num_batched_tokens", "rollout.enforce_eager", "rollout.enable_sleep_mode",

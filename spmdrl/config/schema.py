@@ -62,6 +62,12 @@ class ModelConfig:
     compile: bool = False
     """torch.compile each decoder block's forward (dynamic shapes) in the training engines (fsdp backend only). The
     first micro-batches pay the compilation (tens of seconds per engine)."""
+    attn_implementation: str = "auto"
+    """Attention of the FSDP2 backend's actor, ref and critic: auto (spmdrl's kernels, no mask tensor: packed
+    micro-batches through a variable-length causal attention over their sequence boundaries, padded ones through
+    causal SDPA; grouped-query attention without repeating key/value heads; no sliding-window layers or attention
+    dropout) | sdpa (transformers' SDPA with explicit masks; packed micro-batches in rows with a dense
+    block-diagonal mask: the reference layout). The Megatron backend has its own attention."""
 
 
 @dataclass
@@ -120,9 +126,9 @@ class ActorConfig:
     forward_max_tokens_per_micro_batch: int = 0
     """Token budget of forward-only passes; 0 means max_tokens_per_micro_batch."""
     use_packing: bool = False
-    """Pack whole sequences into rows (per-sequence position ids, block-diagonal causal mask) instead of
-    right-padding each to the longest of its micro-batch; same numbers, fewer padding tokens (actor, ref and
-    old log-prob passes)."""
+    """Pack the sequences of a micro-batch one after another (per-sequence position ids and boundaries, no
+    padding; see model.attn_implementation) instead of right-padding each to the longest of its micro-batch;
+    same numbers, fewer padding tokens (actor, ref and old log-prob passes)."""
     policy_loss: str = "ppo"
     """Policy loss from the registry: ppo | gspo | gmpo | cispo | sapo | clip_cov | kl_cov | gpg (spmdrl.algos.losses)."""
     loss_agg_mode: str = "auto"

@@ -10,6 +10,7 @@ from spmdrl.errors import ConfigError
 CHOICES = {
     "data.truncation": ("error", "left", "right", "middle"),
     "model.dtype": ("auto", "float32", "bfloat16"),
+    "model.attn_implementation": ("auto", "sdpa"),  # spmdrl.engines.fsdp.ATTN_IMPLEMENTATIONS
     "actor.lr_scheduler": ("constant", "cosine", "linear"),
     "rollout.engine": ("auto", "vllm", "hf"),
     "rollout.dtype": ("auto", "float32", "bfloat16"),

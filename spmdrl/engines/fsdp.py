@@ -30,25 +30,42 @@ log = logging.getLogger("spmdrl")
 class TokenBatch:
     """Prompt + response token sequences for one forward, padded or packed (spmdrl.engines.packing).
 
-    input_ids [N, L]; position_ids [N, L]; attention_mask [N, L] (padded: one sequence per row, right-padded
-    to the longest) or [N, 1, L, L] bool (packed: block-diagonal causal, several sequences per row);
-    resp_row [B] = the row holding sequence b; resp_pos [B, R] = index in L of the hidden state that predicts
-    response token j of sequence b (its start + prompt_len - 1 + j); resp_ids [B, R]; resp_mask [B, R].
+    Padded: input_ids [B, L], one sequence per row right-padded to the longest; mask [B, L] (1 on real tokens);
+    position_ids [B, L] = 0..L-1. Packed (cu_seqlens set): input_ids [1, T], every sequence's tokens one after
+    another; position_ids [1, T] restart at 0 at each sequence; cu_seqlens int32 [n + 1] the sequence
+    boundaries and max_seqlen the longest; mask None (no mask tensor). Row-packed reference layout (mask
+    [N, 1, L, L] bool, block-diagonal causal, several sequences per row): see packing.pack_rows.
+    resp_row [B] = the row holding sequence b (None: row b); resp_pos [B, R] = index in the row of the hidden
+    state that predicts response token j of sequence b (its start + prompt_len - 1 + j); resp_ids [B, R];
+    resp_mask [B, R].
     """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    mask: torch.Tensor | None
     position_ids: torch.Tensor
     resp_pos: torch.Tensor
     resp_ids: torch.Tensor
     resp_mask: torch.Tensor
     resp_row: torch.Tensor | None = None  # None: row b holds sequence b
+    cu_seqlens: torch.Tensor | None = None  # packed: int32 [n + 1]
+    max_seqlen: int = 0  # packed: the longest sequence
 
     def to(self, device) -> "TokenBatch":
         return TokenBatch(*(
-            None if getattr(self, f) is None else getattr(self, f).to(device, non_blocking=True)
-            for f in self.__dataclass_fields__
+            v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for v in (getattr(self, f) for f in self.__dataclass_fields__)
         ))
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """The batch's mask for an attention that takes masks: `mask`, or for a packed batch its dense
+        [1, 1, T, T] block-diagonal causal mask, built on each call (the megatron engine reads it; the FSDP2
+        engine never builds it under its default attention)."""
+        if self.mask is None and self.cu_seqlens is not None:
+            from spmdrl.engines.packing import block_causal_mask, seq_ids
+
+            return block_causal_mask(seq_ids(self.cu_seqlens)[None])
+        return self.mask
 
     def rows(self) -> torch.Tensor:
         """[B, 1] row index of each sequence, for indexing hidden states [N, L, H] with resp_pos."""
@@ -61,8 +78,9 @@ def pack_sequences(
     prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int, *, packed: bool = False, row_len: int = 0,
 ) -> TokenBatch:
     """Build a TokenBatch from ragged prompt and response token tensors (1-D int64 each): one right-padded
-    sequence per row, or with `packed` whole sequences first-fit into rows of `row_len` tokens (0: the longest
-    sequence) with per-sequence position ids and a block-diagonal causal mask."""
+    sequence per row; with `packed`, all sequences in one row with cu_seqlens (packing.pack_varlen), or with
+    `packed` and row_len > 0 the row-packed reference layout, whole sequences first-fit into rows of row_len
+    tokens with a block-diagonal causal mask (packing.pack_rows)."""
     B = len(prompts)
     plen = torch.tensor([len(p) for p in prompts])
     rlen = torch.tensor([len(r) for r in responses])
@@ -72,11 +90,17 @@ def pack_sequences(
         resp_ids[i, : len(r)] = r
     ar_R = torch.arange(R)
     resp_mask = (ar_R[None, :] < rlen[:, None]).long()
-    if packed:
+    if packed and row_len:
         from spmdrl.engines.packing import pack_rows
 
         input_ids, mask, position_ids, resp_pos, row_of = pack_rows(prompts, responses, pad_id, R, row_len)
         return TokenBatch(input_ids, mask, position_ids, resp_pos, resp_ids, resp_mask, row_of)
+    if packed:
+        from spmdrl.engines.packing import pack_varlen
+
+        input_ids, position_ids, cu, max_len, resp_pos = pack_varlen(prompts, responses, R)
+        return TokenBatch(input_ids, None, position_ids, resp_pos, resp_ids, resp_mask,
+                          torch.zeros(B, dtype=torch.long), cu, max_len)
     L = int((plen + rlen).max())
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses)):
@@ -89,12 +113,44 @@ def pack_sequences(
     return TokenBatch(input_ids, attention_mask, position_ids, resp_pos, resp_ids, resp_mask)
 
 
-def _backbone_hidden(hf: nn.Module, b: TokenBatch) -> torch.Tensor:
-    """Last hidden states [N, L, H]. The model is built with SDPA attention (engines/loading.py): a padded batch's
-    [N, L] mask and a packed batch's 4-D block-diagonal mask go to it as they are (no varlen / flash path yet)."""
+def dense_rows(b: TokenBatch) -> TokenBatch:
+    """A packed (cu_seqlens) batch in the row-packed reference layout: its sequences first-fit into rows of
+    max_seqlen tokens with the dense block-diagonal causal mask (what model.attn_implementation = "sdpa" runs).
+    The same sequences, response ids and mask; on b's device."""
+    cu = b.cu_seqlens.tolist()
+    ids = b.input_ids[0].cpu()
+    start = (b.resp_pos[:, 0].cpu() + 1).tolist()  # first response token of each sequence
+    prompts = [ids[a: s] for a, s in zip(cu, start)]
+    resps = [ids[s: e] for s, e in zip(start, cu[1:])]
+    out = pack_sequences(prompts, resps, 0, packed=True, row_len=b.max_seqlen)
+    out.resp_ids, out.resp_mask = b.resp_ids, b.resp_mask
+    return out.to(b.input_ids.device)
+
+
+def _backbone_hidden(hf: nn.Module, b: TokenBatch) -> tuple[torch.Tensor, TokenBatch]:
+    """Last hidden states [N, L, H] and the batch they belong to.
+
+    Under spmdrl's attention (engines/attention.py, model.attn_implementation = "auto") a packed batch goes in
+    as it is, its boundaries as the cu_seq_lens / max_length keyword arguments every attention layer receives,
+    and a padded batch without its mask (right padding: causal attention is exact for every real token); no
+    mask tensor is built. Under transformers' SDPA ("sdpa") a padded batch's [B, L] mask goes in as it is and a
+    packed batch is first laid out in rows with the dense block-diagonal mask (dense_rows)."""
+    from spmdrl.engines.attention import HF_IMPLEMENTATION
+
     backbone = getattr(hf, hf.base_model_prefix)
-    return backbone(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                    use_cache=False).last_hidden_state
+    kw = {}
+    if hf.config._attn_implementation == HF_IMPLEMENTATION:
+        mask = b.mask if b.mask is not None and b.mask.dim() == 4 else None
+        if b.cu_seqlens is not None:
+            kw = dict(cu_seq_lens_q=b.cu_seqlens, cu_seq_lens_k=b.cu_seqlens, max_length_q=b.max_seqlen,
+                      max_length_k=b.max_seqlen)
+    else:
+        if b.cu_seqlens is not None:
+            b = dense_rows(b)
+        mask = b.mask
+    hidden = backbone(input_ids=b.input_ids, attention_mask=mask, position_ids=b.position_ids, use_cache=False,
+                      **kw).last_hidden_state
+    return hidden, b
 
 
 class _LogprobHead(nn.Module):
@@ -107,10 +163,11 @@ class _LogprobHead(nn.Module):
 
     def forward(self, b: TokenBatch, temperature: float, with_entropy: bool, chunk_size: int, top_k: int = -1,
                 top_p: float = 1.0, index: ResponseIndex | None = None):
-        """index: b's response positions computed on the host (FSDPEngine.logprobs); None computes it from b."""
-        hidden = _backbone_hidden(self.hf, b)
-        if index is None:
-            index = ResponseIndex.of(b, batch_first=True).to(hidden.device)
+        """index: b's response positions computed on the host (FSDPEngine.logprobs); None (or a batch the backbone
+        laid out anew, model.attn_implementation = "sdpa" with packing) computes them here."""
+        hidden, laid_out = _backbone_hidden(self.hf, b)
+        if index is None or laid_out is not b:
+            index = ResponseIndex.of(laid_out, batch_first=True).to(hidden.device)
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index.hidden)  # [n, H]: no host read of a count
         weight = self.hf.get_output_embeddings().weight
         if isinstance(weight, DTensor):
@@ -132,7 +189,7 @@ class _ValueHead(nn.Module):
         self.hf = hf_model
 
     def forward(self, b: TokenBatch, *_):
-        hidden = _backbone_hidden(self.hf, b)
+        hidden, b = _backbone_hidden(self.hf, b)
         h = hidden[b.rows(), b.resp_pos]
         head = self.hf.score if hasattr(self.hf, "score") else self.hf.classifier
         return head(h).squeeze(-1).float() * b.resp_mask, None
@@ -164,6 +221,22 @@ def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float) -> Calla
     return f
 
 
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa")
+
+
+def model_attention(attn_implementation: str) -> str:
+    """The transformers attention implementation an engine builds its model with, from
+    model.attn_implementation: "auto" -> spmdrl's kernels (engines/attention.py: varlen for packed batches,
+    causal SDPA without a mask for padded ones), "sdpa" -> transformers' SDPA with explicit masks."""
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"model.attn_implementation = {attn_implementation!r}: use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+    if attn_implementation == "sdpa":
+        return "sdpa"
+    from spmdrl.engines.attention import register_hf
+
+    return register_hf()
+
+
 class FSDPEngine:
     """One HF causal LM sharded over a role mesh: FSDP2 over "dp", DTensor TP over "tp" when tp > 1."""
 
@@ -187,6 +260,7 @@ class FSDPEngine:
         checkpoint_policy: str = "full",
         checkpoint_every_n_layers: int = 1,
         checkpoint_offload: bool = False,
+        attn_implementation: str = "auto",
     ):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         self.device = device
@@ -198,7 +272,8 @@ class FSDPEngine:
         # trainable: float32 master shards (bf16 compute under mixed precision); frozen (ref, or the base under
         # LoRA adapters): the compute dtype
         store_dtype = torch.float32 if trainable and lora is None else param_dtype
-        hf = build_meta_model(model_path, value_head=value_head, trust_remote_code=trust_remote_code, dtype=store_dtype)
+        hf = build_meta_model(model_path, value_head=value_head, trust_remote_code=trust_remote_code, dtype=store_dtype,
+                              attn_implementation=model_attention(attn_implementation))
         hf.config.use_cache = False
         if gradient_checkpointing and trainable:
             from .recompute import enable as enable_recompute

@@ -78,17 +78,25 @@ def model_param_shapes(hf_config, value_head: bool = False) -> list[tuple[str, t
     return [(n, tuple(p.shape)) for n, p in meta_model(hf_config, value_head=value_head).named_parameters()]
 
 
-def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bool, dtype: torch.dtype = torch.float32):
+def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bool, dtype: torch.dtype = torch.float32,
+                     attn_implementation: str = "sdpa"):
     """The HF model with every parameter on the meta device (no memory), in the storage dtype, and real buffers
-    on the host."""
+    on the host; attention by the transformers implementation `attn_implementation` (a registered name)."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
-    hf = meta_model(config, value_head=value_head, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
-                    dtype=dtype)
+    if attn_implementation != "sdpa":
+        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+            raise ConfigError(f"model.path = {model_path!r} has sliding-window attention layers, which "
+                              "model.attn_implementation = 'auto' does not run; set it to 'sdpa'")
+        if getattr(config, "attention_dropout", 0.0):
+            raise ConfigError(f"model.path = {model_path!r}: attention_dropout = {config.attention_dropout}, which "
+                              "model.attn_implementation = 'auto' does not run; set it to 'sdpa'")
+    hf = meta_model(config, value_head=value_head, trust_remote_code=trust_remote_code,
+                    attn_implementation=attn_implementation, dtype=dtype)
     _real_buffers(hf)
     return hf
 

@@ -1,15 +1,17 @@
 """Packed variable-length batches and token-budget micro-batches (padding removal), torch-native.
 
 Padded layout: one sequence per row, right-padded to the longest sequence of the micro-batch; every row costs
-as much as the longest one. Packed layout: several whole sequences share a row of `row_len` tokens
-(first-fit-decreasing), each with its own position ids (0, 1, ...) and a block-diagonal causal mask, so a token
-attends exactly to the earlier tokens of its own sequence, as in the padded layout: same numbers, fewer
-(padding) tokens through the model. The rows' leftover tail is padding that forms its own masked block.
+as much as the longest one. Packed layout (`pack_varlen`): all sequences of a micro-batch one after another in
+a single row of exactly their tokens, no padding, each with its own position ids (0, 1, ...), and their
+boundaries as cu_seqlens (int32 [n + 1], the cumulative lengths in batch order) and max_seqlen. The FSDP2
+engine's default attention (spmdrl.engines.attention) takes those boundaries directly: each token attends to the
+earlier tokens of its own sequence, as in the padded layout, with no mask tensor; the cost per sequence is its
+own length squared, not the row's.
 
-On CPU the attention runs through SDPA with the explicit 4-D boolean mask (cost per row O(row_len^2), so rows
-stay as long as the longest sequence by default). Models loaded with a flash-attention implementation get no
-mask and rely on the per-sequence position ids, which transformers turns into varlen boundaries; that path has
-never run here (no GPU was available).
+Row-packed reference layout (`pack_rows`): whole sequences first-fit into rows of `row_len` tokens with a dense
+[rows, 1, L, L] block-diagonal causal mask (`block_causal_mask`) and a masked tail per row. It is what the
+engine runs under model.attn_implementation = "sdpa" (transformers' SDPA with that mask), and the dense mask
+that consumers without a varlen path take from a packed batch.
 """
 from __future__ import annotations
 
@@ -102,6 +104,27 @@ def block_causal_mask(seq_id: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(L, L, dtype=torch.bool, device=seq_id.device).tril()
     same = seq_id[:, :, None] == seq_id[:, None, :]
     return (same & causal)[:, None]
+
+
+def seq_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] index of the sequence each packed token belongs to, from cu_seqlens [n + 1]."""
+    cu = cu_seqlens.long()
+    return torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu.diff())
+
+
+def pack_varlen(prompts: list[torch.Tensor], responses: list[torch.Tensor], R: int):
+    """The packed tensors of a TokenBatch: (input_ids [1, T], position_ids [1, T], cu_seqlens int32 [n + 1],
+    max_seqlen, resp_pos [B, R]): sequence i = prompt i + response i at [cu_seqlens[i], cu_seqlens[i + 1]),
+    its position ids 0..len - 1; resp_pos[i, j] the index of the hidden state that predicts response token j."""
+    lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)])
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    T = int(cu[-1])
+    input_ids = torch.cat([t for p, r in zip(prompts, responses) for t in (p, r)]).long()[None]
+    position_ids = (torch.arange(T) - cu[:-1].long().repeat_interleave(lengths))[None]
+    plen = torch.tensor([len(p) for p in prompts])
+    resp_pos = (cu[:-1, None].long() + plen[:, None] - 1 + torch.arange(R)[None, :]).clamp(max=T - 1)
+    return input_ids, position_ids, cu, int(lengths.max()), resp_pos
 
 
 def pack_rows(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int, R: int, row_len: int = 0):

@@ -50,18 +50,22 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
 
         lora = dict(lora=settings_from_config(cfg))
     backend = role_backends(cfg)
+
+    def attn(role: str) -> dict:  # the FSDP2 backend's attention; the Megatron backend has its own
+        return {"attn_implementation": cfg.model.attn_implementation} if backend[role] == "fsdp" else {}
+
     actor = build_train_engine(
         backend["actor"], cfg.model.path, meshes["actor"], device, trainable=True,
         optim=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
                    lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip),
         **recompute, defer_grad_sync=cfg.memory.defer_grad_sync,
-        total_steps=cfg.trainer.total_steps * updates_per_step, **common, **lora,
+        total_steps=cfg.trainer.total_steps * updates_per_step, **common, **lora, **attn("actor"),
     )
     on_built("actor", actor)
     ref = None
     if builds_ref(cfg):
         ref = build_train_engine(backend["ref"], cfg.model.path, meshes["ref"], device, trainable=False,
-                                 offload=cfg.ref.offload, **common)
+                                 offload=cfg.ref.offload, **common, **attn("ref"))
         on_built("ref", ref)
     critic = None
     if c.enable:
@@ -69,7 +73,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
             backend["critic"], c.path or cfg.model.path, meshes["critic"], device, trainable=True, value_head=True,
             **recompute, total_steps=cfg.trainer.total_steps * c.ppo_epochs,
             optim=dict(lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip=c.grad_clip),
-            defer_grad_sync=cfg.memory.defer_grad_sync, **common, **(lora if cfg.lora.critic else {}),
+            defer_grad_sync=cfg.memory.defer_grad_sync, **common, **(lora if cfg.lora.critic else {}), **attn("critic"),
         )
         on_built("critic", critic)
     return Engines(actor, ref, critic)

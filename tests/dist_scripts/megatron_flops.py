@@ -23,7 +23,6 @@ def main() -> None:
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
-    from spmdrl.engines.packing import first_fit_decreasing
     from spmdrl.loop.update import actor_body, run_updates
 
     env, device = init_distributed("cpu")
@@ -49,8 +48,9 @@ def main() -> None:
         with FlopCounterMode(display=False) as fc:
             run_updates(eng, batch, epochs=1, mini_size=B, micro_size=B, pad_id=0, dp_size=1,
                         dp_group=mesh.group("dp"), body=body, prefix="actor", packed=packed)
-        rows = len(first_fit_decreasing(lens, max(lens))) if packed else B
-        out["packed" if packed else "padded"] = {"flops": fc.get_total_flops(), "rows": rows, "width": max(lens),
+        # packed: one row of every token, which megatron runs with the batch's dense [1, 1, T, T] block mask
+        rows, width = (1, sum(lens)) if packed else (B, max(lens))
+        out["packed" if packed else "padded"] = {"flops": fc.get_total_flops(), "rows": rows, "width": width,
                                                  "lengths": lens, "response_lengths": rlens}
     print("FLOPS " + json.dumps(out))
 

@@ -61,7 +61,10 @@ def main():
         eng.eval()
         with torch.no_grad():
             got, _ = eng.logprobs(tb)
+            # packed: one row with cu_seqlens through the varlen attention, each rank on its local heads (GQA)
+            got_packed, _ = eng.logprobs(pack_sequences(prompts, responses, pad_id=0, packed=True))
         diffs[f"tp{tp}"] = float((got.double() - want).abs().max())
+        diffs[f"tp{tp}-packed"] = float((got_packed.double() - want).abs().max())
     with open(os.path.join(args.out, f"load_rank{env.rank}.json"), "w") as f:
         json.dump({"rss_growth": growth, "planned": planned, "full_fp32": full_fp32, "held": held,
                    "logprob_diff": diffs}, f)

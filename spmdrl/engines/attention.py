@@ -1,0 +1,130 @@
+"""Causal attention kernels of the training engines: packed variable-length sequences and right-padded rows,
+grouped-query attention handled by the kernels themselves (key/value heads are never repeated).
+
+    varlen_attention(q, k, v, cu_seqlens, max_seqlen)   # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
+    padded_causal_attention(q, k, v)                    # q [B, Hq, L, D], k/v [B, Hkv, L, D] -> [B, Hq, L, D]
+
+Packed layout: the tokens of n sequences one after another, sequence i at [cu_seqlens[i], cu_seqlens[i + 1]);
+a token attends to the earlier tokens of its own sequence and itself, exactly as if the sequence ran alone.
+On CPU each sequence goes through torch's scaled_dot_product_attention with is_causal (no mask tensor
+anywhere). On CUDA the whole batch is one call of torch's flash varlen kernel
+(torch.nn.attention.varlen.varlen_attn), else flash-attn's flash_attn_varlen_func when it is installed, else
+the per-sequence loop; the CUDA calls have never run (no GPU was available).
+
+Right-padded rows (each sequence from column 0, padding after it) need no mask either: under causal attention a
+real token only sees earlier positions, all of them real. Padding positions get outputs nobody reads.
+
+`register_hf()` makes these the attention of a transformers model built with
+attn_implementation=HF_IMPLEMENTATION: the model then calls `hf_attention`, which takes the packed boundaries
+from the cu_seq_lens_q / max_length_q keyword arguments the backbone forward passes through to every layer.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+HF_IMPLEMENTATION = "spmdrl_varlen"
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                     *, scale: float | None = None) -> torch.Tensor:
+    """Causal attention over packed sequences: q [T, Hq, D], k and v [T, Hkv, D] with Hq a multiple of Hkv
+    (query head h uses key/value head h // (Hq / Hkv)); cu_seqlens int32 [n + 1], 0 first and T last;
+    max_seqlen the longest sequence. Returns [T, Hq, D]. scale: default 1 / sqrt(D)."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"varlen_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if q.is_cuda:
+        out = _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale)
+        if out is not None:
+            return out
+    return _varlen_loop(q, k, v, cu_seqlens, scale)
+
+
+def _varlen_loop(q, k, v, cu_seqlens, scale):
+    """One SDPA call per sequence, each on its own slice (the CPU path, and the CUDA fallback)."""
+    lengths = cu_seqlens.diff().tolist()
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    # split, not one slice per sequence: its backward is one concatenation, not a zero-filled [T, H, D] each
+    for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        # [n, H, D] -> [1, H, n, D] (4-D: CPU SDPA's flash kernel; enable_gqa groups the heads)
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                           vs.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_empty(q.shape)
+
+
+def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale):  # pragma: no cover - CUDA only, never run here
+    """One fused call on a GPU, or None when no kernel here takes causal GQA (then the caller loops)."""
+    gqa = q.shape[1] != k.shape[1]
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        varlen_attn = None
+    if varlen_attn is not None:
+        params = inspect.signature(varlen_attn).parameters  # the keyword set changed across torch releases
+        kw = {"scale": scale}
+        if "window_size" in params:
+            kw["window_size"] = (-1, 0)  # causal
+        elif "is_causal" in params:
+            kw["is_causal"] = True
+        else:
+            kw = None
+        if kw is not None and gqa:
+            kw = dict(kw, enable_gqa=True) if "enable_gqa" in params else None
+        if kw is not None:
+            return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
+
+
+def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                            dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention over right-padded rows: q [B, Hq, L, D], k and v [B, Hkv, L, D] -> [B, Hq, L, D].
+    SDPA with is_causal and no mask, so it may take its flash kernels; GQA by SDPA's enable_gqa."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def hf_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                 dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
+                 cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None, **kwargs):
+    """transformers' attention-function interface: query [B, Hq, L, D], key/value [B, Hkv, L, D] (the heads of
+    this tensor-parallel rank) -> ([B, L, Hq, D], None).
+
+    cu_seq_lens_q given: one row of packed sequences (B = 1), varlen_attention. A 4-D attention_mask given (a
+    caller's explicit mask): SDPA with that mask. Neither: right-padded rows, padded_causal_attention."""
+    if sliding_window is not None:
+        raise ValueError(f"attention implementation {HF_IMPLEMENTATION!r} has no sliding-window attention")
+    if cu_seq_lens_q is not None:
+        if query.shape[0] != 1:
+            raise ValueError(f"packed sequences come as one row, got {query.shape[0]}")
+        if dropout:
+            raise ValueError("varlen attention runs no attention dropout: set the model's attention_dropout to 0")
+        out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                               cu_seq_lens_q, int(max_length_q), scale=scaling)
+        return out[None], None
+    if attention_mask is not None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             dropout_p=dropout, enable_gqa=query.shape[1] != key.shape[1])
+    else:
+        out = padded_causal_attention(query, key, value, scale=scaling, dropout_p=dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_hf() -> str:
+    """Register hf_attention with transformers under HF_IMPLEMENTATION (idempotent); returns the name.
+
+    It is not registered with transformers' mask interface on purpose: for an implementation outside it the
+    backbone builds no mask at all (and does not scan the position ids for packed sequences, which costs a
+    host sync per forward); a 4-D mask a caller passes still reaches hf_attention as it is."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(HF_IMPLEMENTATION, hf_attention)
+    return HF_IMPLEMENTATION
