@@ -29,22 +29,24 @@ HF_IMPLEMENTATION = "spmdrl_varlen"
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                     *, scale: float | None = None) -> torch.Tensor:
+                     *, scale: float | None = None, lengths: list[int] | None = None) -> torch.Tensor:
     """Causal attention over packed sequences: q [T, Hq, D], k and v [T, Hkv, D] with Hq a multiple of Hkv
     (query head h uses key/value head h // (Hq / Hkv)); cu_seqlens int32 [n + 1], 0 first and T last;
-    max_seqlen the longest sequence. Returns [T, Hq, D]. scale: default 1 / sqrt(D)."""
+    max_seqlen the longest sequence. Returns [T, Hq, D]. scale: default 1 / sqrt(D). lengths: the sequence
+    lengths as host integers when the caller has them (the per-sequence loop then reads nothing back from
+    cu_seqlens)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"varlen_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if q.is_cuda:
         out = _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale)
         if out is not None:
             return out
-    return _varlen_loop(q, k, v, cu_seqlens, scale)
+    return _varlen_loop(q, k, v, cu_seqlens, scale, lengths)
 
 
-def _varlen_loop(q, k, v, cu_seqlens, scale):
+def _varlen_loop(q, k, v, cu_seqlens, scale, lengths=None):
     """One SDPA call per sequence, each on its own slice (the CPU path, and the CUDA fallback)."""
-    lengths = cu_seqlens.diff().tolist()
+    lengths = lengths if lengths is not None else cu_seqlens.diff().tolist()
     gqa = q.shape[1] != k.shape[1]
     outs = []
     # split, not one slice per sequence: its backward is one concatenation, not a zero-filled [T, H, D] each

@@ -26,16 +26,16 @@ aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
 INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 ROOTS = (os.sep + "spmdrl" + os.sep, os.sep + "megatron" + os.sep)
-# spmdrl functions that build micro-batches from the caller's host tensors (Batch, TokenBatch): what they read
-# is host memory, never the device's
-HOST_BUILDERS = {"micro_batches", "pack_sequences", "pack_rows", "of"}
+# spmdrl functions that build micro-batches from the caller's host tensors (Batch, TokenBatch; the engine's
+# _stage lays a host TokenBatch out for the schedule): what they read is host memory, never the device's
+HOST_BUILDERS = {"micro_batches", "pack_sequences", "pack_rows", "of", "_stage"}
 
 
 def site() -> str:
     """host:<builder> inside a HOST_BUILDERS function, else the innermost spmdrl / megatron frame."""
     frames = [fr for fr in traceback.extract_stack()[:-2]
               if any(r in fr.filename for r in ROOTS) and "site-packages" + os.sep + "torch" not in fr.filename]
-    for fr in frames:
+    for fr in reversed(frames):  # the innermost builder
         if fr.name in HOST_BUILDERS and os.sep + "spmdrl" + os.sep in fr.filename:
             return f"host:{fr.name}"
     if not frames:

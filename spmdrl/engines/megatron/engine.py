@@ -46,7 +46,7 @@ from spmdrl.reshard.plan import MEGATRON_MODEL_TYPES
 
 from . import forward as fw
 from .convert import Piece, dims_from_hf, hf_param_shapes, hf_pieces, stage_layers, vocab_rows
-from .model import (StageModel, build_gpt, have_te, init_parallel_state, megatron_mask, pad_sequence_dim,
+from .model import (StageModel, varlen_params, build_gpt, have_te, init_parallel_state, megatron_mask, pad_sequence_dim,
                     rope_inv_freq)
 from . import state as hfstate
 
@@ -67,6 +67,7 @@ class MegatronEngine:
         from transformers import AutoConfig
 
         self.device, self.mesh, self.trainable, self.model_path, self.seed = device, mesh, trainable, model_path, seed
+        self.attention = attention  # local spec core attention: "sdpa" (spmdrl's SdpaAttention) or "local"
         cuda = device.type == "cuda"
         self.dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
         try:
@@ -141,22 +142,30 @@ class MegatronEngine:
         """One micro-batch's device inputs, built from the host TokenBatch before the schedule runs: every
         data-dependent size (the response positions, ResponseIndex) is computed here on the host, so nothing in
         the schedule reads the device; the copies are non-blocking."""
-        packed = tb.attention_mask.dim() == 4
+        varlen = tb.cu_seqlens is not None and self.attention == "sdpa"  # packed sequences in one row
+        # the row-packed reference layout, or packed sequences under megatron's own attention: a dense mask
+        rows = (tb.mask is not None and tb.mask.dim() == 4) or (tb.cu_seqlens is not None and not varlen)
+        packed = varlen or rows
         if self.use_te and packed:
             raise ConfigError("megatron backend with TransformerEngine layers: packed micro-batches need THD attention, "
                               "which is not wired up; turn packing off (padded micro-batches)")
-        ids, mask = tb.input_ids, tb.attention_mask
-        # packed rows: each sequence's own positions; padded rows are right-padded, so every row's positions are
+        ids, mask = tb.input_ids, (tb.attention_mask if rows else None)
+        # packed: each sequence's own positions; padded rows are right-padded, so every row's positions are
         # 0 .. L-1: one [1, L] row (one rotary table broadcast over the batch, what TE's fused RoPE takes)
         pos = tb.position_ids if packed else torch.arange(ids.shape[1], device=ids.device)[None]
+        cu, longest, width = (tb.cu_seqlens, tb.max_seqlen, ids.shape[1]) if varlen else (None, 0, 0)
         if self.tcfg.sequence_parallel:  # the sequence is split over tp: its length must divide
             ids, pos, mask = pad_sequence_dim(ids, pos, mask, self.mesh.tp_size)
+            if varlen and ids.shape[1] > width:  # the tail padding: one more "sequence", never read
+                cu = torch.cat([cu, cu.new_tensor([ids.shape[1]])])
+                longest = max(longest, ids.shape[1] - width)
         # padded rows: causal attention is exact for every real token (right padding), and lets SDPA use its
-        # causal kernels; packed rows need the block-diagonal mask
+        # causal kernels; packed sequences go through the variable-length attention over their boundaries
         dev = self.device
         return _Staged(ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True),
-                       megatron_mask(mask).to(dev, non_blocking=True) if packed else None,
-                       fw.ResponseIndex.of(tb).to(dev))
+                       megatron_mask(mask).to(dev, non_blocking=True) if rows else None,
+                       fw.ResponseIndex.of(tb).to(dev),
+                       varlen_params(cu.to(dev, non_blocking=True), longest, cu.diff().tolist()) if varlen else None)
 
     def _schedule(self, items: list, staged: list["_Staged"], step_fn: Callable, forward_only: bool) -> list:
         """One megatron pipeline schedule over len(items) micro-batches; step_fn pulls (item, staged) pairs."""
@@ -168,7 +177,7 @@ class MegatronEngine:
                   micro_batch_size=max(st.ids.shape[0] for st in staged), forward_only=forward_only)
 
     def _run_stage(self, st: "_Staged"):
-        return self.model(st.ids, st.pos, st.mask)
+        return self.model(st.ids, st.pos, st.mask, st.varlen)
 
     def _lm_head(self, hidden, st: "_Staged", temperature: float, with_entropy, chunk_size: int, top_k: int = -1,
                  top_p: float = 1.0):
@@ -453,8 +462,9 @@ class _Staged:
 
     ids: torch.Tensor  # [N, L] (L padded to a multiple of tp under sequence parallelism)
     pos: torch.Tensor  # [N, L] packed, [1, L] padded (positions shared by every row)
-    mask: torch.Tensor | None  # megatron's [N, 1, L, L] bool (True = not allowed) for packed rows; None = causal
+    mask: torch.Tensor | None  # megatron's [N, 1, L, L] bool (True = not allowed) for row-packed rows; None = causal
     index: fw.ResponseIndex
+    varlen: object = None  # PackedSeqParams with the boundaries of packed sequences in one row (varlen_params)
 
 
 class _Recorder:

@@ -288,8 +288,10 @@ class StageModel(nn.Module):
     def set_input_tensor(self, input_tensor) -> None:
         self.gpt.set_input_tensor(input_tensor)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """position_ids [N, L], or [1, L] when every row has the same positions (padded rows)."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                varlen=None):
+        """position_ids [N, L], or [1, L] when every row has the same positions (padded rows, or the one row of
+        packed sequences); varlen: the packed sequences' boundaries (varlen_params) for SdpaAttention."""
         if self.config.apply_rope_fusion and position_ids.shape[0] != 1:
             raise ValueError("megatron backend: TE's fused RoPE takes one rotary table per batch; packed rows (their "
                              "own positions per row) need apply_rope_fusion off")
@@ -297,7 +299,7 @@ class StageModel(nn.Module):
         freqs = position_ids.t().float()[..., None] * self.inv_freq.float()
         freqs = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
         x = self.gpt.embedding(input_ids=input_ids, position_ids=None) if self.gpt.pre_process else None
-        return self.gpt.decoder(hidden_states=x, attention_mask=attention_mask, rotary_pos_emb=freqs)
+        return self.gpt.decoder(hidden_states=x, attention_mask=attention_mask, rotary_pos_emb=freqs, packed_seq_params=varlen)
 
 
 class SdpaAttention(nn.Module):
@@ -306,7 +308,9 @@ class SdpaAttention(nn.Module):
     query [sq, b, np, hn], key / value [sk, b, ng, hn] -> [sq, b, np * hn]; GQA groups go to SDPA as they are
     (enable_gqa: no repeated copy of K / V; CUDA's flash and memory-efficient kernels take grouped heads).
     attention_mask None means causal (padded rows: right padding never reaches a real query); otherwise megatron's
-    bool mask, True = not allowed. Scale 1 / sqrt(hn) unless the config sets softmax_scale; no dropout."""
+    bool mask, True = not allowed. With packed_seq_params (varlen_params: packed sequences in one row, b = 1)
+    each sequence attends causally to itself only (spmdrl.engines.attention.varlen_attention), no mask tensor.
+    Scale 1 / sqrt(hn) unless the config sets softmax_scale; no dropout."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
@@ -314,8 +318,15 @@ class SdpaAttention(nn.Module):
         self.config, self.scale = config, softmax_scale
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SdpaAttention: spmdrl passes packed rows as a block-diagonal attention_mask, never packed_seq_params or attention_bias")
+        if attention_bias is not None:
+            raise ValueError("SdpaAttention: spmdrl passes no attention_bias")
+        if packed_seq_params is not None:  # packed sequences in one row: causal within each (varlen_params)
+            from spmdrl.engines.attention import varlen_attention
+
+            q, k, v = (x.squeeze(1) for x in (query, key, value))  # [T, heads, hn]
+            out = varlen_attention(q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q,
+                                   scale=self.scale, lengths=getattr(packed_seq_params, "lengths", None))
+            return out.reshape(out.shape[0], 1, -1)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
         gqa = k.shape[1] != q.shape[1]
         if attention_mask is None:
@@ -324,6 +335,20 @@ class SdpaAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.scale, enable_gqa=gqa)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def varlen_params(cu_seqlens: torch.Tensor, max_seqlen: int, lengths: list[int] | None = None):
+    """megatron's PackedSeqParams carrying packed sequences' boundaries (int32 [n + 1], one row) to SdpaAttention.
+    qkv_format "sbhd": megatron's attention keeps its [s, b = 1, heads, hn] layout and applies spmdrl's per-token
+    rotary angles as for any row (its "thd" handling would re-derive positions from the boundaries); only
+    SdpaAttention reads the boundaries. `lengths`: the sequence lengths as host integers, for the per-sequence
+    loop of the CPU path."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    params.lengths = lengths  # the same boundaries as host integers (lengths: computed before the batch moved)
+    return params
 
 
 def megatron_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -350,5 +375,6 @@ def pad_sequence_dim(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, m
         return ids, pos, mask
     ids = F.pad(ids, (0, extra))
     pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)], dim=1)
-    mask = F.pad(mask, (0, extra)) if mask.dim() == 2 else F.pad(mask, (0, extra, 0, extra))
+    if mask is not None:
+        mask = F.pad(mask, (0, extra)) if mask.dim() == 2 else F.pad(mask, (0, extra, 0, extra))
     return ids, pos, mask
