@@ -337,7 +337,7 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
-    from spmdrl.loop.update import actor_body, forward_all, run_updates
+    from spmdrl.loop.update import actor_body, forward_all, micro_batch_limits, run_updates
 
     if not dist.is_initialized():
         import socket
@@ -368,14 +368,17 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
     body = actor_body(cfg, POLICY_LOSSES.get(a.policy_loss), 1.0)
     group = mesh.group("dp")
 
+    longest = P + R
+    size, budget = micro_batch_limits(a, longest)
+    fsize, fbudget = micro_batch_limits(a, longest, forward=True)
+
     def update():
-        run_updates(eng, batch, epochs=1, mini_size=samples, micro_size=a.micro_batch_size, pad_id=0,
+        run_updates(eng, batch, epochs=1, mini_size=samples, micro_size=size, pad_id=0,
                     agg_mode=a.loss_agg_mode, dp_size=1, dp_group=group, body=body, prefix="actor",
-                    max_tokens=a.max_tokens_per_micro_batch, packed=a.use_packing)
+                    max_tokens=budget, packed=a.use_packing)
 
     def forward():
-        forward_all(eng, batch, a.forward_micro_batch_size or a.micro_batch_size, 0, "logprobs",
-                    max_tokens=a.forward_max_tokens_per_micro_batch or a.max_tokens_per_micro_batch, packed=a.use_packing)
+        forward_all(eng, batch, fsize, 0, "logprobs", max_tokens=fbudget, packed=a.use_packing)
 
     out = {"tokens": float((plen + rlen).sum()), "response_tokens": float(rlen.sum())}
     for name, fn in (("update_s", update), ("forward_s", forward)):

@@ -295,25 +295,6 @@ def check_host(cfg, environ=None) -> None:
         raise ConfigError(problem)
 
 
-def check_engine_install(cfg) -> None:
-    """What the installed packages decide at engine build, decided here instead: the Megatron backend takes
-    TransformerEngine's layers on a GPU whenever TransformerEngine imports, and those need THD attention for
-    packed rows, which is not wired up."""
-    from spmdrl.dist.layout import role_backends
-
-    backends = role_backends(cfg)
-    packed = [f"{role}.use_packing" for role in ("actor", "critic")
-              if backends.get(role) == "megatron" and getattr(cfg, role).use_packing]
-    if not packed or cfg.trainer.device == "cpu":
-        return
-    from spmdrl.engines.megatron.model import have_te
-
-    if have_te():
-        raise ConfigError(f"{packed[0]} = true with the Megatron backend: TransformerEngine is installed, so its layers "
-                          "are used on the GPU, and packed rows need THD attention, which spmdrl does not wire up; "
-                          f"set {packed[0]} = false, or use trainer.backend = 'fsdp'")
-
-
 def check_multi_turn(cfg) -> None:
     """multi_turn.enable: the tools load and the chat template renders tool conversations prefix-preserved
     (rollout/chat.py), before any engine is built."""
@@ -336,7 +317,6 @@ def preflight(cfg, config_toml: str, world_size: int | None = None) -> Plan:
     """Every disk and host check, in the order a user would fix them (world_size: the run's ranks, when known)."""
     check_models(cfg)
     check_multi_turn(cfg)
-    check_engine_install(cfg)
     check_writable(cfg.trainer.output_dir)
     plan = check_resume(cfg, config_toml, world_size)
     check_host(cfg)

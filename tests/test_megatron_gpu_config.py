@@ -119,19 +119,21 @@ def test_inner_optimizer_is_torch_adam_even_where_megatron_would_pick_fused_adam
     assert mopt.USING_PYTORCH_OPTIMIZER is False  # restored
 
 
-def test_packing_with_transformer_engine_is_refused_before_launch(monkeypatch):
-    """On a GPU with TransformerEngine installed the Megatron backend takes TE's layers, which would refuse packed
-    rows at the first forward; preflight says so first. (TE does not build on CPU: its presence is replayed by
-    answering have_te's question.)"""
-    from spmdrl.config import load_config
-    from spmdrl.engines.megatron import model
-    from spmdrl.errors import ConfigError
-    from spmdrl.preflight import check_engine_install
+def test_packed_micro_batches_relayout_to_padded_rows_for_transformer_engine():
+    """On a GPU with TransformerEngine installed the Megatron backend takes TE's layers, which would need THD
+    attention for packed sequences (not wired up): the engine lays a packed micro-batch out as padded rows
+    (engines.fsdp.relayout) instead of refusing the default configuration. The relayout is exactly the padded
+    batch of the same sequences."""
+    from spmdrl.engines.fsdp import pack_sequences, relayout
 
-    cfg = load_config(None, ["trainer.backend=megatron", "actor.use_packing=true", "trainer.device=cuda"])
-    monkeypatch.setattr(model, "have_te", lambda: False)
-    check_engine_install(cfg)  # the local spec packs rows
-    monkeypatch.setattr(model, "have_te", lambda: True)
-    with pytest.raises(ConfigError, match=r"^actor.use_packing = true with the Megatron backend: TransformerEngine"):
-        check_engine_install(cfg)
-    check_engine_install(load_config(None, ["trainer.backend=megatron", "actor.use_packing=true", "trainer.device=cpu"]))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 100, (n,), generator=g) for n in (4, 7, 2)]
+    resps = [torch.randint(3, 100, (n,), generator=g) for n in (5, 1, 9)]
+    packed = pack_sequences(prompts, resps, 0, packed=True)
+    want = pack_sequences(prompts, resps, 0)
+    got = relayout(packed, packed=False)
+    assert got.cu_seqlens is None
+    for f in ("input_ids", "position_ids", "resp_pos", "resp_ids", "resp_mask"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    assert torch.equal(got.attention_mask, want.attention_mask)
+

@@ -117,15 +117,19 @@ class ActorConfig:
     """Prompts per optimizer step over all ranks (times rollout.n samples); 0 means data.train_batch_size."""
     micro_batch_size: int = 4
     """Samples per forward/backward on one rank; gradients accumulate over a mini-batch."""
-    max_tokens_per_micro_batch: int = 0
+    max_tokens_per_micro_batch: int = -1
     """Token budget per forward/backward on one rank (prompt + response tokens); > 0 splits each mini-batch
     into the fewest micro-batches of near-equal token counts within this budget and micro_batch_size samples
-    (the same count on every rank); 0 splits by micro_batch_size samples only."""
+    (the same count on every rank); -1 (auto): with use_packing, a budget of micro_batch_size x
+    (data.max_prompt_length + data.max_response_length) tokens and no cap on samples (a micro-batch of short
+    sequences holds more of them; memory stays bounded by the budget), without packing as 0; 0 splits by
+    micro_batch_size samples only."""
     forward_micro_batch_size: int = 0
     """Samples per forward-only pass (old and ref log-probs), which keep no activations; 0 means micro_batch_size."""
     forward_max_tokens_per_micro_batch: int = 0
-    """Token budget of forward-only passes; 0 means max_tokens_per_micro_batch."""
-    use_packing: bool = False
+    """Token budget of forward-only passes; 0 means max_tokens_per_micro_batch (auto: forward_micro_batch_size x
+    the longest sequence)."""
+    use_packing: bool = True
     """Pack the sequences of a micro-batch one after another (per-sequence position ids and boundaries, no
     padding; see model.attn_implementation) instead of right-padding each to the longest of its micro-batch;
     same numbers, fewer padding tokens (actor, ref and old log-prob passes)."""
@@ -199,10 +203,10 @@ class CriticConfig:
     """Critic passes over each batch."""
     micro_batch_size: int = 4
     """Samples per critic forward/backward on one rank."""
-    max_tokens_per_micro_batch: int = 0
-    """Token budget per critic forward/backward on one rank; 0 splits by micro_batch_size only."""
-    use_packing: bool = False
-    """Pack sequences into rows instead of padding them (see actor.use_packing)."""
+    max_tokens_per_micro_batch: int = -1
+    """Token budget per critic forward/backward on one rank; -1 (auto) and 0 as actor.max_tokens_per_micro_batch."""
+    use_packing: bool = True
+    """Pack the sequences of a micro-batch instead of padding them (see actor.use_packing)."""
     cliprange_value: float = 0.5
     """Clip of the value update around the old values."""
     loss_agg_mode: str = "token-mean"

@@ -138,12 +138,14 @@ def validate(cfg, world_size: int):
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     for key in ("actor.max_tokens_per_micro_batch", "actor.forward_max_tokens_per_micro_batch",
                 "critic.max_tokens_per_micro_batch", "actor.forward_micro_batch_size"):
-        if _get(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0, found {_get(cfg, key)}")
+        if _get(cfg, key) < (-1 if "tokens" in key else 0):
+            raise ConfigError(f"{key} must be >= {-1 if 'tokens' in key else 0} (-1: auto), found {_get(cfg, key)}"
+                              if "tokens" in key else f"{key} must be >= 0, found {_get(cfg, key)}")
         if "tokens" in key and 0 < _get(cfg, key) < longest:
             raise ConfigError(
                 f"{key} = {_get(cfg, key)} is below the longest sequence (data.max_prompt_length + "
-                f"data.max_response_length = {longest}): raise it to at least {longest}, or 0 for no token budget"
+                f"data.max_response_length = {longest}): raise it to at least {longest}, -1 for the automatic budget, "
+                "or 0 for none"
             )
     if cfg.actor.clip_ratio_c <= 1:
         raise ConfigError(f"actor.clip_ratio_c must be > 1 (dual-clip constant), found {cfg.actor.clip_ratio_c}")

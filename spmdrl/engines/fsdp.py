@@ -113,18 +113,25 @@ def pack_sequences(
     return TokenBatch(input_ids, attention_mask, position_ids, resp_pos, resp_ids, resp_mask)
 
 
-def dense_rows(b: TokenBatch) -> TokenBatch:
-    """A packed (cu_seqlens) batch in the row-packed reference layout: its sequences first-fit into rows of
-    max_seqlen tokens with the dense block-diagonal causal mask (what model.attn_implementation = "sdpa" runs).
-    The same sequences, response ids and mask; on b's device."""
+def relayout(b: TokenBatch, *, packed: bool, row_len: int = 0) -> TokenBatch:
+    """A batch of packed sequences in one row (cu_seqlens) in another layout (pack_sequences' packed / row_len:
+    padded rows, or rows of row_len tokens with dense masks): the same sequences, response ids and response
+    mask, on b's device."""
     cu = b.cu_seqlens.tolist()
     ids = b.input_ids[0].cpu()
     start = (b.resp_pos[:, 0].cpu() + 1).tolist()  # first response token of each sequence
     prompts = [ids[a: s] for a, s in zip(cu, start)]
     resps = [ids[s: e] for s, e in zip(start, cu[1:])]
-    out = pack_sequences(prompts, resps, 0, packed=True, row_len=b.max_seqlen)
+    out = pack_sequences(prompts, resps, 0, packed=packed, row_len=row_len)
     out.resp_ids, out.resp_mask = b.resp_ids, b.resp_mask
     return out.to(b.input_ids.device)
+
+
+def dense_rows(b: TokenBatch) -> TokenBatch:
+    """A packed (cu_seqlens) batch in the row-packed reference layout: its sequences first-fit into rows of
+    max_seqlen tokens with the dense block-diagonal causal mask (what model.attn_implementation = "sdpa" runs).
+    The same sequences, response ids and mask; on b's device."""
+    return relayout(b, packed=True, row_len=b.max_seqlen)
 
 
 def _backbone_hidden(hf: nn.Module, b: TokenBatch) -> tuple[torch.Tensor, TokenBatch]:

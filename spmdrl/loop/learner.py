@@ -11,7 +11,7 @@ from spmdrl.dist.collectives import reduce_max, reduce_sum
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine
 from spmdrl.loop.correction import prepare_actor_update, sampler_truncates
-from spmdrl.loop.update import actor_body, critic_body, forward_all, run_updates
+from spmdrl.loop.update import actor_body, critic_body, forward_all, micro_batch_limits, run_updates
 
 
 class Learner:
@@ -24,6 +24,7 @@ class Learner:
         self.actor, self.ref, self.critic = actor, ref, critic
         self.adv_fn = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
         self.loss_fn = POLICY_LOSSES.get(cfg.actor.policy_loss)
+        self.longest = cfg.data.max_prompt_length + cfg.data.max_response_length  # a sequence's bound, in tokens
 
     def dp_sum(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum over the actor's data-parallel ranks (one rank per TP group: TP peers hold the same samples)."""
@@ -34,9 +35,9 @@ class Learner:
         """Log-probs of the sampled tokens at the rollout temperature; with top_k / top_p, of the truncated
         sampling distribution (what the rollout engine's processed log-probs are)."""
         a = self.cfg.actor
+        size, budget = micro_batch_limits(a, self.longest, forward=True)
         return forward_all(
-            engine, batch, a.forward_micro_batch_size or a.micro_batch_size, self.pad_id, "logprobs",
-            max_tokens=a.forward_max_tokens_per_micro_batch or a.max_tokens_per_micro_batch, packed=a.use_packing,
+            engine, batch, size, self.pad_id, "logprobs", max_tokens=budget, packed=a.use_packing,
             temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size, top_k=top_k, top_p=top_p,
         )
 
@@ -50,8 +51,8 @@ class Learner:
 
     def values(self, batch: Batch) -> torch.Tensor:
         c = self.cfg.critic
-        return forward_all(self.critic, batch, c.micro_batch_size, self.pad_id, "values",
-                           max_tokens=c.max_tokens_per_micro_batch, packed=c.use_packing)
+        size, budget = micro_batch_limits(c, self.longest, forward=True)
+        return forward_all(self.critic, batch, size, self.pad_id, "values", max_tokens=budget, packed=c.use_packing)
 
     # ---- rewards and advantages ----------------------------------------------------------------------------
     def kl_in_reward(self, batch: Batch) -> dict[str, float]:
@@ -95,10 +96,11 @@ class Learner:
         mesh = self.meshes[role]
         mini = mesh.dp_share((self.cfg.actor.ppo_mini_batch_size or self.cfg.data.train_batch_size) * self.cfg.rollout.n,
                              "mini-batch samples")
+        size, budget = micro_batch_limits(sec, self.longest)
         return run_updates(
-            engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=sec.micro_batch_size, pad_id=self.pad_id,
-            dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix=role,
-            max_tokens=sec.max_tokens_per_micro_batch, packed=sec.use_packing,
+            engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=size, pad_id=self.pad_id,
+            dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix=role, max_tokens=budget,
+            packed=sec.use_packing,
         )
 
     # ---- metrics ---------------------------------------------------------------------------------------

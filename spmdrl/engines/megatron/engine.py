@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.engines.base import accumulate, clipped_step, step_metrics
-from spmdrl.engines.fsdp import TokenBatch, lr_lambda
+from spmdrl.engines.fsdp import TokenBatch, lr_lambda, relayout
 from spmdrl.errors import ConfigError
 from spmdrl.reshard.plan import MEGATRON_MODEL_TYPES
 
@@ -142,13 +142,15 @@ class MegatronEngine:
         """One micro-batch's device inputs, built from the host TokenBatch before the schedule runs: every
         data-dependent size (the response positions, ResponseIndex) is computed here on the host, so nothing in
         the schedule reads the device; the copies are non-blocking."""
+        if self.use_te and tb.cu_seqlens is not None:  # TE's layers would need THD attention (not wired up)
+            tb = relayout(tb, packed=False)  # the same sequences, padded
+        if self.use_te and tb.mask is not None and tb.mask.dim() == 4:
+            raise ConfigError("megatron backend with TransformerEngine layers: row-packed micro-batches need THD "
+                              "attention, which is not wired up")
         varlen = tb.cu_seqlens is not None and self.attention == "sdpa"  # packed sequences in one row
         # the row-packed reference layout, or packed sequences under megatron's own attention: a dense mask
         rows = (tb.mask is not None and tb.mask.dim() == 4) or (tb.cu_seqlens is not None and not varlen)
         packed = varlen or rows
-        if self.use_te and packed:
-            raise ConfigError("megatron backend with TransformerEngine layers: packed micro-batches need THD attention, "
-                              "which is not wired up; turn packing off (padded micro-batches)")
         ids, mask = tb.input_ids, (tb.attention_mask if rows else None)
         # packed: each sequence's own positions; padded rows are right-padded, so every row's positions are
         # 0 .. L-1: one [1, L] row (one rotary table broadcast over the batch, what TE's fused RoPE takes)
