@@ -34,10 +34,17 @@ def reference_attention(q, k, v, lengths, scale):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("lengths, path", [([5, 1, 13, 8, 2], "_varlen_loop"), ([7, 9, 8, 6, 9], "_varlen_batched")],
+                         ids=["per-sequence", "one-call"])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 1), (2, 2)])
-def test_varlen_kernel_equals_float64_reference(heads, kv_heads):
+def test_varlen_kernel_equals_float64_reference(heads, kv_heads, lengths, path, monkeypatch):
+    """Both CPU forms: one SDPA call per sequence (lengths that differ a lot) and one call over rows (similar
+    lengths)."""
     torch.manual_seed(0)
-    lengths, D = [5, 1, 13, 8, 2], 16
+    D = 16
+    ran = []
+    real = getattr(attn, path)
+    monkeypatch.setattr(attn, path, lambda *a, **k: ran.append(path) or real(*a, **k))
     T = sum(lengths)
     q = torch.randn(T, heads, D, requires_grad=True)
     k = torch.randn(T, kv_heads, D, requires_grad=True)
@@ -45,6 +52,7 @@ def test_varlen_kernel_equals_float64_reference(heads, kv_heads):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     scale = D ** -0.5
     out = attn.varlen_attention(q, k, v, cu, max(lengths), scale=scale)
+    assert ran == [path]
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     ref = reference_attention(qd, kd, vd, lengths, scale)
     assert out.shape == (T, heads, D) and (out.double() - ref).abs().max().item() < 1e-5

@@ -6,8 +6,9 @@ grouped-query attention handled by the kernels themselves (key/value heads are n
 
 Packed layout: the tokens of n sequences one after another, sequence i at [cu_seqlens[i], cu_seqlens[i + 1]);
 a token attends to the earlier tokens of its own sequence and itself, exactly as if the sequence ran alone.
-On CPU each sequence goes through torch's scaled_dot_product_attention with is_causal (no mask tensor
-anywhere). On CUDA the whole batch is one call of torch's flash varlen kernel
+On CPU the sequences go through torch's scaled_dot_product_attention with is_causal (no mask tensor
+anywhere): in one call with each sequence at the start of its own row when their lengths are similar (the rows'
+attention costs at most twice the sequences' own), else one call per sequence. On CUDA the whole batch is one call of torch's flash varlen kernel
 (torch.nn.attention.varlen.varlen_attn), else flash-attn's flash_attn_varlen_func when it is installed, else
 the per-sequence loop; the CUDA calls have never run (no GPU was available).
 
@@ -41,11 +42,33 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         out = _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale)
         if out is not None:
             return out
+    lengths = lengths if lengths is not None else cu_seqlens.diff().tolist()
+    if len(lengths) * max(lengths, default=0) ** 2 <= 2 * sum(n * n for n in lengths):
+        return _varlen_batched(q, k, v, lengths, scale)
     return _varlen_loop(q, k, v, cu_seqlens, scale, lengths)
 
 
+def _varlen_batched(q, k, v, lengths, scale):
+    """All sequences in one causal SDPA call, each placed at the start of its own row of max(lengths) positions
+    (attention only: the caller's linear layers still run on the packed tokens). Exact: under causal attention
+    a token sees only earlier positions of its row, all of its own sequence. Chosen when the rows' attention
+    costs at most twice the sequences' own (similar lengths): one call instead of one per sequence."""
+    n, width = len(lengths), max(lengths)
+    lens = torch.tensor(lengths, device=q.device)
+    seq = torch.repeat_interleave(torch.arange(n, device=q.device), lens)  # the sequence of each packed token
+    col = torch.arange(q.shape[0], device=q.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+
+    def rows(x):  # [T, H, D] -> [n, H, width, D]
+        return x.new_zeros(n, width, *x.shape[1:]).index_put((seq, col), x).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)[seq, col]
+
+
 def _varlen_loop(q, k, v, cu_seqlens, scale, lengths=None):
-    """One SDPA call per sequence, each on its own slice (the CPU path, and the CUDA fallback)."""
+    """One SDPA call per sequence, each on its own slice (the CPU path for lengths that differ a lot, and the
+    CUDA fallback)."""
     lengths = lengths if lengths is not None else cu_seqlens.diff().tolist()
     gqa = q.shape[1] != k.shape[1]
     outs = []
