@@ -1,6 +1,7 @@
 """Start real multi-process runs from tests: torchrun on loopback, or a plain single process."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -32,3 +33,18 @@ def run(args: list[str], nproc: int | None, timeout: int = 600, module: bool = F
     if check:
         assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """A gloo world of one process (this one) for in-process engine tests; left as found on exit."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -3,7 +3,6 @@ and gradients, and the resharding choice (a trainable engine keeps its last bloc
 backward; forward-only engines reshard every block)."""
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from spmdrl.config import load_config
@@ -17,16 +16,12 @@ from spmdrl.tiny import build_tiny
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from launching import free_port
+    from launching import world_of_one
 
     model = build_tiny(str(tmp_path_factory.mktemp("compile")))
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    mesh = RoleMeshes(plan_layout(load_config(None, [f"model.path={model}"]).placement, 1), 0, "cpu")["actor"]
-    yield model, mesh
-    if created:
-        dist.destroy_process_group()
+    with world_of_one():
+        mesh = RoleMeshes(plan_layout(load_config(None, [f"model.path={model}"]).placement, 1), 0, "cpu")["actor"]
+        yield model, mesh
 
 
 def batches(seed=0):

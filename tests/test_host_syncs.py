@@ -12,7 +12,6 @@ import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmdrl.algos import POLICY_LOSSES
@@ -83,18 +82,14 @@ def engine_reads(eng):
 
 @pytest.fixture(scope="module")
 def actor(tmp_path_factory):
-    from launching import free_port
+    from launching import world_of_one
 
     model = build_tiny(str(tmp_path_factory.mktemp("syncs")))
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    cfg = load_config(None, [f"model.path={model}", "actor.loss_agg_mode=token-mean"])
-    mesh = RoleMeshes(plan_layout(cfg.placement, 1), 0, "cpu")["actor"]
-    eng = FSDPEngine(model, mesh, torch.device("cpu"), trainable=True, optim=dict(lr=1e-4, grad_clip=1.0))
-    yield cfg, mesh, eng
-    if created:
-        dist.destroy_process_group()
+    with world_of_one():
+        cfg = load_config(None, [f"model.path={model}", "actor.loss_agg_mode=token-mean"])
+        mesh = RoleMeshes(plan_layout(cfg.placement, 1), 0, "cpu")["actor"]
+        eng = FSDPEngine(model, mesh, torch.device("cpu"), trainable=True, optim=dict(lr=1e-4, grad_clip=1.0))
+        yield cfg, mesh, eng
 
 
 def batch(n=8, seed=0):
