@@ -34,6 +34,9 @@ def rows(old: dict, new: dict) -> list[tuple[str, float, float]]:
         out.append(("forward MFU %", 100 * o["forward_mfu"], 100 * n["forward_mfu"]))
     out += [("peak GB, update", old["peak_gb_train_step"], new["peak_gb_train_step"]),
             ("peak GB, forward", old["peak_gb_logprobs"], new["peak_gb_logprobs"])]
+    for phase, label in (("train_step", "update"), ("logprobs", "forward")):  # --count-syncs, on a GPU
+        if f"cuda_syncs_{phase}" in new:
+            out.append((f"host-device syncs, one {label}", old.get(f"cuda_syncs_{phase}", 0), new[f"cuda_syncs_{phase}"]))
     return out
 
 

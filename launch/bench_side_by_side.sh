@@ -22,7 +22,7 @@ mkdir -p "$out/old"
 git -C "$repo" archive "$old_rev" spmdrl | tar -x -C "$out/old"
 read -r -a new_args <<< "${NEW_ARGS:-}"
 mix=(--length-mix rl --prompt-min 128 --prompt-len 1024 --response-min 64 --response-len 4096 --batch 64 --n 8
-     --packed --max-tokens 8192 --forward-max-tokens 16384 --iters 2)
+     --packed --max-tokens 8192 --forward-max-tokens 16384 --iters 2 --count-syncs)
 if [ $# -gt 0 ]; then mix=("$@"); fi
 shapes=(${SHAPES:-qwen2.5-1.5b qwen2.5-3b})
 for shape in "${shapes[@]}"; do

@@ -101,6 +101,21 @@ def reset_peak(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def count_cuda_syncs(fn) -> int:
+    """How many times fn() makes the host wait for the GPU (torch.cuda.set_sync_debug_mode("warn") reports each
+    synchronising call: .item(), nonzero, blocking copies, ...). CUDA only; never run."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -143,6 +158,8 @@ def main() -> int:
     p.add_argument("--recompute-policy", default="", choices=["", "full", "selective"],
                    help="model.checkpoint_policy with --recompute (empty: the engine's default, full)")
     p.add_argument("--compile", action="store_true", help="model.compile: torch.compile each decoder block (fsdp)")
+    p.add_argument("--count-syncs", action="store_true",
+                   help="CUDA: one more pass of each phase counting host-device synchronisations (cuda_syncs_*)")
     args = p.parse_args()
     if args.shape:
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab, tied = SHAPES[args.shape]
@@ -226,6 +243,8 @@ def main() -> int:
         sync(device)
         times[name] = (time.perf_counter() - t0) / args.iters
         out[f"peak_gb_{name}"] = peak_gb(device)
+        if args.count_syncs and cuda:  # one more pass with torch's synchronisation warnings on, after the timing
+            out[f"cuda_syncs_{name}"] = count_cuda_syncs(fn)
     lens = (batch["prompt_len"] + batch["response_len"]).double()
     tokens = float(lens.sum())
     peak = device_peak_tflops(device)

@@ -17,7 +17,7 @@ mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 # prompts 128-1024 tokens per group, responses 64-4096 tokens, 64 sequences (8 groups of 8) per optimizer step
 mix=(--length-mix rl --prompt-min 128 --prompt-len 1024 --response-min 64 --response-len 4096 --batch 64 --n 8
-     --packed --max-tokens 8192 --forward-max-tokens 16384 --iters 2)
+     --packed --max-tokens 8192 --forward-max-tokens 16384 --iters 2 --count-syncs)
 for shape in qwen2.5-1.5b qwen2.5-3b; do
   extra=()
   [ "$shape" = qwen2.5-3b ] && extra=(--recompute)
