@@ -5,7 +5,8 @@ softmax) for backward. ``logprobs_from_hidden`` instead projects ``chunk_size`` 
 (no top-k / top-p truncation) it runs ``LinearLogprob``: a custom autograd function whose forward keeps, per
 token, only the log-sum-exp and the results, and whose backward recomputes each chunk's logits once and writes
 the gradient of log p(y) and H straight into that buffer (d log p_y / dz = onehot(y) - p, dH / dz = -p (log p +
-H)), so a chunk costs two float32 [chunk, V] buffers in forward and in backward, instead of the five or so that
+H)), so a chunk costs two float32 [chunk, V] buffers in forward and in backward (plus the gradient's copy in the
+weight's dtype when that is bf16), instead of the logits, log-softmax, probabilities and their gradients that
 autograd through log_softmax, gather and the entropy would keep. The projection matmuls run in the weight's
 dtype (bf16 under mixed precision), the softmax math in float32. Total matmul work: forward, recompute, and the
 two gradient matmuls, as with activation checkpointing.
