@@ -138,9 +138,9 @@ def validate(cfg, world_size: int):
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     for key in ("actor.max_tokens_per_micro_batch", "actor.forward_max_tokens_per_micro_batch",
                 "critic.max_tokens_per_micro_batch", "actor.forward_micro_batch_size"):
-        if _get(cfg, key) < (-1 if "tokens" in key else 0):
-            raise ConfigError(f"{key} must be >= {-1 if 'tokens' in key else 0} (-1: auto), found {_get(cfg, key)}"
-                              if "tokens" in key else f"{key} must be >= 0, found {_get(cfg, key)}")
+        low = -1 if "tokens" in key else 0  # -1: the automatic token budget
+        if _get(cfg, key) < low:
+            raise ConfigError(f"{key} must be >= {low}{' (-1: auto)' if low else ''}, found {_get(cfg, key)}")
         if "tokens" in key and 0 < _get(cfg, key) < longest:
             raise ConfigError(
                 f"{key} = {_get(cfg, key)} is below the longest sequence (data.max_prompt_length + "

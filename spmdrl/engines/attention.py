@@ -44,19 +44,21 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             return out
     lengths = lengths if lengths is not None else cu_seqlens.diff().tolist()
     if len(lengths) * max(lengths, default=0) ** 2 <= 2 * sum(n * n for n in lengths):
-        return _varlen_batched(q, k, v, lengths, scale)
+        return _varlen_batched(q, k, v, cu_seqlens, lengths, scale)
     return _varlen_loop(q, k, v, cu_seqlens, scale, lengths)
 
 
-def _varlen_batched(q, k, v, lengths, scale):
+def _varlen_batched(q, k, v, cu_seqlens, lengths, scale):
     """All sequences in one causal SDPA call, each placed at the start of its own row of max(lengths) positions
     (attention only: the caller's linear layers still run on the packed tokens). Exact: under causal attention
     a token sees only earlier positions of its row, all of its own sequence. Chosen when the rows' attention
     costs at most twice the sequences' own (similar lengths): one call instead of one per sequence."""
+    from spmdrl.engines.packing import seq_ids
+
     n, width = len(lengths), max(lengths)
-    lens = torch.tensor(lengths, device=q.device)
-    seq = torch.repeat_interleave(torch.arange(n, device=q.device), lens)  # the sequence of each packed token
-    col = torch.arange(q.shape[0], device=q.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    cu = cu_seqlens.to(q.device).long()
+    seq = seq_ids(cu)  # the sequence of each packed token, and its column in that sequence's row
+    col = torch.arange(q.shape[0], device=q.device) - cu[seq]
 
     def rows(x):  # [T, H, D] -> [n, H, width, D]
         return x.new_zeros(n, width, *x.shape[1:]).index_put((seq, col), x).transpose(1, 2)

@@ -106,6 +106,7 @@ def run_updates(
             local[k] = local.get(k, 0.0) + _detached(v) * w_tok
         return loss * (w * dp_size), {}
 
+    dev = getattr(engine, "device", torch.device("cpu"))
     for _ in range(epochs):
         for i, mini in enumerate(minis):
             unit_total, token_total = all_totals[i].tolist()
@@ -114,7 +115,6 @@ def run_updates(
             shares = torch.stack([torch.stack([agg_units(mb["response_mask"], mode),
                                                agg_units(mb["response_mask"], "token-mean")]) for mb, _ in mbs])
             shares = (shares / torch.tensor([unit_total or 1.0, token_total or 1.0], dtype=torch.float64)).tolist()
-            dev = getattr(engine, "device", torch.device("cpu"))
             out = engine.train_step([(_staged(mb, dev), tb, tuple(w)) for (mb, tb), w in zip(mbs, shares)], loss_fn)
             for k, v in out.items():
                 engine_sums[k] = engine_sums.get(k, 0.0) + v
