@@ -261,11 +261,17 @@ def data_tool_sums(
 def model_tiny(
     out: str = typer.Option(..., "--out", "-o", help="Output HF model directory."),
     seed: int = typer.Option(0, "--seed", help="Initialisation seed."),
+    arch: str = typer.Option("qwen2", "--arch", help="Architecture: llama, qwen2, qwen3, mistral, gemma3, mixtral, "
+                             "qwen3_moe or phi3."),
 ):
-    """Build the tiny Qwen2 model and character tokenizer used by tests and the CPU quickstart."""
-    from spmdrl.tiny import build_tiny
+    """Build a tiny random model (Qwen2 by default, the quickstart's) with the byte-level tokenizer, for smoke
+    tests of an architecture."""
+    from spmdrl.errors import ConfigError
+    from spmdrl.tiny import ARCHS, build_tiny
 
-    typer.echo(build_tiny(out, seed=seed))
+    if arch not in ARCHS:
+        raise ConfigError(f"--arch {arch!r} is not a tiny architecture; choose one of {', '.join(ARCHS)}")
+    typer.echo(build_tiny(out, seed=seed, arch=arch))
 
 
 @app.command(context_settings=PASS_OVERRIDES)

@@ -1,4 +1,4 @@
-"""A tiny Qwen2 model and byte-level tokenizer, built locally.
+"""Tiny models (Qwen2 by default, or any architecture of ARCHS) and a byte-level tokenizer, built locally.
 
 No model hub is reachable from CI or the CPU quickstart, so tests and the quickstart build their own model.
 It is a real `Qwen2ForCausalLM` saved in HF format, so the same `from_pretrained` path (transformers and
@@ -43,9 +43,28 @@ def build_tokenizer(out_dir: str | None = None):
     return hf
 
 
+# Per architecture: the HF model_type and what a tiny instance sets beyond the common sizes. Head dim is 32
+# everywhere (vLLM's CPU attention needs >= 32); sliding windows are off except Gemma 3's, whose alternating
+# sliding/full layers are part of the family (a window of 16 tokens, shorter than the quickstart's sequences).
+ARCHS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {"use_sliding_window": False}),
+    "qwen3": ("qwen3", {"use_sliding_window": False}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "gemma3": ("gemma3_text", {"sliding_window": 16, "query_pre_attn_scalar": 32, "layer_types": "alternate"}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
+                            "router_jitter_noise": 0.0}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                                "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+                                "norm_topk_prob": True}),
+    "phi3": ("phi3", {"sliding_window": None}),  # fused qkv_proj and gate_up_proj: the whole-tensor route
+}
+
+
 def build_model(
     out_dir: str | None = None,
     *,
+    arch: str = "qwen2",
     vocab_size: int = 320,
     hidden_size: int = 128,
     num_layers: int = 4,
@@ -56,28 +75,37 @@ def build_model(
     tie_word_embeddings: bool = False,
     seed: int = 0,
 ):
-    """A randomly initialised Qwen2ForCausalLM (about 1M parameters with the defaults), float32."""
+    """A randomly initialised causal LM of architecture `arch` (a key of ARCHS; about 1M parameters with the
+    defaults), float32."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = Qwen2Config(
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    model_type, extra = ARCHS[arch]
+    extra = dict(extra)
+    if extra.get("layer_types") == "alternate":
+        extra["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    cfg = AutoConfig.for_model(
+        model_type,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         torch_dtype="float32",
         bos_token_id=0,
         eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
         pad_token_id=0,
-        use_sliding_window=False,
+        **extra,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(cfg).float()
+        model = AutoModelForCausalLM.from_config(cfg).float()
     if out_dir is not None:
         model.save_pretrained(out_dir, safe_serialization=True)
     return model

@@ -6,7 +6,9 @@ import re
 import pytest
 import torch
 
-from spmdrl.reshard.plan import ModelDims, fsdp_block, fsdp_blocks, numel, plan_sync, vllm_block, vllm_blocks
+from spmdrl.reshard.plan import ModelDims, fsdp_block, fsdp_blocks, numel, plan_sync
+
+from vllm_targets import vllm_blocks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,45 +42,39 @@ def test_fsdp_block_matches_dtensor_arithmetic(shape, style, dp, tp):
                 assert tuple(offs) == tuple(offset), (d, t)
 
 
-def test_vllm_blocks_by_hand():
+def test_vllm_reads_learnt_from_the_loaders_match_the_rules_by_hand():
+    """What vLLM's Llama loaders read per TP rank, learnt by running them on meta tensors, against the slicing
+    rules written out by hand from vLLM's layer classes (QKVParallelLinear with kv heads replicated below tp,
+    MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding's padded vocabulary)."""
     dims = ModelDims(num_heads=8, num_kv_heads=2, head_dim=4, vocab_size=100)
-    # q: 2 heads of 4 rows per rank at tp=4
-    assert vllm_block("model.layers.0.self_attn.q_proj.weight", (32, 16), dims, 4, 3) == ((24, 0), (8, 16))
+    params = [("model.embed_tokens.weight", (100, 16)), ("model.layers.0.self_attn.q_proj.weight", (32, 16)),
+              ("model.layers.0.self_attn.k_proj.weight", (8, 16)), ("model.layers.0.self_attn.v_proj.weight", (8, 16)),
+              ("model.layers.0.self_attn.o_proj.weight", (16, 32)), ("model.layers.0.mlp.gate_proj.weight", (40, 16)),
+              ("model.layers.0.mlp.up_proj.weight", (40, 16)), ("model.layers.0.mlp.down_proj.weight", (16, 40)),
+              ("model.layers.0.input_layernorm.weight", (16,)), ("model.norm.weight", (16,)), ("lm_head.weight", (100, 16))]
+
+    def block(name, tp, r):
+        (rank, b), = [(rank, b) for rank, b in vllm_blocks(params, [list(range(tp))], dims)[name] if rank == r]
+        return b
+
+    assert block("model.layers.0.self_attn.q_proj.weight", 4, 3) == ((24, 0), (8, 16))  # 2 heads x 4 rows a rank
     # 2 kv heads over tp=4: replicated, ranks 0-1 take head 0, ranks 2-3 head 1
-    assert [vllm_block("model.layers.0.self_attn.k_proj.weight", (8, 16), dims, 4, r)[0][0] for r in range(4)] == [0, 0, 4, 4]
-    assert vllm_block("model.layers.0.self_attn.v_proj.bias", (8,), dims, 2, 1) == ((4,), (4,))
-    assert vllm_block("model.layers.1.mlp.down_proj.weight", (16, 40), dims, 4, 2) == ((0, 20), (16, 10))
-    assert vllm_block("model.layers.1.mlp.up_proj.weight", (40, 16), dims, 4, 1) == ((10, 0), (10, 16))
+    assert [block("model.layers.0.self_attn.k_proj.weight", 4, r)[0][0] for r in range(4)] == [0, 0, 4, 4]
+    assert block("model.layers.0.self_attn.v_proj.weight", 2, 1) == ((4, 0), (4, 16))
+    assert block("model.layers.0.mlp.down_proj.weight", 4, 2) == ((0, 20), (16, 10))
+    assert block("model.layers.0.mlp.up_proj.weight", 4, 1) == ((10, 0), (10, 16))
     # vocabulary padded to 128 before the split: rank 1 of 2 holds rows 64..99
-    assert vllm_block("lm_head.weight", (100, 16), dims, 2, 1) == ((64, 0), (36, 16))
-    assert vllm_block("model.norm.weight", (16,), dims, 4, 3) == ((0,), (16,))
-    assert vllm_block("model.layers.0.self_attn.q_proj.weight", (32, 16), dims, 1, 0) == ((0, 0), (32, 16))
+    assert block("lm_head.weight", 2, 1) == ((64, 0), (36, 16))
+    assert block("model.norm.weight", 4, 3) == ((0,), (16,))
+    assert block("model.layers.0.self_attn.q_proj.weight", 1, 0) == ((0, 0), (32, 16))
 
 
 def _params():
     return [("model.embed_tokens.weight", (100, 16)), ("model.layers.0.self_attn.q_proj.weight", (32, 16)),
-            ("model.layers.0.self_attn.k_proj.weight", (8, 16)), ("model.layers.0.self_attn.o_proj.weight", (16, 32)),
-            ("model.layers.0.mlp.gate_proj.weight", (40, 16)), ("model.layers.0.mlp.down_proj.weight", (16, 40)),
+            ("model.layers.0.self_attn.k_proj.weight", (8, 16)), ("model.layers.0.self_attn.v_proj.weight", (8, 16)),
+            ("model.layers.0.self_attn.o_proj.weight", (16, 32)), ("model.layers.0.mlp.gate_proj.weight", (40, 16)),
+            ("model.layers.0.mlp.up_proj.weight", (40, 16)), ("model.layers.0.mlp.down_proj.weight", (16, 40)),
             ("model.layers.0.input_layernorm.weight", (16,)), ("lm_head.weight", (100, 16))]
-
-
-def test_vllm_targets_refuse_unverified_architectures():
-    """The backstop for a model whose config.json validation could not read (a hub id not downloaded yet): the
-    plan of a sync into vLLM's shards refuses it; whole-tensor targets (the transformers engine) take it."""
-    from transformers import AutoConfig
-
-    from spmdrl.errors import ConfigError
-    from spmdrl.reshard.plan import rollout_targets
-
-    small = dict(vocab_size=100, hidden_size=16, num_attention_heads=4, num_key_value_heads=2)
-    for model_type, kw in (("mixtral", small), ("gemma", small), ("gpt2", dict(vocab_size=100, n_embd=16, n_head=4))):
-        dims = ModelDims.from_hf_config(AutoConfig.for_model(model_type, **kw))
-        with pytest.raises(ConfigError, match=f"the actor model is a '{model_type}' model"):
-            rollout_targets(_params(), [[0, 1]], dims, loads_tp_shards=True)
-        assert rollout_targets(_params(), [[0, 1]], dims, loads_tp_shards=False)
-    for model_type in ("llama", "qwen2", "mistral"):
-        dims = ModelDims.from_hf_config(AutoConfig.for_model(model_type, **small))
-        assert rollout_targets(_params(), [[0, 1]], dims, loads_tp_shards=True) == vllm_blocks(_params(), [[0, 1]], dims)
 
 
 @pytest.mark.parametrize("world,actor_tp,rollout_tp", [(2, 1, 2), (2, 2, 2), (4, 1, 2), (4, 2, 2), (4, 2, 4), (8, 4, 2)])
@@ -114,8 +110,8 @@ def test_replicas_share_the_sending():
     """A norm replicated over tp=4 actor ranks (dp=2) goes to 8 rollout ranks: sends spread over replicas."""
     params = [("model.norm.weight", (16,))]
     grid = [[[d * 4 + t for t in range(4)]] for d in range(2)]
-    dims = ModelDims(num_heads=4, num_kv_heads=4, head_dim=4, vocab_size=64)
-    plan = plan_sync(params, fsdp_blocks(params, grid), vllm_blocks(params, [list(range(8))], dims), elem_bytes=4)
+    targets = {"model.norm.weight": [(r, ((0,), (16,))) for r in range(8)]}  # a norm is whole on every vLLM rank
+    plan = plan_sync(params, fsdp_blocks(params, grid), targets, elem_bytes=4)
     senders = {t.src for t in plan.transfers["model.norm.weight"]}
     assert len(senders) > 2
 

@@ -6,8 +6,9 @@ import torch
 from spmdrl.errors import LayoutError
 from spmdrl.reshard.plan import (
     ModelDims, megatron_blocks, megatron_padded_vocab, megatron_tp_block, numel, plan_sync, pp_stage_layers,
-    vllm_blocks,
 )
+
+from vllm_targets import vllm_blocks
 
 # a GQA model: 8 heads in 4 query groups of head_dim 4, hidden 16, MLP 24, 4 layers, vocab 100
 H, NH, NG, HD, FFN, V, L = 16, 8, 4, 4, 24, 100, 4
@@ -210,13 +211,14 @@ def test_megatron_blocks_at_70b_scale():
     vLLM TP=8 in bf16: each rollout rank receives exactly what it lacks of its vLLM shard (its own stage's
     layers are already local), and the DP replicas split the sending."""
     from spmdrl.engines.loading import load_hf_config, model_param_shapes
+    from spmdrl.reshard.plan import rollout_targets
 
     hf = load_hf_config("meta-llama/Llama-3.3-70B-Instruct")
     ps = model_param_shapes(hf)
     dims = ModelDims.from_hf_config(hf)
     grid = grid_of(2, 2, 8)
     groups = [list(range(8 * k, 8 * k + 8)) for k in range(4)]
-    plan = plan_sync(ps, megatron_blocks(ps, grid, num_layers=80), vllm_blocks(ps, groups, dims), elem_bytes=2)
+    plan = plan_sync(ps, megatron_blocks(ps, grid, num_layers=80), rollout_targets(ps, groups, hf, True)[0], elem_bytes=2)
     s = plan.summary(1 << 30)
     total = sum(numel(((0,) * len(sh), sh)) for _, sh in ps)
     assert total == 70_553_706_496

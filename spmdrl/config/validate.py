@@ -524,13 +524,13 @@ def hf_model_type(path: str) -> str | None:
 
 def validate_architecture(cfg) -> None:
     """The weight path's architecture guards, from the models' config.json (when it is on disk):
-    * the sync into vLLM's tensor-parallel shards (rollout.engine vllm, or auto with vLLM installed) slices HF
-      tensors by rules verified for VLLM_SHARD_MODEL_TYPES only (spmdrl/reshard/plan.py); the transformers
-      rollout engine takes whole tensors by name and checks every shape, so it takes any architecture;
+    * transformers must know the architecture (the training engines build AutoModelForCausalLM), and so must vLLM
+      when it is the rollout engine (any architecture both load syncs: the blocks each vLLM rank needs are learnt
+      from vLLM's own loaders, reshard/vllm_reads.py, and a parameter they cannot tell goes whole);
     * the Megatron backend converts MEGATRON_MODEL_TYPES only (its engine refuses others at build, minutes later).
-    A hub id whose config is not on disk yet is checked by the weight sync's plan, before any weight moves."""
+    A hub id whose config is not on disk yet is checked when the engines load it."""
     from spmdrl.dist.layout import role_backends
-    from spmdrl.reshard.plan import MEGATRON_MODEL_TYPES, check_vllm_model_type
+    from spmdrl.reshard.plan import MEGATRON_MODEL_TYPES
     from spmdrl.rollout import vllm_available
 
     backends = role_backends(cfg)
@@ -538,21 +538,60 @@ def validate_architecture(cfg) -> None:
     checks = [("model.path", cfg.model.path, vllm, backends["actor"] == "megatron")]  # actor, ref, rollout
     if cfg.critic.enable and backends["critic"] == "megatron":
         checks.append(("critic.path" if cfg.critic.path else "model.path", cfg.critic.path or cfg.model.path, False, True))
-    for key, path, vllm_shards, megatron in checks:
-        model_type = hf_model_type(path)
-        if model_type is None:
+    for key, path, vllm_loads, megatron in checks:
+        hf = hf_config_json(path)
+        if hf is None:
             continue
         source = f"{key} = {path!r}"
-        if vllm_shards:
-            check_vllm_model_type(model_type, source)
+        check_architecture_known(hf, source, vllm=vllm_loads)
+        model_type = hf["model_type"]
         if not megatron and key == "model.path":
-            _check_fsdp_tp_heads(cfg, source, hf_config_json(path) or {})
+            _check_fsdp_tp_heads(cfg, source, hf)
+            _check_moe_layout(cfg, source, hf)
         if megatron and model_type not in MEGATRON_MODEL_TYPES:
             raise ConfigError(
                 f"{source} is a {model_type!r} model (config.json model_type), but the Megatron backend converts "
                 f"{', '.join(MEGATRON_MODEL_TYPES)} only; use trainer.backend = 'fsdp' (trainer.critic_backend for the "
                 "critic) or a model of one of those architectures"
             )
+
+
+def check_architecture_known(hf: dict, source: str, *, vllm: bool) -> None:
+    """ConfigError unless transformers knows config.json's model_type (and vLLM one of its architectures, when it
+    is the rollout engine)."""
+    model_type = hf.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"{source}: config.json has no model_type, so neither transformers nor vLLM can tell which "
+                          "architecture to build; add the model_type its family uses (e.g. \"qwen3\")")
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{source} is a {model_type!r} model (config.json model_type), which this transformers "
+                          f"does not know; upgrade transformers or use a model of an architecture it supports")
+    if vllm:
+        from vllm.model_executor.models import ModelRegistry
+
+        archs = hf.get("architectures") or []
+        if not any(a in ModelRegistry.get_supported_archs() for a in archs):
+            raise ConfigError(
+                f"{source}: vLLM does not support its architectures {archs} (config.json); use rollout.engine = 'hf' "
+                "(the transformers engine, whole tensors, slow) or a model vLLM can load")
+
+
+def _check_moe_layout(cfg, source: str, hf: dict) -> None:
+    """A mixture of experts trains with its experts whole on each FSDP2 shard (no expert parallelism): DTensor TP
+    does not shard its fused expert tensors, and vLLM's TP must split the expert count evenly."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if not experts:
+        return
+    if cfg.placement.actor_tp > 1:
+        raise ConfigError(f"placement.actor_tp = {cfg.placement.actor_tp}: {source} is a mixture of experts "
+                          f"({experts} experts), whose fused expert tensors FSDP2 + DTensor TP does not shard; "
+                          "set placement.actor_tp = 1 (experts train whole on each FSDP2 shard)")
+    rollout_tp = cfg.placement.rollout_tp
+    if rollout_tp > experts:
+        raise ConfigError(f"placement.rollout_tp = {rollout_tp}: {source} has {experts} experts, fewer than the "
+                          "rollout tensor-parallel degree; choose a rollout_tp of at most the expert count")
 
 
 def _check_fsdp_tp_heads(cfg, source: str, hf: dict) -> None:

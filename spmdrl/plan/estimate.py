@@ -115,13 +115,24 @@ def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int, back
     dims = ModelDims.from_hf_config(hf_config)
     groups = role_table(layout)["rollout"]["tp_groups"]
     vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
-    targets = rollout_targets(params, groups, dims, loads_tp_shards=vllm)
+    targets, reads = rollout_targets(params, groups, hf_config, loads_tp_shards=vllm)
     grid = layout["actor"].mesh_ranks()
     if backend == "megatron":
         sources = megatron_blocks(params, grid, num_layers=hf_config.num_hidden_layers, dims=dims)
     else:
         sources = fsdp_blocks(params, grid)
-    return plan_sync(params, sources, targets, elem_bytes)
+    plan = plan_sync(params, sources, targets, elem_bytes)
+    plan.reads = reads
+    return plan
+
+
+def sync_routes(plan) -> list[dict]:
+    """Per parameter family, the route its tensors take into vLLM (reshard/vllm_reads.py) and its bytes per
+    rollout rank; [] for engines that take whole tensors."""
+    from spmdrl.reshard.vllm_reads import route_summary
+
+    reads = getattr(plan, "reads", None)
+    return route_summary(plan.params, reads, plan.elem_bytes) if reads is not None else []
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -421,6 +432,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         "placement": {"mode": "split" if split else "colocate", **(split_figures(cfg, layout) if split else {})},
         "weight_sync": {k: sync[k] for k in ("bytes_recv_max", "bytes_lower_bound", "collectives", "buckets",
                                              "bytes_recv_total", "bytes_sent_max")}
+                       | {"routes": sync_routes(full_plan)}
                        | ({"lora_sync": lora_mode, "adapter_bytes": sum(math.prod(sh) for _, sh in adapter) * rollout_eb}
                           if lora_mode else {})
                        | {"elem_bytes": rollout_eb, "full_gather_bytes_per_rank": state["actor"]["stats"]["total"] * 4,
@@ -519,6 +531,9 @@ def render(p: dict) -> str:
                       f"optimizer state for the adapter only, no ref copy (ref = adapters disabled); rollout.lora_sync = "
                       f"{w['lora_sync']}" + (": only the adapter moves" if w["lora_sync"] == "adapter" else
                                              ": the merged full weights move")]
+    lines += ["", "weight sync routes into vLLM (per parameter family; bytes one rollout rank receives per sync):"]
+    lines += [f"  {r['route']:7s} {r['family']:52s} x{r['tensors']:<4d} {r['bytes_per_rank'] / GIB:8.3f} GiB"
+              + (f"  (whole tensors: {r['why']})" if r["route"] == "whole" else "") for r in w["routes"]]
     lines += ["", "weight sync per step (rollout dtype, bytes per rank):",
               f"  received max {w['bytes_recv_max'] / GIB:.3f} GiB  lower bound {w['bytes_lower_bound'] / GIB:.3f} GiB  "
               f"sent max {w['bytes_sent_max'] / GIB:.3f} GiB  collectives {w['collectives']}  (every rank gathering every parameter in fp32: "

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from spmdrl.errors import ConfigError, LayoutError
+from spmdrl.errors import LayoutError
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the full tensor
 
@@ -212,35 +212,14 @@ def megatron_blocks(
 # ------------------------------------------------------------------------------------- target: vLLM tensor parallel
 
 
-# The HF model types (config.json "model_type") whose parameter names and layouts vllm_block encodes, checked
-# against vLLM's loaders for dense Llama, Mistral and Qwen2: q/k/v into QKVParallelLinear (kv heads replicated
-# when fewer than tp), gate/up into MergedColumnParallelLinear, o/down into RowParallelLinear, embed/lm_head into
-# VocabParallelEmbedding / ParallelLMHead, norms whole. Any other architecture (a MoE's experts, GPT-2's fused
-# c_attn, Gemma) would have vLLM narrow a full-shaped buffer where the sync did not put its slice.
-VLLM_SHARD_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-def check_vllm_model_type(model_type: str, source: str) -> None:
-    """ConfigError unless the sync into vLLM's TP shards supports `model_type`; `source` names the model in the
-    message (e.g. "model.path = '/models/x'")."""
-    if model_type not in VLLM_SHARD_MODEL_TYPES:
-        raise ConfigError(
-            f"{source} is a {model_type!r} model (config.json model_type), but the weight sync into vLLM's "
-            f"tensor-parallel shards supports {', '.join(VLLM_SHARD_MODEL_TYPES)} only (its slicing rules are "
-            f"verified for those; another architecture would load wrong slices silently); use a model of one of "
-            f"those architectures, or rollout.engine = 'hf' (whole tensors, slow)"
-        )
-
-
 @dataclass(frozen=True)
 class ModelDims:
-    """What vLLM's TP sharding of a Llama/Qwen2/Mistral-family model depends on (from the HF config)."""
+    """The attention and vocabulary dimensions Megatron's TP layout checks (from the HF config)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    vocab_pad_to: int = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it over tp
     model_type: str | None = None  # HF model_type (from_hf_config); None: dimensions given by hand
 
     @staticmethod
@@ -253,60 +232,19 @@ class ModelDims:
         )
 
 
-def _kv_heads(dims: ModelDims, tp: int, r: int) -> tuple[int, int]:
-    """(first kv head, count) vLLM's rank r of tp holds: split when kv >= tp, else replicated."""
-    if dims.num_kv_heads >= tp:
-        per = dims.num_kv_heads // tp
-        return r * per, per
-    return r * dims.num_kv_heads // tp, 1
-
-
-def vllm_block(name: str, shape: tuple[int, ...], dims: ModelDims, tp: int, r: int) -> Block:
-    """The block of HF parameter `name` that vLLM's TP rank r of tp loads (Llama/Qwen2/Mistral family:
-    QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding / ParallelLMHead).
-    Norms and anything unknown: the whole tensor (every rank loads it)."""
-    if tp == 1:
-        return full_block(shape)
-    offs, size = [0] * len(shape), list(shape)
-    if re.search(r"\.q_proj\.(weight|bias)$", name):
-        per = dims.num_heads // tp * dims.head_dim
-        offs[0], size[0] = r * per, per
-    elif re.search(r"\.(k_proj|v_proj)\.(weight|bias)$", name):
-        first, count = _kv_heads(dims, tp, r)
-        offs[0], size[0] = first * dims.head_dim, count * dims.head_dim
-    elif re.search(r"\.(gate_proj|up_proj)\.(weight|bias)$", name):
-        per = shape[0] // tp
-        offs[0], size[0] = r * per, per
-    elif re.search(r"\.(o_proj|down_proj)\.weight$", name):
-        per = shape[1] // tp
-        offs[1], size[1] = r * per, per
-    elif re.search(r"(embed_tokens|lm_head)\.weight$", name):
-        padded = -(-dims.vocab_size // dims.vocab_pad_to) * dims.vocab_pad_to
-        per = padded // tp
-        lo = min(shape[0], r * per)
-        offs[0], size[0] = lo, min(shape[0], lo + per) - lo
-    return tuple(offs), tuple(size)
-
-
-def vllm_blocks(params: list[tuple[str, tuple[int, ...]]], groups: list[list[int]], dims: ModelDims) -> dict[str, list[tuple[int, Block]]]:
-    """Target blocks: groups are the rollout TP groups (global ranks, in vLLM TP-rank order)."""
-    return {
-        name: [(rank, vllm_block(name, shape, dims, len(g), r)) for g in groups for r, rank in enumerate(g)]
-        for name, shape in params
-    }
-
-
-def rollout_targets(params, tp_groups: list[list[int]], dims: ModelDims, loads_tp_shards: bool) -> dict:
-    """What each rollout rank needs: its vLLM TP shard, or the whole tensor for engines that hold full weights.
-    tp_groups: the rollout role's TP groups (global ranks, vLLM TP order); WeightSync and `spmdrl plan` call this.
-    vLLM targets refuse a model type outside VLLM_SHARD_MODEL_TYPES (config validation refuses it first when the
-    model's config.json is on disk)."""
+def rollout_targets(params, tp_groups: list[list[int]], hf_config, loads_tp_shards: bool, *,
+                    dtype: str = "float32", expert_parallel: bool = False):
+    """(targets, reads): what each rollout rank needs, and for vLLM how it was learnt: the blocks its weight
+    loaders read at each TP rank (reshard/vllm_reads.py; a parameter whose loader is opaque goes whole). Engines
+    that hold full weights get every tensor whole (reads None). tp_groups: the rollout role's TP groups (global
+    ranks, vLLM TP order)."""
     if loads_tp_shards:
-        if dims.model_type is not None:
-            check_vllm_model_type(dims.model_type, "the actor model")
-        return vllm_blocks(params, tp_groups, dims)
+        from .vllm_reads import probe_vllm_reads, vllm_targets
+
+        reads = probe_vllm_reads(hf_config, params, len(tp_groups[0]), dtype=dtype, expert_parallel=expert_parallel)
+        return vllm_targets(params, tp_groups, reads), reads
     ranks = [r for g in tp_groups for r in g]
-    return {name: [(r, full_block(shape)) for r in ranks] for name, shape in params}
+    return {name: [(r, full_block(shape)) for r in ranks] for name, shape in params}, None
 
 
 # --------------------------------------------------------------------------------------------------- the plan
@@ -344,6 +282,7 @@ class SyncPlan:
     transfers: dict[str, list[Transfer]] = field(default_factory=dict)  # remote only (src != dst)
     local: dict[str, list[Transfer]] = field(default_factory=dict)  # src == dst: copies, no bytes move
     elem_bytes: int = 2
+    reads: object = None  # vllm_reads.VllmReads the targets were learnt from (None: whole tensors for every rank)
 
     def _bytes_by(self, side: str) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -364,9 +303,14 @@ class SyncPlan:
         return dict(self.params)
 
     @cached_property
-    def target_of(self) -> dict[str, dict[int, Block]]:
-        """name -> rollout rank -> the block it needs (looked up on every sync)."""
-        return {name: dict(ts) for name, ts in self.targets.items()}
+    def target_of(self) -> dict[str, dict[int, list[Block]]]:
+        """name -> rollout rank -> the blocks it needs (looked up on every sync)."""
+        out: dict[str, dict[int, list[Block]]] = {}
+        for name, ts in self.targets.items():
+            mine = out.setdefault(name, {})
+            for rank, b in ts:
+                mine.setdefault(rank, []).append(b)
+        return out
 
     def lower_bound(self) -> dict[int, int]:
         """Per rollout rank: bytes of its shard it does not already hold (independent of the transfers)."""

@@ -6,6 +6,8 @@ it does not already hold, in the rollout dtype, one batched p2p exchange per buc
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -14,9 +16,23 @@ from spmdrl.dist.meshes import RoleMesh
 
 from spmdrl.errors import LayoutError
 
-from .plan import ModelDims, SyncPlan, fsdp_blocks, plan_sync, rollout_targets
+from .plan import SyncPlan, fsdp_blocks, plan_sync, rollout_targets
 from .transport import execute
 from .verify import verify_sync
+from .vllm_reads import route_summary
+
+logger = logging.getLogger(__name__)
+
+
+def log_routes(params, reads, elem_bytes: int) -> None:
+    """One startup line for the sync's routes, and one per parameter family that goes whole (with why)."""
+    fams = route_summary(params, reads, elem_bytes)
+    whole = [f for f in fams if f["route"] == "whole"]
+    logger.info("weight sync into vLLM: %d parameter families on the planned route (the blocks vLLM's loaders read "
+                "at TP = %d), %d whole", len(fams) - len(whole), reads.tp, len(whole))
+    for f in whole:
+        logger.warning("weight sync: %s (%d tensors, %.1f MiB per rollout rank) goes whole: %s", f["family"],
+                       f["tensors"], f["bytes_per_rank"] / 2**20, f["why"])
 
 
 def check_shards(plan: SyncPlan, shards: dict, rank: int) -> None:
@@ -65,11 +81,14 @@ class WeightSync:
             if actor is not None and (actor.param_shapes() != params or actor.source_blocks() != sources):
                 raise LayoutError("the actor engine's weight layout is not the FSDP2 layout the rollout ranks plan for; "
                                   "split placement needs trainer.backend = 'fsdp' for now")
-        dims = ModelDims.from_hf_config(hf_config)
-        targets = rollout_targets(params, rollout_mesh.tp_groups(), dims, rollout_shards)
+        targets, reads = rollout_targets(params, rollout_mesh.tp_groups(), hf_config, rollout_shards,
+                                         dtype=str(dtype).removeprefix("torch."))
         elem = torch.empty((), dtype=dtype).element_size()
         self.plan: SyncPlan = plan_sync(params, sources, targets, elem)
+        self.plan.reads = reads
         self.lower_bound = max(self.plan.lower_bound().values(), default=0)
+        if reads is not None and dist.get_rank() == 0:
+            log_routes(params, reads, elem)
         self.checked = False
 
     def __call__(self) -> dict[str, float]:

@@ -103,20 +103,26 @@ def wrong_sync(run) -> str:
 
 
 def wrong_rule(actor, rollout, meshes, bucket_mb):
-    """A sync planned with a wrong vLLM slicing rule: rank r of the TP group is sent the q_proj rows of rank r+1."""
-    from spmdrl.reshard import plan
+    """A sync planned with a wrong slicing rule: rank r of the TP group is sent the q_proj rows vLLM's loader
+    reads on rank r+1."""
+    from spmdrl.reshard import vllm_reads
     from spmdrl.reshard.sync import WeightSync
 
-    right = plan.vllm_block
+    right = vllm_reads.vllm_targets
 
-    def wrong(name, shape, dims, tp, r):
-        return right(name, shape, dims, tp, (r + 1) % tp if name.endswith("q_proj.weight") else r)
+    def wrong(params, groups, reads):
+        out = right(params, groups, reads)
+        for name, shape in params:
+            if name.endswith("q_proj.weight"):
+                out[name] = [(rank, b) for g in groups for r, rank in enumerate(g)
+                             for b in reads.blocks(name, shape, (r + 1) % len(g))]
+        return out
 
-    plan.vllm_block = wrong
+    vllm_reads.vllm_targets = wrong
     try:
         sync = WeightSync(actor, rollout, meshes["rollout"], dtype=torch.float32, bucket_mb=bucket_mb, verify=True)
     finally:
-        plan.vllm_block = right
+        vllm_reads.vllm_targets = right
     sync()
 
 
