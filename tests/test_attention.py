@@ -19,16 +19,19 @@ def ragged(seed, n, plen=(1, 10), rlen=(1, 24)):
     return prompts, resps
 
 
-def reference_attention(q, k, v, lengths, scale):
-    """Each sequence alone, float64, an explicit softmax over its keys 0..t for query t; query head h reads
-    key/value head h // (Hq / Hkv)."""
+def reference_attention(q, k, v, lengths, scale, window=None):
+    """Each sequence alone, float64, an explicit softmax over its keys 0..t for query t (t-window+1..t with a
+    sliding window); query head h reads key/value head h // (Hq / Hkv)."""
     group = q.shape[1] // k.shape[1]
     outs, start = [], 0
     for n in lengths:
         qs, ks, vs = (x[start: start + n].double() for x in (q, k, v))
         ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)  # the reference may repeat
         s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        keep = torch.ones(n, n, dtype=torch.bool).tril()
+        if window is not None:
+            keep &= ~torch.ones(n, n, dtype=torch.bool).tril(-window)
+        s = s.masked_fill(~keep, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vs))
         start += n
     return torch.cat(outs)
@@ -36,10 +39,11 @@ def reference_attention(q, k, v, lengths, scale):
 
 @pytest.mark.parametrize("lengths, path", [([5, 1, 13, 8, 2], "_varlen_loop"), ([7, 9, 8, 6, 9], "_varlen_batched")],
                          ids=["per-sequence", "one-call"])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 1), (2, 2)])
-def test_varlen_kernel_equals_float64_reference(heads, kv_heads, lengths, path, monkeypatch):
+@pytest.mark.parametrize("heads, kv_heads, window", [(4, 2, None), (6, 1, None), (2, 2, None), (4, 2, 3)],
+                         ids=["gqa", "mqa", "mha", "gqa-window3"])
+def test_varlen_kernel_equals_float64_reference(heads, kv_heads, window, lengths, path, monkeypatch):
     """Both CPU forms: one SDPA call per sequence (lengths that differ a lot) and one call over rows (similar
-    lengths)."""
+    lengths); a sliding window of 3 (Gemma 3's local layers) in both and in the padded form."""
     torch.manual_seed(0)
     D = 16
     ran = []
@@ -51,10 +55,10 @@ def test_varlen_kernel_equals_float64_reference(heads, kv_heads, lengths, path, 
     v = torch.randn(T, kv_heads, D, requires_grad=True)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     scale = D ** -0.5
-    out = attn.varlen_attention(q, k, v, cu, max(lengths), scale=scale)
+    out = attn.varlen_attention(q, k, v, cu, max(lengths), scale=scale, window=window)
     assert ran == [path]
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-    ref = reference_attention(qd, kd, vd, lengths, scale)
+    ref = reference_attention(qd, kd, vd, lengths, scale, window)
     assert out.shape == (T, heads, D) and (out.double() - ref).abs().max().item() < 1e-5
     g = torch.randn(T, heads, D)
     grads = torch.autograd.grad((out * g).sum(), (q, k, v))
@@ -70,7 +74,8 @@ def test_varlen_kernel_equals_float64_reference(heads, kv_heads, lengths, path, 
         for r, x in zip(rows, (q, k, v)):
             r[i, :n] = x.detach()[start: start + n]
         start += n
-    out_rows = attn.padded_causal_attention(*(r.transpose(1, 2) for r in rows), scale=scale).transpose(1, 2)
+    out_rows = attn.padded_causal_attention(*(r.transpose(1, 2) for r in rows), scale=scale,
+                                            window=window).transpose(1, 2)
     start = 0
     for i, n in enumerate(lengths):
         assert (out_rows[i, :n].double() - ref[start: start + n]).abs().max().item() < 1e-5
@@ -89,6 +94,29 @@ def varlen_model():
     m = build_model(vocab_size=320, num_kv_heads=2, seed=0).eval()  # 4 query heads, 2 key/value heads
     m.set_attn_implementation(attn.register_hf())
     return m
+
+
+def test_sliding_window_layers_packed_equal_transformers_alone():
+    """A tiny Gemma 3 (alternating sliding-window and full layers, window 16, tied embeddings): spmdrl's attention
+    on a packed batch of sequences longer than the window gives the log-probs transformers' own SDPA attention (its
+    sliding-window masks) gives each sequence alone, in float64. With the window ignored the first differs."""
+    ref_model = build_model(arch="gemma3", vocab_size=320, seed=0).double().eval()
+    ours = build_model(arch="gemma3", vocab_size=320, seed=0).double().eval()
+    ours.set_attn_implementation(attn.register_hf())
+    assert {l.self_attn.sliding_window for l in ours.model.layers} == {16, None}
+    prompts, resps = ragged(3, 4, plen=(10, 20), rlen=(10, 24))
+    tb = pack_sequences(prompts, resps, 0, packed=True)
+    head = _LogprobHead(ours)
+    with torch.no_grad():
+        logp, _ = head(tb, 1.0, False, 64)
+    for i, (p, r) in enumerate(zip(prompts, resps)):
+        want = alone_logprobs(ref_model, p, r)
+        assert (logp[i, : len(r)].double() - want).abs().max().item() < 1e-5, i  # float32 log-softmax
+    for layer in ours.model.layers:  # the same batch with every layer full: the long sequences differ
+        layer.self_attn.sliding_window = None
+    with torch.no_grad():
+        full, _ = head(tb, 1.0, False, 64)
+    assert (full - logp).abs().max().item() > 1e-4
 
 
 def check_varlen_metadata(tb, prompts, resps):

@@ -30,25 +30,43 @@ HF_IMPLEMENTATION = "spmdrl_varlen"
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                     *, scale: float | None = None, lengths: list[int] | None = None) -> torch.Tensor:
+                     *, scale: float | None = None, lengths: list[int] | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Causal attention over packed sequences: q [T, Hq, D], k and v [T, Hkv, D] with Hq a multiple of Hkv
     (query head h uses key/value head h // (Hq / Hkv)); cu_seqlens int32 [n + 1], 0 first and T last;
     max_seqlen the longest sequence. Returns [T, Hq, D]. scale: default 1 / sqrt(D). lengths: the sequence
     lengths as host integers when the caller has them (the per-sequence loop then reads nothing back from
-    cu_seqlens)."""
+    cu_seqlens). window: sliding-window attention, a token at position i sees positions j of its sequence with
+    i - window < j <= i (transformers' convention); it runs SDPA with a banded mask (the CPU forms, on any
+    device: no fused varlen call takes the window here)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"varlen_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
-    if q.is_cuda:
+    if q.is_cuda and window is None:
         out = _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale)
         if out is not None:
             return out
     lengths = lengths if lengths is not None else cu_seqlens.diff().tolist()
     if len(lengths) * max(lengths, default=0) ** 2 <= 2 * sum(n * n for n in lengths):
-        return _varlen_batched(q, k, v, cu_seqlens, lengths, scale)
-    return _varlen_loop(q, k, v, cu_seqlens, scale, lengths)
+        return _varlen_batched(q, k, v, cu_seqlens, lengths, scale, window)
+    return _varlen_loop(q, k, v, cu_seqlens, scale, lengths, window)
 
 
-def _varlen_batched(q, k, v, cu_seqlens, lengths, scale):
+def window_mask(n: int, window: int, device) -> torch.Tensor:
+    """[n, n] boolean: query i attends key j when i - window < j <= i."""
+    i = torch.arange(n, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < window)
+
+
+def _sdpa_causal(q, k, v, scale, window, gqa):
+    """SDPA over [.., H, L, D]: is_causal (flash kernels may run), or with a window the banded mask."""
+    if window is None or window >= q.shape[-2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(q.shape[-2], window, q.device), scale=scale,
+                                          enable_gqa=gqa)
+
+
+def _varlen_batched(q, k, v, cu_seqlens, lengths, scale, window=None):
     """All sequences in one causal SDPA call, each placed at the start of its own row of max(lengths) positions
     (attention only: the caller's linear layers still run on the packed tokens). Exact: under causal attention
     a token sees only earlier positions of its row, all of its own sequence. Chosen when the rows' attention
@@ -63,12 +81,11 @@ def _varlen_batched(q, k, v, cu_seqlens, lengths, scale):
     def rows(x):  # [T, H, D] -> [n, H, width, D]
         return x.new_zeros(n, width, *x.shape[1:]).index_put((seq, col), x).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), is_causal=True, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = _sdpa_causal(rows(q), rows(k), rows(v), scale, window, q.shape[1] != k.shape[1])
     return out.transpose(1, 2)[seq, col]
 
 
-def _varlen_loop(q, k, v, cu_seqlens, scale, lengths=None):
+def _varlen_loop(q, k, v, cu_seqlens, scale, lengths=None, window=None):
     """One SDPA call per sequence, each on its own slice (the CPU path for lengths that differ a lot, and the
     CUDA fallback)."""
     lengths = lengths if lengths is not None else cu_seqlens.diff().tolist()
@@ -77,8 +94,8 @@ def _varlen_loop(q, k, v, cu_seqlens, scale, lengths=None):
     # split, not one slice per sequence: its backward is one concatenation, not a zero-filled [T, H, D] each
     for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
         # [n, H, D] -> [1, H, n, D] (4-D: CPU SDPA's flash kernel; enable_gqa groups the heads)
-        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
-                                           vs.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=gqa)
+        o = _sdpa_causal(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], scale, window,
+                         gqa)
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs) if outs else q.new_empty(q.shape)
 
@@ -112,9 +129,13 @@ def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale):  # pragma: no cover - 
 
 
 def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                            dropout_p: float = 0.0) -> torch.Tensor:
+                            dropout_p: float = 0.0, window: int | None = None) -> torch.Tensor:
     """Causal attention over right-padded rows: q [B, Hq, L, D], k and v [B, Hkv, L, D] -> [B, Hq, L, D].
-    SDPA with is_causal and no mask, so it may take its flash kernels; GQA by SDPA's enable_gqa."""
+    SDPA with is_causal and no mask, so it may take its flash kernels; GQA by SDPA's enable_gqa. window: a
+    sliding window (varlen_attention's convention), by a banded mask."""
+    if window is not None and window < q.shape[-2]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(q.shape[-2], window, q.device),
+                                              scale=scale, dropout_p=dropout_p, enable_gqa=q.shape[1] != k.shape[1])
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
@@ -126,22 +147,25 @@ def hf_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     this tensor-parallel rank) -> ([B, L, Hq, D], None).
 
     cu_seq_lens_q given: one row of packed sequences (B = 1), varlen_attention. A 4-D attention_mask given (a
-    caller's explicit mask): SDPA with that mask. Neither: right-padded rows, padded_causal_attention."""
-    if sliding_window is not None:
-        raise ValueError(f"attention implementation {HF_IMPLEMENTATION!r} has no sliding-window attention")
+    caller's explicit mask): SDPA with that mask. Neither: right-padded rows, padded_causal_attention.
+    sliding_window (a windowed layer, e.g. Gemma 3's local layers): the window applies in every form but the
+    caller's explicit mask, which already holds it."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"attention implementation {HF_IMPLEMENTATION!r} has no attention-logit soft-capping: "
+                         "set model.attn_implementation = 'sdpa'")
     if cu_seq_lens_q is not None:
         if query.shape[0] != 1:
             raise ValueError(f"packed sequences come as one row, got {query.shape[0]}")
         if dropout:
             raise ValueError("varlen attention runs no attention dropout: set the model's attention_dropout to 0")
         out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                               cu_seq_lens_q, int(max_length_q), scale=scaling)
+                               cu_seq_lens_q, int(max_length_q), scale=scaling, window=sliding_window)
         return out[None], None
     if attention_mask is not None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                              dropout_p=dropout, enable_gqa=query.shape[1] != key.shape[1])
     else:
-        out = padded_causal_attention(query, key, value, scale=scaling, dropout_p=dropout)
+        out = padded_causal_attention(query, key, value, scale=scaling, dropout_p=dropout, window=sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -89,9 +89,9 @@ def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bo
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
     if attn_implementation != "sdpa":
-        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-            raise ConfigError(f"model.path = {model_path!r} has sliding-window attention layers, which "
-                              "model.attn_implementation = 'auto' does not run; set it to 'sdpa'")
+        if getattr(config, "attn_logit_softcapping", None):
+            raise ConfigError(f"model.path = {model_path!r}: attn_logit_softcapping = {config.attn_logit_softcapping}, "
+                              "which model.attn_implementation = 'auto' does not run; set it to 'sdpa'")
         if getattr(config, "attention_dropout", 0.0):
             raise ConfigError(f"model.path = {model_path!r}: attention_dropout = {config.attention_dropout}, which "
                               "model.attn_implementation = 'auto' does not run; set it to 'sdpa'")
@@ -184,6 +184,91 @@ def check_weights(key: str, model_dir: str) -> None:
             raise ConfigError(f"{key} = {model_dir!r}: weights file {name} is {why}; download or copy the model again")
 
 
+class CheckpointReader:
+    """Reads any block of a model parameter from the checkpoint's safetensors, in the model's layout.
+
+    A parameter is stored under its own name, or (transformers' checkpoint conversions, e.g. a mixture of experts
+    whose in-memory experts are fused [experts, 2 x ffn, hidden] tensors) under a renamed key, or as one tensor per
+    expert (and per gate/up half) that the model stacks on dim 0 and concatenates on dim 1. Only the slices a block
+    needs are read, so a rank reads its own experts' rows and nothing else."""
+
+    def __init__(self, index: dict[str, str], config, stack: ExitStack):
+        self.index, self.stack, self.files = index, stack, {}
+        self.renames, self.merges = [], []
+        try:
+            from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+            mapping = get_checkpoint_conversion_mapping(getattr(config, "model_type", "")) or []
+        except ImportError:  # a transformers without checkpoint conversions: names are the checkpoint's
+            mapping = []
+        for c in mapping:
+            ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(c, "operations", [])]
+            if not ops and len(c.source_patterns) == len(c.target_patterns) == 1:
+                self.renames.append((c.target_patterns[0], c.source_patterns[0]))
+            elif ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]) \
+                    and len(c.target_patterns) == 1 and all(p.count("*") == 1 for p in c.source_patterns):
+                self.merges.append((c.target_patterns[0], c.source_patterns))
+
+    def _unrename(self, name: str) -> str:
+        for model_part, ckpt_part in self.renames:
+            name = name.replace(model_part, ckpt_part)
+        return name
+
+    def _slice(self, key: str):
+        file = self.index[key]
+        if file not in self.files:
+            from safetensors import safe_open
+
+            self.files[file] = self.stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+        return self.files[file].get_slice(key)
+
+    def has(self, name: str) -> bool:
+        return self._plan(name) is not None
+
+    def _plan(self, name: str):
+        """('direct', key) or ('merged', [per source: [per expert key]]) or None."""
+        for key in (name, self._unrename(name)):
+            if key in self.index:
+                return "direct", key
+        for target, sources in self.merges:
+            if name.endswith(target):
+                prefix = self._unrename(name[: -len(target)] + "\0").removesuffix("\0")
+                keys = []
+                for src in sources:
+                    head, tail = src.split("*")
+                    experts = sorted(int(k[len(prefix + head):-len(tail)]) for k in self.index
+                                     if k.startswith(prefix + head) and k.endswith(tail)
+                                     and k[len(prefix + head):-len(tail)].isdigit())
+                    keys.append([f"{prefix}{head}{e}{tail}" for e in experts])
+                if keys and keys[0]:
+                    return "merged", keys
+        return None
+
+    def read(self, name: str, shape: tuple[int, ...], offs: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+        how, keys = self._plan(name)
+        if how == "direct":
+            sl = self._slice(keys)
+            if tuple(sl.get_shape()) != tuple(shape):
+                raise ConfigError(f"{name}: checkpoint shape {tuple(sl.get_shape())} != model shape {tuple(shape)}")
+            return sl[tuple(slice(o, o + n) for o, n in zip(offs, size))]
+        experts, parts = len(keys[0]), len(keys)
+        per = shape[1] // parts  # rows of one source (gate or up) within dim 1 of the fused tensor
+        if experts != shape[0] or per * parts != shape[1] or any(len(k) != experts for k in keys):
+            raise ConfigError(f"{name}: the checkpoint has {[len(k) for k in keys]} expert tensors for a model tensor "
+                              f"of shape {tuple(shape)}; the checkpoint does not match config.json")
+        rows = []
+        for e in range(offs[0], offs[0] + size[0]):
+            pieces = []
+            for j in range(parts):
+                lo, hi = max(offs[1], j * per), min(offs[1] + size[1], (j + 1) * per)
+                if hi > lo:
+                    sl = self._slice(keys[j][e])
+                    rest = tuple(slice(o, o + n) for o, n in zip(offs[2:], size[2:]))
+                    pieces.append(sl[(slice(lo - j * per, hi - j * per), *rest)])
+            rows.append(torch.cat(pieces, dim=0) if pieces else torch.empty(0, *size[2:]))
+        return torch.stack(rows) if rows else torch.empty(size)
+
+
 def local_block(p) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, shape) of this rank's shard of parameter p in the full tensor."""
     if isinstance(p, DTensor):
@@ -211,29 +296,21 @@ def materialise(root: nn.Module, hf: nn.Module, model_path: str, device: torch.d
     prefix = next((n + "." for n, m in root.named_modules() if m is hf), "")
     bytes_read = 0
     with ExitStack() as stack, torch.no_grad():
-        from safetensors import safe_open
-
-        files: dict[str, object] = {}
+        reader = CheckpointReader(index, hf.config, stack)
         for name, p in hf.named_parameters():
             offs, shape = local_block(p)
             local = p.to_local() if isinstance(p, DTensor) else p
             fresh = init_fresh(name, p.shape) if init_fresh is not None else None
             source = name.replace(".base_layer.", ".") if init_fresh is not None else name
-            file = None if fresh is not None else index.get(source)
             if fresh is not None:
                 block = fresh[tuple(slice(o, o + s) for o, s in zip(offs, shape))]
-            elif file is None:
+            elif not reader.has(source):
                 if not name.startswith(HEAD_PREFIXES):
                     raise ConfigError(f"model.path = {model_path!r}: the checkpoint has no parameter {name!r} ({prefix}{name})")
                 full = torch.zeros(p.shape) if name.endswith("bias") else torch.empty(p.shape).normal_(0.0, initializer_range)
                 block = full[tuple(slice(o, o + s) for o, s in zip(offs, shape))]
             else:
-                if file not in files:
-                    files[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-                sl = files[file].get_slice(source)
-                if tuple(sl.get_shape()) != tuple(p.shape):
-                    raise ConfigError(f"{name}: checkpoint shape {tuple(sl.get_shape())} != model shape {tuple(p.shape)}")
-                block = sl[tuple(slice(o, o + s) for o, s in zip(offs, shape))] if math.prod(shape) else torch.empty(shape)
+                block = reader.read(source, tuple(p.shape), offs, shape) if math.prod(shape) else torch.empty(shape)
                 bytes_read += block.numel() * block.element_size()
             local.copy_(block.reshape(local.shape).to(local.dtype))
             del block
