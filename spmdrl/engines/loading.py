@@ -109,8 +109,15 @@ def _real_buffers(hf: nn.Module) -> None:
             continue
         try:
             fresh = type(mod)(hf.config)
-        except TypeError as e:
-            raise ConfigError(f"cannot build {type(mod).__name__} ({name}) off the meta device: {e}") from None
+        except TypeError as e:  # built from more than the config (Gemma 3's scaled embedding): the model's own
+            # weight initialisation fills its non-persistent buffers, as transformers' loading does
+            for bname, b in list(mod.named_buffers(recurse=False)):
+                mod._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
+            if not hasattr(hf, "_init_weights"):
+                raise ConfigError(f"cannot build {type(mod).__name__} ({name}) off the meta device: {e}") from None
+            with torch.no_grad():
+                hf._init_weights(mod)
+            continue
         for bname, b in fresh.named_buffers(recurse=False):
             mod._buffers[bname] = b
         for k, v in vars(fresh).items():  # attention_scaling and the like
@@ -184,6 +191,33 @@ def check_weights(key: str, model_dir: str) -> None:
             raise ConfigError(f"{key} = {model_dir!r}: weights file {name} is {why}; download or copy the model again")
 
 
+def _conversions(config) -> list:
+    """transformers' checkpoint conversions for the config's model type ([] where it has none)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a transformers without checkpoint conversions: names are the checkpoint's
+        return []
+    return list(get_checkpoint_conversion_mapping(getattr(config, "model_type", "")) or [])
+
+
+def _ops(conversion) -> list[tuple[str, int | None]]:
+    return [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(conversion, "operations", [])]
+
+
+def checkpoint_names(config):
+    """name -> the name a checkpoint (and vLLM's loaders) use for it: transformers' renames of this model type
+    undone (Mixtral's in-memory `.mlp.` is the checkpoint's `.block_sparse_moe.`); other names unchanged."""
+    renames = [(c.target_patterns[0], c.source_patterns[0]) for c in _conversions(config)
+               if not _ops(c) and len(c.source_patterns) == len(c.target_patterns) == 1]
+
+    def name_of(name: str) -> str:
+        for model_part, ckpt_part in renames:
+            name = name.replace(model_part, ckpt_part)
+        return name
+
+    return name_of
+
+
 class CheckpointReader:
     """Reads any block of a model parameter from the checkpoint's safetensors, in the model's layout.
 
@@ -194,25 +228,10 @@ class CheckpointReader:
 
     def __init__(self, index: dict[str, str], config, stack: ExitStack):
         self.index, self.stack, self.files = index, stack, {}
-        self.renames, self.merges = [], []
-        try:
-            from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-            mapping = get_checkpoint_conversion_mapping(getattr(config, "model_type", "")) or []
-        except ImportError:  # a transformers without checkpoint conversions: names are the checkpoint's
-            mapping = []
-        for c in mapping:
-            ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(c, "operations", [])]
-            if not ops and len(c.source_patterns) == len(c.target_patterns) == 1:
-                self.renames.append((c.target_patterns[0], c.source_patterns[0]))
-            elif ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]) \
-                    and len(c.target_patterns) == 1 and all(p.count("*") == 1 for p in c.source_patterns):
-                self.merges.append((c.target_patterns[0], c.source_patterns))
-
-    def _unrename(self, name: str) -> str:
-        for model_part, ckpt_part in self.renames:
-            name = name.replace(model_part, ckpt_part)
-        return name
+        self._unrename = checkpoint_names(config)
+        self.merges = [(c.target_patterns[0], c.source_patterns) for c in _conversions(config)
+                       if _ops(c) in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+                       and len(c.target_patterns) == 1 and all(p.count("*") == 1 for p in c.source_patterns)]
 
     def _slice(self, key: str):
         file = self.index[key]
@@ -230,9 +249,10 @@ class CheckpointReader:
         for key in (name, self._unrename(name)):
             if key in self.index:
                 return "direct", key
+        ckpt_name = self._unrename(name)
         for target, sources in self.merges:
-            if name.endswith(target):
-                prefix = self._unrename(name[: -len(target)] + "\0").removesuffix("\0")
+            if ckpt_name.endswith(self._unrename(target)):
+                prefix = ckpt_name[: -len(self._unrename(target))]
                 keys = []
                 for src in sources:
                     head, tail = src.split("*")

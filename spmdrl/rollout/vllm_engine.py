@@ -188,6 +188,11 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
         _quiet_reload_warnings()
+        from spmdrl.engines.loading import checkpoint_names
+
+        # the sync hands over the training model's names; vLLM's loaders take the checkpoint's (Mixtral: .mlp.
+        # in memory is .block_sparse_moe. on disk)
+        self._vllm_name = checkpoint_names(self.llm.llm_engine.model_config.hf_config)
         _make_shutdown_keep_world(self.llm)
         self._check_tp_group()
         self.build_seconds = time.perf_counter() - t0
@@ -323,7 +328,7 @@ class VLLMEngine:
         if not self._reloading:
             self.llm.collective_rpc(_start_reload)
             self._reloading = True
-        self.llm.collective_rpc(_load_bucket, args=(list(named_tensors),))
+        self.llm.collective_rpc(_load_bucket, args=([(self._vllm_name(n), t) for n, t in named_tensors],))
 
     def finish_weight_update(self) -> None:
         """Close an open weight-update session: process the layers still pending, drop the prefix cache."""
@@ -448,6 +453,23 @@ def _finish_reload(worker) -> None:
 
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
         finalize_layerwise_reload(_model(worker), worker.vllm_config.model_config)
+        _repack_cpu_experts(_model(worker))
+
+
+def _repack_cpu_experts(model) -> None:
+    """vLLM's CPU mixture-of-experts kernel prepacks the expert weights into its grouped-GEMM layout once, at the
+    first load; a weight update copies the new weights in unpacked and skips the prepack (the GPU kernels read the
+    parameters as they are), so the CPU kernel would compute with a misread layout. Prepack again after each
+    update. CPU only: a no-op for modules whose kernel has no CPU prepack."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith("cpu_moe"):
+            experts.process_weights_after_loading(module)
 
 
 @torch.no_grad()
