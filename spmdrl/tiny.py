@@ -57,7 +57,11 @@ ARCHS = {
     "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
                                 "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
                                 "norm_topk_prob": True}),
-    "phi3": ("phi3", {"sliding_window": None}),  # fused qkv_proj and gate_up_proj: the whole-tensor route
+    "phi3": ("phi3", {"sliding_window": None}),  # fused qkv_proj and gate_up_proj in the checkpoint
+    # Falcon (new decoder architecture, rotary, grouped kv heads): vLLM's loader regroups the fused q/k/v heads by
+    # copies, so those tensors take the sync's whole-tensor route
+    "falcon": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, "alibi": False, "bias": False,
+                          "parallel_attn": True, "ffn_hidden_size": None}),
 }
 
 
@@ -84,6 +88,8 @@ def build_model(
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     model_type, extra = ARCHS[arch]
     extra = dict(extra)
+    if model_type == "falcon":  # its own names for the sizes
+        extra["num_kv_heads"], extra["ffn_hidden_size"] = num_kv_heads, intermediate_size
     if extra.get("layer_types") == "alternate":
         extra["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     cfg = AutoConfig.for_model(
@@ -94,7 +100,7 @@ def build_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
+        **({} if model_type == "falcon" else {"head_dim": hidden_size // num_heads}),  # Falcon derives it
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         torch_dtype="float32",

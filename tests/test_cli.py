@@ -192,13 +192,15 @@ def dry(tiny, out, *overrides):
                "data.max_prompt_length=256", "data.max_response_length=256", *overrides)
 
 
-def test_an_unverified_architecture_is_refused_before_launch(tmp_path):
+def test_an_architecture_vllm_does_not_load_is_refused_before_launch(tmp_path):
     from transformers import AutoConfig
 
-    AutoConfig.for_model("gpt2", vocab_size=320, n_embd=64, n_layer=2, n_head=4).save_pretrained(tmp_path / "gpt2")
-    result = run("train", "--config", GRPO, "--dry-run", "--nproc", 8, f"model.path={tmp_path / 'gpt2'}",
+    cfg = AutoConfig.for_model("llama", vocab_size=320, hidden_size=64, num_attention_heads=4)
+    cfg.architectures = ["NoSuchForCausalLM"]
+    cfg.save_pretrained(tmp_path / "m")
+    result = run("train", "--config", GRPO, "--dry-run", "--nproc", 8, f"model.path={tmp_path / 'm'}",
                  "rollout.engine=vllm")
-    assert_user_error(result, "'gpt2' model", "supports llama, mistral, qwen2 only")
+    assert_user_error(result, "vLLM does not support its architectures ['NoSuchForCausalLM']", "rollout.engine = 'hf'")
 
 
 def test_model_tokenizer_and_context_are_checked_before_launch(tiny, tmp_path):

@@ -365,19 +365,41 @@ def model_dirs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "mixtral", "gemma"])
-def test_vllm_sync_refuses_unverified_architectures(model_dirs, model_type):
-    """The FSDP2 -> vLLM slicing rules cover dense Llama, Mistral and Qwen2; anything else stops at validation,
-    before any process group or engine exists."""
-    msg = validate_error(2, f"model.path={model_dirs[model_type]}", "rollout.engine=vllm", "placement.rollout_tp=2")
-    assert f"model.path = '{model_dirs[model_type]}' is a '{model_type}' model" in msg
-    assert "llama, mistral, qwen2" in msg and "rollout.engine = 'hf'" in msg
-    validate(valid(f"model.path={model_dirs[model_type]}", "rollout.engine=hf"), 2)  # whole tensors: any architecture
-
-
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
-def test_vllm_sync_accepts_verified_architectures(model_dirs, model_type):
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gemma", "mixtral", "gpt2"])
+def test_any_architecture_transformers_and_vllm_load_is_accepted(model_dirs, model_type):
+    """The sync learns what each vLLM rank reads from vLLM's loaders: no architecture is refused for want of
+    slicing rules (a parameter whose loader is opaque goes whole)."""
     validate(valid(f"model.path={model_dirs[model_type]}", "rollout.engine=vllm", "placement.rollout_tp=2"), 2)
+
+
+def test_architectures_neither_library_loads_are_refused_with_one_line(model_dirs, tmp_path):
+    import json
+
+    def write(name, cfg):
+        os.makedirs(tmp_path / name, exist_ok=True)
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        return str(tmp_path / name)
+
+    base = json.loads(open(os.path.join(model_dirs["llama"], "config.json")).read())
+    no_type = write("no_type", {k: v for k, v in base.items() if k != "model_type"})
+    msg = validate_error(2, f"model.path={no_type}", "rollout.engine=vllm")
+    assert msg.startswith(f"model.path = '{no_type}': config.json has no model_type") and "\n" not in msg
+    unknown = write("unknown", {**base, "model_type": "spmdrl_no_such_model"})
+    msg = validate_error(2, f"model.path={unknown}", "rollout.engine=hf")
+    assert "'spmdrl_no_such_model' model" in msg and "transformers does not know" in msg
+    no_vllm = write("no_vllm", {**base, "architectures": ["NoSuchForCausalLM"]})
+    msg = validate_error(2, f"model.path={no_vllm}", "rollout.engine=vllm")
+    assert "vLLM does not support its architectures ['NoSuchForCausalLM']" in msg and "rollout.engine = 'hf'" in msg
+    validate(valid(f"model.path={no_vllm}", "rollout.engine=hf"), 2)  # the transformers engine takes it
+
+
+def test_moe_layouts_the_experts_do_not_fit_are_refused(model_dirs):
+    """4 experts: a rollout TP of 8 leaves vLLM ranks without an expert; FSDP2 + DTensor TP does not shard fused
+    expert tensors."""
+    msg = validate_error(8, f"model.path={model_dirs['mixtral']}", "rollout.engine=vllm", "placement.rollout_tp=8")
+    assert msg.startswith("placement.rollout_tp = 8:") and "4 experts" in msg
+    msg = validate_error(2, f"model.path={model_dirs['mixtral']}", "placement.actor_tp=2", "rollout.engine=hf")
+    assert msg.startswith("placement.actor_tp = 2:") and "mixture of experts" in msg
 
 
 def test_megatron_backend_refuses_other_architectures_at_validation(model_dirs):

@@ -374,13 +374,13 @@ def validate_lora(cfg, layout) -> None:
         raise ConfigError(f"lora.dropout must be in [0, 1), found {lo.dropout}")
     if not all(t.strip() for t in lo.target_modules):
         raise ConfigError(f"lora.target_modules = {lo.target_modules}: give module names such as q_proj (empty list: every linear layer)")
-    # the decoder blocks' linear layers of the Llama family (llama, mistral, qwen2); other models are checked when
-    # the engine wraps them
-    known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # the decoder blocks' linear layers of the model (a meta-device build from config.json; a hub id not on disk
+    # is checked when the engine wraps it)
     paths = [cfg.model.path] + ([cfg.critic.path] if cfg.critic.enable and lo.critic and cfg.critic.path else [])
     for path in paths:
-        unknown = [t for t in lo.target_modules if t not in known]
-        if unknown and hf_model_type(path) in ("llama", "mistral", "qwen2"):
+        known = _decoder_linear_layers(path)
+        unknown = [t for t in lo.target_modules if known and t not in known]
+        if unknown:
             raise ConfigError(f"lora.target_modules: {unknown} name no linear layer of the decoder blocks of {path} "
                               f"(a {hf_model_type(path)} model); choose from {', '.join(known)}, or [] for all of them")
     roles = ["actor"] + (["critic"] if cfg.critic.enable and lo.critic else [])
@@ -397,6 +397,24 @@ def validate_lora(cfg, layout) -> None:
     if p.ref_ranks or p.ref_tp != 1 or p.ref_pp != 1 or cfg.ref.offload or cfg.memory.ref_offload:
         raise ConfigError("lora.enable = true: the reference policy is the actor with its adapters disabled (no ref "
                           "model is built); leave placement.ref_ranks, ref_tp, ref_pp, ref.offload and memory.ref_offload unset")
+
+
+def _decoder_linear_layers(path: str) -> list[str]:
+    """Names of the linear layers of a model's decoder blocks, from its config.json ([] where it is not on disk)."""
+    hf = hf_config_json(path)
+    if not hf or not isinstance(hf.get("model_type"), str):
+        return []
+    from transformers import AutoConfig
+
+    from spmdrl.engines.lora import linear_targets
+    from spmdrl.engines.loading import meta_model
+
+    d = dict(hf)
+    try:
+        model = meta_model(AutoConfig.for_model(d.pop("model_type"), **d), value_head=False)
+    except Exception:  # transformers cannot build it: validate_architecture names that
+        return []
+    return linear_targets(getattr(model, model.base_model_prefix))
 
 
 def validate_split(cfg) -> None:

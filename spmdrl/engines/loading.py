@@ -88,6 +88,14 @@ def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bo
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
+    if attn_implementation != "sdpa" and not _takes_attention_functions(config, value_head):
+        import logging
+
+        logging.getLogger(__name__).info(
+            "model.path = %r (%s) runs its own attention classes, not transformers' attention functions: it trains "
+            "with transformers' SDPA and explicit masks (packed batches laid out as padded rows)", model_path,
+            config.model_type)
+        attn_implementation = "sdpa"
     if attn_implementation != "sdpa":
         if getattr(config, "attn_logit_softcapping", None):
             raise ConfigError(f"model.path = {model_path!r}: attn_logit_softcapping = {config.attn_logit_softcapping}, "
@@ -99,6 +107,19 @@ def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bo
                     attn_implementation=attn_implementation, dtype=dtype)
     _real_buffers(hf)
     return hf
+
+
+def _takes_attention_functions(config, value_head: bool) -> bool:
+    """Whether the model class calls transformers' registered attention functions (spmdrl's kernels plug in
+    there); older classes (Falcon) pick their own attention classes by name."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    try:
+        cls = auto._model_mapping[type(config)]
+    except KeyError:  # remote code: assume the modern interface, transformers checks it at build
+        return True
+    return bool(getattr(cls, "_supports_attention_backend", False))
 
 
 def _real_buffers(hf: nn.Module) -> None:
@@ -205,8 +226,8 @@ def _ops(conversion) -> list[tuple[str, int | None]]:
 
 
 def checkpoint_names(config):
-    """name -> the name a checkpoint (and vLLM's loaders) use for it: transformers' renames of this model type
-    undone (Mixtral's in-memory `.mlp.` is the checkpoint's `.block_sparse_moe.`); other names unchanged."""
+    """name -> the name a checkpoint uses for it: transformers' renames of this model type undone (Mixtral's
+    in-memory `.mlp.` is the checkpoint's `.block_sparse_moe.`); other names unchanged."""
     renames = [(c.target_patterns[0], c.source_patterns[0]) for c in _conversions(config)
                if not _ops(c) and len(c.source_patterns) == len(c.target_patterns) == 1]
 
@@ -216,6 +237,33 @@ def checkpoint_names(config):
         return name
 
     return name_of
+
+
+def _merges(config) -> list[tuple[str, list[str]]]:
+    """transformers' per-expert merges of this model type: (fused target, per-expert source patterns with '*'),
+    stacked on dim 0 and (several sources) concatenated on dim 1."""
+    return [(c.target_patterns[0], list(c.source_patterns)) for c in _conversions(config)
+            if _ops(c) in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+            and len(c.target_patterns) == 1 and all(p.count("*") == 1 for p in c.source_patterns)]
+
+
+def checkpoint_views(config):
+    """(name, tensor) -> [(checkpoint name, view of tensor)]: the tensor as the checkpoint stores it, which is what
+    vLLM's loaders are written for. A fused expert tensor [E, k x F, ...] becomes E x k per-expert views (no copy);
+    other tensors keep their data under their checkpoint name."""
+    name_of, merges = checkpoint_names(config), _merges(config)
+
+    def views(name: str, t):
+        ckpt = name_of(name)
+        for target, sources in merges:
+            target = name_of(target)
+            if ckpt.endswith(target):
+                prefix, per = ckpt[: -len(target)], t.shape[1] // len(sources)
+                return [(prefix + src.replace("*", str(e)), t[e, j * per:(j + 1) * per] if len(sources) > 1 else t[e])
+                        for e in range(t.shape[0]) for j, src in enumerate(sources)]
+        return [(ckpt, t)]
+
+    return views
 
 
 class CheckpointReader:
@@ -229,9 +277,7 @@ class CheckpointReader:
     def __init__(self, index: dict[str, str], config, stack: ExitStack):
         self.index, self.stack, self.files = index, stack, {}
         self._unrename = checkpoint_names(config)
-        self.merges = [(c.target_patterns[0], c.source_patterns) for c in _conversions(config)
-                       if _ops(c) in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
-                       and len(c.target_patterns) == 1 and all(p.count("*") == 1 for p in c.source_patterns)]
+        self.merges = _merges(config)
 
     def _slice(self, key: str):
         file = self.index[key]

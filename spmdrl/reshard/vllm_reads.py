@@ -225,10 +225,10 @@ def probe_rank(hf_config, params: list[tuple[str, tuple[int, ...]]], tp: int, tp
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from spmdrl.engines.loading import checkpoint_names
+    from spmdrl.engines.loading import checkpoint_views
 
     cfg = _engine_config(hf_config, tp, dtype, expert_parallel, trust_remote_code)
-    vllm_name = checkpoint_names(hf_config)  # the names the sync hands to vLLM (VLLMEngine.update_weights)
+    as_stored = checkpoint_views(hf_config)  # what the sync hands to vLLM (VLLMEngine.update_weights)
     reads, whole = {}, {}
     with _stand_in_groups(tp, tp_rank, expert_parallel), set_current_vllm_config(cfg):
         with torch.device("meta"):
@@ -246,7 +246,7 @@ def probe_rank(hf_config, params: list[tuple[str, tuple[int, ...]]], tp: int, tp
             watch = _Watch(probe)
             try:
                 with watch:
-                    model.load_weights([(vllm_name(name), probe)])
+                    model.load_weights(as_stored(name, probe))
             except Exception as e:  # the loader needs real values or companions: vLLM cuts the whole tensor
                 whole[name] = f"its loader failed on a probe ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
                 continue

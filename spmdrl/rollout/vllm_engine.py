@@ -188,11 +188,11 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
         _quiet_reload_warnings()
-        from spmdrl.engines.loading import checkpoint_names
+        from spmdrl.engines.loading import checkpoint_views
 
-        # the sync hands over the training model's names; vLLM's loaders take the checkpoint's (Mixtral: .mlp.
-        # in memory is .block_sparse_moe. on disk)
-        self._vllm_name = checkpoint_names(self.llm.llm_engine.model_config.hf_config)
+        # the sync hands over the training model's tensors; vLLM's loaders are written for the checkpoint's names
+        # and layout (Mixtral's .mlp. is .block_sparse_moe. on disk; fused experts are one tensor per expert)
+        self._checkpoint_views = checkpoint_views(self.llm.llm_engine.model_config.hf_config)
         _make_shutdown_keep_world(self.llm)
         self._check_tp_group()
         self.build_seconds = time.perf_counter() - t0
@@ -328,7 +328,8 @@ class VLLMEngine:
         if not self._reloading:
             self.llm.collective_rpc(_start_reload)
             self._reloading = True
-        self.llm.collective_rpc(_load_bucket, args=([(self._vllm_name(n), t) for n, t in named_tensors],))
+        bucket = [view for n, t in named_tensors for view in self._checkpoint_views(n, t)]
+        self.llm.collective_rpc(_load_bucket, args=(bucket,))
 
     def finish_weight_update(self) -> None:
         """Close an open weight-update session: process the layers still pending, drop the prefix cache."""
