@@ -185,13 +185,18 @@ def test_group_creations_follow_nccl_rules(runs):
     """Every process-group creation of the runs (role meshes, transfer groups, vLLM's build), checked against
     the rule of the mode a CUDA run of the same configuration uses (spmdrl.dist.group_log). Split placement
     leaves the default group unbound: vLLM's groups are created by the rollout ranks alone, which a
-    device-bound default group (what spmdrl used to do for every run) would hang on."""
-    from spmdrl.dist.group_log import check_nccl_rules, read_group_logs
+    device-bound default group (what spmdrl used to do for every run) would hang on. With it unbound, every
+    NCCL group connects at its first collective or batched call, which all its members must make: the logged
+    first uses follow that rule too."""
+    from spmdrl.dist.group_log import check_first_use, check_nccl_rules, read_group_logs
 
     for out in (runs.s0, runs.s1, runs.s1r):
         logs, bound = read_group_logs(str(out / "groups"))
         assert bound is False
         assert check_nccl_rules(logs, bound) == []
+        assert check_first_use(logs, bound) == []
+        connected = {row["use"] for r in logs for row in logs[r] if "use" in row and row["site"].startswith("spmdrl/dist/meshes")}
+        assert len(connected) == 3  # the batch, weight and training groups, connected at creation
         callers = {r: {g["caller"] for g in logs[r]} for r in logs}
         assert callers[0] == callers[1] == {"spmdrl", "vllm"} and callers[2] == callers[3] == {"spmdrl"}
         assert all(g["local"] for r in (0, 1) for g in logs[r] if g["caller"] == "vllm")  # beneath vllm_world's new_group

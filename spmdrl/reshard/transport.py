@@ -35,6 +35,36 @@ def _paste(full: torch.Tensor, want: Block, values: torch.Tensor) -> None:
     full[tuple(slice(o, o + n) for o, n in zip(want[0], want[1]))] = values.reshape(want[1])
 
 
+def bucket_transfers(plan: SyncPlan, names: list[str], rank: int):
+    """What `rank` sends and receives in the bucket of parameters `names`: ({dst: [(name, block)]},
+    {src: [(name, block)]}), in the plan's order. A rank with neither makes no call for the bucket."""
+    send: dict[int, list[tuple[str, Block]]] = {}
+    recv: dict[int, list[tuple[str, Block]]] = {}
+    for name in names:
+        for t in plan.transfers[name]:
+            if t.src == rank:
+                send.setdefault(t.dst, []).append((name, t.block))
+            if t.dst == rank:
+                recv.setdefault(t.src, []).append((name, t.block))
+    return send, recv
+
+
+def bucket_calls(plan: SyncPlan, bucket_bytes: int, elem_bytes: int) -> list[dict[int, list[int]]]:
+    """Per bucket, in order, the ranks that call `batch_isend_irecv` for it and their peers ({rank: peers}).
+    The first entry is who makes the first call on the sync's group: on a lazily connected NCCL group it
+    must be every member, unless the group is connected before (dist.meshes.connected_group)."""
+    ranks = sorted({r for ts in plan.transfers.values() for t in ts for r in (t.src, t.dst)})
+    out = []
+    for names in plan.buckets(bucket_bytes, full_elem_bytes=elem_bytes):
+        calls = {}
+        for rank in ranks:
+            send, recv = bucket_transfers(plan, names, rank)
+            if send or recv:
+                calls[rank] = sorted(set(send) | set(recv))
+        out.append(calls)
+    return out
+
+
 @dataclass
 class SyncStats:
     bytes_recv: int = 0
@@ -66,27 +96,23 @@ def execute(
     stats = SyncStats()
     t0 = time.perf_counter()
     esize = torch.empty((), dtype=dtype).element_size()
-    for names in plan.buckets(bucket_bytes, full_elem_bytes=esize):
+    for index, names in enumerate(plan.buckets(bucket_bytes, full_elem_bytes=esize)):
         stats.buckets += 1
-        send: dict[int, list[torch.Tensor]] = {}
-        recv_layout: dict[int, list[tuple[str, Block]]] = {}
-        for name in names:
-            for t in plan.transfers[name]:
-                if t.src == rank:
-                    local, held = shards[name]
-                    send.setdefault(t.dst, []).append(_slice(local, held, t.block).to(comm_device, dtype).reshape(-1))
-                if t.dst == rank:
-                    recv_layout.setdefault(t.src, []).append((name, t.block))
+        sends, recv_layout = bucket_transfers(plan, names, rank)
+        send = {peer: [_slice(*shards[name], block).to(comm_device, dtype).reshape(-1) for name, block in parts]
+                for peer, parts in sends.items()}
+        # the bucket's index as the tag: every rank counts buckets alike, and the group log (dist/group_log.py)
+        # can tell which bucket a rank's first call on the group was
         ops, recv_bufs = [], {}
         for peer in sorted(send):
             buf = torch.cat(send[peer])
             stats.bytes_sent += buf.numel() * esize
-            ops.append(dist.P2POp(dist.isend, buf, peer, group=group))
+            ops.append(dist.P2POp(dist.isend, buf, peer, group=group, tag=index))
         for peer in sorted(recv_layout):
             n = sum(numel(b) for _, b in recv_layout[peer])
             recv_bufs[peer] = torch.empty(n, dtype=dtype, device=comm_device)
             stats.bytes_recv += n * esize
-            ops.append(dist.P2POp(dist.irecv, recv_bufs[peer], peer, group=group))
+            ops.append(dist.P2POp(dist.irecv, recv_bufs[peer], peer, group=group, tag=index))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
