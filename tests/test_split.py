@@ -195,7 +195,7 @@ def test_group_creations_follow_nccl_rules(runs):
         assert bound is False
         assert check_nccl_rules(logs, bound) == []
         assert check_first_use(logs, bound) == []
-        connected = {row["use"] for r in logs for row in logs[r] if "use" in row and row["site"].startswith("spmdrl/dist/meshes")}
+        connected = {row["use"] for r in logs for row in logs[r] if "use" in row and (row["site"] or "").startswith("spmdrl/dist/meshes")}
         assert len(connected) == 3  # the batch, weight and training groups, connected at creation
         callers = {r: {g["caller"] for g in logs[r]} for r in logs}
         assert callers[0] == callers[1] == {"spmdrl", "vllm"} and callers[2] == callers[3] == {"spmdrl"}
