@@ -141,9 +141,9 @@ def test_first_use_rule_on_planted_calls():
     first = {0: [use("w", WORLD, peers=[2])], 1: [], 2: [use("w", WORLD, peers=[0, 1])], 3: []}
     first[1] = [use("w", WORLD, peers=[2])]
     out = check_first_use(first, device_bound=False)
-    assert out == ["group [0, 1, 2, 3]: ranks [3] never call a collective on it, while ranks [0, 1, 2] make their first "
-                   "call on it (batch_isend_irecv with [2], spmdrl at spmdrl/reshard/transport.py:1): that call creates "
-                   "the group's NCCL communicator and waits for every member"]
+    assert out == ["group [0, 1, 2, 3]: ranks [3] never call a collective on it, while ranks [0, 1, 2] make their "
+                   "first call on it (batch_isend_irecv with [2], spmdrl at spmdrl/reshard/transport.py:1): that call "
+                   "creates the group's NCCL communicator and waits for every member"]
     assert check_first_use(first, device_bound=True) == []  # connected at creation by the world's split
     later = {0: [use("w", WORLD, peers=[2])], 1: [use("w", WORLD, peers=[3], tags=[1])],
              2: [use("w", WORLD, peers=[0])], 3: [use("w", WORLD, peers=[1], tags=[1])]}
@@ -183,7 +183,7 @@ LAYOUTS = {
     "grpo-rollout2-actor-tp2-lora": (GRPO, ["placement.mode=split", "placement.rollout_ranks=[0,1]",
                                             "placement.actor_tp=2"], 6, True),
     "grpo-rollout4-actor-tp2": (GRPO, SPLIT4 + ["placement.actor_tp=2"], 8, False),
-    # the tiny model: tests/test_split.py (rollout [0, 1] tp 2 of 4), the split quickstart (tests/test_lora.py with LoRA)
+    # the tiny model: tests/test_split.py (rollout [0, 1] tp 2 of 4), the split quickstart (with LoRA: test_lora.py)
     "tiny-rollout2-tp2": (QUICK, ["placement.rollout_ranks=[0,1]", "placement.rollout_tp=2"], 4, False),
     "tiny-quickstart": (QUICK, [], 2, False),
     "tiny-quickstart-lora": (QUICK, [], 2, True),
@@ -264,5 +264,6 @@ def test_weight_group_is_connected_before_its_first_bucket(name, tmp_path):
     assert check_nccl_rules(logs, bound) == []
     # every rank's first call on the batch and the weight group (both world-wide) is the connection at creation
     connections = [(r, row["op"], row["site"].split(":")[0]) for r in range(world) for row in logs[r]
-                   if "use" in row and row["ranks"] == list(range(world)) and (row["site"] or "").startswith("spmdrl/dist/meshes")]
+                   if "use" in row and row["ranks"] == list(range(world))
+                   and (row["site"] or "").startswith("spmdrl/dist/meshes")]
     assert connections == [(r, "all_reduce", "spmdrl/dist/meshes.py") for r in range(world) for _ in range(2)]

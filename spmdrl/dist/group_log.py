@@ -352,9 +352,9 @@ def check_first_use(logs_by_rank: dict[int, list[dict]], device_bound: bool) -> 
         absent = sorted(set(members) - set(first))
         if absent:
             r0 = min(first)
-            out.append(f"group {members}: ranks {absent} never call a collective on it, while ranks {sorted(first)} make "
-                       f"their first call on it ({_call(first[r0])}): that call creates the group's NCCL communicator and "
-                       "waits for every member")
+            out.append(f"group {members}: ranks {absent} never call a collective on it, while ranks {sorted(first)} "
+                       f"make their first call on it ({_call(first[r0])}): that call creates the group's NCCL "
+                       "communicator and waits for every member")
             continue
         kinds: dict[tuple, list[int]] = {}
         for rank, row in sorted(first.items()):
@@ -367,9 +367,9 @@ def check_first_use(logs_by_rank: dict[int, list[dict]], device_bound: bool) -> 
         for rank, row in sorted(first.items()):
             lone = [p for p in row.get("peers", ()) if rank not in first[p].get("peers", ())]
             if lone:
-                out.append(f"group {members}: rank {rank}'s first call ({_call(row)}) exchanges with ranks {lone}, whose "
-                           f"first calls do not include rank {rank}: they are different calls, so rank {rank}'s first "
-                           "call is not made by every member")
+                out.append(f"group {members}: rank {rank}'s first call ({_call(row)}) exchanges with ranks {lone}, "
+                           f"whose first calls do not include rank {rank}: they are different calls, so rank {rank}'s "
+                           "first call is not made by every member")
                 break
     return out
 

@@ -146,8 +146,8 @@ def connected_group(ranks: list[int] | None = None):
     (`dist.group_log.check_first_use`) sees it as every member's first call."""
     group = dist.new_group(ranks)
     if group is not dist.GroupMember.NON_GROUP_MEMBER:
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        dist.all_reduce(torch.zeros(1, device=dev), group=group)
+        nccl = dist.get_backend(group) == "nccl"
+        dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device() if nccl else "cpu"), group=group)
     return group
 
 
