@@ -87,6 +87,24 @@ def test_member_local_creations_in_another_order_or_name():
     assert "rank 0 creates [0, 1] (member-local" in out[0] and "rank 1 creates [0, 1, 2] (member-local" in out[0]
 
 
+def test_gloo_groups_under_a_device_bound_default_group():
+    """Device-bound, a gloo group's non-members split the world communicator with no colour and its members do
+    not: a family of gloo groups that partitions the world keeps every rank's splits in step, a lone one
+    does not (the next NCCL group's split then pairs with a no-colour split)."""
+    def gloo(ranks):
+        return dict(world_sync(ranks, caller="vllm"), backend="gloo")
+
+    partition = {r: [world_sync(WORLD), gloo([0, 1]), gloo([2, 3]), world_sync([0, 2])] for r in WORLD}
+    assert check_nccl_rules(partition, device_bound=True) == []
+    lone = {r: [world_sync(WORLD), gloo([0, 1]), world_sync([0, 2])] for r in WORLD}
+    out = check_nccl_rules(lone, device_bound=True)
+    assert len(out) == 1 and out[0].startswith("the world communicator's split 2 does not match across ranks: rank 0 "
+                                               "splits for [0, 2] (default backend, spmdrl at "), out
+    assert "rank 1 splits with no colour as a non-member of [0, 2]" in out[0]
+    assert "rank 2 splits with no colour as a non-member of [0, 1] (gloo backend, vllm at " in out[0]
+    assert check_nccl_rules(lone, device_bound=False) == []  # unbound: gloo groups split nothing
+
+
 def test_split_group_takes_part_over_its_parent():
     logs = {r: [{"api": "split_group", "ranks": [r % 2, r % 2 + 2], "parent": WORLD, "splits": [[0, 2], [1, 3]],
                  "local": False, "caller": "spmdrl", "site": "x"}] for r in WORLD}

@@ -34,6 +34,9 @@ distributed_c10d.py):
     hash of its ranks and of how many groups the process holds (`_hash_ranks_to_str`), so its members make
     it in the same order relative to the other creations they take part in, and agree on its name.
   * `split_group` is a collective over the parent group's ranks.
+  * device-bound, the world communicator's splits are matched by order across ranks, and a group created
+    with the gloo backend makes its non-members split (with no colour) while its members do not: a family of
+    gloo groups (vLLM's CPU groups, megatron-core's) is balanced only when it partitions the world.
 A CPU log cannot tell which groups a CUDA run makes NCCL (they are all gloo here): every group is checked
 as if it were NCCL, as vLLM's and megatron-core's device groups are, except those created with an explicit
 gloo backend.
@@ -290,6 +293,7 @@ def check_nccl_rules(logs_by_rank: dict[int, list[dict]], device_bound: bool) ->
                     seen.add(key)
                     out.append(f"group {row['ranks']} is created member-local ({_who(row)}) while the default group is "
                                "device-bound: its members split the world communicator, which the other ranks never join")
+        out += _unbalanced_splits(logs_by_rank, world)
     why = ("with a device-bound default group every creation splits the world communicator, joined by every rank "
            "in order" if device_bound else
            "world-synchronised creations are numbered alike on every rank, member-local ones named alike by their members")
@@ -311,6 +315,51 @@ def check_nccl_rules(logs_by_rank: dict[int, list[dict]], device_bound: bool) ->
                                f"{b}: its NCCL communicator would be looked up under different store keys")
                     break
     return out
+
+
+def _world_splits(rows: list[dict], rank: int) -> list[tuple]:
+    """The splits of the world communicator `rank` makes for its logged creations while the default group is
+    device-bound (torch 2.13, `_new_process_group_helper`): a member of a new NCCL group splits with the
+    group's colour; a non-member splits with no colour whatever the new group's backend, gloo included; a
+    member of a gloo group does not split at all. [(the group's ranks, or None for no colour, the row)]."""
+    out = []
+    for row in rows:
+        if row.get("api") != "new_group":
+            continue
+        member = rank in row["ranks"]
+        if row["local"] and not member:
+            continue  # torch returns before anything (reported above)
+        if member and str(row.get("backend")).lower() == "gloo":
+            continue
+        out.append((tuple(row["ranks"]) if member else None, row))
+    return out
+
+
+def _unbalanced_splits(logs_by_rank: dict[int, list[dict]], world: list[int]) -> list[str]:
+    """The world communicator's splits are collectives matched by order: the k-th split of every rank is one
+    call, in which the ranks giving a group's colour must be exactly that group's members. Gloo groups break
+    the balance (their non-members split, their members do not) unless each family of them partitions the
+    world, so that every rank is a non-member of as many of them as every other."""
+    splits = {r: _world_splits(logs_by_rank[r], r) for r in world}
+    for k in range(max(len(s) for s in splits.values())):
+        colours: dict[tuple, list[int]] = {}
+        done = [r for r in world if k >= len(splits[r])]
+        for r in world:
+            if k < len(splits[r]) and splits[r][k][0] is not None:
+                colours.setdefault(splits[r][k][0], []).append(r)
+        wrong = next(((g, rs) for g, rs in colours.items() if sorted(rs) != list(g)), None)
+        if wrong or (done and len(done) < len(world)):
+            def doing(r):
+                if k >= len(splits[r]):
+                    return "makes no more splits"
+                g, row = splits[r][k]
+                what = f"splits for {list(g)}" if g else f"splits with no colour as a non-member of {row['ranks']}"
+                return f"{what} ({row.get('backend') or 'default'} backend, {_who(row)})"
+            detail = "; ".join(f"rank {r} {doing(r)}" for r in world)
+            return [f"the world communicator's split {k + 1} does not match across ranks: {detail} (device-bound: "
+                    "a gloo group's non-members split with no colour and its members do not, so a family of gloo "
+                    "groups must partition the world)"]
+    return []
 
 
 def _key(row: dict) -> tuple:

@@ -89,8 +89,8 @@ def execute(
 ) -> SyncStats:
     """Run `plan` on this rank. shards: name -> (local tensor, its block) for what this rank holds.
     deliver(list of (name, full-shaped tensor)) is called once per bucket on ranks that receive weights.
-    Every bucket's exchange is complete before the next one starts, on senders too: one bucket's buffers
-    are alive at a time, and nothing is left posted when this returns.
+    Every bucket's exchange is complete before the next one starts, on senders too (on CUDA the host waits for
+    the bucket's stream): one bucket's buffers are alive at a time, and nothing is left posted when this returns.
     fill: a value for the part of each full-shaped tensor outside this rank's shard (rollout.verify_sync fills
     NaN, so a loader reading outside the shard shows); None leaves it uninitialised."""
     stats = SyncStats()
@@ -142,5 +142,10 @@ def execute(
             stats.per_bucket_peak_bytes.append(sum(t.numel() * esize for _, t in out))
             deliver(out)
         del out, fulls, recv_bufs, send
+        if comm_device.type == "cuda":
+            # on NCCL work.wait() only orders the streams: the host would go on allocating the next buckets'
+            # buffers while this one's transfer is in flight, each held until its transfer completes. Waiting
+            # for the bucket here keeps one bucket's buffers alive at a time, as on gloo and as the plan counts.
+            torch.cuda.current_stream(comm_device).synchronize()
     stats.seconds = time.perf_counter() - t0
     return stats
