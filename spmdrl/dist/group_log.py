@@ -54,7 +54,9 @@ call, which creates one (`ncclCommInitRank` over the group's members) and so mus
 (torch 2.13, the note in `batch_isend_irecv`'s docstring: "if this API is the first collective call in the
 group ..., all ranks of the group must participate in this API call"). A member that skips that call (it has
 nothing to send in the first bucket, say) leaves the others waiting in the communicator's creation. Single
-`send`/`recv` calls are not recorded: NCCL connects the two ranks of such a call on their own.
+`send`/`recv` calls are not recorded: NCCL connects the two ranks of such a call on their own. Calls that do
+not go through torch.distributed's Python functions (torch's functional collectives, which DTensor's
+redistribution uses) are not seen.
 """
 from __future__ import annotations
 
@@ -74,10 +76,10 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _SPMDRL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _state: dict = {"file": None, "rank": 0, "seq": 0, "originals": None, "used": set()}
 # the calls whose first use of a group connects a lazily connected NCCL group (torch.distributed's names)
-USES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-        "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "all_to_all",
-        "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
-        "batch_isend_irecv")
+USES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
+        "all_gather_coalesced", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+        "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "all_to_all", "all_to_all_single",
+        "gather", "gather_object", "scatter", "scatter_object_list", "reduce", "batch_isend_irecv")
 
 
 # ---- recording -------------------------------------------------------------------------------------------
