@@ -224,8 +224,11 @@ class StageTimer:
             ...
         timer.as_metrics()  # {"timing/rollout_s": ...}
 
-    On CUDA the device is synchronized on entry and exit so queued kernels are charged to their stage.
-    Without a device it synchronizes whenever CUDA is initialized.
+    On CUDA the current stream is synchronized on entry and exit, so the kernels a stage queued (and the
+    collectives it waited for, which the stream then waits on) are charged to it. Not the whole device: a
+    device-wide synchronisation would also wait for point-to-point sends posted earlier and not waited for
+    (split placement's batch sends), serialising them behind the timer. Without a device it synchronizes
+    whenever CUDA is initialized.
     """
 
     # Where this process is, for failure messages (spmdrl.faults): the innermost stage being timed, the stage an
@@ -240,9 +243,9 @@ class StageTimer:
 
     def _sync(self) -> None:
         if _is_cuda(self.device):
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         elif self.device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:

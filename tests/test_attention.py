@@ -285,3 +285,84 @@ def test_bad_attn_implementation_is_one_line_config_error():
         model_attention("flash")
     msg = str(info.value)
     assert "model.attn_implementation = 'flash'" in msg and "auto, sdpa" in msg and "\n" not in msg
+
+
+# ---- the CUDA call, against each signature torch's varlen_attn has had ------------------------------------------
+def first_release(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch.nn.attention.varlen.varlen_attn as first released: no scale, causal as a flag."""
+    CALLS.append(dict(query=query, is_causal=is_causal))
+    return torch.empty_like(query)
+
+
+def intermediate(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1), k_cache=None, v_cache=None, cache_seqlens=None, cache_batch_idx=None,
+                 page_table=None, seqused_k=None):
+    """The release after: keyword-only scale and window_size (causal = (-1, 0)), no enable_gqa."""
+    CALLS.append(dict(query=query, scale=scale, window_size=window_size))
+    return torch.empty_like(query)
+
+
+CALLS: list[dict] = []
+TORCH_VARLEN_ATTN = __import__("torch.nn.attention.varlen", fromlist=["varlen_attn"]).varlen_attn
+
+
+def cuda_call(monkeypatch, kernel, heads, kv_heads, scale, dtype=torch.bfloat16):
+    """What spmdrl's CUDA varlen call passes `kernel` (a stand-in for varlen_attn's signature only; the
+    tensors are on the meta device), or the op arguments torch 2.13's own varlen_attn gives its custom op
+    when kernel is None."""
+    import torch.nn.attention.varlen as varlen
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.torch_attn._varlen_attn.default:
+                CALLS.append(dict(op_args=args))
+            return func(*args, **(kwargs or {}))
+
+    CALLS.clear()
+    monkeypatch.setattr(varlen, "varlen_attn", kernel or TORCH_VARLEN_ATTN)
+    q = torch.empty(12, heads, 16, device="meta", dtype=dtype)
+    kv = torch.empty(12, kv_heads, 16, device="meta", dtype=dtype)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device="meta")
+    with Ops():
+        out = attn._varlen_cuda(q, kv, kv, cu, 7, scale)
+    return q, out, list(CALLS)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("scale", [None, 16 ** -0.5, 0.1], ids=["none", "default", "custom"])
+def test_cuda_varlen_call_fits_each_signature(kv_heads, scale, monkeypatch):
+    """Each form of varlen_attn gets only keywords it has: the first release no scale (a custom scale goes into
+    q instead, the default one is left to the kernel), the later one scale and window_size, torch 2.13 also
+    enable_gqa for grouped heads; every form is called once, causal, for MHA and GQA alike."""
+    q, out, calls = cuda_call(monkeypatch, first_release, 4, kv_heads, scale)
+    assert len(calls) == 1 and calls[0]["is_causal"] is True and out.shape == q.shape
+    assert (calls[0]["query"] is q) == (scale != 0.1)  # only a scale other than 1/sqrt(D) is folded into q
+    q, out, calls = cuda_call(monkeypatch, intermediate, 4, kv_heads, scale)
+    assert calls == [dict(query=q, scale=scale, window_size=(-1, 0))]
+    # torch 2.13's own varlen_attn (this venv's), run to its custom op on the meta device
+    q, out, calls = cuda_call(monkeypatch, None, 4, kv_heads, scale)
+    assert len(calls) == 1 and out.shape == q.shape
+    args = calls[0]["op_args"]  # (q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window_size, enable_gqa, ...)
+    enable_gqa = args[10] if len(args) > 10 else False  # a default left out of the dispatched arguments
+    assert args[0] is q and args[7:10] == (True, scale, [-1, 0]) and enable_gqa == (kv_heads != 4), args
+
+
+def test_cuda_varlen_folds_a_custom_scale_into_q_exactly():
+    """Without a scale keyword, q * scale * sqrt(D) under the kernel's default 1/sqrt(D) is attention with
+    `scale` (checked on CPU through SDPA, the same arithmetic the kernel does)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1)
+    got = torch.nn.functional.scaled_dot_product_attention(q * (0.1 * 16 ** 0.5), k, v, is_causal=True)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kernel", [first_release, intermediate, None], ids=["first", "intermediate", "2.13"])
+def test_cuda_varlen_leaves_float32_to_sdpa(kernel, kv_heads, monkeypatch):
+    """The flash kernels take float16 and bfloat16 only: float32 (model.dtype = float32 on CUDA) is not sent to
+    them; the caller then runs SDPA, which takes it."""
+    q, out, calls = cuda_call(monkeypatch, kernel, 4, kv_heads, None, dtype=torch.float32)
+    assert out is None and calls == []

@@ -24,9 +24,11 @@ class OpCounts(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts = collections.Counter()
+        self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func.overloadpacket.__name__] += 1
+        self.ops.append(func)
         return func(*args, **(kwargs or {}))
 
 
@@ -86,3 +88,21 @@ def test_bad_policy_and_megatron_only_options_are_refused(world):
     with pytest.raises(ConfigError, match="model.checkpoint_every_n_layers"):
         validate(load_config(None, [f"model.path={model}", "model.checkpoint_every_n_layers=2",
                                     "trainer.backend=megatron"]), 1)
+
+
+def test_selective_keeps_the_packed_cuda_attention():
+    """On CUDA a packed batch runs attention as torch's varlen custom op (engines/attention.py _varlen_cuda);
+    selective recompute must keep its output like SDPA's, or backward would rerun attention. The op is found by
+    running the CUDA path's call on meta tensors (the op's fake kernel) under a dispatch mode, as the policy
+    sees it."""
+    from spmdrl.engines import attention
+    from spmdrl.engines.recompute import _kept_ops
+
+    q = torch.empty(10, 4, 8, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(10, 2, 8, device="meta", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with OpCounts() as seen:
+        attention._varlen_cuda(q, kv, kv, cu, 6, None)
+    attn = [op for op in seen.ops if "attn" in op.name() or "attention" in op.name()]
+    assert attn == [torch.ops.torch_attn._varlen_attn.default], seen.ops
+    assert set(attn) <= _kept_ops()

@@ -217,3 +217,33 @@ def test_single_process_without_torchrun(models, tmp_path):
     assert res["world"] == 1 and res["dp_size"] == 1
     assert_logprobs_match(models[0], res, "first")
     assert_logprobs_match(models[1], res, "updated")
+
+
+def test_scheduler_is_the_synchronous_one(models, monkeypatch):
+    """The scheduler vLLM configures from spmdrl's arguments, as a CUDA run resolves it. vLLM 0.32 settles async
+    scheduling in VllmConfig.__post_init__ (on by default under external_launcher) before the platform's hook,
+    and the CPU platform's hook then turns it off whatever was asked: so the value is read as that hook is
+    entered, which is the value a CUDA run keeps."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from spmdrl.rollout.vllm_engine import SCHEDULER_ARGS
+
+    seen = []
+    platform = type(current_platform)
+    hook = platform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        seen.append(vllm_config.scheduler_config.async_scheduling)
+        return hook(cls, vllm_config)
+
+    monkeypatch.setattr(platform, "check_and_update_config", classmethod(check_and_update_config))
+    cfg = EngineArgs(model=models[0], distributed_executor_backend="external_launcher", enforce_eager=True,
+                     max_model_len=256, **SCHEDULER_ARGS).create_engine_config()
+    assert seen == [False]
+    assert cfg.scheduler_config.get_scheduler_cls() is Scheduler
+    seen.clear()
+    EngineArgs(model=models[0], distributed_executor_backend="external_launcher", enforce_eager=True,
+               max_model_len=256).create_engine_config()
+    assert seen == [True]  # vLLM's own default, which spmdrl does not take

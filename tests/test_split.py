@@ -185,21 +185,30 @@ def test_group_creations_follow_nccl_rules(runs):
     """Every process-group creation of the runs (role meshes, transfer groups, vLLM's build), checked against
     the rule of the mode a CUDA run of the same configuration uses (spmdrl.dist.group_log). Split placement
     leaves the default group unbound: vLLM's groups are created by the rollout ranks alone, which a
-    device-bound default group (what spmdrl used to do for every run) would hang on."""
-    from spmdrl.dist.group_log import check_nccl_rules, read_group_logs
+    device-bound default group (what spmdrl used to do for every run) would hang on. With it unbound, every
+    NCCL group connects at its first collective or batched call, which all its members must make: the logged
+    first uses follow that rule too."""
+    from spmdrl.dist.group_log import check_first_use, check_nccl_rules, read_group_logs
 
     for out in (runs.s0, runs.s1, runs.s1r):
         logs, bound = read_group_logs(str(out / "groups"))
         assert bound is False
         assert check_nccl_rules(logs, bound) == []
-        callers = {r: {g["caller"] for g in logs[r]} for r in logs}
+        assert check_first_use(logs, bound) == []
+        connected = {row["use"] for r in logs for row in logs[r]
+                     if "use" in row and (row["site"] or "").startswith("spmdrl/dist/meshes")}
+        assert len(connected) == 3  # the batch, weight and training groups, connected at creation
+        made = {r: [g for g in logs[r] if "api" in g] for r in logs}  # the creations
+        callers = {r: {g["caller"] for g in made[r]} for r in made}
         assert callers[0] == callers[1] == {"spmdrl", "vllm"} and callers[2] == callers[3] == {"spmdrl"}
-        assert all(g["local"] for r in (0, 1) for g in logs[r] if g["caller"] == "vllm")  # beneath vllm_world's new_group
-        assert any(g.get("via") == "DeviceMesh" and g["site"].startswith("spmdrl/dist/meshes.py") for g in logs[2])
+        # vLLM's creations are member-local, beneath vllm_world's new_group
+        assert all(g["local"] for r in (0, 1) for g in made[r] if g["caller"] == "vllm")
+        assert any(g.get("via") == "DeviceMesh" and g["site"].startswith("spmdrl/dist/meshes.py") for g in made[2])
         old = check_nccl_rules(logs, device_bound=True)  # the same creations with the default group device-bound
         assert any(v.startswith("group [0, 1] is created member-local (vllm at vllm/") for v in old), old
         assert any(v.startswith("ranks 0 and 2 differ") and "rank 2 makes no more" in v for v in old), old
     logs, bound = read_group_logs(str(runs.col / "groups"))
     assert bound is True
     assert check_nccl_rules(logs, bound) == []
-    assert {g["caller"] for g in logs[0]} == {g["caller"] for g in logs[1]} == {"spmdrl", "vllm"}
+    callers = [{g["caller"] for g in logs[r] if "api" in g} for r in (0, 1)]
+    assert callers[0] == callers[1] == {"spmdrl", "vllm"}

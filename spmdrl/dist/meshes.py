@@ -132,6 +132,25 @@ class RoleMesh:
         return f"{self.layout.role}: dp {c[0]}/{self.layout.dp}{pp} tp {c[2]}/{self.layout.tp}"
 
 
+def connected_group(ranks: list[int] | None = None):
+    """`dist.new_group(ranks)` (a creation every rank makes), connected by all its members before anyone uses it:
+    one all-reduce of one element over the group, on its members, right after the creation.
+
+    Split placement leaves the default group unbound to a device (`dist.init.binds_device`), so an NCCL group
+    has no communicator until its first collective or batched point-to-point call, which creates it over the
+    group's members and must be made by all of them (`batch_isend_irecv`'s docstring, torch 2.13). The weight
+    sync's first bucket does not involve every rank of its world-wide group (a LoRA adapter has one sending
+    actor rank; at actor tp >= 2 some replicas send nothing in the first bucket), so the group is connected
+    here, where every rank is anyway. Connecting eagerly through `new_group(device_id=...)` would do the same
+    on NCCL only; the all-reduce runs the same way on gloo, so CPU runs make it too and the group log
+    (`dist.group_log.check_first_use`) sees it as every member's first call."""
+    group = dist.new_group(ranks)
+    if group is not dist.GroupMember.NON_GROUP_MEMBER:
+        nccl = dist.get_backend(group) == "nccl"
+        dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device() if nccl else "cpu"), group=group)
+    return group
+
+
 class RoleMeshes:
     """DeviceMeshes of every role. Roles with the same ranks and degrees share one mesh (and its groups)."""
 
@@ -149,10 +168,10 @@ class RoleMeshes:
         # split placement: batches (rollout -> training) and weights (training -> rollout) move point to point on
         # groups of their own, so neither waits behind the other or behind a collective of one role
         self.split = is_split(layouts)
-        self.batch_group = dist.new_group() if self.split else None
-        self.weight_group = dist.new_group() if self.split else None
+        self.batch_group = connected_group() if self.split else None
+        self.weight_group = connected_group() if self.split else None
         # what the training ranks agree on among themselves (the world when colocated)
-        self.train_group = dist.new_group(list(layouts["actor"].ranks)) if self.split else None
+        self.train_group = connected_group(list(layouts["actor"].ranks)) if self.split else None
 
     def __getitem__(self, role: str) -> RoleMesh:
         return self.roles[role]

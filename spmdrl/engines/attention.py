@@ -101,7 +101,17 @@ def _varlen_loop(q, k, v, cu_seqlens, scale, lengths=None, window=None):
 
 
 def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale):  # pragma: no cover - CUDA only, never run here
-    """One fused call on a GPU, or None when no kernel here takes causal GQA (then the caller loops)."""
+    """One fused call on a GPU, or None when no kernel here takes these inputs (then the caller runs SDPA).
+
+    torch's varlen_attn changed its keywords across releases; each form is called with what it accepts:
+      first release   (..., max_q, max_k, is_causal=False, return_aux=None): no scale, no GQA flag;
+      later           (..., *, return_aux, scale, window_size, ...): causal as window_size (-1, 0);
+      torch 2.13      the same plus enable_gqa, which it requires when key/value have fewer heads.
+    Without a scale keyword, a scale other than the default 1/sqrt(D) is folded into q (q * scale * sqrt(D)).
+    Without enable_gqa, grouped heads go to the kernel as they are (torch's flash forward takes Hq a multiple
+    of Hkv). The flash kernels take float16/bfloat16 only: other dtypes (model.dtype = float32) return None."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return None
     gqa = q.shape[1] != k.shape[1]
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     try:
@@ -109,18 +119,23 @@ def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale):  # pragma: no cover - 
     except ImportError:
         varlen_attn = None
     if varlen_attn is not None:
-        params = inspect.signature(varlen_attn).parameters  # the keyword set changed across torch releases
-        kw = {"scale": scale}
+        params = inspect.signature(varlen_attn).parameters
+        kw = {}
         if "window_size" in params:
             kw["window_size"] = (-1, 0)  # causal
         elif "is_causal" in params:
             kw["is_causal"] = True
         else:
             kw = None
-        if kw is not None and gqa:
-            kw = dict(kw, enable_gqa=True) if "enable_gqa" in params else None
+        if kw is not None and gqa and "enable_gqa" in params:
+            kw["enable_gqa"] = True
         if kw is not None:
-            return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
+            qs = q
+            if scale is not None and "scale" in params:
+                kw["scale"] = scale
+            elif scale is not None and abs(scale * q.shape[-1] ** 0.5 - 1.0) > 1e-6:
+                qs = q * (scale * q.shape[-1] ** 0.5)  # the kernel's default 1/sqrt(D) then gives `scale`
+            return varlen_attn(qs, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:

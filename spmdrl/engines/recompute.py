@@ -12,6 +12,7 @@ the checkpoints keep in pinned host memory (a device-to-host copy per layer in f
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -27,6 +28,18 @@ def _kept_ops() -> set:
         op = getattr(aten, name, None)
         if op is not None:
             ops.add(op.default)
+    # the packed path on CUDA (engines/attention.py _varlen_cuda): torch's varlen_attn runs as one custom op,
+    # which a dispatch-level policy sees whole (the flash or cuDNN call inside it is never shown to the policy),
+    # and flash-attn's varlen function, also a custom op; each is registered when its module is imported
+    try:
+        importlib.import_module("torch.nn.attention.varlen")  # registers torch.ops.torch_attn
+    except ImportError:
+        pass
+    for namespace, name in (("torch_attn", "_varlen_attn"), ("flash_attn", "_flash_attn_varlen_forward")):
+        try:
+            ops.add(getattr(getattr(torch.ops, namespace), name).default)
+        except (AttributeError, RuntimeError):
+            pass
     return ops
 
 

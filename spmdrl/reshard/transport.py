@@ -35,6 +35,36 @@ def _paste(full: torch.Tensor, want: Block, values: torch.Tensor) -> None:
     full[tuple(slice(o, o + n) for o, n in zip(want[0], want[1]))] = values.reshape(want[1])
 
 
+def bucket_transfers(plan: SyncPlan, names: list[str], rank: int):
+    """What `rank` sends and receives in the bucket of parameters `names`: ({dst: [(name, block)]},
+    {src: [(name, block)]}), in the plan's order. A rank with neither makes no call for the bucket."""
+    send: dict[int, list[tuple[str, Block]]] = {}
+    recv: dict[int, list[tuple[str, Block]]] = {}
+    for name in names:
+        for t in plan.transfers[name]:
+            if t.src == rank:
+                send.setdefault(t.dst, []).append((name, t.block))
+            if t.dst == rank:
+                recv.setdefault(t.src, []).append((name, t.block))
+    return send, recv
+
+
+def bucket_calls(plan: SyncPlan, bucket_bytes: int, elem_bytes: int) -> list[dict[int, list[int]]]:
+    """Per bucket, in order, the ranks that call `batch_isend_irecv` for it and their peers ({rank: peers}).
+    The first entry is who makes the first call on the sync's group: on a lazily connected NCCL group it
+    must be every member, unless the group is connected before (dist.meshes.connected_group)."""
+    ranks = sorted({r for ts in plan.transfers.values() for t in ts for r in (t.src, t.dst)})
+    out = []
+    for names in plan.buckets(bucket_bytes, full_elem_bytes=elem_bytes):
+        calls = {}
+        for rank in ranks:
+            send, recv = bucket_transfers(plan, names, rank)
+            if send or recv:
+                calls[rank] = sorted(set(send) | set(recv))
+        out.append(calls)
+    return out
+
+
 @dataclass
 class SyncStats:
     bytes_recv: int = 0
@@ -59,34 +89,30 @@ def execute(
 ) -> SyncStats:
     """Run `plan` on this rank. shards: name -> (local tensor, its block) for what this rank holds.
     deliver(list of (name, full-shaped tensor)) is called once per bucket on ranks that receive weights.
-    Every bucket's exchange is complete before the next one starts, on senders too: one bucket's buffers
-    are alive at a time, and nothing is left posted when this returns.
+    Every bucket's exchange is complete before the next one starts, on senders too (on CUDA the host waits for
+    the bucket's stream): one bucket's buffers are alive at a time, and nothing is left posted when this returns.
     fill: a value for the part of each full-shaped tensor outside this rank's shard (rollout.verify_sync fills
     NaN, so a loader reading outside the shard shows); None leaves it uninitialised."""
     stats = SyncStats()
     t0 = time.perf_counter()
     esize = torch.empty((), dtype=dtype).element_size()
-    for names in plan.buckets(bucket_bytes, full_elem_bytes=esize):
+    for index, names in enumerate(plan.buckets(bucket_bytes, full_elem_bytes=esize)):
         stats.buckets += 1
-        send: dict[int, list[torch.Tensor]] = {}
-        recv_layout: dict[int, list[tuple[str, Block]]] = {}
-        for name in names:
-            for t in plan.transfers[name]:
-                if t.src == rank:
-                    local, held = shards[name]
-                    send.setdefault(t.dst, []).append(_slice(local, held, t.block).to(comm_device, dtype).reshape(-1))
-                if t.dst == rank:
-                    recv_layout.setdefault(t.src, []).append((name, t.block))
+        sends, recv_layout = bucket_transfers(plan, names, rank)
+        send = {peer: [_slice(*shards[name], block).to(comm_device, dtype).reshape(-1) for name, block in parts]
+                for peer, parts in sends.items()}
+        # the bucket's index as the tag: every rank counts buckets alike, and the group log (dist/group_log.py)
+        # can tell which bucket a rank's first call on the group was
         ops, recv_bufs = [], {}
         for peer in sorted(send):
             buf = torch.cat(send[peer])
             stats.bytes_sent += buf.numel() * esize
-            ops.append(dist.P2POp(dist.isend, buf, peer, group=group))
+            ops.append(dist.P2POp(dist.isend, buf, peer, group=group, tag=index))
         for peer in sorted(recv_layout):
             n = sum(numel(b) for _, b in recv_layout[peer])
             recv_bufs[peer] = torch.empty(n, dtype=dtype, device=comm_device)
             stats.bytes_recv += n * esize
-            ops.append(dist.P2POp(dist.irecv, recv_bufs[peer], peer, group=group))
+            ops.append(dist.P2POp(dist.irecv, recv_bufs[peer], peer, group=group, tag=index))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -116,5 +142,10 @@ def execute(
             stats.per_bucket_peak_bytes.append(sum(t.numel() * esize for _, t in out))
             deliver(out)
         del out, fulls, recv_bufs, send
+        if comm_device.type == "cuda":
+            # on NCCL work.wait() only orders the streams: the host would go on allocating the next buckets'
+            # buffers while this one's transfer is in flight, each held until its transfer completes. Waiting
+            # for the bucket here keeps one bucket's buffers alive at a time, as on gloo and as the plan counts.
+            torch.cuda.current_stream(comm_device).synchronize()
     stats.seconds = time.perf_counter() - t0
     return stats

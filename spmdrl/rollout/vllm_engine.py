@@ -75,6 +75,11 @@ from spmdrl.rollout.base import (
 logger = logging.getLogger(__name__)
 
 _GiB = 1 << 30
+# vLLM's scheduler, chosen rather than left to vLLM's default: vLLM 0.32 turns async scheduling on under
+# external_launcher on CUDA and off on CPU, so a GPU rollout would run a scheduler no test here exercised (it
+# schedules the next step while the current one runs). Off, every rank runs the synchronous scheduler the CPU
+# tests run; the price is the host's scheduling time between decode steps, which async scheduling hides.
+SCHEDULER_ARGS = {"async_scheduling": False}
 
 
 def adapter_root(configured: str = "") -> str:
@@ -179,6 +184,7 @@ class VLLMEngine:
                     # the behaviour policy an importance ratio needs; vLLM's default is the raw, pre-temperature one
                     logprobs_mode="processed_logprobs",
                     use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),  # logging.verbosity = debug
+                    **SCHEDULER_ARGS,
                     **kwargs,
                 )
         finally:
