@@ -88,8 +88,8 @@ def build_model(
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     model_type, extra = ARCHS[arch]
     extra = dict(extra)
-    if model_type == "falcon":  # its own names for the sizes
-        extra["num_kv_heads"], extra["ffn_hidden_size"] = num_kv_heads, intermediate_size
+    if model_type == "falcon":  # its own name for the kv heads; vLLM's Falcon assumes an MLP of 4 x hidden
+        extra["num_kv_heads"], extra["ffn_hidden_size"] = num_kv_heads, 4 * hidden_size
     if extra.get("layer_types") == "alternate":
         extra["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     cfg = AutoConfig.for_model(

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from spmdrl.algos.token_stats import logprobs_from_hidden
 from spmdrl.engines.base import accumulate, clipped_step, forward_each, step_metrics
-from spmdrl.engines.loading import build_meta_model, materialise
+from spmdrl.engines.loading import build_meta_model, decoder_blocks, materialise
 from spmdrl.engines.response_index import ResponseIndex
 from spmdrl.reshard.plan import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
@@ -314,7 +314,7 @@ class FSDPEngine:
         kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp)
         if self.host_offload_policy:
             kw["offload_policy"] = CPUOffloadPolicy()
-        blocks = getattr(hf, hf.base_model_prefix).layers
+        blocks = decoder_blocks(getattr(hf, hf.base_model_prefix))
         for i, block in enumerate(blocks):
             if compile:  # the block's own computation; FSDP2's hooks around it stay eager
                 block.forward = torch.compile(block.forward, dynamic=True)

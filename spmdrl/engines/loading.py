@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import os
+import re
 from contextlib import ExitStack
 
 import torch
@@ -70,6 +71,24 @@ def meta_model(config, *, value_head: bool, **kw):
             config.num_labels = 1
             return AutoModelForTokenClassification.from_config(config, **kw)
         return AutoModelForCausalLM.from_config(config, **kw)
+
+
+BLOCK_NAME = re.compile(r"\.(\d+)\.")  # a decoder block's parameters: model.layers.3. / transformer.h.3.
+
+
+def decoder_blocks(backbone: nn.Module) -> nn.ModuleList:
+    """The backbone's list of decoder blocks (model.layers for Llama-style models, transformer.h for Falcon and
+    GPT-2): its longest nn.ModuleList child."""
+    lists = [m for m in backbone.children() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ConfigError(f"{type(backbone).__name__} has no list of decoder blocks that spmdrl recognises")
+    return max(lists, key=len)
+
+
+def block_index(name: str) -> int | None:
+    """The decoder block an HF parameter name belongs to, None for the root's (embeddings, final norm, heads)."""
+    m = BLOCK_NAME.search(name)
+    return int(m.group(1)) if m else None
 
 
 def model_param_shapes(hf_config, value_head: bool = False) -> list[tuple[str, tuple[int, ...]]]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 
+from spmdrl.engines.loading import block_index, decoder_blocks
 from spmdrl.errors import ConfigError
 
 INITS = ("default", "gaussian")
@@ -69,7 +70,7 @@ def linear_targets(backbone: nn.Module) -> list[str]:
     """Suffixes of every nn.Linear inside the decoder blocks, in module order (PEFT's all-linear without the
     LM head)."""
     out: list[str] = []
-    for name, mod in backbone.layers.named_modules():
+    for name, mod in decoder_blocks(backbone).named_modules():
         suffix = name.rsplit(".", 1)[-1]
         if isinstance(mod, nn.Linear) and suffix not in out:
             out.append(suffix)
@@ -83,7 +84,7 @@ def adapter_shapes(params: list[tuple[str, tuple[int, ...]]], rank: int, targets
     out = []
     for name, shape in params:
         module, _, leaf = name.rpartition(".")
-        if ".layers." not in name or leaf != "weight" or len(shape) != 2:
+        if block_index(name) is None or leaf != "weight" or len(shape) != 2:
             continue
         if targets and module.rsplit(".", 1)[-1] not in targets:
             continue

@@ -83,7 +83,9 @@ class FSDPScoreEngine:
         mp = MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype != torch.float32 else MixedPrecisionPolicy()
         kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp, reshard_after_forward=True)
         self.module = _LastTokenScore(hf, head)
-        for block in getattr(getattr(hf, hf.base_model_prefix), "layers", []):
+        from .loading import decoder_blocks
+
+        for block in decoder_blocks(getattr(hf, hf.base_model_prefix)):
             fully_shard(block, **kw)
         fully_shard(self.module, **kw)
         self.module.to(device)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 
 from spmdrl.config.validate import lora_settings, lora_sync_mode
-from spmdrl.engines.loading import load_hf_config, model_param_shapes
+from spmdrl.engines.loading import block_index, load_hf_config, model_param_shapes
 from spmdrl.errors import ConfigError
 
 from .overheads import (CUDA_CONTEXT_GIB, GIB, NCCL_COMM_BYTES, NCCL_NET_PEER_BYTES, NCCL_NVLINK_PEER_BYTES,
@@ -83,11 +83,10 @@ def shard_stats(params, lay) -> dict:
             for t in range(lay.tp):
                 per_rank[d, t] = per_rank.get((d, t), 0) + numel(fsdp_block(shape, style, lay.dp, lay.tp, d, t))
     tp_local = sum(numel(fsdp_block(s, fsdp_tp_style(n), 1, lay.tp, 0, 0)) for n, s in params)
-    root = sum(math.prod(s) for n, s in params if ".layers." not in n)
-    layers: dict[str, int] = {}
+    root = sum(math.prod(s) for n, s in params if block_index(n) is None)
+    layers: dict[int, int] = {}
     for n, s in params:
-        if ".layers." in n:
-            key = n.split(".layers.")[1].split(".")[0]
+        if (key := block_index(n)) is not None:
             layers[key] = layers.get(key, 0) + numel(fsdp_block(s, fsdp_tp_style(n), 1, lay.tp, 0, 0))
     largest = max(numel(fsdp_block(s, fsdp_tp_style(n), lay.dp, lay.tp, 0, 0)) for n, s in params)
     return {"shard": max(per_rank.values()), "tp_local": tp_local, "root": root, "largest": largest,
