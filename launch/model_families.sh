@@ -15,7 +15,8 @@ mkdir -p "$OUT"
 for arch in "${ARCHS[@]}"; do
   spmdrl model tiny --arch "$arch" --out "$OUT/$arch/model" >/dev/null
   start=$(date +%s)
-  if ! spmdrl train --nproc 2 model.path="$OUT/$arch/model" data.train_files="[\"$OUT/data/train.parquet\"]" \
+  if ! spmdrl train --nproc 2 --config configs/quickstart/grpo.toml model.path="$OUT/$arch/model" \
+      data.train_files="[\"$OUT/data/train.parquet\"]" data.val_files="[\"$OUT/data/val.parquet\"]" \
       data.max_prompt_length=32 data.max_response_length=8 data.train_batch_size=4 rollout.n=4 rollout.kv_cache_gb=0.1 \
       actor.lr=1e-3 actor.micro_batch_size=4 actor.ppo_mini_batch_size=2 trainer.total_steps=2 trainer.device=cpu \
       trainer.output_dir="$OUT/$arch/run" trainer.overwrite=true logging.progress=false placement.rollout_tp=2 \

@@ -30,10 +30,13 @@ def graph_ops(t) -> set[str]:
     return seen
 
 
-def reference(h, w, b, y, temp, g_lp, g_ent, ent_grad):
+def reference(h, w, b, y, temp, g_lp, g_ent, ent_grad, softcap=None):
     h, w = h.double().requires_grad_(), w.double().requires_grad_()
     b = b.double().requires_grad_() if b is not None else None
-    z = torch.nn.functional.linear(h, w, b) / temp
+    z = torch.nn.functional.linear(h, w, b)
+    if softcap:  # Gemma-style final-logit soft-capping, written out
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temp
     logp_all = torch.log_softmax(z, -1)
     keep = y != -100
     lp = torch.where(keep, logp_all.gather(-1, y.clamp(min=0)[:, None]).squeeze(-1), torch.zeros(()).double())
@@ -45,14 +48,16 @@ def reference(h, w, b, y, temp, g_lp, g_ent, ent_grad):
 
 @pytest.mark.parametrize("ent_grad", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_fused_head_matches_float64_autograd(ent_grad, bias):
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["no-softcap", "softcap2"])
+def test_fused_head_matches_float64_autograd(ent_grad, bias, softcap):
+    """softcap 2: most logits (|z| up to ~5 here) sit on the curved part of tanh, so a missing factor shows."""
     h, w, b, y, g_lp, g_ent = data(bias=bias)
     temp = 0.7
-    ref = reference(h, w, b, y, temp, g_lp, g_ent, ent_grad)
+    ref = reference(h, w, b, y, temp, g_lp, g_ent, ent_grad, softcap)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     bb = b.clone().requires_grad_() if bias else None
     lp, ent = logprobs_from_hidden(hh, ww, y, temperature=temp, chunk_size=8, with_entropy=True, entropy_grad=ent_grad,
-                                   lm_head_bias=bb)
+                                   lm_head_bias=bb, softcap=softcap)
     assert "LinearLogprobBackward" in graph_ops(lp)  # the fused path ran
     assert ent.requires_grad == ent_grad
     ((lp * g_lp).sum() + ((ent if ent_grad else ent.detach()) * g_ent).sum()).backward()

@@ -73,9 +73,15 @@ def truncate_logits(logits: Tensor, top_k: int = -1, top_p: float = 1.0) -> Tens
     return z
 
 
+def soft_cap(logits: Tensor, cap: float | None) -> Tensor:
+    """Final-logit soft-capping (Gemma 2 style): cap * tanh(z / cap); z unchanged when cap is None or 0."""
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def _chunk(h: Tensor, w: Tensor, b: Tensor | None, labels: Tensor, inv_temp: float, ignore_index: int,
-           with_entropy: bool, entropy_grad: bool, top_k: int = -1, top_p: float = 1.0) -> tuple[Tensor, ...]:
-    logits = F.linear(h, w, b).float()  # matmul in the model dtype, softmax math in float32
+           with_entropy: bool, entropy_grad: bool, top_k: int = -1, top_p: float = 1.0,
+           softcap: float | None = None) -> tuple[Tensor, ...]:
+    logits = soft_cap(F.linear(h, w, b).float(), softcap)  # matmul in the model dtype, softmax math in float32
     if inv_temp != 1.0:
         logits = logits * inv_temp
     if top_k > 0 or top_p < 1.0:
@@ -104,8 +110,10 @@ def logprobs_from_hidden(
     checkpoint: bool = True,
     top_k: int = -1,
     top_p: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """log p(y_n | h_n) and H(p(. | h_n)) with p = softmax(W h_n / temperature), chunked over N.
+    """log p(y_n | h_n) and H(p(. | h_n)) with p = softmax(W h_n / temperature), chunked over N; with softcap
+    (a model's final-logit soft-capping) the logits are softcap * tanh(W h_n / softcap) before the temperature.
 
     With top_k > 0 or top_p < 1, p is the sampling distribution instead: softmax of
     truncate_logits(W h_n / temperature, top_k, top_p), renormalised over the kept tokens (what vLLM's
@@ -135,11 +143,11 @@ def logprobs_from_hidden(
 
     def run(hc: Tensor, yc: Tensor) -> tuple[Tensor, ...]:
         return _chunk(hc, lm_head_weight, lm_head_bias, yc, 1.0 / temperature, ignore_index, with_entropy, entropy_grad,
-                      top_k, top_p)
+                      top_k, top_p, softcap)
 
     if use_ckpt and top_k <= 0 and top_p >= 1.0:  # the training path: analytic backward, one recompute per chunk
         logp, ent = LinearLogprob.apply(h2, lm_head_weight, lm_head_bias, y, 1.0 / temperature, ignore_index,
-                                        with_entropy, entropy_grad, chunk_size)
+                                        with_entropy, entropy_grad, chunk_size, softcap)
         return logp.reshape(out_shape), (ent.reshape(out_shape) if with_entropy else None)
     logps, ents = [], []
     for s in range(0, h2.shape[0], chunk_size):
@@ -164,7 +172,7 @@ class LinearLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, w, b, labels, inv_temp, ignore_index, with_entropy, entropy_grad, chunk_size):
+    def forward(ctx, h, w, b, labels, inv_temp, ignore_index, with_entropy, entropy_grad, chunk_size, softcap=None):
         n = h.shape[0]
         logp = torch.zeros(n, dtype=torch.float32, device=h.device)
         ent = torch.zeros(n, dtype=torch.float32, device=h.device)
@@ -172,7 +180,7 @@ class LinearLogprob(torch.autograd.Function):
         keep = labels != ignore_index
         safe = torch.where(keep, labels, torch.zeros_like(labels))
         for s in range(0, n, chunk_size):
-            z = F.linear(h[s: s + chunk_size], w, b).float()
+            z = soft_cap(F.linear(h[s: s + chunk_size], w, b).float(), softcap)
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
             m = z.logsumexp(-1)
@@ -184,7 +192,7 @@ class LinearLogprob(torch.autograd.Function):
             del z
         logp = torch.where(keep, logp, torch.zeros_like(logp))
         ctx.save_for_backward(h, w, b, safe, keep, lse, ent)
-        ctx.args = (inv_temp, with_entropy and entropy_grad, chunk_size)
+        ctx.args = (inv_temp, with_entropy and entropy_grad, chunk_size, softcap)
         ctx.set_materialize_grads(False)  # an output nobody differentiates comes back as None, not zeros
         if not (with_entropy and entropy_grad):
             ctx.mark_non_differentiable(ent)
@@ -193,7 +201,7 @@ class LinearLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         h, w, b, labels, keep, lse, ent = ctx.saved_tensors
-        inv_temp, ent_grad, chunk_size = ctx.args
+        inv_temp, ent_grad, chunk_size, softcap = ctx.args
         g_logp = torch.where(keep, g_logp, torch.zeros_like(g_logp)) if g_logp is not None else torch.zeros_like(lse)
         use_ent = ent_grad and g_ent is not None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -203,6 +211,9 @@ class LinearLogprob(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk_size):
             hc, sl = h[s: s + chunk_size], slice(s, s + chunk_size)
             logp_all = F.linear(hc, w, b).float()
+            if softcap:  # z = cap tanh(raw / cap): keep tanh for dz/draw = 1 - tanh^2
+                tanh = logp_all.div_(softcap).tanh_()
+                logp_all = tanh * softcap
             if inv_temp != 1.0:
                 logp_all.mul_(inv_temp)
             logp_all.sub_(lse[sl, None])
@@ -217,6 +228,9 @@ class LinearLogprob(torch.autograd.Function):
             gz.scatter_add_(-1, labels[sl, None], g_logp[sl, None])
             if inv_temp != 1.0:
                 gz.mul_(inv_temp)
+            if softcap:
+                gz.mul_(tanh.square_().neg_().add_(1.0))
+                del tanh
             gz = gz.to(w.dtype)
             if need_h:
                 dh[sl] = gz @ w
@@ -224,4 +238,4 @@ class LinearLogprob(torch.autograd.Function):
                 dw.addmm_(gz.t(), hc.to(w.dtype))
             if db is not None:
                 db += gz.float().sum(0)
-        return dh, dw, (db.to(b.dtype) if db is not None else None), None, None, None, None, None, None
+        return dh, dw, (db.to(b.dtype) if db is not None else None), None, None, None, None, None, None, None

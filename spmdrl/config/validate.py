@@ -566,6 +566,7 @@ def validate_architecture(cfg) -> None:
         if not megatron and key == "model.path":
             _check_fsdp_tp_heads(cfg, source, hf)
             _check_moe_layout(cfg, source, hf)
+            _check_fsdp_tp_modules(cfg, source, path)
         if megatron and model_type not in MEGATRON_MODEL_TYPES:
             raise ConfigError(
                 f"{source} is a {model_type!r} model (config.json model_type), but the Megatron backend converts "
@@ -594,6 +595,21 @@ def check_architecture_known(hf: dict, source: str, *, vllm: bool) -> None:
             raise ConfigError(
                 f"{source}: vLLM does not support its architectures {archs} (config.json); use rollout.engine = 'hf' "
                 "(the transformers engine, whole tensors, slow) or a model vLLM can load")
+
+
+def _check_fsdp_tp_modules(cfg, source: str, path: str) -> None:
+    """FSDP2 + DTensor TP shards the decoder's q/k/v/o and gate/up/down projections by name
+    (engines/fsdp.py tp_plan): a model without them (fused q/k/v as in Phi-3 or Falcon) trains at actor_tp = 1."""
+    if cfg.placement.actor_tp <= 1:
+        return
+    from spmdrl.engines.fsdp import TP_MODULES
+
+    have = _decoder_linear_layers(path)
+    missing = [m for m in TP_MODULES if have and m not in have]
+    if missing:
+        raise ConfigError(f"placement.actor_tp = {cfg.placement.actor_tp}: {source} has no {', '.join(missing)} "
+                          f"layers (its decoder's linear layers are {', '.join(have)}), which the DTensor TP plan "
+                          "shards by name; set placement.actor_tp = 1 (FSDP2 alone) for this model")
 
 
 def _check_moe_layout(cfg, source: str, hf: dict) -> None:

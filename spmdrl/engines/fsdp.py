@@ -183,6 +183,7 @@ class _LogprobHead(nn.Module):
         logp_flat, ent_flat = logprobs_from_hidden(
             h, weight, index.labels, temperature=temperature, chunk_size=chunk_size,
             with_entropy=bool(with_entropy), entropy_grad=with_entropy != "detached", top_k=top_k, top_p=top_p,
+            softcap=getattr(self.hf.config, "final_logit_softcapping", None),
         )
         return index.scatter(logp_flat), (index.scatter(ent_flat) if with_entropy else None)
 
@@ -202,8 +203,13 @@ class _ValueHead(nn.Module):
         return head(h).squeeze(-1).float() * b.resp_mask, None
 
 
+TP_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def tp_plan():
-    """DTensor TP plan of a Llama/Qwen2-family backbone (the reshard planner's fsdp_tp_style mirrors it)."""
+    """DTensor TP plan of a backbone with separate q/k/v/o and gate/up/down projections (Llama, Qwen2/3, Mistral,
+    Gemma 3; the reshard planner's fsdp_tp_style mirrors it). Config validation refuses actor_tp > 1 for a model
+    without them."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     col, row = ColwiseParallel, RowwiseParallel

@@ -125,6 +125,13 @@ def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int, back
     return plan
 
 
+def _size(n: float) -> str:
+    for unit, k in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 def sync_routes(plan) -> list[dict]:
     """Per parameter family, the route its tensors take into vLLM (reshard/vllm_reads.py) and its bytes per
     rollout rank; [] for engines that take whole tensors."""
@@ -531,7 +538,7 @@ def render(p: dict) -> str:
                       f"{w['lora_sync']}" + (": only the adapter moves" if w["lora_sync"] == "adapter" else
                                              ": the merged full weights move")]
     lines += ["", "weight sync routes into vLLM (per parameter family; bytes one rollout rank receives per sync):"]
-    lines += [f"  {r['route']:7s} {r['family']:52s} x{r['tensors']:<4d} {r['bytes_per_rank'] / GIB:8.3f} GiB"
+    lines += [f"  {r['route']:7s} {r['family']:52s} x{r['tensors']:<4d} {_size(r['bytes_per_rank']):>10s}"
               + (f"  (whole tensors: {r['why']})" if r["route"] == "whole" else "") for r in w["routes"]]
     lines += ["", "weight sync per step (rollout dtype, bytes per rank):",
               f"  received max {w['bytes_recv_max'] / GIB:.3f} GiB  lower bound {w['bytes_lower_bound'] / GIB:.3f} GiB  "

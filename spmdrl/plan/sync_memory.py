@@ -15,8 +15,9 @@ Per bucket a rank holds, at once:
                         counted twice, an upper bound where a slice is a view
   recv_buffers          one flat receive buffer per sending peer
 
-Layers are vLLM's modules for the dense Llama / Qwen2 / Mistral family: q/k/v_proj form qkv_proj and
-gate/up_proj form gate_up_proj; every other parameter is its own layer. A vocabulary padded by vLLM beyond
+Layers are vLLM's modules as the dense Llama / Qwen2 / Mistral family names them: q/k/v_proj form qkv_proj and
+gate/up_proj form gate_up_proj; every other parameter is its own layer (for other families an approximation: a
+fused expert tensor, for one, is all of its layer already). A vocabulary padded by vLLM beyond
 what the rank loads (a vocabulary that is not a multiple of 64) would stay buffered until the sync ends; that is
 not modelled (the shipped models' vocabularies are multiples of 64).
 
@@ -73,7 +74,7 @@ def sync_peak(plan, bucket_bytes: int, ranks) -> dict[str, int]:
                 layer = vllm_layer(n)
                 if remaining[layer] <= set(mine) and layer not in done:
                     done.add(layer)
-                    copy = max(copy, sum(math.prod(plan.target_of[m][r][1]) for m in members[layer]) * eb)
+                    copy = max(copy, sum(math.prod(b[1]) for m in members[layer] for b in plan.target_of[m][r]) * eb)
             fig = {"bucket_full_tensors": sum(math.prod(plan.shapes[n]) for n in mine) * eb,
                    "reload_retained": sum(held.values()),
                    "reload_layer_copy": copy,

@@ -261,6 +261,19 @@ def probe_rank(hf_config, params: list[tuple[str, tuple[int, ...]]], tp: int, tp
     return reads, whole
 
 
+@contextlib.contextmanager
+def _quiet_vllm():
+    """vLLM's config messages (on stdout, at INFO) are about an engine that is never built: keep them out of the
+    job's log and of `spmdrl plan --json`, unless vLLM's logger is at DEBUG (logging.verbosity = debug)."""
+    before = logging.root.manager.disable
+    if logging.getLogger("vllm").getEffectiveLevel() > logging.DEBUG:
+        logging.disable(logging.WARNING)  # vLLM configures its own logger on first use, so its level cannot hold
+    try:
+        yield
+    finally:
+        logging.disable(before)
+
+
 @functools.lru_cache(maxsize=8)
 def _probe_cached(config_json: str, params: tuple, tp: int, dtype: str, expert_parallel: bool,
                   trust_remote_code: bool) -> VllmReads:
@@ -271,9 +284,10 @@ def _probe_cached(config_json: str, params: tuple, tp: int, dtype: str, expert_p
     out = VllmReads(tp)
     per_rank = []
     try:
-        for r in range(tp):
-            per_rank.append(probe_rank(hf_config, list(params), tp, r, dtype=dtype, expert_parallel=expert_parallel,
-                                       trust_remote_code=trust_remote_code))
+        with _quiet_vllm():
+            for r in range(tp):
+                per_rank.append(probe_rank(hf_config, list(params), tp, r, dtype=dtype,
+                                           expert_parallel=expert_parallel, trust_remote_code=trust_remote_code))
     except Exception as e:  # the model class itself did not build here: every parameter goes whole
         detail = " ".join(str(e).split())[:300]
         why = f"vLLM's model class did not build for the probe ({type(e).__name__}: {detail})"
