@@ -27,6 +27,10 @@ class Tool:
     """JSON schema of the arguments object ({"type": "object", "properties": {...}, "required": [...]})."""
     fn: Callable[..., str | Awaitable[str]]
     """Called as fn(**arguments) (or fn(**arguments, **kwargs) with per-sample kwargs from the data row)."""
+    spec: str = ""
+    """The multi_turn.tools entry it was loaded from (set by tools/registry.py): a tool with one runs in tool
+    worker processes that load it again from it (tools/worker.py); one without (built in Python by the
+    caller) runs in a thread of the calling process."""
 
     def schema(self) -> dict:
         """The OpenAI-style function schema that chat templates take in `tools`."""
