@@ -540,7 +540,9 @@ with stop_signals():
 def _failure(tmp_path, rank, exitcode, line=None):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    path = tmp_path / f"error_{rank}.json"
+    path = tmp_path / "attempt_0" / str(rank) / "error.json"  # torchrun's layout
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
     if line is not None:
         path.write_text(json.dumps({"message": f"error (rank {rank}): {line}", "timestamp": 0}))
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
@@ -551,6 +553,8 @@ def test_the_launcher_names_a_rank_killed_from_outside_and_exits_1(tmp_path, cap
     the cause' with exit 2 (a user error), though the killed rank printed nothing."""
     from spmdrl.launcher import summarise_failures
 
+    (tmp_path / "attempt_0").mkdir()
+    (tmp_path / "attempt_0" / "spmdrl_first_error").touch()  # a rank printed its line
     survivor = "step 2, stage 'checkpoint': saving checkpoint step 2 under /x failed while writing on rank 0: ..."
     code = summarise_failures({1: _failure(tmp_path, 1, -9), 0: _failure(tmp_path, 0, 2, survivor)})
     err = capsys.readouterr().err
@@ -564,6 +568,23 @@ def test_the_launcher_names_a_rank_killed_from_outside_and_exits_1(tmp_path, cap
     assert capsys.readouterr().err == ""  # the ranks printed their line; the launcher adds none
     assert summarise_failures({3: _failure(tmp_path, 3, 1)}) == 1  # no error file: a crash before reporting
     assert capsys.readouterr().err == "error: rank 3 (pid 1003) exited with code 1; its output above has the cause\n"
+
+
+def test_a_recorded_error_wins_over_the_launchers_own_stop(tmp_path, capsys):
+    """A config error on rank 1 while rank 0 was stopped by the launcher (SIGTERM) before it could print: the
+    launcher said rank 0 'was killed by SIGTERM (from outside spmdrl ...)' and exited 1, hiding the typo."""
+    from spmdrl.launcher import summarise_failures
+
+    typo = "command-line override: unknown key 'actor.lrr'; did you mean 'actor.lr'?"
+    for rank0 in (_failure(tmp_path, 0, -15), _failure(tmp_path, 0, 143, "stopped by SIGTERM before start-up; ...")):
+        assert summarise_failures({1: _failure(tmp_path, 1, 2, typo), 0: rank0}) == 2
+        assert capsys.readouterr().err == f"error (rank 1): {typo}\n"  # no rank printed it (no marker): here
+    (tmp_path / "attempt_0" / "spmdrl_first_error").touch()
+    assert summarise_failures({1: _failure(tmp_path, 1, 2, typo), 0: _failure(tmp_path, 0, -15)}) == 2
+    assert capsys.readouterr().err == ""  # printed once by the rank
+    # a SIGKILL without a word is still the root cause
+    assert summarise_failures({1: _failure(tmp_path, 1, 2, typo), 0: _failure(tmp_path, 0, -9)}) == 1
+    assert "rank 0 (pid 1000) was killed by SIGKILL (from outside spmdrl" in capsys.readouterr().err
 
 
 def test_a_stop_is_not_a_user_error():
