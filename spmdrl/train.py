@@ -81,6 +81,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
         try:
             slow_start_if_injected(env.rank)
             cfg = load_config(args.config, args.overrides, root_cls=root_cls)
+            _absolute_output_dir(cfg)
             apply_verbosity(cfg.logging.verbosity)
             layout = validate_fn(cfg, env.world_size)
             plan = preflight_fn(cfg, env.rank, env.world_size) if preflight_fn else None
@@ -114,6 +115,14 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
         finally:
             destroy_distributed()
     return 0
+
+
+def _absolute_output_dir(cfg) -> None:
+    """trainer.output_dir as an absolute path from the start: code that changes the working directory later (a
+    tool or reward function calling os.chdir) cannot split the run's files across two directories."""
+    trainer = getattr(cfg, "trainer", None)
+    if trainer is not None and isinstance(getattr(trainer, "output_dir", None), str) and trainer.output_dir:
+        trainer.output_dir = os.path.abspath(trainer.output_dir)
 
 
 def _exit_now_if_stopped(code: int) -> None:

@@ -638,3 +638,35 @@ with stop_signals():
     took = time.monotonic() - t0
     assert proc.returncode == 143 and 1.5 < took < 10, (proc.returncode, took, err)
     assert err.strip().splitlines() == [f"error (rank 1): stopped by signal {int(signal.SIGTERM)} while blocked"], err
+
+
+def test_output_dir_is_absolute_from_the_start(tmp_path, monkeypatch):
+    """A tool calling os.chdir split a checkpoint across two directories: trainer.output_dir was relative."""
+    from spmdrl.config import Config
+    from spmdrl.errors import ConfigError
+    from spmdrl.train import run_entry
+
+    seen = {}
+
+    def validate_fn(cfg, world_size):
+        seen["out"] = cfg.trainer.output_dir
+        raise ConfigError("stop here")
+
+    monkeypatch.chdir(tmp_path)
+    code = run_entry(["trainer.output_dir=runs/a"], prog="t", description="", root_cls=Config,
+                     validate_fn=validate_fn, run_fn=None)
+    assert code == 2 and seen["out"] == str(tmp_path / "runs" / "a")
+
+
+def test_a_tool_file_that_exits_or_interrupts_at_import_is_one_line(tmp_path):
+    """sys.exit() or KeyboardInterrupt at the top of a tool file ended the run with no message at all."""
+    from spmdrl.errors import ConfigError
+    from spmdrl.tools.registry import load_tools
+
+    for body, kind in (("import sys\nsys.exit(0)\n", "SystemExit"), ("raise KeyboardInterrupt\n", "KeyboardInterrupt")):
+        path = tmp_path / f"tools_{kind}.py"
+        path.write_text(body)
+        with pytest.raises(ConfigError) as e:
+            load_tools([f"{path}:f"])
+        msg = str(e.value)
+        assert "\n" not in msg and f"raised {kind}" in msg and str(path) in msg, msg
