@@ -1,7 +1,7 @@
 """Worker processes that run user code for a rank: started, spoken to over a pipe, and killed with all they
 started.
 
-The rank starts `python -P -m MODULE` (spawn_worker) on its own import path; the two sides exchange
+The rank starts `MODULE.main()` in a new interpreter (spawn_worker) on its own import path; the two sides exchange
 length-prefixed pickles on the worker's stdin and stdout (send, recv), which the worker keeps for itself
 (serve_streams), so the user code's prints go to stderr. Reward functions (rewards/worker.py) and tools
 (tools/worker.py) run this way.
@@ -52,13 +52,15 @@ def recv(fd: int, deadline: float | None):
 
 
 def spawn_worker(module: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
-    """`python -P -m module *args` with pipes on its stdin and stdout, on the rank's import path (the
+    """`module.main(*args)` in a new `python -P` with pipes on its stdin and stdout, on the rank's import path (the
     working directory only where PYTHONPATH names it) in safe-path mode."""
     cwd = os.getcwd()
     given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     path = given + [p for p in sys.path if p and os.path.abspath(p) != cwd and p not in given]
     env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(path), "PYTHONSAFEPATH": "1"}
-    return subprocess.Popen([sys.executable, "-P", "-m", module, *args], stdin=subprocess.PIPE,
+    # -c, not -m: runpy would warn (twice a run) that a package's __init__ imported the module before it ran
+    boot = f"import sys; from {module} import main; sys.exit(main(*sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-P", "-c", boot, *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=env)
 
 

@@ -670,3 +670,29 @@ def test_a_tool_file_that_exits_or_interrupts_at_import_is_one_line(tmp_path):
             load_tools([f"{path}:f"])
         msg = str(e.value)
         assert "\n" not in msg and f"raised {kind}" in msg and str(path) in msg, msg
+
+
+def test_a_config_directory_is_named_as_such(tmp_path):
+    """`--config DIR` said 'config file not found'."""
+    from spmdrl.config import load_config
+    from spmdrl.errors import ConfigError
+
+    (tmp_path / "grpo.toml").write_text("")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path), [])
+    assert str(e.value) == (f"config {tmp_path} is a directory (it holds grpo.toml); give a TOML file, e.g. "
+                            f"--config {tmp_path}/grpo.toml")
+
+
+def test_an_import_that_hangs_says_so(tmp_path, monkeypatch, capsys):
+    """A tool file that blocked at import gave no message at all."""
+    from spmdrl import usercode
+    from spmdrl.tools.registry import load_tools
+
+    monkeypatch.setattr(usercode, "SLOW_IMPORT_S", 0.3)
+    path = tmp_path / "slow_tools.py"
+    path.write_text('import time\ntime.sleep(1.0)\n\ndef f(x: int) -> str:\n    """F.\n\n    Args:\n        x: x\n    """\n'
+                    '    return str(x)\n')
+    assert load_tools([f"{path}:f"])[0].name == "f"
+    err = capsys.readouterr().err
+    assert f"tool '{path}:f': importing {path} has taken over 0.3s and goes on" in err, err

@@ -1,6 +1,6 @@
 """A user reward function in its own process, so that reward.timeout_s can stop anything it does.
 
-The training rank talks to one worker (`python -m spmdrl.rewards.worker SPEC`) over a pipe: each call is a
+The training rank talks to one worker (`spmdrl.rewards.worker.main(SPEC)` in a new interpreter) over a pipe: each call is a
 length-prefixed pickle of the keyword arguments, answered by a pickle of ("ok", value) or ("error", type name,
 message). When no answer comes within reward.timeout_s the rank kills the worker (SIGKILL: a C loop or a
 pathological regex included), raises RewardTimeout for that sample and starts a new worker at the next call;

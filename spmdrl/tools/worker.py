@@ -1,6 +1,6 @@
 """Tools in worker processes, so that multi_turn.tool_timeout_s stops a call whatever it does.
 
-A worker (`python -m spmdrl.tools.worker`, started by spmdrl/workers.py like a reward worker) loads every tool
+A worker (`spmdrl.tools.worker.main` in a new interpreter, started by spmdrl/workers.py like a reward worker) loads every tool
 of the runner again from its spec (multi_turn.tools) and answers calls `(id, tool index, arguments)` with
 `(id, "ok", text)`, `(id, "bad_output", type name)` or `(id, "error", exception type name, message)`. A sync
 tool runs in the worker's main thread, one call at a time; an async tool runs on the worker's event loop, many
