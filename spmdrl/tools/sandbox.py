@@ -55,8 +55,16 @@ if os.geteuid() == 0:
         libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE: nothing leaks back
         for path in hidden:  # an empty read-only directory over each
             libc.mount(b"tmpfs", path.encode(), b"tmpfs", 1 | 2 | 4 | 8, b"size=4k,mode=0555")
-else:
-    libc.unshare(NEWUSER | NEWNET)  # where unprivileged user namespaces are allowed
+else:  # where unprivileged user namespaces are allowed; this user keeps its own ids inside
+    real_uid, real_gid = os.getuid(), os.getgid()
+    if libc.unshare(NEWUSER | NEWNET) == 0:
+        for name, text in (('setgroups', 'deny'), ('uid_map', '%d %d 1' % (real_uid, real_uid)),
+                           ('gid_map', '%d %d 1' % (real_gid, real_gid))):
+            try:
+                with open('/proc/self/' + name, 'w') as f:
+                    f.write(text)
+            except OSError:
+                pass
 
 def tasks_of(uid):
     # RLIMIT_NPROC compares against every task (process or thread) of the real uid: count them

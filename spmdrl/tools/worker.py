@@ -25,7 +25,7 @@ import time
 
 from spmdrl.errors import SpmdrlError
 from spmdrl.proctree import become_subreaper, has_children, kill_tree
-from spmdrl.workers import kill_worker, recv, send, serve_streams, spawn_worker
+from spmdrl.workers import recv, send, serve_streams, spawn_worker
 
 START_TIMEOUT_S = 120.0  # importing the tools' modules is not a call's time
 MODULE = "spmdrl.tools.worker"
@@ -69,6 +69,7 @@ class ToolWorker:
             reply, why = None, f"wrote something unreadable ({type(e).__name__})"
         if reply is None or reply[0] != "ready":
             self.kill()
+            self.proc.stdout.close()  # no reader thread yet
             if reply is not None:
                 why = f"loading them raised {reply[1]}: {reply[2]}"
             raise ToolWorkerError(f"multi_turn.tools: the tool worker process {why or 'exited'} "
@@ -115,6 +116,7 @@ class ToolWorker:
                 entry = self._inflight.pop(msg[0], None)
             if entry is not None:
                 entry[1].put((entry[0], tuple(msg[1:]), None, time.monotonic()))
+        self.proc.stdout.close()
         code = self.proc.wait()
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         with self._lock:
@@ -127,8 +129,16 @@ class ToolWorker:
         return not self.dead and self.proc.poll() is None
 
     def kill(self) -> None:
+        """SIGKILL the worker and everything under it. Its stdout is left to the reader thread, which closes it
+        at end of input (closed here, the descriptor's number could be reused under the reader)."""
         self._outbox.put(None)
-        kill_worker(self.proc)
+        if self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+        self.proc.wait()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
         self.dead = self.dead or "killed"
 
 
