@@ -82,20 +82,42 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return "X"
+
+
+def _wait_stopped(pids, timeout_s: float = 1.0) -> None:
+    """Until every one of `pids` is stopped or gone: kill(SIGSTOP) returns before the process has stopped, and
+    a process still running (in the middle of a fork) could start a child after the next read."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(pids)
+    while waiting and time.monotonic() < deadline:
+        waiting = [p for p in waiting if _state(p) not in ("T", "t", "Z", "X")]
+        if waiting:
+            time.sleep(0.001)
+
+
 def kill_tree(root: int, *, include_root: bool = True, rounds: int = 50) -> int:
     """SIGKILL every process under `root` (and root itself unless include_root=False); how many were found.
 
-    Each round stops what it finds, so a process cannot fork a child the next read misses; the rounds end
-    when a read finds nothing new (a fork bomb under RLIMIT_NPROC ends within a few rounds)."""
+    Each round stops what it finds and waits until it has stopped, so a process cannot fork a child the next
+    read misses; the rounds end when a read finds nothing new (a fork bomb under RLIMIT_NPROC ends within a
+    few rounds)."""
     seen: set[int] = set()
     if include_root:
         _signal(root, signal.SIGSTOP)
+        _wait_stopped([root])
     for _ in range(rounds):
         new = [p for p in descendants(root) if p not in seen]
         if not new:
             break
         for pid in new:
             _signal(pid, signal.SIGSTOP)
+        _wait_stopped(new)
         seen.update(new)
     for pid in seen:
         _signal(pid, signal.SIGKILL)

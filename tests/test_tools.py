@@ -684,7 +684,8 @@ def _pids_gone(pids, within_s=2.0):
 
 def test_a_tool_stuck_in_c_code_is_cut_at_its_timeout_and_the_run_goes_on(hostile):
     runner = ThreadToolRunner(hostile, timeout_s=1.0, max_parallel=4)
-    assert runner.run([[ToolCall("add", {"a": 1, "b": 2})]])[0][0].text == "3"  # the worker has started
+    warm = runner.run([[ToolCall("add", {"a": 1, "b": 2}), ToolCall("add", {"a": 0, "b": 3})]])  # two workers up
+    assert [r.text for r in warm[0]] == ["3", "3"]
     t0 = time.monotonic()
     res = runner.run([[ToolCall("backtrack", {"n": 29}), ToolCall("add", {"a": 2, "b": 2})]])  # minutes in C
     elapsed = time.monotonic() - t0
@@ -695,6 +696,7 @@ def test_a_tool_stuck_in_c_code_is_cut_at_its_timeout_and_the_run_goes_on(hostil
     assert runner.run([[ToolCall("backtrack", {"n": 3})]])[0][0].text == "False"
 
     # async tools: concurrent on one worker; a call blocking its loop in C is cut, the next calls get a new one
+    assert runner.run([[ToolCall("nap", {"seconds": 0.01})]])[0][0].ok  # the async worker has started
     t0 = time.monotonic()
     res = runner.run([[ToolCall("nap", {"seconds": 0.3})] for _ in range(4)])
     assert [r[0].text for r in res] == ["slept 0.3"] * 4 and time.monotonic() - t0 < 1.0

@@ -42,7 +42,7 @@ HIDE_ENV = "SPMDRL_SANDBOX_HIDE"
 worker gets the run's output_dir this way (tools/runner.py)."""
 
 _BOOTSTRAP = r"""
-import ctypes, os, resource, signal, sys
+import ctypes, os, resource, signal, sys, time
 cpu_s, memory, fsize, nproc, nofile, uid, gid = (int(a) for a in sys.argv[1:8])
 hidden = [p for p in sys.argv[8].split(os.pathsep) if p]
 libc = ctypes.CDLL(None, use_errno=True)
@@ -97,6 +97,13 @@ def under(root):
             todo.append(c)
     return out
 
+def state(pid):
+    try:
+        with open('/proc/%d/stat' % pid, 'rb') as f:
+            return f.read().rsplit(b')', 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return 'X'
+
 pid = os.fork()
 if pid == 0:
     if uid >= 0:
@@ -130,6 +137,10 @@ for _ in range(50):  # stop what is left (so nothing forks meanwhile), read agai
             os.kill(p, signal.SIGSTOP)
         except OSError:
             pass
+    for _ in range(1000):  # until they have stopped: one in the middle of a fork would start a child unseen
+        if all(state(p) in 'TtZX' for p in new):
+            break
+        time.sleep(0.001)
     seen.update(new)
 for p in seen:
     try:
