@@ -49,22 +49,6 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the program's orphans stay under this process
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 NEWNET, NEWNS, NEWUSER = 0x40000000, 0x00020000, 0x10000000
-if os.geteuid() == 0:
-    libc.unshare(NEWNET)
-    if hidden and libc.unshare(NEWNS) == 0:
-        libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE: nothing leaks back
-        for path in hidden:  # an empty read-only directory over each
-            libc.mount(b"tmpfs", path.encode(), b"tmpfs", 1 | 2 | 4 | 8, b"size=4k,mode=0555")
-else:  # where unprivileged user namespaces are allowed; this user keeps its own ids inside
-    real_uid, real_gid = os.getuid(), os.getgid()
-    if libc.unshare(NEWUSER | NEWNET) == 0:
-        for name, text in (('setgroups', 'deny'), ('uid_map', '%d %d 1' % (real_uid, real_uid)),
-                           ('gid_map', '%d %d 1' % (real_gid, real_gid))):
-            try:
-                with open('/proc/self/' + name, 'w') as f:
-                    f.write(text)
-            except OSError:
-                pass
 
 def tasks_of(uid):
     # RLIMIT_NPROC compares against every task (process or thread) of the real uid: count them
@@ -80,6 +64,25 @@ def tasks_of(uid):
         except (OSError, KeyError, ValueError):
             pass
     return n
+
+if os.geteuid() == 0:
+    libc.unshare(NEWNET)
+    if hidden and libc.unshare(NEWNS) == 0:
+        libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE: nothing leaks back
+        for path in hidden:  # an empty read-only directory over each
+            libc.mount(b"tmpfs", path.encode(), b"tmpfs", 1 | 2 | 4 | 8, b"size=4k,mode=0555")
+    counted = None
+else:  # where unprivileged user namespaces are allowed; this user keeps its own ids inside
+    real_uid, real_gid = os.getuid(), os.getgid()
+    counted = tasks_of(real_uid)  # inside, other users' processes may show as this one (the overflow uid)
+    if libc.unshare(NEWUSER | NEWNET) == 0:
+        for name, text in (('setgroups', 'deny'), ('uid_map', '%d %d 1' % (real_uid, real_uid)),
+                           ('gid_map', '%d %d 1' % (real_gid, real_gid))):
+            try:
+                with open('/proc/self/' + name, 'w') as f:
+                    f.write(text)
+            except OSError:
+                pass
 
 def under(root):
     children = {}
@@ -110,7 +113,7 @@ if pid == 0:
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
-    mine = tasks_of(os.getuid())
+    mine = tasks_of(os.getuid()) if counted is None else counted
     for r, soft in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, nofile),
                     (resource.RLIMIT_NPROC, mine + nproc), (resource.RLIMIT_AS, memory)):
         hard = soft + 1 if r == resource.RLIMIT_CPU else soft  # SIGXCPU at the soft CPU limit, SIGKILL a second later
@@ -151,7 +154,7 @@ if os.WIFSIGNALED(status):  # end as the program ended
     sig = os.WTERMSIG(status)
     signal.signal(sig, signal.SIG_DFL)
     os.kill(os.getpid(), sig)
-os._exit(os.waitstatus_to_exitcode(status) & 255)
+os._exit(os.WEXITSTATUS(status))
 """
 
 
