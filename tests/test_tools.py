@@ -20,8 +20,8 @@ from spmdrl.errors import ConfigError
 from spmdrl.tools.base import FAILURES, Tool, ToolCall
 from spmdrl.tools.builtin import calculator_tool, http_exec_tool, python_tool
 from spmdrl.tools.calculator import calculate
-from spmdrl.tools.registry import build_tool_runner, load_tools
-from spmdrl.tools.runner import ThreadToolRunner
+from spmdrl.tools.registry import load_tools
+from spmdrl.tools.runner import ThreadToolRunner, build_tool_runner
 from spmdrl.tools.sandbox import SandboxLimits, interpreter_problem, run_python
 
 

@@ -195,7 +195,7 @@ def build_agent(cfg: Config, tokenizer, engine, mesh: RoleMeshes, tools: list):
         return None
     from spmdrl.rollout.chat import ChatGlue
     from spmdrl.rollout.multi_turn import AgentLoop, TurnLimits
-    from spmdrl.tools.registry import build_tool_runner
+    from spmdrl.tools.runner import build_tool_runner
 
     mt = cfg.multi_turn
     limits = TurnLimits(max_turns=mt.max_turns, max_tool_response_tokens=mt.max_tool_response_tokens,

@@ -8,6 +8,7 @@ that raises, hangs or returns garbage never stops a rollout.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -67,6 +68,26 @@ class ToolResult:
     @property
     def ok(self) -> bool:
         return not self.failure
+
+
+def as_text(value) -> str | None:
+    """A tool's return value as the text the model sees, or None when it is not usable: a str as is, a JSON
+    value (number, bool, list, dict) serialised; None, NaN, objects, bytes and text that is not valid
+    Unicode are not."""
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, (bool, int, float, list, dict)):
+        try:
+            text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):  # a non-JSON value inside, nan, an int past Python's str() limit
+            return None
+    else:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates
+        return None
+    return text
 
 
 class ToolRunner(Protocol):

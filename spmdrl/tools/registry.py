@@ -116,14 +116,3 @@ def load_tools(specs: list[str], cfg=None) -> list[Tool]:
         seen[tool.name] = spec
         tools.append(tool)
     return tools
-
-
-def build_tool_runner(cfg, tools: list[Tool] | None = None, *, hidden_dirs: tuple[str, ...] = ()):
-    """The rank's ToolRunner for the [multi_turn] section `cfg` (its tools loaded unless given): tools loaded
-    from a spec run in worker processes. hidden_dirs: directories the python sandbox must not read (the run's
-    output_dir)."""
-    from spmdrl.tools.runner import ThreadToolRunner
-
-    tools = load_tools(cfg.tools, cfg) if tools is None else tools
-    return ThreadToolRunner(tools, timeout_s=cfg.tool_timeout_s, max_parallel=cfg.max_parallel_calls,
-                            max_calls_per_turn=cfg.max_calls_per_turn, cfg=cfg, hidden_dirs=hidden_dirs)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import os
 import queue
 import threading
@@ -21,7 +20,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from spmdrl.tools.base import Tool, ToolCall, ToolResult
+from spmdrl.tools.base import Tool, ToolCall, ToolResult, as_text
 from spmdrl.tools.worker import ToolWorker
 
 _MAX_ERROR_CHARS = 500
@@ -31,26 +30,6 @@ UNKNOWN = "_unknown"
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())[:_MAX_ERROR_CHARS]
-
-
-def as_text(value) -> str | None:
-    """A tool's return value as the text the model sees, or None when it is not usable: a str as is, a JSON
-    value (number, bool, list, dict) serialised; None, NaN, objects, bytes and text that is not valid
-    Unicode are not."""
-    if isinstance(value, str):
-        text = value
-    elif isinstance(value, (bool, int, float, list, dict)):
-        try:
-            text = json.dumps(value, ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError):  # a non-JSON value inside, nan, an int past Python's str() limit
-            return None
-    else:
-        return None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates
-        return None
-    return text
 
 
 def _data_kwargs(tool_kwargs: dict | None, tool: Tool, accepts: set[str] | None) -> dict:
@@ -373,3 +352,14 @@ async def _tracked(coro, ended: threading.Event):
         raise RuntimeError(f"the tool raised {type(e).__name__}: {e}") from None
     finally:
         ended.set()
+
+
+def build_tool_runner(cfg, tools: list[Tool] | None = None, *, hidden_dirs: tuple[str, ...] = ()) -> ThreadToolRunner:
+    """The rank's ToolRunner for the [multi_turn] section `cfg` (its tools loaded unless given): tools loaded
+    from a spec run in worker processes. hidden_dirs: directories the python sandbox must not read (the run's
+    output_dir)."""
+    from spmdrl.tools.registry import load_tools
+
+    tools = load_tools(cfg.tools, cfg) if tools is None else tools
+    return ThreadToolRunner(tools, timeout_s=cfg.tool_timeout_s, max_parallel=cfg.max_parallel_calls,
+                            max_calls_per_turn=cfg.max_calls_per_turn, cfg=cfg, hidden_dirs=hidden_dirs)

@@ -23,16 +23,13 @@ import sys
 import threading
 import time
 
-from spmdrl.errors import SpmdrlError
+from spmdrl.errors import ConfigError
 from spmdrl.proctree import become_subreaper, has_children, kill_tree
+from spmdrl.tools.base import as_text
 from spmdrl.workers import recv, send, serve_streams, spawn_worker
 
 START_TIMEOUT_S = 120.0  # importing the tools' modules is not a call's time
 MODULE = "spmdrl.tools.worker"
-
-
-class ToolWorkerError(SpmdrlError):
-    """A tool worker process could not load the tools."""
 
 
 class ToolWorker:
@@ -57,7 +54,7 @@ class ToolWorker:
         threading.Thread(target=self._write, args=((specs, cfg),), daemon=True, name="spmdrl-tool-send").start()
 
     def wait_ready(self) -> None:
-        """Block until the worker has loaded the tools; ToolWorkerError (one line) when it cannot."""
+        """Block until the worker has loaded the tools; ConfigError (one line, naming multi_turn.tools) when it cannot."""
         if self.ready:
             return
         why = ""
@@ -72,7 +69,7 @@ class ToolWorker:
             self.proc.stdout.close()  # no reader thread yet
             if reply is not None:
                 why = f"loading them raised {reply[1]}: {reply[2]}"
-            raise ToolWorkerError(f"multi_turn.tools: the tool worker process {why or 'exited'} "
+            raise ConfigError(f"multi_turn.tools: the tool worker process {why or 'exited'} "
                                   f"({', '.join(self.specs)}); see its output above")
         self.ready = True
         threading.Thread(target=self._read, daemon=True, name="spmdrl-tool-read").start()
@@ -159,8 +156,6 @@ def _outcome(fn, arguments: dict):
 
 
 def _as_reply(value):
-    from spmdrl.tools.runner import as_text
-
     text = as_text(value)
     return ("bad_output", type(value).__name__) if text is None else ("ok", text)
 
