@@ -441,6 +441,9 @@ def score(data_source, solution_str, ground_truth, extra_info):
         os._exit(3)
     if solution_str == "pid":
         return float(os.getpid())
+    if solution_str == "spawn":  # a new-session child that would sleep a minute
+        import subprocess
+        return float(subprocess.Popen(["sleep", "63"], start_new_session=True).pid)
     print("scored", solution_str)  # prints must not disturb the protocol
     return float(len(solution_str))
 '''
@@ -477,6 +480,19 @@ def test_a_reward_busy_in_c_code_is_stopped_by_the_timeout(tmp_path):
     assert call(fn, "pid") != first and call(fn, "abcd") == 4.0  # a new worker
     assert call(fn, "boom") == 0.0 and call(fn, "die") == 0.0 and call(fn, "ab") == 2.0
     assert fn.take_counts() == (2, 0)
+    fn.fn.close()
+
+
+def test_nothing_a_reward_function_starts_outlives_its_call(tmp_path):
+    import time
+
+    from spmdrl.rewards.custom import build_reward_fn
+
+    fn = build_reward_fn(reward_cfg(tmp_path, timeout_s=5.0))
+    child = int(call(fn, "spawn"))
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    assert call(fn, "ab") == 2.0
     fn.fn.close()
 
 
