@@ -28,8 +28,9 @@ from spmdrl.metrics import StageTimer
 log = logging.getLogger("spmdrl")
 
 FAULT_ENV = "SPMDRL_FAULT_INJECT"
-FAULT_KINDS = ("kill", "hang", "nan", "slow_save")
+FAULT_KINDS = ("kill", "hang", "nan", "slow_save", "slow_start")
 SLOW_SAVE_S = 6.0
+SLOW_START_S = 20.0
 
 
 def set_collective_timeout(seconds: float) -> int:
@@ -330,8 +331,16 @@ def slow_save_if_injected(rank: int, step: int) -> None:
             time.sleep(0.1)
 
 
+def slow_start_if_injected(rank: int) -> None:
+    """Test-only: this rank reads its config SLOW_START_S late (another rank then fails first)."""
+    if FAULT_ENV in os.environ and injected_fault(rank, 0) == "slow_start":
+        end = time.monotonic() + SLOW_START_S
+        while time.monotonic() < end:
+            time.sleep(0.1)
+
+
 __all__ = [
     "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Stopped", "Terminated", "inject_fault", "inject_fault_if_asked",
     "injected_fault", "is_bad_step", "is_collective_failure", "named_failures", "set_collective_timeout",
-    "slow_save_if_injected", "stop_handled", "stop_requested", "stop_signals", "watch_stop_signals",
+    "slow_save_if_injected", "slow_start_if_injected", "stop_handled", "stop_requested", "stop_signals", "watch_stop_signals",
 ]

@@ -12,8 +12,9 @@
   sys.path, so a file such as ./tomllib.py cannot shadow an import.
 - A user error (SpmdrlError) is printed by the first failing rank only (a marker file next to torchrun's
   per-rank error files) and written to torchrun's error file, so torchrun's summary names it as the root
-  cause; this wrapper then exits 2 for a user error, names each rank that died without a word (kill -9,
-  the OOM killer) and exits 1, and prints no traceback of its own. It takes torchrun's arguments, so
+  cause; this wrapper then exits 2 for a user error (printing it when the ranks that found it were all
+  stopped before they could), names each rank that died without a word (kill -9, the OOM killer) and exits
+  1, and prints no traceback of its own (`summarise_failures`). It takes torchrun's arguments, so
   `python -m spmdrl.launcher --nnodes ... -m spmdrl.train ...` replaces `torchrun` on every node.
 """
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _first_to_fail() -> bool:
 
 def report_error(message, rank: int, *, show: bool = True) -> None:
     """A user error: the line in torchrun's error file (every rank), and on stderr once: from the first
-    failing rank (show=False: not from this rank, e.g. a config error every rank finds and rank 0 prints)."""
+    failing rank (show=False: not from this rank)."""
     line = " ".join(str(message).split())
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
@@ -118,14 +119,28 @@ def launch_command(module: str, config: str, overrides: list[str], nproc: int) -
     return [sys.executable, "-P", *args]
 
 
+def _printed(failures: dict) -> bool:
+    """Whether a rank printed its error (the first-error marker beside the ranks' error files exists)."""
+    for f in failures.values():
+        if f.error_file and os.path.exists(os.path.join(os.path.dirname(os.path.dirname(f.error_file)),
+                                                        _FIRST_MARKER)):
+            return True
+    return False
+
+
 def summarise_failures(failures: dict) -> int:
-    """The launcher's exit code for torchrun's failures {rank: ProcessFailure}, printing one line for each rank
-    that died without reporting (kill -9, the OOM killer, a segfault): a rank that reported wrote `error (rank
-    R): ...` in its error file and printed it once. 1 when a rank died unreported (the root cause, whatever the
-    survivors then reported) or failed otherwise; 2 when a rank reported a user error; the stop's 128 + signal
-    when every failed rank was stopped by the same signal."""
+    """The launcher's exit code for torchrun's failures {rank: ProcessFailure}; see the table in
+    docs/reliability.md. A rank that reported wrote `error (rank R): ...` in its error file and printed it
+    once; a rank that died without a word by SIGKILL or a crash (kill -9, the OOM killer, a segfault) gets one
+    line here and is the root cause (exit 1) whatever the survivors then reported. A rank that died by
+    SIGTERM or SIGINT without a word while another rank reported was stopped by the launcher (torchrun stops
+    the others when one fails) before it could speak: no line, the reported error stands. Exit 2 when a rank
+    reported a user error (printed here if no rank could print it); the stop's 128 + signal when every
+    reporting rank was stopped by the same signal; else 1."""
     ours = {r: f for r, f in failures.items() if isinstance(f.message, str) and f.message.startswith("error (rank")}
-    silent = sorted((r, f) for r, f in failures.items() if r not in ours and f.exitcode < 0)
+    stops = {-int(signal.SIGTERM), -int(signal.SIGINT)}
+    silent = sorted((r, f) for r, f in failures.items() if r not in ours and f.exitcode < 0
+                    and not (ours and f.exitcode in stops))
     for rank, f in silent:
         print(f"error: rank {rank} (pid {f.pid}) was killed by {f.signal_name()} (from outside spmdrl: kill -9, the "
               "OOM killer, a scheduler) and the launcher stopped the other ranks; its output above may have the "
@@ -133,12 +148,15 @@ def summarise_failures(failures: dict) -> int:
               flush=True)
     if silent:  # the root cause, even when a survivor then failed in a collective with a one-line error
         return 1
+    if ours and not _printed(failures):  # every rank that found it was stopped before it could print
+        rank, f = min(ours.items(), key=lambda item: (item[1].exitcode != 2, item[0]))
+        print(f.message, file=sys.stderr, flush=True)
     if any(f.exitcode == 2 for f in ours.values()):
         return 2
     if not ours:
         rank, f = min(failures.items())
-        print(f"error: rank {rank} (pid {f.pid}) exited with code {f.exitcode}; its output above has the cause",
-              file=sys.stderr, flush=True)
+        how = f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
+        print(f"error: rank {rank} (pid {f.pid}) {how}; its output above has the cause", file=sys.stderr, flush=True)
         return 1
     codes = {f.exitcode for f in ours.values()}
     return codes.pop() if len(codes) == 1 and 128 < next(iter(codes)) < 160 else 1

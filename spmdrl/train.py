@@ -55,10 +55,11 @@ def apply_verbosity(level: str) -> None:
 
 def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_fn, preflight_fn=None) -> int:
     """The shared shape of an entry point: parse, load + validate the config and preflight_fn(cfg) (before
-    any process group; only rank 0 prints those errors), init dist, run_fn(cfg, layout, env, device, plan),
+    any process group; the first rank to find an error prints it), init dist, run_fn(cfg, layout, env, device, plan),
     tear down. SIGTERM/SIGINT stop it with one line; the rank leaves when its launcher dies. Exit 2 on a
     user error, 128 + the signal on a stop (143 for SIGTERM, 130 for Ctrl-C)."""
-    from spmdrl.faults import STOP_GRACE_S, Stopped, Terminated, stop_handled, stop_signals, watch_stop_signals
+    from spmdrl.faults import (STOP_GRACE_S, Stopped, Terminated, slow_start_if_injected, stop_handled, stop_signals,
+                               watch_stop_signals)
     from spmdrl.launcher import record_bug, report_error, watch_parent
 
     p = argparse.ArgumentParser(prog=prog, description=description)
@@ -78,12 +79,14 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
         "the last complete checkpoint", env.rank))
     with stop_signals():
         try:
+            slow_start_if_injected(env.rank)
             cfg = load_config(args.config, args.overrides, root_cls=root_cls)
+            _absolute_output_dir(cfg)
             apply_verbosity(cfg.logging.verbosity)
             layout = validate_fn(cfg, env.world_size)
             plan = preflight_fn(cfg, env.rank, env.world_size) if preflight_fn else None
-        except SpmdrlError as e:  # every rank finds it; rank 0 says it
-            report_error(e, env.rank, show=env.rank == 0)
+        except SpmdrlError as e:  # every rank finds it; the first to get here says it (the others may be stopped)
+            report_error(e, env.rank)
             return 2
         except Terminated as e:
             stop_handled()
@@ -112,6 +115,14 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
         finally:
             destroy_distributed()
     return 0
+
+
+def _absolute_output_dir(cfg) -> None:
+    """trainer.output_dir as an absolute path from the start: code that changes the working directory later (a
+    tool or reward function calling os.chdir) cannot split the run's files across two directories."""
+    trainer = getattr(cfg, "trainer", None)
+    if trainer is not None and isinstance(getattr(trainer, "output_dir", None), str) and trainer.output_dir:
+        trainer.output_dir = os.path.abspath(trainer.output_dir)
 
 
 def _exit_now_if_stopped(code: int) -> None:

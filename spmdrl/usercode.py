@@ -6,11 +6,13 @@ failure is a one-line error naming the spec, the config key and what to do. A fi
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import os
 import sys
+import threading
 
 SPEC_FORMS = "'path/to/file.py:function' or 'package.module:function'"
 
@@ -34,24 +36,49 @@ def _load_file(path: str, spec: str, what: str, error: type[Exception]):
     if folder not in sys.path:  # `import helpers` of a sibling helpers.py; last, so it shadows no installed module
         sys.path.append(folder)
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
+        with _slow_import_notice(path, spec, what):
+            module_spec.loader.exec_module(module)
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() at import is a bad file, not an exit
         del sys.modules[mod_name]
-        raise error(f"{what} {spec!r}: importing {path} raised {type(e).__name__}: {one_line(e)}; fix the file") from e
+        raise error(f"{what} {spec!r}: importing {path} raised {type(e).__name__}: {one_line(e) or '(no message)'}; "
+                    "fix the file") from e
     return module
+
+
+SLOW_IMPORT_S = 30.0
+
+
+@contextlib.contextmanager
+def _slow_import_notice(target: str, spec: str, what: str):
+    """One line on stderr when an import takes over SLOW_IMPORT_S (a module that blocks at import: a server
+    started at top level, input(), a lock), so a run that seems stuck says where."""
+    def notice():
+        print(f"[spmdrl] {what} {spec!r}: importing {target} has taken over {SLOW_IMPORT_S:g}s and goes on; a module "
+              "that blocks at import (a loop, input(), a server started at top level) keeps the run waiting here",
+              file=sys.stderr, flush=True)
+
+    timer = threading.Timer(SLOW_IMPORT_S, notice)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _import_module(target: str, spec: str, what: str, error: type[Exception]):
     try:
-        return importlib.import_module(target)
+        with _slow_import_notice(target, spec, what):
+            return importlib.import_module(target)
     except ModuleNotFoundError as e:
         if e.name and (target == e.name or target.startswith(e.name + ".")):
             raise error(
                 f"{what} {spec!r}: module {target!r} not found; install it, add it to PYTHONPATH, or use {SPEC_FORMS}"
             ) from e
         raise error(f"{what} {spec!r}: importing {target} raised ModuleNotFoundError: {one_line(e)}") from e
-    except Exception as e:
-        raise error(f"{what} {spec!r}: importing {target} raised {type(e).__name__}: {one_line(e)}") from e
+    except (Exception, SystemExit, KeyboardInterrupt) as e:
+        raise error(f"{what} {spec!r}: importing {target} raised {type(e).__name__}: "
+                    f"{one_line(e) or '(no message)'}") from e
 
 
 def load_object(spec: str, *, what: str, key: str, error: type[Exception]):

@@ -212,10 +212,34 @@ def test_a_rank_error_is_one_line_once_with_exit_2(tmp_path):
     proc = launch(["spmdrl.launcher", "--standalone", "--nproc-per-node", "2", "-m", "spmdrl.train",
                    "model.path=/nonexistent/model", "data.train_files=[\"x.parquet\"]", f"trainer.output_dir={tmp_path}/run"],
                   nproc=None, module=True, timeout=300, check=False)
-    err = [ln for ln in proc.stderr.splitlines() if "Warning" not in ln and ln.strip()]
+    err = [re.sub(r"^error \(rank \d\)", "error (rank R)", ln) for ln in proc.stderr.splitlines()
+           if "Warning" not in ln and ln.strip()]
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert err == ["error (rank 0): model.path = '/nonexistent/model': no such directory; give an HF model directory "
+    assert err == ["error (rank R): model.path = '/nonexistent/model': no such directory; give an HF model directory "
                    "or a hub id"], proc.stderr[-3000:]
+
+
+@pytest.mark.dist
+def test_a_config_typo_is_shown_whichever_rank_fails_first(tmp_path, monkeypatch):
+    """`python -m spmdrl.launcher ... actor.lrr=1e-4` with 2 ranks, 10 times: when rank 1 failed first, the
+    launcher stopped rank 0 before it printed and blamed 'a kill from outside spmdrl' (exit 1), hiding the
+    typo. One rank is made to read its config late on most tries (SPMDRL_FAULT_INJECT=slow_start), so the other
+    always fails first there; every try shows the typo's line, and only it, with exit 2."""
+    from launching import run as launch
+
+    expected = "error (rank R): command-line override: unknown key 'actor.lrr'; did you mean 'actor.lr'?"
+    for attempt in range(10):
+        late = attempt % 3  # rank 0 late, rank 1 late, or both on time
+        if late < 2:
+            monkeypatch.setenv("SPMDRL_FAULT_INJECT", f"slow_start:rank={late}")
+        else:
+            monkeypatch.delenv("SPMDRL_FAULT_INJECT", raising=False)
+        proc = launch(["spmdrl.launcher", "--standalone", "--nproc-per-node", "2", "-m", "spmdrl.train",
+                       "actor.lrr=1e-4", f"trainer.output_dir={tmp_path}/run"],
+                      nproc=None, module=True, timeout=300, check=False)
+        err = [re.sub(r"^error \(rank \d\)", "error (rank R)", ln) for ln in proc.stderr.splitlines()
+               if "Warning" not in ln and ln.strip()]
+        assert (proc.returncode, err) == (2, [expected]), (attempt, proc.returncode, proc.stderr[-3000:])
 
 
 def test_the_launch_directory_cannot_shadow_an_import(tmp_path):

@@ -441,6 +441,9 @@ def score(data_source, solution_str, ground_truth, extra_info):
         os._exit(3)
     if solution_str == "pid":
         return float(os.getpid())
+    if solution_str == "spawn":  # a new-session child that would sleep a minute
+        import subprocess
+        return float(subprocess.Popen(["sleep", "63"], start_new_session=True).pid)
     print("scored", solution_str)  # prints must not disturb the protocol
     return float(len(solution_str))
 '''
@@ -477,6 +480,19 @@ def test_a_reward_busy_in_c_code_is_stopped_by_the_timeout(tmp_path):
     assert call(fn, "pid") != first and call(fn, "abcd") == 4.0  # a new worker
     assert call(fn, "boom") == 0.0 and call(fn, "die") == 0.0 and call(fn, "ab") == 2.0
     assert fn.take_counts() == (2, 0)
+    fn.fn.close()
+
+
+def test_nothing_a_reward_function_starts_outlives_its_call(tmp_path):
+    import time
+
+    from spmdrl.rewards.custom import build_reward_fn
+
+    fn = build_reward_fn(reward_cfg(tmp_path, timeout_s=5.0))
+    child = int(call(fn, "spawn"))
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    assert call(fn, "ab") == 2.0
     fn.fn.close()
 
 
@@ -540,7 +556,9 @@ with stop_signals():
 def _failure(tmp_path, rank, exitcode, line=None):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    path = tmp_path / f"error_{rank}.json"
+    path = tmp_path / "attempt_0" / str(rank) / "error.json"  # torchrun's layout
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
     if line is not None:
         path.write_text(json.dumps({"message": f"error (rank {rank}): {line}", "timestamp": 0}))
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
@@ -551,6 +569,8 @@ def test_the_launcher_names_a_rank_killed_from_outside_and_exits_1(tmp_path, cap
     the cause' with exit 2 (a user error), though the killed rank printed nothing."""
     from spmdrl.launcher import summarise_failures
 
+    (tmp_path / "attempt_0").mkdir()
+    (tmp_path / "attempt_0" / "spmdrl_first_error").touch()  # a rank printed its line
     survivor = "step 2, stage 'checkpoint': saving checkpoint step 2 under /x failed while writing on rank 0: ..."
     code = summarise_failures({1: _failure(tmp_path, 1, -9), 0: _failure(tmp_path, 0, 2, survivor)})
     err = capsys.readouterr().err
@@ -564,6 +584,23 @@ def test_the_launcher_names_a_rank_killed_from_outside_and_exits_1(tmp_path, cap
     assert capsys.readouterr().err == ""  # the ranks printed their line; the launcher adds none
     assert summarise_failures({3: _failure(tmp_path, 3, 1)}) == 1  # no error file: a crash before reporting
     assert capsys.readouterr().err == "error: rank 3 (pid 1003) exited with code 1; its output above has the cause\n"
+
+
+def test_a_recorded_error_wins_over_the_launchers_own_stop(tmp_path, capsys):
+    """A config error on rank 1 while rank 0 was stopped by the launcher (SIGTERM) before it could print: the
+    launcher said rank 0 'was killed by SIGTERM (from outside spmdrl ...)' and exited 1, hiding the typo."""
+    from spmdrl.launcher import summarise_failures
+
+    typo = "command-line override: unknown key 'actor.lrr'; did you mean 'actor.lr'?"
+    for rank0 in (_failure(tmp_path, 0, -15), _failure(tmp_path, 0, 143, "stopped by SIGTERM before start-up; ...")):
+        assert summarise_failures({1: _failure(tmp_path, 1, 2, typo), 0: rank0}) == 2
+        assert capsys.readouterr().err == f"error (rank 1): {typo}\n"  # no rank printed it (no marker): here
+    (tmp_path / "attempt_0" / "spmdrl_first_error").touch()
+    assert summarise_failures({1: _failure(tmp_path, 1, 2, typo), 0: _failure(tmp_path, 0, -15)}) == 2
+    assert capsys.readouterr().err == ""  # printed once by the rank
+    # a SIGKILL without a word is still the root cause
+    assert summarise_failures({1: _failure(tmp_path, 1, 2, typo), 0: _failure(tmp_path, 0, -9)}) == 1
+    assert "rank 0 (pid 1000) was killed by SIGKILL (from outside spmdrl" in capsys.readouterr().err
 
 
 def test_a_stop_is_not_a_user_error():
@@ -617,3 +654,61 @@ with stop_signals():
     took = time.monotonic() - t0
     assert proc.returncode == 143 and 1.5 < took < 10, (proc.returncode, took, err)
     assert err.strip().splitlines() == [f"error (rank 1): stopped by signal {int(signal.SIGTERM)} while blocked"], err
+
+
+def test_output_dir_is_absolute_from_the_start(tmp_path, monkeypatch):
+    """A tool calling os.chdir split a checkpoint across two directories: trainer.output_dir was relative."""
+    from spmdrl.config import Config
+    from spmdrl.errors import ConfigError
+    from spmdrl.train import run_entry
+
+    seen = {}
+
+    def validate_fn(cfg, world_size):
+        seen["out"] = cfg.trainer.output_dir
+        raise ConfigError("stop here")
+
+    monkeypatch.chdir(tmp_path)
+    code = run_entry(["trainer.output_dir=runs/a"], prog="t", description="", root_cls=Config,
+                     validate_fn=validate_fn, run_fn=None)
+    assert code == 2 and seen["out"] == str(tmp_path / "runs" / "a")
+
+
+def test_a_tool_file_that_exits_or_interrupts_at_import_is_one_line(tmp_path):
+    """sys.exit() or KeyboardInterrupt at the top of a tool file ended the run with no message at all."""
+    from spmdrl.errors import ConfigError
+    from spmdrl.tools.registry import load_tools
+
+    for body, kind in (("import sys\nsys.exit(0)\n", "SystemExit"), ("raise KeyboardInterrupt\n", "KeyboardInterrupt")):
+        path = tmp_path / f"tools_{kind}.py"
+        path.write_text(body)
+        with pytest.raises(ConfigError) as e:
+            load_tools([f"{path}:f"])
+        msg = str(e.value)
+        assert "\n" not in msg and f"raised {kind}" in msg and str(path) in msg, msg
+
+
+def test_a_config_directory_is_named_as_such(tmp_path):
+    """`--config DIR` said 'config file not found'."""
+    from spmdrl.config import load_config
+    from spmdrl.errors import ConfigError
+
+    (tmp_path / "grpo.toml").write_text("")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path), [])
+    assert str(e.value) == (f"config {tmp_path} is a directory (it holds grpo.toml); give a TOML file, e.g. "
+                            f"--config {tmp_path}/grpo.toml")
+
+
+def test_an_import_that_hangs_says_so(tmp_path, monkeypatch, capsys):
+    """A tool file that blocked at import gave no message at all."""
+    from spmdrl import usercode
+    from spmdrl.tools.registry import load_tools
+
+    monkeypatch.setattr(usercode, "SLOW_IMPORT_S", 0.3)
+    path = tmp_path / "slow_tools.py"
+    path.write_text('import time\ntime.sleep(1.0)\n\ndef f(x: int) -> str:\n    """F.\n\n    Args:\n        x: x\n    """\n'
+                    '    return str(x)\n')
+    assert load_tools([f"{path}:f"])[0].name == "f"
+    err = capsys.readouterr().err
+    assert f"tool '{path}:f': importing {path} has taken over 0.3s and goes on" in err, err

@@ -20,8 +20,8 @@ from spmdrl.errors import ConfigError
 from spmdrl.tools.base import FAILURES, Tool, ToolCall
 from spmdrl.tools.builtin import calculator_tool, http_exec_tool, python_tool
 from spmdrl.tools.calculator import calculate
-from spmdrl.tools.registry import build_tool_runner, load_tools
-from spmdrl.tools.runner import ThreadToolRunner
+from spmdrl.tools.registry import load_tools
+from spmdrl.tools.runner import ThreadToolRunner, build_tool_runner
 from spmdrl.tools.sandbox import SandboxLimits, interpreter_problem, run_python
 
 
@@ -555,3 +555,259 @@ def test_builtin_tools_have_schemas_for_the_chat_template(sandbox_python):
         fn = t.schema()["function"]
         assert fn["name"] == t.name and fn["description"] and fn["parameters"]["type"] == "object"
         assert set(fn["parameters"]["required"]) <= set(fn["parameters"]["properties"])
+
+
+# ---------------------------------------------------------------------------------------------- tool processes
+
+_HOSTILE = '''
+import asyncio, os, re, signal, subprocess, sys, time
+
+
+def add(a: int, b: int) -> str:
+    """Add.
+
+    Args:
+        a: a
+        b: b
+    """
+    return str(a + b)
+
+
+def backtrack(n: int) -> str:
+    """A regex that backtracks in C, holding the GIL (2**n steps).
+
+    Args:
+        n: the length
+    """
+    return str(bool(re.match("(a+)+$", "a" * n + "b")))
+
+
+def spawn(linger: float = 0.0) -> str:
+    """Start a plain child, a new-session child and a double-forked grandchild, all sleeping a minute.
+
+    Args:
+        linger: seconds to sleep afterwards
+    """
+    plain = subprocess.Popen(["sleep", "60"])
+    session = subprocess.Popen(["sleep", "61"], start_new_session=True)
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        grand = os.fork()
+        if grand == 0:
+            os.setsid()
+            time.sleep(62)
+            os._exit(0)
+        os.write(w, str(grand).encode())
+        os._exit(0)
+    os.waitpid(middle, 0)
+    grand = int(os.read(r, 32))
+    time.sleep(linger)
+    return f"{plain.pid} {session.pid} {grand}"
+
+
+def die(code: int) -> str:
+    """os._exit.
+
+    Args:
+        code: the exit status
+    """
+    os._exit(code)
+
+
+def term() -> str:
+    """SIGTERM to its own process."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    return "alive"
+
+
+def close_stdout() -> str:
+    """Close sys.stdout."""
+    sys.stdout.close()
+    return "closed"
+
+
+def printer() -> str:
+    """Print, then answer."""
+    print("printed")
+    return "answer"
+
+
+def exits() -> str:
+    """sys.exit."""
+    sys.exit(3)
+
+
+def interrupt() -> str:
+    """Ctrl-C."""
+    raise KeyboardInterrupt
+
+
+async def nap(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: how long
+    """
+    await asyncio.sleep(seconds)
+    return f"slept {seconds}"
+
+
+async def block(n: int) -> str:
+    """Block the event loop in C.
+
+    Args:
+        n: the regex length
+    """
+    return str(bool(re.match("(a+)+$", "a" * n + "b")))
+'''
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hostile") / "hostile_tools.py"
+    path.write_text(_HOSTILE)
+    names = ["add", "backtrack", "spawn", "die", "term", "close_stdout", "printer", "exits", "interrupt", "nap",
+             "block"]
+    return load_tools([f"{path}:{n}" for n in names])
+
+
+def _pids_gone(pids, within_s=2.0):
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if all(_gone(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return [p for p in pids if not _gone(p)]
+
+
+def test_a_tool_stuck_in_c_code_is_cut_at_its_timeout_and_the_run_goes_on(hostile):
+    runner = ThreadToolRunner(hostile, timeout_s=1.0, max_parallel=4)
+    warm = runner.run([[ToolCall("add", {"a": 1, "b": 2}), ToolCall("add", {"a": 0, "b": 3})]])  # two workers up
+    assert [r.text for r in warm[0]] == ["3", "3"]
+    t0 = time.monotonic()
+    res = runner.run([[ToolCall("backtrack", {"n": 29}), ToolCall("add", {"a": 2, "b": 2})]])  # minutes in C
+    elapsed = time.monotonic() - t0
+    assert elapsed < 1.0 + 1.0, elapsed
+    assert [r.failure for r in res[0]] == ["timeout", ""] and res[0][1].text == "4"
+    assert "1s" in res[0][0].text
+    assert runner.run([[ToolCall("add", {"a": 5, "b": 5})]])[0][0].text == "10"  # on a fresh worker
+    assert runner.run([[ToolCall("backtrack", {"n": 3})]])[0][0].text == "False"
+
+    # async tools: concurrent on one worker; a call blocking its loop in C is cut, the next calls get a new one
+    assert runner.run([[ToolCall("nap", {"seconds": 0.01})]])[0][0].ok  # the async worker has started
+    t0 = time.monotonic()
+    res = runner.run([[ToolCall("nap", {"seconds": 0.3})] for _ in range(4)])
+    assert [r[0].text for r in res] == ["slept 0.3"] * 4 and time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    assert runner.run([[ToolCall("block", {"n": 29})]])[0][0].failure == "timeout"
+    assert time.monotonic() - t0 < 2.0
+    assert runner.run([[ToolCall("nap", {"seconds": 0.01})]])[0][0].text == "slept 0.01"
+    m = runner.take_metrics()
+    assert m["tools/failures/backtrack/timeout"] == 1 and m["tools/failures/block/timeout"] == 1
+    runner.close()
+
+
+def test_nothing_a_tool_starts_outlives_its_call(hostile):
+    runner = ThreadToolRunner(hostile, timeout_s=3.0, max_parallel=4)
+    res = runner.run([[ToolCall("spawn")], [ToolCall("spawn")]])
+    pids = [int(p) for turn in res for p in turn[0].text.split()]
+    assert len(pids) == 6
+    assert _pids_gone(pids) is True  # plain, new-session and double-forked children of both calls
+    # a call that times out: its worker and what it started go together
+    res = runner.run([[ToolCall("spawn", {"linger": 30})]])
+    assert res[0][0].failure == "timeout"
+    time.sleep(0.3)
+    leftover = [p for p in os.listdir("/proc") if p.isdigit() and not _gone(int(p)) and _cmdline(p)
+                in ("sleep 60", "sleep 61")]
+    assert not leftover, leftover
+    runner.close()
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def test_a_tool_that_exits_kills_or_closes_its_process_fails_that_call_only(hostile):
+    runner = ThreadToolRunner(hostile, timeout_s=3.0, max_parallel=4)
+    res = runner.run([[ToolCall("die", {"code": 7}), ToolCall("term"), ToolCall("exits"), ToolCall("interrupt")]])
+    assert [r.failure for r in res[0]] == ["exception"] * 4
+    assert "exit code 7" in res[0][0].text and "SIGTERM" in res[0][1].text
+    assert res[0][2].text == "error: SystemExit: 3" and "KeyboardInterrupt" in res[0][3].text
+    res = runner.run([[ToolCall("close_stdout")]])
+    assert res[0][0].text == "closed"
+    assert runner.run([[ToolCall("printer")]])[0][0].text == "answer"  # prints never reach the protocol
+    assert runner.run([[ToolCall("add", {"a": 1, "b": 1})]])[0][0].text == "2"
+    runner.close()
+
+
+def test_the_python_sandbox_leaves_no_process_behind(sandbox_python):
+    code = textwrap.dedent("""
+        import os, time
+        pids = []
+        for session in (False, True):
+            pid = os.fork()
+            if pid == 0:
+                if session:
+                    os.setsid()
+                time.sleep(60)
+                os._exit(0)
+            pids.append(pid)
+        r, w = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            grand = os.fork()
+            if grand == 0:
+                os.setsid()
+                time.sleep(60)
+                os._exit(0)
+            os.write(w, str(grand).encode())
+            os._exit(0)
+        os.waitpid(middle, 0)
+        pids.append(int(os.read(r, 32)))
+        print(" ".join(map(str, pids)))
+    """)
+    r = run_python(code, SandboxLimits(wall_s=20), python=sandbox_python)
+    pids = [int(p) for p in r.stdout.split()]
+    assert len(pids) == 3 and r.returncode == 0, r
+    assert _pids_gone(pids) is True
+    # the same at the wall-clock limit
+    r = run_python(code + "time.sleep(60)\n", SandboxLimits(wall_s=1.5), python=sandbox_python)
+    assert r.timed_out
+    assert _pids_gone([int(p) for p in r.stdout.split()]) is True
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network and mount namespaces need root here")
+def test_the_sandbox_has_no_network_and_cannot_read_hidden_directories(sandbox_python):
+    import socket
+    import tempfile
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    secret = tempfile.mkdtemp(prefix="spmdrl-test-run-")  # readable by everyone, as a run directory often is
+    try:
+        os.chmod(secret, 0o755)
+        with open(os.path.join(secret, "ckpt.txt"), "w") as f:
+            f.write("weights")
+        code = textwrap.dedent(f"""
+            import os, socket
+            try:
+                socket.create_connection(("127.0.0.1", {server.getsockname()[1]}), timeout=2)
+                print("connected")
+            except OSError as e:
+                print("no network:", type(e).__name__)
+            print(sorted(os.listdir({secret!r})))
+        """)
+        r = run_python(code, SandboxLimits(wall_s=10), python=sandbox_python, hidden=[secret])
+        assert r.stdout.splitlines() == ["no network: OSError", "[]"], r
+        r = run_python(code, SandboxLimits(wall_s=10), python=sandbox_python, hidden=[])
+        assert r.stdout.splitlines()[1] == "['ckpt.txt']", r  # what is hidden is there to read otherwise
+    finally:
+        shutil.rmtree(secret)
+        server.close()

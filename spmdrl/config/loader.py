@@ -130,6 +130,11 @@ def read_toml_tree(path: str, _chain: tuple[str, ...] = ()) -> tuple[dict, dict[
     if path in _chain:
         cycle = " -> ".join(os.path.relpath(p) for p in (*_chain, path))
         raise ConfigError(f"{path}: 'extends' cycle: {cycle}; remove one of the links")
+    if os.path.isdir(path):
+        tomls = sorted(f for f in os.listdir(path) if f.endswith(".toml"))[:5]
+        there = f" (it holds {', '.join(tomls)})" if tomls else ""
+        raise ConfigError(f"config {path} is a directory{there}; give a TOML file, e.g. --config {path}/"
+                          f"{tomls[0] if tomls else 'run.toml'}")
     if not os.path.isfile(path):
         where = f" (extended by {_chain[-1]})" if _chain else ""
         raise ConfigError(f"config file not found: {path}{where}; check the path")

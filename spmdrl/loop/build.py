@@ -195,12 +195,12 @@ def build_agent(cfg: Config, tokenizer, engine, mesh: RoleMeshes, tools: list):
         return None
     from spmdrl.rollout.chat import ChatGlue
     from spmdrl.rollout.multi_turn import AgentLoop, TurnLimits
-    from spmdrl.tools.registry import build_tool_runner
+    from spmdrl.tools.runner import build_tool_runner
 
     mt = cfg.multi_turn
     limits = TurnLimits(max_turns=mt.max_turns, max_tool_response_tokens=mt.max_tool_response_tokens,
                         max_response_tokens=cfg.data.max_response_length)
-    runner = build_tool_runner(mt, tools)
+    runner = build_tool_runner(mt, tools, hidden_dirs=(cfg.trainer.output_dir,))  # the sandbox cannot read it
     rollout = mesh["rollout"]
     return AgentLoop(engine, ChatGlue(tokenizer, tool_schemas(tools)), runner, limits, fmt=mt.format,
                      tp_group=rollout.group("tp") if rollout.tp_size > 1 else None)

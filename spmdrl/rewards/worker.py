@@ -1,12 +1,14 @@
 """A user reward function in its own process, so that reward.timeout_s can stop anything it does.
 
-The training rank talks to one worker (`python -m spmdrl.rewards.worker SPEC`) over a pipe: each call is a
+The training rank talks to one worker (`spmdrl.rewards.worker.main(SPEC)` in a new interpreter) over a pipe: each call is a
 length-prefixed pickle of the keyword arguments, answered by a pickle of ("ok", value) or ("error", type name,
 message). When no answer comes within reward.timeout_s the rank kills the worker (SIGKILL: a C loop or a
 pathological regex included), raises RewardTimeout for that sample and starts a new worker at the next call;
 a worker that dies (a segfault, os._exit in user code) is a failed sample the same way. The worker dies with
 its rank (PR_SET_PDEATHSIG on Linux, and end of input otherwise), ignores Ctrl-C (the rank decides), and
-writes whatever the function prints to stderr, so the protocol on its own file descriptors stays clean.
+writes whatever the function prints to stderr, so the protocol on its own file descriptors stays clean. It
+is a subreaper (spmdrl/proctree.py): whatever the function starts is killed after each call, and with the
+worker on a timeout. Tool workers (tools/worker.py) are started and served by the same functions.
 
 The cost is a pickle round trip per sample (tens of microseconds) and one process per rank;
 reward.in_process = true keeps the function in the rank's process instead (a SIGALRM timer, which stops
@@ -16,16 +18,15 @@ from __future__ import annotations
 
 import os
 import pickle
-import select
 import signal
-import struct
 import subprocess
 import sys
 import time
 
 from spmdrl.errors import RewardError
+from spmdrl.proctree import become_subreaper, has_children, kill_tree
+from spmdrl.workers import LEN as _LEN, kill_worker, recv as _recv, send as _send, serve_streams, spawn_worker
 
-_LEN = struct.Struct("<Q")
 START_TIMEOUT_S = 120.0  # importing the user's module (and its dependencies) is not the function's time
 
 
@@ -45,35 +46,6 @@ def _remote(name: str, message: str) -> RemoteError:
     return type(name, (RemoteError,), {})(message)
 
 
-def _send(f, obj) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    f.write(_LEN.pack(len(data)) + data)
-    f.flush()
-
-
-def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
-    """n bytes from fd, or None at end of input; TimeoutError past `deadline` (time.monotonic)."""
-    out = bytearray()
-    while len(out) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
-        chunk = os.read(fd, n - len(out))
-        if not chunk:
-            return None
-        out += chunk
-    return bytes(out)
-
-
-def _recv(fd: int, deadline: float | None):
-    head = _read_exact(fd, _LEN.size, deadline)
-    if head is None:
-        return None
-    body = _read_exact(fd, _LEN.unpack(head)[0], deadline)
-    return None if body is None else pickle.loads(body)
-
-
 class RewardWorker:
     """fn(**kwargs) of reward function `spec` in a worker process, at most `timeout_s` seconds per call
     (RewardTimeout after that, the worker killed and replaced). Called like the function itself."""
@@ -84,13 +56,7 @@ class RewardWorker:
         self.proc: subprocess.Popen | None = None
 
     def _start(self) -> None:
-        # the rank's import path (the working directory only where PYTHONPATH names it) in safe-path mode
-        cwd = os.getcwd()
-        given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        path = given + [p for p in sys.path if p and os.path.abspath(p) != cwd and p not in given]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONSAFEPATH": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "spmdrl.rewards.worker", self.spec],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.proc = spawn_worker("spmdrl.rewards.worker", [self.spec])
         try:
             reply = self._wait(time.monotonic() + max(START_TIMEOUT_S, self.timeout_s), starting=True)
         except RewardWorkerError as e:
@@ -132,14 +98,7 @@ class RewardWorker:
 
     def close(self) -> None:
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait()
-            for f in (self.proc.stdin, self.proc.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
+            kill_worker(self.proc)
             self.proc = None
 
     def __del__(self):
@@ -151,27 +110,12 @@ class RewardWorker:
 
 # ---- the worker process -------------------------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main(spec: str) -> int:
     parent = os.getppid()
-    _die_with_parent()
+    requests, replies = serve_streams()
     if os.getppid() != parent:
         return 0
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    requests = os.fdopen(os.dup(0), "rb", buffering=0)
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # the function's prints (Python and C) go to stderr
-    sys.stdout = sys.stderr
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
+    become_subreaper()  # what the function starts stays under this process, and dies with it on a timeout
     try:
         from spmdrl.rewards.loader import load_reward_fn
 
@@ -189,6 +133,8 @@ def main(spec: str) -> int:
             data = pickle.dumps(("ok", fn(**kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # the function raised, or returned something that does not pickle
             data = pickle.dumps(("error", type(e).__name__, " ".join(str(e).split())[:500]))
+        if has_children():  # nothing the function started outlives its call
+            kill_tree(os.getpid(), include_root=False)
         replies.write(_LEN.pack(len(data)) + data)
         replies.flush()
 

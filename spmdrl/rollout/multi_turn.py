@@ -9,7 +9,7 @@ the next generation prompt; rollout/chat.py) is appended as token ids with mask 
 
 Token-in, token-out: a trajectory's ids are exactly the sampled ids plus the glue ids; nothing the model
 sampled is re-tokenized. Limits: multi_turn.max_turns, max_calls_per_turn (the runner's: further calls get an
-error result), max_tool_response_tokens (a longer result is cut), and the response budget (data.max_response_length): a turn
+error result), max_tool_response_tokens (a longer result is cut; tool_text), and the response budget (data.max_response_length): a turn
 is cut where the budget ends and a trajectory whose next glue would not leave room for one more token ends
 before it; both are flagged `truncated`.
 
@@ -40,6 +40,24 @@ from spmdrl.tools.parse import parse_tool_calls, stop_strings
 def turn_seed(prompt_seed: int, j: int, turn: int) -> int:
     """The seed of sample j's request in turn `turn` (63 bits, the same on every rank)."""
     return sample_seed(sample_seed(prompt_seed, j), turn + 1)
+
+
+MAX_CHARS_PER_TOKEN = 32
+"""A tool result is cut to max_tool_response_tokens times this many characters before it is tokenized (a 10 MB
+result would otherwise be tokenized whole to keep its first tokens)."""
+_ZWSP = "\u200b"
+
+
+def tool_text(text: str, tokenizer, max_tokens: int) -> str:
+    """A tool result as the policy sees it: at most `max_tokens` tokens, and every added token of the tokenizer
+    written in it (<|im_end|>, <|im_start|>, <tool_call>, ...) broken by a zero-width space after its first
+    character, so it tokenizes as plain text: a result cannot end its own message and forge a turn."""
+    text = text[: max_tokens * MAX_CHARS_PER_TOKEN]
+    for special in sorted(tokenizer.get_added_vocab(), key=len, reverse=True):
+        if len(special) > 1 and special in text:
+            text = text.replace(special, special[0] + _ZWSP + special[1:])
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
 
 
 @dataclass(frozen=True)
@@ -156,12 +174,8 @@ class AgentLoop:
 
     def _append_results(self, t: Trajectory, results: list[ToolResult], sampled_end: str) -> None:
         """The turn's results as glue ids (mask 0), or the end of the trajectory when they do not fit."""
-        lim, tok = self.limits, self.tokenizer
-        cut = []
-        for r in results:
-            ids = tok.encode(r.text, add_special_tokens=False)
-            text = r.text if len(ids) <= lim.max_tool_response_tokens else tok.decode(ids[: lim.max_tool_response_tokens])
-            cut.append(replace(r, text=text))
+        lim = self.limits
+        cut = [replace(r, text=tool_text(r.text, self.tokenizer, lim.max_tool_response_tokens)) for r in results]
         turn = t.turns[-1]
         turn.results = cut
         history = t.messages[:-1]  # before this turn's assistant message

@@ -8,6 +8,7 @@ that raises, hangs or returns garbage never stops a rollout.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,6 +28,10 @@ class Tool:
     """JSON schema of the arguments object ({"type": "object", "properties": {...}, "required": [...]})."""
     fn: Callable[..., str | Awaitable[str]]
     """Called as fn(**arguments) (or fn(**arguments, **kwargs) with per-sample kwargs from the data row)."""
+    spec: str = ""
+    """The multi_turn.tools entry it was loaded from (set by tools/registry.py): a tool with one runs in tool
+    worker processes that load it again from it (tools/worker.py); one without (built in Python by the
+    caller) runs in a thread of the calling process."""
 
     def schema(self) -> dict:
         """The OpenAI-style function schema that chat templates take in `tools`."""
@@ -63,6 +68,26 @@ class ToolResult:
     @property
     def ok(self) -> bool:
         return not self.failure
+
+
+def as_text(value) -> str | None:
+    """A tool's return value as the text the model sees, or None when it is not usable: a str as is, a JSON
+    value (number, bool, list, dict) serialised; None, NaN, objects, bytes and text that is not valid
+    Unicode are not."""
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, (bool, int, float, list, dict)):
+        try:
+            text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):  # a non-JSON value inside, nan, an int past Python's str() limit
+            return None
+    else:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates
+        return None
+    return text
 
 
 class ToolRunner(Protocol):

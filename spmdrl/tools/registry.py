@@ -20,6 +20,7 @@ Every failure is a one-line ConfigError naming the spec and what to do.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 from spmdrl.errors import ConfigError
@@ -52,7 +53,7 @@ def tool_from_function(fn, spec: str | None = None) -> Tool:
                 fn=fn)
 
 
-def _resolve(obj, spec: str) -> Tool:
+def _resolve(obj, spec: str, schema: bool = True) -> Tool:
     if isinstance(obj, Tool):
         return obj
     if not callable(obj):
@@ -77,27 +78,30 @@ def _resolve(obj, spec: str) -> Tool:
                 "of no arguments `-> str`"
             )
         return made
+    if not schema:  # a tool worker needs the callable only (and no transformers import)
+        return Tool(name=getattr(obj, "__name__", spec), description="", parameters={"type": "object"}, fn=obj)
     return tool_from_function(obj, spec)
 
 
-def load_tool(spec: str, cfg=None) -> Tool:
-    """One spec -> Tool. `cfg` is the [multi_turn] section (the built-ins' limits and service URL)."""
+def load_tool(spec: str, cfg=None, *, schema: bool = True) -> Tool:
+    """One spec -> Tool, remembering the spec (Tool.spec). `cfg` is the [multi_turn] section (the built-ins'
+    limits and service URL); schema=False (a tool worker): a plain function's schema is not derived."""
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"{KEY}: {spec!r} is not a tool; give a built-in name ({', '.join(builtin_factories())}) "
                           "or 'path/to/file.py:function' / 'package.module:function'")
     builtins = builtin_factories()
     if spec in builtins:
-        return builtins[spec](cfg)
+        return dataclasses.replace(builtins[spec](cfg), spec=spec)
     if ":" not in spec:
         raise ConfigError(f"{KEY}: {spec!r} is not a built-in tool ({', '.join(builtins)}); name user tools as "
                           "'path/to/file.py:function' or 'package.module:function'")
-    tool = _resolve(load_object(spec, what="tool", key=KEY, error=ConfigError), spec)
+    tool = _resolve(load_object(spec, what="tool", key=KEY, error=ConfigError), spec, schema)
     if not isinstance(tool.name, str) or not tool.name or not callable(tool.fn):
         raise ConfigError(f"{KEY}: tool {spec!r} needs a non-empty name and a callable fn")
     if not isinstance(tool.parameters, dict) or tool.parameters.get("type") != "object":
         raise ConfigError(f"{KEY}: tool {spec!r} ({tool.name}): parameters must be a JSON schema of type 'object', "
                           f"found {tool.parameters!r:.100}")
-    return tool
+    return dataclasses.replace(tool, spec=spec)
 
 
 def load_tools(specs: list[str], cfg=None) -> list[Tool]:
@@ -112,12 +116,3 @@ def load_tools(specs: list[str], cfg=None) -> list[Tool]:
         seen[tool.name] = spec
         tools.append(tool)
     return tools
-
-
-def build_tool_runner(cfg, tools: list[Tool] | None = None):
-    """The rank's ToolRunner for the [multi_turn] section `cfg` (its tools loaded unless given)."""
-    from spmdrl.tools.runner import ThreadToolRunner
-
-    tools = load_tools(cfg.tools, cfg) if tools is None else tools
-    return ThreadToolRunner(tools, timeout_s=cfg.tool_timeout_s, max_parallel=cfg.max_parallel_calls,
-                            max_calls_per_turn=cfg.max_calls_per_turn)

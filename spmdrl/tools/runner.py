@@ -1,23 +1,27 @@
 """Run one turn's tool calls: concurrently, each under a timeout, one ToolResult per call whatever happens.
 
-A sync tool runs in its own daemon thread; an async tool runs on one event loop kept in a background thread.
-At most `max_parallel` calls run at once, the rest wait for a free slot; a call's timeout counts from its
-start. A call that runs past it gets a 'timeout' result at once: an async call is cancelled, a sync call's
-thread is abandoned (Python cannot stop a thread; the python tool kills its own process before the timeout,
-see tools/sandbox.py) and the run goes on. Nothing a tool does raises out of `run`.
+A tool loaded from multi_turn.tools (Tool.spec set) runs in a worker process (tools/worker.py): a sync tool's
+calls each in an idle worker of their own, an async tool's calls together on one worker's event loop. A
+tool built in Python by the caller (no spec) runs here: a sync one in its own daemon thread, an async one on
+one event loop kept in a background thread. At most `max_parallel` calls run at once, the rest wait for a
+free slot; a call's timeout counts from its start. A call that runs past it gets a 'timeout' result at once:
+its worker process is killed with everything it started (a sync call), or takes no new call and is killed
+when its other calls have ended (an async call); in-process, an async call is cancelled and a sync call's
+thread is abandoned (Python cannot stop a thread). Nothing a tool does raises out of `run`.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
+import os
 import queue
 import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from spmdrl.tools.base import Tool, ToolCall, ToolResult
+from spmdrl.tools.base import Tool, ToolCall, ToolResult, as_text
+from spmdrl.tools.worker import ToolWorker
 
 _MAX_ERROR_CHARS = 500
 UNKNOWN = "_unknown"
@@ -26,26 +30,6 @@ UNKNOWN = "_unknown"
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())[:_MAX_ERROR_CHARS]
-
-
-def as_text(value) -> str | None:
-    """A tool's return value as the text the model sees, or None when it is not usable: a str as is, a JSON
-    value (number, bool, list, dict) serialised; None, NaN, objects, bytes and text that is not valid
-    Unicode are not."""
-    if isinstance(value, str):
-        text = value
-    elif isinstance(value, (bool, int, float, list, dict)):
-        try:
-            text = json.dumps(value, ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError):  # a non-JSON value inside, nan, an int past Python's str() limit
-            return None
-    else:
-        return None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates
-        return None
-    return text
 
 
 def _data_kwargs(tool_kwargs: dict | None, tool: Tool, accepts: set[str] | None) -> dict:
@@ -83,17 +67,21 @@ class _Job:
     start: float = 0.0
     future: object = None  # an async call's concurrent.futures.Future
     ended: threading.Event | None = None
+    worker: ToolWorker | None = None  # the process running it (a tool with a spec)
 
 
 class ThreadToolRunner:
-    """The ToolRunner (tools/base.py) of a rollout rank: threads for sync tools, one event loop for async ones.
+    """The ToolRunner (tools/base.py) of a rollout rank: worker processes for the tools loaded from a spec,
+    threads and one event loop for the others. cfg: the [multi_turn] section the workers load the built-in
+    tools with; hidden_dirs: directories the python sandbox must not read (tools/sandbox.py).
 
     Metrics accumulate until `take_metrics()`: tools/calls, tools/failures, tools/seconds (wall time inside
     `run`), and per tool tools/calls/<tool>, tools/seconds/<tool> (summed call time), tools/failures/<tool>/<kind>
     with kind one of tools.base.FAILURES; calls to unregistered names count under the tool name "_unknown".
     """
 
-    def __init__(self, tools: list[Tool], *, timeout_s: float, max_parallel: int = 16, max_calls_per_turn: int = 4):
+    def __init__(self, tools: list[Tool], *, timeout_s: float, max_parallel: int = 16, max_calls_per_turn: int = 4,
+                 cfg=None, hidden_dirs: tuple[str, ...] = ()):
         if timeout_s <= 0 or max_parallel < 1 or max_calls_per_turn < 1:
             raise ValueError(f"ThreadToolRunner needs timeout_s > 0, max_parallel >= 1 and max_calls_per_turn >= 1, "
                              f"got {timeout_s}, {max_parallel}, {max_calls_per_turn}")
@@ -112,6 +100,16 @@ class ThreadToolRunner:
         self._counts: dict[str, float] = defaultdict(float)
         self.abandoned_threads = 0
         """Sync calls that ran past their timeout (their threads may still be running)."""
+        self._specs = [t.spec for t in tools if t.spec]
+        self._index = {t.name: self._specs.index(t.spec) for t in tools if t.spec}
+        self._cfg = cfg
+        from spmdrl.tools.sandbox import HIDE_ENV
+
+        self._env = {HIDE_ENV: os.pathsep.join(os.path.abspath(d) for d in hidden_dirs)}
+        self._idle: list[ToolWorker] = []  # for sync calls
+        self._async_worker: ToolWorker | None = None
+        self._retired: list[ToolWorker] = []
+        self._call_ids = 0
 
     # ---- the turn ----------------------------------------------------------------------------------------
 
@@ -134,6 +132,7 @@ class ThreadToolRunner:
                 args.update(_data_kwargs(kwargs[i] if kwargs else None, tool, self._accepts[tool.name]))
                 jobs.append(_Job((i, j), tool, args))
         if jobs:
+            self._prestart(jobs)
             self._run_jobs(jobs, results)
         for turn in results:
             for r in turn:
@@ -179,9 +178,54 @@ class ThreadToolRunner:
             job = running.pop(key, None)
             if job is not None:
                 results[key[0]][key[1]] = self._finish(job, ok, value, end)
+                self._release(job)
+
+    # ---- calls in worker processes ------------------------------------------------------------------------
+
+    def _new_worker(self) -> ToolWorker:
+        return ToolWorker(self._specs, self._cfg, self._env)
+
+    def _prestart(self, jobs) -> None:
+        """Start the workers this turn's sync calls need, so that they load at the same time."""
+        want = min(sum(1 for j in jobs if j.tool.spec and not j.tool.is_async), self.max_parallel)
+        self._idle = [w for w in self._idle if w.alive() or not w.ready]
+        self._idle += [self._new_worker() for _ in range(want - len(self._idle))]
+
+    def _submit(self, job: _Job, done: queue.SimpleQueue) -> None:
+        if job.tool.is_async:
+            if self._async_worker is None or not self._async_worker.alive():
+                self._async_worker = self._new_worker()
+            worker = self._async_worker
+        else:
+            worker = self._idle.pop() if self._idle else self._new_worker()
+        try:
+            worker.wait_ready()  # loading the tools is not the call's time
+        except BaseException:
+            self._async_worker = None if worker is self._async_worker else self._async_worker
+            raise
+        job.start = time.monotonic()
+        job.worker = worker
+        self._call_ids += 1
+        worker.submit(self._call_ids, job.key, done, self._index[job.tool.name], job.arguments)
+
+    def _release(self, job: _Job) -> None:
+        """A worker call ended (answered or timed out): the worker takes the next call, or is killed."""
+        worker = job.worker
+        if worker is None:
+            return
+        worker.open -= 1
+        if job.tool.is_async:
+            if worker.retired and worker.open <= 0:
+                worker.kill()
+                self._retired.remove(worker)
+        elif worker.alive():
+            self._idle.append(worker)
 
     def _start(self, job: _Job, done: queue.SimpleQueue) -> None:
         job.start = time.monotonic()
+        if job.tool.spec:
+            self._submit(job, done)
+            return
         if job.tool.is_async:
             try:
                 coro = job.tool.fn(**job.arguments)  # bad arguments raise here, before any coroutine exists
@@ -211,9 +255,19 @@ class ThreadToolRunner:
                 done.put((key, False, e, time.monotonic()))
         threading.Thread(target=work, daemon=True, name=f"spmdrl-tool-{job.tool.name}").start()
 
-    def _finish(self, job: _Job, ok: bool, value, end: float) -> ToolResult:
+    def _finish(self, job: _Job, ok, value, end: float) -> ToolResult:
         seconds = max(end - job.start, 0.0)
         name = job.tool.name
+        if isinstance(ok, tuple):  # a worker's outcome
+            kind = ok[0]
+            if kind == "ok":
+                return ToolResult(name, ok[1], "", seconds)
+            if kind == "bad_output":
+                return ToolResult(name, f"error: tool {name} returned {ok[1]}, not text", "bad_output", seconds)
+            if kind == "died":
+                return ToolResult(name, f"error: tool {name}'s process died during the call ({ok[1]}); it is "
+                                  "replaced", "exception", seconds)
+            return ToolResult(name, f"error: {ok[1]}: {_one_line(ok[2]) or '(no message)'}", "exception", seconds)
         if not ok:
             msg = _one_line(value) or "(no message)"
             return ToolResult(name, f"error: {type(value).__name__}: {msg}", "exception", seconds)
@@ -224,7 +278,18 @@ class ThreadToolRunner:
         return ToolResult(name, text, "", seconds)
 
     def _expire(self, job: _Job) -> ToolResult:
-        if job.future is not None:
+        if job.worker is not None:
+            worker = job.worker
+            if job.tool.is_async:  # its loop may be blocked: no new call goes there
+                worker.retired = True
+                if worker is self._async_worker:
+                    self._async_worker = self._new_worker()
+                    self._retired.append(worker)
+            else:
+                worker.kill()  # whatever it is doing, with everything it started
+                self._idle.append(self._new_worker())  # loads while the turn goes on
+            self._release(job)
+        elif job.future is not None:
             job.future.cancel()
             self._abandoned_async.append(job.ended)
         else:
@@ -253,6 +318,10 @@ class ThreadToolRunner:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
+        for worker in self._idle + self._retired + [self._async_worker]:
+            if worker is not None:
+                worker.kill()
+        self._idle, self._retired, self._async_worker = [], [], None
 
     # ---- metrics --------------------------------------------------------------------------------------------
 
@@ -283,3 +352,14 @@ async def _tracked(coro, ended: threading.Event):
         raise RuntimeError(f"the tool raised {type(e).__name__}: {e}") from None
     finally:
         ended.set()
+
+
+def build_tool_runner(cfg, tools: list[Tool] | None = None, *, hidden_dirs: tuple[str, ...] = ()) -> ThreadToolRunner:
+    """The rank's ToolRunner for the [multi_turn] section `cfg` (its tools loaded unless given): tools loaded
+    from a spec run in worker processes. hidden_dirs: directories the python sandbox must not read (the run's
+    output_dir)."""
+    from spmdrl.tools.registry import load_tools
+
+    tools = load_tools(cfg.tools, cfg) if tools is None else tools
+    return ThreadToolRunner(tools, timeout_s=cfg.tool_timeout_s, max_parallel=cfg.max_parallel_calls,
+                            max_calls_per_turn=cfg.max_calls_per_turn, cfg=cfg, hidden_dirs=hidden_dirs)
