@@ -9,6 +9,7 @@ by running it.
   vLLM engine at TP = 2 through the planned route with rollout.verify_sync on (the engine's weights compared byte
   for byte with a whole-tensor load through vLLM's loaders, NaN outside the planned blocks); the bytes each rank
   receives equal the lower bound; vLLM's log-probs of its own samples match the actor's.
+- FSDP2 + DTensor TP = 2 for qwen3 and gemma3 through the same harness.
 - GRPO through the Trainer, 2 ranks, rollout TP = 2, off-policy mini-batches, 2 steps, for the families that add
   something the harness does not cover (sliding windows and tied embeddings, experts, the whole-tensor route);
   `launch/model_families.sh` runs it for every family.
@@ -82,6 +83,20 @@ def test_planned_sync_equals_whole_tensor_load_in_vllm_per_family(family_models,
             assert m["weight_sync/bytes_recv_max"] == max(x["plan_recv"] for x in res), (arch, m)
             assert m["weight_sync/bytes_recv_max"] == m["weight_sync/bytes_lower_bound"], (arch, m)
             assert bool(r["whole"]) == (arch == "falcon"), (arch, r["whole"])
+
+
+@pytest.mark.dist
+def test_dtensor_tp_actor_per_family(family_models, tmp_path):
+    """FSDP2 + DTensor TP = 2 for the families with q/k norms (qwen3) and sliding windows (gemma3): each TP rank
+    holds whole heads and applies the per-head norms to its own; after a step and a sync into vLLM at TP = 2
+    (verified against a whole-tensor load) vLLM's log-probs are the actor's, and nothing crosses ranks (the
+    actor's TP shards are vLLM's, norms and embeddings are whole on both ranks)."""
+    archs = ["qwen3", "gemma3"]
+    run([os.path.join(HERE, "dist_scripts", "model_families.py"), "--out", str(tmp_path), "--rollout-tp", "2",
+         "--actor-tp", "2", *[family_models[a] for a in archs]], nproc=2, timeout=900)
+    for arch in archs:
+        for r in (json.load(open(tmp_path / f"{arch}.rank{k}.json")) for k in range(2)):
+            assert r["logprob_max_diff"] < 1e-5 and r["plan_recv"] == r["plan_lower_bound"] == 0, (arch, r)
 
 
 def family_run(root, arch, model, **extra) -> list[dict]:

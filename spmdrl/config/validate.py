@@ -590,7 +590,10 @@ def check_architecture_known(hf: dict, source: str, *, vllm: bool) -> None:
     if vllm:
         from vllm.model_executor.models import ModelRegistry
 
-        archs = hf.get("architectures") or []
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        # a config.json without architectures (saved from a bare config): the causal LM class of its model_type
+        archs = hf.get("architectures") or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")]
         if not any(a in ModelRegistry.get_supported_archs() for a in archs):
             raise ConfigError(
                 f"{source}: vLLM does not support its architectures {archs} (config.json); use rollout.engine = 'hf' "

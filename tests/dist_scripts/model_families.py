@@ -1,12 +1,12 @@
 """The equivalence harness of the weight sync, one model family after another in one process group.
 
-For each model directory: the FSDP2 actor (dp = world) takes one real AdamW step, so its weights differ from the
-checkpoint vLLM was built from; the sync into vLLM at TP = --rollout-tp runs with rollout.verify_sync, which
+For each model directory: the actor takes one real AdamW step, so its weights differ from the
+checkpoint vLLM was built from (FSDP2 over dp = world / --actor-tp, DTensor TP over --actor-tp); the sync into vLLM at TP = --rollout-tp runs with rollout.verify_sync, which
 compares the engine's weights after the planned sync byte for byte with a load of every tensor whole through
 vLLM's own loaders (and fills the part of each buffer outside the planned blocks with NaN, so a loader reading
 outside them shows); then vLLM samples and the actor scores the same tokens. Writes OUT/<family>.rank{r}.json.
 
-torchrun --nproc-per-node 2 model_families.py --out DIR --rollout-tp 2 MODEL_DIR [MODEL_DIR ...]
+torchrun --nproc-per-node 2 model_families.py --out DIR --rollout-tp 2 [--actor-tp 2] MODEL_DIR [MODEL_DIR ...]
 """
 import argparse
 import json
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 
-def one_family(path: str, rollout_tp: int) -> dict:
+def one_family(path: str, rollout_tp: int, actor_tp: int) -> dict:
     from spmdrl.config.schema import PlacementConfig
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
@@ -25,7 +25,7 @@ def one_family(path: str, rollout_tp: int) -> dict:
     from spmdrl.rollout import SamplingSpec, build_engine
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = plan_layout(PlacementConfig(rollout_tp=rollout_tp), world)
+    layout = plan_layout(PlacementConfig(rollout_tp=rollout_tp, actor_tp=actor_tp), world)
     meshes = RoleMeshes(layout, rank, "cpu")
     actor = build_train_engine("fsdp", path, meshes["actor"], torch.device("cpu"), trainable=True, optim=dict(lr=1e-2))
     rollout = build_engine("vllm", model_path=path, tp_size=rollout_tp, tp_group=meshes["rollout"].my_tp_group(),
@@ -69,11 +69,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rollout-tp", type=int, default=2)
+    ap.add_argument("--actor-tp", type=int, default=1)
     ap.add_argument("models", nargs="+")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     for path in args.models:
-        res = one_family(path, args.rollout_tp)
+        res = one_family(path, args.rollout_tp, args.actor_tp)
         with open(os.path.join(args.out, f"{os.path.basename(path)}.rank{dist.get_rank()}.json"), "w") as f:
             json.dump(res, f)
         dist.barrier()
