@@ -1,6 +1,9 @@
 """The repository's promises: README's two commands exist and CI runs exactly the test one."""
 import ast
+import io
 import re
+import tokenize
+from dataclasses import fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,3 +173,32 @@ def test_no_merge_conflict_markers():
     readme = (ROOT / "README.md").read_text()
     hits += [f"README.md:{readme[:m.start()].count(chr(10)) + 1}" for m in marker.finditer(readme)]
     assert not hits, hits
+
+
+# A config override written after a `#` is silently dropped: `"section.key": value` or `section.key=value`.
+OVERRIDE_IN_COMMENT = re.compile(r"""["']([a-z_]+)\.[a-z_.]+["']\s*:|\b([a-z_]+)\.[a-z_]+=["'\w\[{]""")
+
+
+def overrides_in_comments(source: str, sections: set[str]) -> list[tuple[int, str]]:
+    """(line, comment) of every comment that holds a config override of one of `sections`."""
+    hits = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            if any((m.group(1) or m.group(2)) in sections for m in OVERRIDE_IN_COMMENT.finditer(tok.string)):
+                hits.append((tok.start[0], tok.string))
+    return hits
+
+
+def test_override_in_comment_detection_finds_a_planted_one():
+    planted = 'o = {\n    "actor.lr": 1e-3,  # fast "trainer.device": "cpu",\n}\nargs = ["a.b=1"]  # trainer.seed=3\n'
+    assert [line for line, _ in overrides_in_comments(planted, {"trainer", "actor"})] == [2, 4]
+    assert not overrides_in_comments('x = {"actor.lr": 1}  # the actor\'s rate\n', {"trainer", "actor"})
+
+
+def test_no_test_loses_a_config_override_to_a_comment():
+    from spmdrl.config import Config
+
+    sections = {f.name for f in fields(Config)}
+    hits = [f"{p.relative_to(ROOT)}:{line}: {text}" for p in sorted((ROOT / "tests").rglob("*.py"))
+            for line, text in overrides_in_comments(p.read_text(), sections)]
+    assert not hits, "config overrides inside comments (they never reach the config):\n" + "\n".join(hits)
