@@ -202,3 +202,60 @@ def test_no_test_loses_a_config_override_to_a_comment():
     hits = [f"{p.relative_to(ROOT)}:{line}: {text}" for p in sorted((ROOT / "tests").rglob("*.py"))
             for line, text in overrides_in_comments(p.read_text(), sections)]
     assert not hits, "config overrides inside comments (they never reach the config):\n" + "\n".join(hits)
+
+
+# Names that hold a training engine in spmdrl/loop/, spmdrl/reshard/ and spmdrl/checkpoint/ (the rollout engine
+# is `rollout` there); every attribute read on them must be a member of engines/base.py's protocols.
+ENGINE_NAMES = {"actor", "ref", "critic", "engine"}
+
+
+def engine_attributes(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, attribute) of every attribute read on a training engine: `actor.x`, `self.engine.x`,
+    `self.engines[role].x`, `getattr(engine, "x", ...)`."""
+
+    def is_engine(node) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in ENGINE_NAMES
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            return node.attr in ENGINE_NAMES
+        return (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "engines")
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_engine(node.value):
+            out.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2 and is_engine(node.args[0]) and isinstance(node.args[1], ast.Constant)):
+            out.append((node.lineno, node.args[1].value))
+    return out
+
+
+def protocol_members() -> set[str]:
+    from spmdrl.engines.base import AdapterEngine
+
+    members = set()
+    for cls in AdapterEngine.__mro__:
+        if cls.__module__ == "spmdrl.engines.base":
+            members |= {k for k in vars(cls) if not k.startswith("_")} | set(getattr(cls, "__annotations__", {}))
+    return members
+
+
+def test_engine_attribute_detection_finds_a_planted_call():
+    planted = ast.parse("def f(self, engine):\n    engine.logprobs(1)\n    self.actor.hf.x\n"
+                        "    self.engines['actor'].offload()\n    getattr(engine, 'device', None)\n")
+    assert sorted(engine_attributes(planted)) == [(2, "logprobs"), (3, "hf"), (4, "offload"), (5, "device")]
+    assert {"logprobs", "offload", "device", "adapters_disabled", "adapter_tensors"} <= protocol_members()
+    assert "hf" not in protocol_members()
+
+
+def test_loop_reshard_checkpoint_call_engine_protocol_members_only():
+    members = protocol_members()
+    hits = []
+    for pkg in ("spmdrl/loop", "spmdrl/reshard", "spmdrl/checkpoint"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for line, attr in engine_attributes(ast.parse(path.read_text())):
+                if attr not in members:
+                    hits.append(f"{path.relative_to(ROOT)}:{line}: .{attr}")
+    assert not hits, ("engine members called outside the protocol (declare them in spmdrl/engines/base.py's "
+                      "TrainEngine or AdapterEngine):\n" + "\n".join(hits))

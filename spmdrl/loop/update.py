@@ -224,7 +224,7 @@ class CriticObjective:
     """Clipped value loss for one micro-batch."""
 
     def __init__(self, cfg):
-        self.critic = cfg.critic
+        self.section = cfg.critic
         self.agg_mode = cfg.critic.loss_agg_mode
         self.norm = cfg.critic.loss_agg_norm or float(cfg.data.max_response_length)
 
@@ -234,7 +234,7 @@ class CriticObjective:
         dev = v.device
         mask = mb["response_mask"][:, :R].to(dev)
         loss, m = value_loss(
-            v, mb["values"][:, :R].to(dev), mb["returns"][:, :R].to(dev), mask, self.critic.cliprange_value,
+            v, mb["values"][:, :R].to(dev), mb["returns"][:, :R].to(dev), mask, self.section.cliprange_value,
             loss_agg_mode=self.agg_mode, loss_agg_norm=self.norm,
         )
         return loss, {"critic/vf_loss": loss.detach()}, {"critic/vf_clipfrac": m["vf_clipfrac"],

@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.engines.base import accumulate, clipped_step, step_metrics
-from spmdrl.engines.fsdp import TokenBatch, lr_lambda, relayout
+from spmdrl.engines.base import lr_lambda
+from spmdrl.engines.token_batch import TokenBatch, relayout
 from spmdrl.errors import ConfigError
 from spmdrl.reshard.plan import MEGATRON_MODEL_TYPES
 
