@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from spmdrl.algos.token_stats import logprobs_from_hidden
+from spmdrl.config.derived import resolve_dtype
 from spmdrl.engines.base import accumulate, clipped_step, forward_each, lr_lambda, step_metrics
 from spmdrl.engines.loading import build_meta_model, materialise
 from spmdrl.engines.response_index import ResponseIndex
@@ -153,7 +154,7 @@ class FSDPEngine:
         if mesh.pp_size > 1:
             raise ConfigError(f"the FSDP2 backend has no pipeline parallelism: {mesh.layout.role}_pp = {mesh.pp_size}; set it to 1")
         cuda = device.type == "cuda"
-        param_dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
+        param_dtype = getattr(torch, resolve_dtype(dtype, cuda))
         # trainable: float32 master shards (bf16 compute under mixed precision); frozen (ref, or the base under
         # LoRA adapters): the compute dtype
         store_dtype = torch.float32 if trainable and lora is None else param_dtype

@@ -20,16 +20,11 @@ import torch
 
 from spmdrl.algos.rollout_correction import rollout_correction
 from spmdrl.batch import Batch
-from spmdrl.config.validate import rollout_correction_active
+from spmdrl.config.derived import rollout_correction_active
 
 log = logging.getLogger("spmdrl")
 
 LOGP_FLOOR = -100.0  # a token outside the actor's kept set (log-prob -inf) counts as this in the diagnostic
-
-
-def sampler_truncates(cfg) -> bool:
-    """Whether training rollouts sample from a truncated distribution (top-k or top-p)."""
-    return cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0
 
 
 def logprob_diff(pieces: list, reduce: Callable, reduce_max: Callable) -> dict[str, float]:

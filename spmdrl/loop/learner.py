@@ -10,7 +10,8 @@ from spmdrl.batch import Batch
 from spmdrl.dist.collectives import reduce_max, reduce_sum
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine
-from spmdrl.loop.correction import correct_rollout, logprob_diff, sampler_truncates
+from spmdrl.config.derived import sampler_truncates
+from spmdrl.loop.correction import correct_rollout, logprob_diff
 from spmdrl.loop.update import ActorObjective, CriticObjective, forward_all, micro_batch_limits, run_updates
 
 

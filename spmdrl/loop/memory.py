@@ -56,12 +56,6 @@ def vllm_pool_bytes() -> int:
         return 0
 
 
-def offload_kinds(cfg) -> dict[str, list[str]]:
-    """memory.<role>_offload per role; ref.offload (FSDP2 CPUOffloadPolicy) already keeps the ref on the host."""
-    m = cfg.memory
-    return {"actor": m.actor_offload, "critic": m.critic_offload, "ref": [] if cfg.ref.offload else m.ref_offload}
-
-
 class MemoryLifecycle:
     """Phase transitions and per-phase memory metrics for colocated placement."""
 

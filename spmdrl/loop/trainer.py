@@ -23,7 +23,7 @@ from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
 from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume
 from spmdrl.config import Config, to_toml
-from spmdrl.config.validate import uses_ref
+from spmdrl.config.derived import offload_kinds, on_policy, uses_ref
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.collectives import reduce_max, reduce_mean
@@ -38,7 +38,7 @@ from spmdrl.loop.build import (
 from spmdrl.loop.collect import Collector
 from spmdrl.loop.generate import Generator
 from spmdrl.loop.learner import Learner
-from spmdrl.loop.memory import MemoryLifecycle, offload_kinds
+from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.run_state import BadSteps, RunCheckpointer
 from spmdrl.loop.scoring import Scorer
 from spmdrl.loop.split import BatchStream
@@ -101,20 +101,18 @@ class Trainer:
         )
         reward_fn = build_reward_fn(cfg.reward)  # a user function runs in a worker process (rewards/worker.py)
         # ---- models: training engines (training ranks), memory lifecycle, reward model, rollout engine, weight sync
-        self.memory = MemoryLifecycle(device, {}, {} if split else offload_kinds(cfg))  # split: nothing shares a device
+        self.memory = MemoryLifecycle(device, {}, offload_kinds(cfg, split))
         self.memory.begin_build()
         engines = build_engines(cfg, self.meshes, device, on_built=self.memory.adopt) if self.trains else None
         self.actor, self.ref, self.critic = (engines.actor, engines.ref, engines.critic) if engines else (None,) * 3
         self.memory.settle()  # configured state to host memory before vLLM sizes itself to the free GPU memory
-        alg, a = cfg.algorithm, cfg.actor
+        alg = cfg.algorithm
         kl_ctrl = (
             AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon) if alg.kl_ctrl == "adaptive"
             else FixedKLController(alg.kl_coef)
         )
         self.hooks = StageHooks(HookRunner(cfg.hooks.files), cfg, self.meshes, tokenizer)
-        mini = a.ppo_mini_batch_size or d.train_batch_size
-        # on-policy (one epoch, one mini-batch) the update's own log-probs are the old ones
-        self.on_policy = a.ppo_epochs == 1 and mini == d.train_batch_size and not alg.use_kl_in_reward
+        self.on_policy = on_policy(cfg)  # the update's own log-probs are the old ones
         # the reference policy's log-probs: the ref engine's, or with LoRA the actor's with its adapters disabled
         self.uses_ref = self.trains and uses_ref(cfg)
         reward_model = None

@@ -39,7 +39,7 @@ def _row(plan: dict) -> dict:
 def fit_table(cfg, sizes=QWEN25_SIZES) -> list[dict]:
     """One row per size: parameters, and full fine-tuning's and LoRA's fit, peak GPU GiB (and its phase) and
     weight-sync bytes on one GPU of memory.gpu_memory_gb."""
-    from spmdrl.config.validate import lora_settings
+    from spmdrl.config.derived import lora_settings
     from spmdrl.plan.estimate import build_plan
 
     lora = lora_settings(cfg) or DEFAULT_LORA

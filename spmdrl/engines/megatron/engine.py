@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.engines.base import accumulate, clipped_step, step_metrics
+from spmdrl.config.derived import resolve_dtype
 from spmdrl.engines.base import lr_lambda
 from spmdrl.engines.token_batch import TokenBatch, relayout
 from spmdrl.errors import ConfigError
@@ -70,7 +71,7 @@ class MegatronEngine:
         self.device, self.mesh, self.trainable, self.model_path, self.seed = device, mesh, trainable, model_path, seed
         self.attention = attention  # local spec core attention: "sdpa" (spmdrl's SdpaAttention) or "local"
         cuda = device.type == "cuda"
-        self.dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
+        self.dtype = getattr(torch, resolve_dtype(dtype, cuda))
         try:
             self.config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
