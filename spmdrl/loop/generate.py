@@ -14,7 +14,6 @@ from spmdrl.data.prompts import PromptDataset
 from spmdrl.dist.collectives import reduce_max
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.loop.build import Specs
-from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.scoring import Scorer
 from spmdrl.rollout.multi_turn import AgentLoop
 from spmdrl.rollout.trajectory import Trajectory, encode_infos
@@ -95,9 +94,9 @@ class Generator:
     greedy_baseline: also generate one greedy response per prompt and score it (ReMax's baseline); agent: the
     multi-turn loop on `rollout` (multi_turn.enable), else None."""
 
-    def __init__(self, cfg, mesh: RoleMesh, rollout, memory: MemoryLifecycle, specs: Specs, dataset: PromptDataset,
-                 pad_id: int, scorer: Scorer, *, greedy_baseline: bool, agent: AgentLoop | None = None):
-        self.cfg, self.mesh, self.rollout, self.memory, self.specs = cfg, mesh, rollout, memory, specs
+    def __init__(self, cfg, mesh: RoleMesh, rollout, specs: Specs, dataset: PromptDataset, pad_id: int,
+                 scorer: Scorer, *, greedy_baseline: bool, agent: AgentLoop | None = None):
+        self.cfg, self.mesh, self.rollout, self.specs = cfg, mesh, rollout, specs
         self.dataset, self.pad_id, self.scorer, self.greedy_baseline = dataset, pad_id, scorer, greedy_baseline
         self.agent = agent
         self.loop_time: dict[str, float] = {}
@@ -121,11 +120,11 @@ class Generator:
 
     def generate(self, prompt_idx: list[int], step: int, round_: int = 0) -> Batch:
         """The samples of dataset rows `prompt_idx` (this rollout dp rank's share of a step's prompts): same
-        prompts and seeds on every rank of the TP group."""
+        prompts and seeds on every rank of the TP group. The caller has put the memory in its rollout phase
+        (MemoryLifecycle.for_rollout)."""
         r = self.mesh
         first = round_ * self.cfg.data.train_batch_size + r.dp_offset(len(prompt_idx))
         seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompt_idx))
-        self.memory.for_rollout()  # vLLM's KV cache back (loop/memory.py)
         n = self.specs.train.n
         batch = sample(self.rollout, self.agent, self.dataset, prompt_idx, self.specs.train, seeds, self.pad_id)
         self._note_loop()

@@ -133,7 +133,10 @@ class MemoryLifecycle:
             self._onload(role, ALL_KINDS if update else ("params",))
 
     def for_sync(self) -> None:
-        """Actor params on the GPU, everything else configured out, vLLM's weights (not its KV cache) awake."""
+        """Actor params on the GPU, everything else configured out, vLLM's weights (not its KV cache) awake. The
+        loop calls it on the line before a sync; the sync objects call it again, a no-op then."""
+        if self.phase == "sync":
+            return
         self._enter("sync")
         for role in self.engines:
             kinds = tuple(k for k in self.offload[role] if not (role == "actor" and k == "params"))
