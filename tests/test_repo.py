@@ -259,3 +259,52 @@ def test_loop_reshard_checkpoint_call_engine_protocol_members_only():
                     hits.append(f"{path.relative_to(ROOT)}:{line}: .{attr}")
     assert not hits, ("engine members called outside the protocol (declare them in spmdrl/engines/base.py's "
                       "TrainEngine or AdapterEngine):\n" + "\n".join(hits))
+
+
+# The calls of Trainer.step that docs/architecture.md's "One step" lists, line for line (colocated path).
+STEP_OBJECTS = {"memory", "generator", "scorer", "rounds", "learner"}
+STEP_FUNCTIONS = {"SampleRounds", "redistribute", "weight_sync", "reduce_step_metrics"}
+
+
+def step_calls(fn: ast.FunctionDef) -> list[str]:
+    """The tracked calls of a step function in source order (a hook as its quoted name), skipping the
+    `if rolls:` blocks (split placement's rollout ranks)."""
+    calls = []
+
+    def visit(node):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "rolls":
+            return
+        if isinstance(node, ast.Call):
+            f = node.func
+            base = f.value.attr if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Attribute) else (
+                f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None)
+            if isinstance(f, ast.Name) and f.id == "hooks" and isinstance(node.args[0], ast.Constant):
+                calls.append((node.lineno, node.col_offset, f'"{node.args[0].value}"'))
+            elif isinstance(f, ast.Name) and f.id in STEP_FUNCTIONS:
+                calls.append((node.lineno, node.col_offset, f.id))
+            elif isinstance(f, ast.Attribute) and (base in STEP_OBJECTS or f.attr in STEP_FUNCTIONS):
+                calls.append((node.lineno, node.col_offset, f.attr if f.attr in STEP_FUNCTIONS else f"{base}.{f.attr}"))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    for stmt in fn.body:
+        visit(stmt)
+    return [name for _, _, name in sorted(calls)]
+
+
+def doc_step_calls(text: str) -> list[str]:
+    block = re.search(r"`Trainer\.step`, line for line.*?```\n(.*?)```", text, flags=re.S).group(1)
+    out = []
+    for line in block.splitlines():
+        code = re.split(r"\s{2,}", line.strip())[0]  # the annotation follows two or more spaces
+        out += re.findall(r'"\w+"', code) if code.startswith('"') else re.findall(r"[A-Za-z_][\w.]*(?=\()", code)
+    return out
+
+
+def test_architecture_one_step_matches_trainer_step_line_for_line():
+    tree = ast.parse((ROOT / "spmdrl" / "loop" / "trainer.py").read_text())
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    step = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "step")
+    code = step_calls(step)
+    assert len(code) > 20 and '"after_rollout"' in code and "learner.update_actor" in code
+    assert doc_step_calls((ROOT / "docs" / "architecture.md").read_text()) == code
