@@ -16,8 +16,7 @@ phase (CUDA max_memory_allocated after a reset; on CPU the process's peak RSS, w
 --shape qwen2.5-1.5b / qwen2.5-3b set Qwen2.5-1.5B's / Qwen2.5-3B's dimensions (random init); --length-mix rl
 draws each group's prompt length uniformly in [128, 1024] and each response's length log-uniformly in [64, 4096]
 (seeded), instead of fixed lengths; --max-tokens / --forward-max-tokens set token-budget micro-batches and
---packed packs them. launch/bench_update_mix.sh runs both shapes on both backends with that mix; it has not run
-on a GPU.
+--packed packs them. launch/bench_update_mix.sh runs both shapes on both backends with that mix.
 """
 from __future__ import annotations
 
@@ -103,7 +102,7 @@ def reset_peak(device) -> None:
 
 def count_cuda_syncs(fn) -> int:
     """How many times fn() makes the host wait for the GPU (torch.cuda.set_sync_debug_mode("warn") reports each
-    synchronising call: .item(), nonzero, blocking copies, ...). CUDA only; never run."""
+    synchronising call: .item(), nonzero, blocking copies, ...). CUDA only."""
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:

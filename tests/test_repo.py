@@ -308,3 +308,45 @@ def test_architecture_one_step_matches_trainer_step_line_for_line():
     code = step_calls(step)
     assert len(code) > 20 and '"after_rollout"' in code and "learner.update_actor" in code
     assert doc_step_calls((ROOT / "docs" / "architecture.md").read_text()) == code
+
+
+# What has run on a GPU is stated in one place, docs/architecture.md's table; code and scripts carry no such notes.
+GPU_NOTES = [
+    r"\b(never|not)\s+(been\s+)?(run|ran|measured)\b[^.;]{0,30}\b(GPU|H100|H200|CUDA)\b",
+    r"\b(ran|run|measured)\s+on\s+(one|a|an|two|\d+)\s+(x\s+)?(H100|H200|GPUs?)\b",
+    r"\bnever\s+run\s+here\b", r"CUDA only[;,]\s*never\s+run\b", r"\bno GPU was available\b",
+]
+# This project's issue numbers (a cited external tracker, `owner/repo issue N`, is a source, not history).
+ISSUE_NUMBER = re.compile(r"\bissues?\s+#?\d+|\(#\d+\)", re.I)
+EXTERNAL_ISSUE = re.compile(r"[\w.-]+/[\w.-]+(?:'s)?\s+issue")
+
+
+def gpu_notes(text: str) -> list[str]:
+    flat = re.sub(r"\s*\n\s*(#\s*)?", " ", text)  # a sentence may run over lines and comment markers
+    return [m.group(0) for p in GPU_NOTES for m in re.finditer(p, flat, flags=re.I)]
+
+
+def issue_numbers(text: str) -> list[str]:
+    return [m.group(0) for line in text.splitlines() if not EXTERNAL_ISSUE.search(line)
+            for m in ISSUE_NUMBER.finditer(line)]
+
+
+def test_note_and_issue_detection_find_planted_ones():
+    assert gpu_notes("x = 1  # the CUDA calls have never run on a\n# GPU here")
+    assert gpu_notes('"""Ran on one H100 (single rank)."""') and gpu_notes("# CUDA only; never run")
+    assert not gpu_notes("the GPU path never calls it; a tool call that is never run")
+    assert issue_numbers("the layout test (iss" + "ue 13)") and issue_numbers("fixed in (" + "#12)")
+    assert not issue_numbers("measured in NVIDIA/nccl issue 1685") and not issue_numbers("NVIDIA/nccl's issue tracker (#1685)")
+
+
+def test_no_gpu_status_notes_in_code():
+    files = sorted((ROOT / "spmdrl").rglob("*.py")) + sorted((ROOT / "launch").glob("*"))
+    hits = [f"{p.relative_to(ROOT)}: {n}" for p in files if p.is_file() for n in gpu_notes(p.read_text())]
+    assert not hits, "GPU status belongs in docs/architecture.md's table only:\n" + "\n".join(hits)
+
+
+def test_no_issue_numbers_in_code_tests_or_docs():
+    files = [p for d in ("spmdrl", "tests", "docs", "launch", "configs") for p in sorted((ROOT / d).rglob("*"))
+             if p.is_file() and p.suffix in (".py", ".md", ".sh", ".toml")] + [ROOT / "README.md"]
+    hits = [f"{p.relative_to(ROOT)}: {n}" for p in files for n in issue_numbers(p.read_text())]
+    assert not hits, "issue numbers are history, not documentation:\n" + "\n".join(hits)

@@ -390,7 +390,7 @@ def validate_split(cfg) -> None:
 
 
 def validate_objective(cfg, layout) -> None:
-    """Checks that keep the optimised objective independent of the parallel layout (issue 13)."""
+    """Checks that keep the optimised objective independent of the parallel layout."""
     from spmdrl.algos import LOSS_AGG
     from spmdrl.algos.losses import resolve_agg_mode
 

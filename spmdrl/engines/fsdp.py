@@ -409,7 +409,7 @@ class FSDPEngine:
     def offload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
         """Move this rank's shards of the named kinds to host memory (CUDA only; a no-op on CPU and for an engine
         built with CPUOffloadPolicy, whose params already live on the host). Gradients are None between
-        train_steps (zero_grad(set_to_none=True)), so "grads" moves nothing. Ran on one H100 (single rank)."""
+        train_steps (zero_grad(set_to_none=True)), so "grads" moves nothing."""
         if self.device.type != "cuda" or self.host_offload_policy:
             return
         if "optimizer" in kinds and self.optimizer is not None:
@@ -419,7 +419,7 @@ class FSDPEngine:
         torch.cuda.synchronize(self.device)
 
     def onload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
-        """Bring offloaded kinds back to the device (see offload). Ran on one H100 (single rank)."""
+        """Bring offloaded kinds back to the device (see offload)."""
         if self.device.type != "cuda" or self.host_offload_policy:
             return
         if "params" in kinds:

@@ -22,8 +22,6 @@ Every transition closes the current phase and opens the next: the phase's peak a
 (torch's allocator, reset at each phase; plus vLLM's cuMem pool where vLLM reports it) become
 memory/<phase>_allocated_gb and memory/<phase>_reserved_gb, maxed over the step; memory/host_rss_gb is this
 rank's resident set. On CPU, sleep and offload are no-ops and allocated/reserved report 0; RSS is real.
-The CUDA branches ran on one H100 for the FSDP2 and Megatron engines without vLLM (docs/performance.md,
-docs/megatron.md); next to vLLM's sleep mode, and adopt / for_checkpoint, they have not run on a GPU.
 """
 from __future__ import annotations
 

@@ -136,7 +136,7 @@ def run_updates(
 
 def _staged(mb: Batch, device: torch.device) -> Batch:
     """The micro-batch's tensors on the engine's device, copied from pinned memory without blocking the host, so
-    that the loss's `.to(device)` reads cost no wait on the device queue per micro-batch (never run on a GPU)."""
+    that the loss's `.to(device)` reads cost no wait on the device queue per micro-batch."""
     if device.type == "cpu":
         return mb
     return Batch({k: v.pin_memory().to(device, non_blocking=True) for k, v in mb.tensors.items()}, mb.meta)

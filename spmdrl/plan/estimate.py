@@ -32,7 +32,7 @@ CUDA context and NCCL's buffers (`spmdrl.plan.overheads`):
 Assumptions (each is a named constant, in `spmdrl.plan.overheads` where it is not a model dimension): the CUDA
 context costs CUDA_CONTEXT_GIB per GPU; a rank's host process (Python, torch, vLLM, tokenizer, data) costs
 PROCESS_HOST_GIB; activation bytes per token per layer follow `layer_activation_bytes` (bf16 tensors saved for
-backward, fp32 RMSNorm inputs). None of these figures has been measured on a GPU.
+backward, fp32 RMSNorm inputs). These are estimates.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The config's workload (batch, lengths, micro-batches, rollout settings, offloading) is planned on a world of one
 GPU for each Qwen2.5 size whose config.json ships in spmdrl/model_configs, once as full fine-tuning and once with
 LoRA (the config's [lora], else rank 32 on every linear layer, synced as an adapter). Every figure is
-`build_plan`'s; nothing here ran on a GPU.
+`build_plan`'s.
 """
 from __future__ import annotations
 

@@ -371,8 +371,7 @@ class MegatronEngine:
                      (torch AdamW's moments on CPU); model parameters it updates in place belong to "params";
           grads      megatron DDP's float32 grad buffers (param.main_grad views): freed without a copy, back as
                      zeros (train_step zeroes them before its first backward anyway).
-        Ran on one H100 (single rank, GRPO and PPO through the trainer); the same park / unpark code is tested on
-        CPU through _park / _unpark."""
+        The same park / unpark code is tested on CPU through _park / _unpark."""
         if self.device.type == "cuda":
             self._park(kinds)
 
