@@ -109,7 +109,8 @@ def ppo(
     return loss, metrics
 
 
-@POLICY_LOSSES.register("gspo")
+# GSPO and GMPO are sequence-level objectives: each response counts once whatever its length.
+@POLICY_LOSSES.register("gspo", agg_mode="seq-mean-token-mean")
 def gspo(
     old_log_prob: Tensor,
     log_prob: Tensor,
@@ -194,9 +195,6 @@ def value_loss(
     return loss, metrics
 
 
-# GSPO and GMPO are sequence-level objectives: each response counts once whatever its length.
-gspo.agg_mode = "seq-mean-token-mean"
-
 
 def resolve_agg_mode(policy_loss: str, configured: str) -> str:
     """The loss aggregation the update uses: ``configured`` ("auto": the policy loss's own, else token-mean).
@@ -266,7 +264,8 @@ def cispo(
     return loss, metrics
 
 
-@POLICY_LOSSES.register("sapo")
+# SAPO's paper objective averages each response's token mean (1/G sum_i 1/|y_i| sum_t): its "auto" default.
+@POLICY_LOSSES.register("sapo", default_agg_mode="seq-mean-token-mean")
 def sapo(
     old_log_prob: Tensor,
     log_prob: Tensor,
@@ -420,7 +419,7 @@ def kl_cov(
     return loss, metrics
 
 
-@POLICY_LOSSES.register("gmpo", "geo_mean")
+@POLICY_LOSSES.register("gmpo", "geo_mean", agg_mode="seq-mean-token-mean")
 def gmpo(
     old_log_prob: Tensor,
     log_prob: Tensor,
@@ -471,10 +470,6 @@ def gmpo(
         }
     return loss, metrics
 
-
-gmpo.agg_mode = "seq-mean-token-mean"
-# SAPO's paper objective averages each response's token mean (1/G sum_i 1/|y_i| sum_t): its "auto" default.
-sapo.default_agg_mode = "seq-mean-token-mean"
 
 
 @POLICY_LOSSES.register("gpg")
