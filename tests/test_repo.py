@@ -350,3 +350,18 @@ def test_no_issue_numbers_in_code_tests_or_docs():
              if p.is_file() and p.suffix in (".py", ".md", ".sh", ".toml")] + [ROOT / "README.md"]
     hits = [f"{p.relative_to(ROOT)}: {n}" for p in files for n in issue_numbers(p.read_text())]
     assert not hits, "issue numbers are history, not documentation:\n" + "\n".join(hits)
+
+
+# What the config means is derived once, in spmdrl/config/derived.py; the loop, the engines and `spmdrl plan` call it.
+CONFIG_MEANINGS = [
+    r"rollout\.engine\s*==", r"\bdtype\s*==\s*\"auto\"", r"\bvllm_available\(", r"use_kl_loss\s+or\b",
+    r"\b(actor|critic|ref)_offload\b", r"\.top_p\s*<\s*1", r"\.rollout_is\s*!=", r"\.lora_sync\s*==",
+]
+
+
+def test_loop_engines_and_plan_do_not_rederive_config_meanings():
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+            for d in ("loop", "engines", "plan") for p in sorted((ROOT / "spmdrl" / d).rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if not line.lstrip().startswith("#") and any(re.search(c, line) for c in CONFIG_MEANINGS)]
+    assert not hits, "derive these in spmdrl/config/derived.py and call it:\n" + "\n".join(hits)

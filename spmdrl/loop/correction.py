@@ -3,7 +3,7 @@
 - `logprob_diff` is the one owner of the diagnostic `rollout/logprob_diff_mean|max`: |actor - rollout| log-prob
   of the sampled tokens, its token mean over the global batch (a global token sum) and its global maximum. The
   rollout engine returns processed log-probs (after temperature, top-k and top-p), so the actor side must be the
-  same quantity: with a truncating sampler (rollout.top_p < 1 or rollout.top_k > 0) the actor's log-probs under
+  same quantity: with a truncating sampler (`sampler_truncates`: top-p or top-k) the actor's log-probs under
   the same truncation (one extra forward pass without gradients, before the update); otherwise the old
   log-probs, or on-policy (no separate old-log-prob pass) the update's own, collected micro-batch by
   micro-batch (`ActorObjective.own_logprobs`, loop/update.py). loop/learner.py's `update_actor` picks which.
