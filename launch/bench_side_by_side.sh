@@ -11,7 +11,7 @@
 #
 # Without bench arguments it runs the RL length mix of launch/bench_update_mix.sh: Qwen2.5-1.5B- and 3B-shaped
 # random-init models on both backends (bf16). OLD_NEW_ARGS / NEW_ARGS add arguments to the new runs only (for
-# options the old revision does not have). This script has never run on a GPU.
+# options the old revision does not have).
 set -euo pipefail
 old_rev=${1:?usage: bench_side_by_side.sh OLD_REV OUT_DIR [args...]}
 out=${2:?usage: bench_side_by_side.sh OLD_REV OUT_DIR [args...]}

@@ -16,8 +16,7 @@ phase (CUDA max_memory_allocated after a reset; on CPU the process's peak RSS, w
 --shape qwen2.5-1.5b / qwen2.5-3b set Qwen2.5-1.5B's / Qwen2.5-3B's dimensions (random init); --length-mix rl
 draws each group's prompt length uniformly in [128, 1024] and each response's length log-uniformly in [64, 4096]
 (seeded), instead of fixed lengths; --max-tokens / --forward-max-tokens set token-budget micro-batches and
---packed packs them. launch/bench_update_mix.sh runs both shapes on both backends with that mix; it has not run
-on a GPU.
+--packed packs them. launch/bench_update_mix.sh runs both shapes on both backends with that mix.
 """
 from __future__ import annotations
 
@@ -103,7 +102,7 @@ def reset_peak(device) -> None:
 
 def count_cuda_syncs(fn) -> int:
     """How many times fn() makes the host wait for the GPU (torch.cuda.set_sync_debug_mode("warn") reports each
-    synchronising call: .item(), nonzero, blocking copies, ...). CUDA only; never run."""
+    synchronising call: .item(), nonzero, blocking copies, ...). CUDA only."""
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
@@ -184,9 +183,13 @@ def main() -> int:
     # launch/bench_side_by_side.sh runs this script against a previous revision too, whose update module may be
     # spmdrl/update.py (checked on disk: an editable install of this checkout would answer a failed import)
     if os.path.isdir(os.path.join(os.path.dirname(spmdrl.__file__), "loop")):
-        from spmdrl.loop.update import actor_body, forward_all, run_updates
+        from spmdrl.loop import update as update_module
     else:
-        from spmdrl.update import actor_body, forward_all, run_updates
+        from spmdrl import update as update_module
+    forward_all, run_updates = update_module.forward_all, update_module.run_updates
+    # an older revision builds the objective with actor_body and passes it as body=
+    make_objective = getattr(update_module, "ActorObjective", None) or update_module.actor_body
+    objective_key = "objective" if "objective" in inspect.signature(run_updates).parameters else "body"
 
     env, device = init_distributed(args.device)
     cuda = device.type == "cuda"
@@ -215,7 +218,7 @@ def main() -> int:
            "peak_gb_build": peak_gb(device)}
     batch = synthetic_batch(args)
     cfg.data.max_response_length = args.response_len
-    body = actor_body(cfg, POLICY_LOSSES.get(cfg.actor.policy_loss), 1.0)
+    objective = make_objective(cfg, POLICY_LOSSES.get(cfg.actor.policy_loss), 1.0)
 
     def forward():
         kw = dict(max_tokens=args.forward_max_tokens, packed=args.packed)
@@ -227,8 +230,8 @@ def main() -> int:
 
     def update():
         return run_updates(engine, batch, epochs=1, mini_size=len(batch), micro_size=args.micro, pad_id=0, dp_size=1,
-                           dp_group=mesh.group("dp"), body=body, prefix="actor", max_tokens=args.max_tokens,
-                           packed=args.packed)
+                           dp_group=mesh.group("dp"), prefix="actor", max_tokens=args.max_tokens,
+                           packed=args.packed, **{objective_key: objective})
 
     times = {}
     for name, fn in (("logprobs", forward), ("train_step", update)):

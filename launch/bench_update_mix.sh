@@ -5,7 +5,7 @@
 # positions, causal attention within each sequence; recomputation not counted), forward-only tokens/s, peak
 # memory per phase.
 #
-# This script has never run on a GPU; the memory settings below are estimates (the 3B run needs activation
+# The memory settings below are estimates (the 3B run needs activation
 # recompute to fit fp32 AdamW state and 8k-token micro-batches in 80 GiB).
 #
 #   bash launch/bench_update_mix.sh [OUT_DIR] [extra bench_train_engine.py args...]

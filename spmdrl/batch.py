@@ -70,3 +70,38 @@ class Batch:
                 parts = [torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]
             tensors[k] = torch.cat(parts)
         return Batch(tensors, {k: [x for b in batches for x in b.meta[k]] for k in first.meta})
+
+
+# What the training batch holds, stage by stage: (names, shape and dtype, the first hook stage that sees it,
+# meaning). docs/hooks.md's table is generated from it (batch_key_table; tests/test_hooks.py holds it current).
+BATCH_KEYS = [
+    ("prompts", "[B, P] int64", "after_rollout", "prompt token ids"),
+    ("prompt_len", "[B] int64", "after_rollout", "prompt lengths"),
+    ("responses", "[B, R] int64", "after_rollout", "response token ids"),
+    ("response_len", "[B] int64", "after_rollout", "response lengths"),
+    ("response_mask", "[B, R] float32", "after_rollout", "1 on response tokens, 0 on padding"),
+    ("rollout_log_probs", "[B, R] float32", "after_rollout", "the rollout engine's log-probs"),
+    ("index", "[B] int64", "after_rollout", "the prompt's dataset row"),
+    ("uid", "[B] int64", "after_rollout", "the group id: one per prompt draw (two draws of one prompt are two groups)"),
+    ("truncated", "[B] float32", "after_rollout", "1 where generation stopped at `data.max_response_length`"),
+    ("baseline_rewards", "[B] float32", "after_rollout", "ReMax only: the greedy rollout's score"),
+    ("scores", "[B] float32", "after_reward",
+     "the reward: rule/custom score x `reward.rule_weight`, the reward model, DAPO overlong shaping"),
+    ("token_level_scores", "[B, R] float32", "after_advantage", "`scores` on each response's last token"),
+    ("old_log_probs", "[B, R] float32", "after_advantage",
+     "the actor's log-probs before the update; absent on-policy (one epoch, one mini-batch, no KL in reward), "
+     "where the update's own log-probs serve"),
+    ("ref_log_probs", "[B, R] float32", "after_advantage", "with a reference model (KL loss or KL in reward)"),
+    ("values", "[B, R] float32", "after_advantage", "with a critic"),
+    ("token_level_rewards", "[B, R] float32", "after_advantage",
+     "`token_level_scores` minus the KL penalty when `algorithm.use_kl_in_reward`"),
+    ("advantages`, `returns", "[B, R] float32", "after_advantage", "the estimator's output, 0 on padding"),
+]
+
+
+def batch_key_table() -> str:
+    """BATCH_KEYS as the markdown table docs/hooks.md shows."""
+    rows = ["| tensor | shape, dtype | from stage | meaning |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{name}` | {shape} | {stage} | {meaning} |" for name, shape, stage, meaning in BATCH_KEYS]
+    return "\n".join(rows) + "\n"
+

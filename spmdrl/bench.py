@@ -337,7 +337,7 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
-    from spmdrl.loop.update import actor_body, forward_all, micro_batch_limits, run_updates
+    from spmdrl.loop.update import ActorObjective, forward_all, micro_batch_limits, run_updates
 
     if not dist.is_initialized():
         import socket
@@ -365,7 +365,7 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
         "response_mask": mask, "advantages": torch.randn(samples, R, generator=g) * mask,
         "rollout_log_probs": torch.zeros(samples, R),
     })
-    body = actor_body(cfg, POLICY_LOSSES.get(a.policy_loss), 1.0)
+    body = ActorObjective(cfg, POLICY_LOSSES.get(a.policy_loss), 1.0)
     group = mesh.group("dp")
 
     longest = P + R
@@ -374,7 +374,7 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
 
     def update():
         run_updates(eng, batch, epochs=1, mini_size=samples, micro_size=size, pad_id=0,
-                    agg_mode=a.loss_agg_mode, dp_size=1, dp_group=group, body=body, prefix="actor",
+                    dp_size=1, dp_group=group, objective=body, prefix="actor",
                     max_tokens=budget, packed=a.use_packing)
 
     def forward():

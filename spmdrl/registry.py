@@ -13,8 +13,14 @@ class Registry(Generic[F]):
         self.kind = kind
         self._fns: dict[str, F] = {}
 
-    def register(self, *names: str) -> Callable[[F], F]:
+    def register(self, *names: str, **meta) -> Callable[[F], F]:
+        """Register the decorated function under `names`. meta: what the trainer must know about it, declared
+        here and set on the function as attributes (an estimator's `requires`, a sequence-level loss's
+        `agg_mode`, a loss's `default_agg_mode`)."""
+
         def deco(fn: F) -> F:
+            for key, value in meta.items():
+                setattr(fn, key, value)
             for name in names:
                 if name in self._fns:
                     raise ValueError(f"{self.kind} {name!r} registered twice")

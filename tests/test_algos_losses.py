@@ -259,3 +259,21 @@ def test_overlong_penalty_by_hand():
     # max_len 10, buffer 4: no penalty up to 6, then -(len-6)/4, -1 at 10; times factor 0.5
     got = overlong_penalty(torch.tensor([0, 6, 7, 8, 10]), 10, 4, 0.5)
     torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5]))
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov", "gmpo", "gspo"])
+def test_log_ratio_clamp_keeps_far_off_policy_tokens_finite(name):
+    """The documented +-20 log-ratio clamp (docs/algorithms.md, "Log-ratio clamp"): with A < 0 the ratio term is
+    -A r; below 20 nats its gradient is -A r, past 20 the value is -A e^20 with zero gradient, and a log-ratio
+    whose exp overflows float32 (100) still gives a finite loss and gradient."""
+    fn = POLICY_LOSSES.get(name)
+    kw = {"kl_cov_coef": 0.0} if name == "kl_cov" else {}
+    for d, want_value, want_grad in ((19.0, math.exp(19.0), math.exp(19.0)), (25.0, math.exp(20.0), 0.0),
+                                     (100.0, math.exp(20.0), 0.0)):
+        old = torch.zeros(1, 1)
+        logp = torch.full((1, 1), d, requires_grad=True)
+        loss, _ = fn(old, logp, torch.full((1, 1), -1.0), torch.ones(1, 1), **kw)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), (name, d)
+        assert float(loss.detach()) == pytest.approx(want_value, rel=1e-5), (name, d)
+        assert float(logp.grad[0, 0]) == pytest.approx(want_grad, rel=1e-5, abs=0.0), (name, d)

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.engines import attention as attn
-from spmdrl.engines.fsdp import _LogprobHead, pack_sequences
+from spmdrl.engines.fsdp import _LogprobHead
+from spmdrl.engines.token_batch import pack_sequences
 from spmdrl.errors import ConfigError
 from spmdrl.tiny import build_model, build_tiny
 

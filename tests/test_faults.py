@@ -164,7 +164,7 @@ def test_hung_rank_makes_the_other_give_up_after_the_timeout():
     assert time.monotonic() - t0 < 90
 
 
-# ----- stopping, errors once, safe path, overflow (issue 14) -----
+# ----- stopping, errors once, safe path, overflow -----
 
 def test_scores_are_checked_after_float32_conversion():
     """1e40 is a finite Python float but inf in the float32 scores: once every step trained nothing."""

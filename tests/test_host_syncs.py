@@ -20,7 +20,7 @@ from spmdrl.config import load_config
 from spmdrl.dist.layout import plan_layout
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines.fsdp import FSDPEngine
-from spmdrl.loop.update import actor_body, run_updates
+from spmdrl.loop.update import ActorObjective, run_updates
 from spmdrl.tiny import build_tiny
 
 aten = torch.ops.aten
@@ -109,14 +109,14 @@ def batch(n=8, seed=0):
 @pytest.mark.parametrize("packed", [False, True])
 def test_fsdp_update_reads_nothing_per_micro_batch(actor, packed):
     cfg, mesh, eng = actor
-    body = actor_body(cfg, POLICY_LOSSES.get("ppo"), 1.0)
+    body = ActorObjective(cfg, POLICY_LOSSES.get("ppo"), 1.0)
     b = batch()
     counts = {}
     for micro in (8, 2):  # one optimizer step over 8 samples: 1 micro-batch, then 4
         counts[micro] = engine_reads(eng)
         try:
             out = run_updates(eng, b, epochs=1, mini_size=8, micro_size=micro, pad_id=0, dp_size=1,
-                              dp_group=mesh.group("dp"), body=body, prefix="actor", packed=packed)
+                              dp_group=mesh.group("dp"), objective=body, prefix="actor", packed=packed)
         finally:
             del eng.train_step
         assert out["actor/pg_loss"] == out["actor/pg_loss"] and "actor/grad_norm" in out

@@ -358,7 +358,7 @@ def test_unknown_target_module_is_refused_at_validation(tmp_path):
 
 def test_lora_run_builds_no_ref():
     from spmdrl.config import load_config, validate
-    from spmdrl.config.validate import builds_ref, uses_ref
+    from spmdrl.config.derived import builds_ref, uses_ref
 
     cfg = load_config(None, ["model.path=/models/tiny", "data.train_files=[\"train.parquet\"]", "lora.enable=true",
                              "actor.use_kl_loss=true"])

@@ -117,7 +117,8 @@ def _lora_cfg(**rollout):
 
 
 def test_lora_sync_validation():
-    from spmdrl.config.validate import lora_sync_mode, validate_lora_sync
+    from spmdrl.config.derived import lora_sync_mode
+    from spmdrl.config.validate import validate_lora_sync
 
     def err(cfg):
         with pytest.raises(ConfigError) as info:

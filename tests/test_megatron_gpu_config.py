@@ -124,7 +124,7 @@ def test_packed_micro_batches_relayout_to_padded_rows_for_transformer_engine():
     attention for packed sequences (not wired up): the engine lays a packed micro-batch out as padded rows
     (engines.fsdp.relayout) instead of refusing the default configuration. The relayout is exactly the padded
     batch of the same sequences."""
-    from spmdrl.engines.fsdp import pack_sequences, relayout
+    from spmdrl.engines.token_batch import pack_sequences, relayout
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 100, (n,), generator=g) for n in (4, 7, 2)]

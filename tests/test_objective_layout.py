@@ -1,4 +1,4 @@
-"""The objective does not depend on the parallel layout (issue 13).
+"""The objective does not depend on the parallel layout.
 
 A real FSDP2 actor update on a tiny fp32 Qwen2 runs under torchrun (gloo) twice: actor dp = 2 with two
 micro-batches per rank, and dp = 1 with the whole mini-batch in one micro-batch. For every loss aggregation

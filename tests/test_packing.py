@@ -5,7 +5,8 @@ import torch
 
 from spmdrl.algos.token_stats import logprobs_from_hidden
 from spmdrl.batch import Batch
-from spmdrl.engines.fsdp import _LogprobHead, dense_rows, pack_sequences
+from spmdrl.engines.fsdp import _LogprobHead
+from spmdrl.engines.token_batch import dense_rows, pack_sequences
 from spmdrl.engines.packing import balanced_partition, first_fit_decreasing, micro_batch_count
 from spmdrl.errors import ConfigError
 from spmdrl.tiny import build_model

@@ -8,7 +8,8 @@ from launching import run
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig
 
-from spmdrl.engines.fsdp import _LogprobHead, pack_sequences
+from spmdrl.engines.fsdp import _LogprobHead
+from spmdrl.engines.token_batch import pack_sequences
 from spmdrl.metrics import device_peak_tflops, executed_forward_flops, flops_metrics, forward_flops_per_token
 from spmdrl.tiny import build_model, build_tiny
 

@@ -13,7 +13,8 @@ from spmdrl.config import load_config
 from spmdrl.config.validate import validate
 from spmdrl.dist.layout import plan_layout
 from spmdrl.dist.meshes import RoleMeshes
-from spmdrl.engines.fsdp import FSDPEngine, pack_sequences
+from spmdrl.engines.fsdp import FSDPEngine
+from spmdrl.engines.token_batch import pack_sequences
 from spmdrl.errors import ConfigError
 from spmdrl.tiny import build_tiny
 

@@ -218,7 +218,7 @@ def test_a_step_whose_tokens_are_all_rejected_is_a_bad_step(caplog):
     warned about, counted as a bad step (not checkpointed) and max_bad_steps of them in a row stop the run."""
     from spmdrl.batch import Batch
     from spmdrl.errors import SpmdrlError
-    from spmdrl.loop.correction import prepare_actor_update
+    from spmdrl.loop.correction import correct_rollout
     from spmdrl.loop.run_state import BadSteps
 
     cfg = Config()
@@ -228,7 +228,7 @@ def test_a_step_whose_tokens_are_all_rejected_is_a_bad_step(caplog):
     batch = Batch({"old_log_probs": torch.full((2, 3), -3.0), "rollout_log_probs": roll, "response_mask": mask}, {})
     ident = lambda t: t  # noqa: E731
     with caplog.at_level("WARNING", logger="spmdrl"):
-        out, metrics = prepare_actor_update(cfg, None, batch, None, ident, ident)
+        out, metrics = correct_rollout(cfg, None, batch, None, ident, ident)
     assert out["response_mask"].sum() == 0 and metrics["rollout_corr/rollout_rs_masked_fraction"] == 1.0
     assert "rollout_correction rejected every response token of this step" in caplog.text
     bad = BadSteps(2, "/nonexistent")

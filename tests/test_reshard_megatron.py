@@ -211,7 +211,7 @@ def test_megatron_blocks_at_70b_scale():
     vLLM TP=8 in bf16: each rollout rank receives exactly what it lacks of its vLLM shard (its own stage's
     layers are already local), and the DP replicas split the sending."""
     from spmdrl.engines.loading import load_hf_config, model_param_shapes
-    from spmdrl.reshard.plan import rollout_targets
+    from spmdrl.reshard.vllm_reads import rollout_targets
 
     hf = load_hf_config("meta-llama/Llama-3.3-70B-Instruct")
     ps = model_param_shapes(hf)

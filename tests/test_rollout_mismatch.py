@@ -32,8 +32,8 @@ def mismatch_run(root, nproc=None, **extra) -> list[dict]:
         "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.max_prompt_length": 32,
         "data.max_response_length": 8, "data.train_batch_size": 2, "rollout.n": 4, "rollout.kv_cache_gb": 0.1,
         "rollout.temperature": 0.7, "rollout.top_p": 0.9, "actor.lr": 1e-3, "actor.micro_batch_size": 4,
-        "actor.ppo_mini_batch_size": 2, "trainer.total_steps": 2,  # on-policy: pi_old is computed by the correction "trainer.device": "cpu",
-        "trainer.output_dir": str(out), "logging.progress": "false",
+        "actor.ppo_mini_batch_size": 2,  # on-policy: pi_old is computed by the correction
+        "trainer.total_steps": 2, "trainer.device": "cpu", "trainer.output_dir": str(out), "logging.progress": "false",
         "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
         "rollout_correction.rollout_is": "token", "rollout_correction.rollout_is_threshold": 2.0,
         "rollout_correction.rollout_rs": "sequence", "rollout_correction.rollout_rs_threshold": 2.0,

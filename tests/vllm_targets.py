@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from spmdrl.reshard.plan import ModelDims, rollout_targets
+from spmdrl.reshard.plan import ModelDims
+from spmdrl.reshard.vllm_reads import rollout_targets
 
 
 def hf_config_for(params, dims: ModelDims):

@@ -113,7 +113,7 @@ def _broadcast(per_seq: Tensor, valid: Tensor, dtype: torch.dtype) -> Tensor:
 # ------------------------------------------------------------------------------------------- estimators
 
 
-@ADV_ESTIMATORS.register("grpo")
+@ADV_ESTIMATORS.register("grpo", requires=("index",))
 @torch.no_grad()
 def grpo(
     token_level_rewards: Tensor,
@@ -142,7 +142,7 @@ def grpo(
     return adv, adv
 
 
-@ADV_ESTIMATORS.register("drgrpo")
+@ADV_ESTIMATORS.register("drgrpo", requires=("index",))
 @torch.no_grad()
 def drgrpo(token_level_rewards: Tensor, response_mask: Tensor, **kw) -> tuple[Tensor, Tensor]:
     """Dr. GRPO: A_it = s_i - mean_g(s) (GRPO without the std division; ``norm_by_std`` is ignored)."""
@@ -150,7 +150,7 @@ def drgrpo(token_level_rewards: Tensor, response_mask: Tensor, **kw) -> tuple[Te
     return grpo(token_level_rewards, response_mask, **kw)
 
 
-@ADV_ESTIMATORS.register("rloo")
+@ADV_ESTIMATORS.register("rloo", requires=("index",))
 @torch.no_grad()
 def rloo(
     token_level_rewards: Tensor, response_mask: Tensor, *, index: Tensor | None = None, **_
@@ -168,7 +168,7 @@ def rloo(
     return adv, adv
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus")
+@ADV_ESTIMATORS.register("reinforce_plus_plus", requires=())
 @torch.no_grad()
 def reinforce_plus_plus(
     token_level_rewards: Tensor,
@@ -190,7 +190,7 @@ def reinforce_plus_plus(
     return adv, g
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
+@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline", requires=("index",))
 @torch.no_grad()
 def reinforce_plus_plus_baseline(
     token_level_rewards: Tensor,
@@ -215,7 +215,7 @@ def reinforce_plus_plus_baseline(
     return adv, adv
 
 
-@ADV_ESTIMATORS.register("gae")
+@ADV_ESTIMATORS.register("gae", requires=("values",))
 @torch.no_grad()
 def gae(
     token_level_rewards: Tensor,
@@ -258,7 +258,7 @@ def gae(
     return adv, returns
 
 
-@ADV_ESTIMATORS.register("remax")
+@ADV_ESTIMATORS.register("remax", requires=("baseline_rewards",))
 @torch.no_grad()
 def remax(
     token_level_rewards: Tensor,
@@ -280,7 +280,7 @@ def remax(
     return adv, g
 
 
-@ADV_ESTIMATORS.register("grpo_passk")
+@ADV_ESTIMATORS.register("grpo_passk", requires=("index",))
 @torch.no_grad()
 def grpo_passk(
     token_level_rewards: Tensor,
@@ -319,7 +319,7 @@ def grpo_passk(
     return adv, adv
 
 
-@ADV_ESTIMATORS.register("opo")
+@ADV_ESTIMATORS.register("opo", requires=("index",))
 @torch.no_grad()
 def opo(
     token_level_rewards: Tensor, response_mask: Tensor, *, index: Tensor | None = None, **_
@@ -344,7 +344,7 @@ def opo(
     return adv, adv
 
 
-@ADV_ESTIMATORS.register("gpg")
+@ADV_ESTIMATORS.register("gpg", requires=("index",))
 @torch.no_grad()
 def gpg(
     token_level_rewards: Tensor,
@@ -372,12 +372,3 @@ def gpg(
     a = torch.where(n > 1, alpha * (s - mean), torch.zeros_like(s))
     adv = _broadcast(a, valid, token_level_rewards.dtype)
     return adv, adv
-
-
-# What each estimator needs besides rewards and masks; the trainer provides it (and validation checks it)
-# by these declarations, never by estimator name.
-for _fn in (grpo, drgrpo, rloo, reinforce_plus_plus_baseline, grpo_passk, opo, gpg):
-    _fn.requires = ("index",)
-gae.requires = ("values",)
-remax.requires = ("baseline_rewards",)
-reinforce_plus_plus.requires = ()

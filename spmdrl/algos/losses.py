@@ -30,6 +30,9 @@ from spmdrl.registry import Registry
 LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 POLICY_LOSSES: Registry[LossFn] = Registry("policy loss")
 
+# ppo, gspo, sapo, clip_cov, kl_cov and gmpo clamp the log-ratio to +-20 before exp: exp overflows float32 past
+# about 88 nats, and an infinite ratio makes the gradient NaN even where the clipped branch is active (0 * inf in
+# backward); past the clamp a token's ratio term has zero gradient (docs/algorithms.md, "Log-ratio clamp").
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -106,7 +109,8 @@ def ppo(
     return loss, metrics
 
 
-@POLICY_LOSSES.register("gspo")
+# GSPO and GMPO are sequence-level objectives: each response counts once whatever its length.
+@POLICY_LOSSES.register("gspo", agg_mode="seq-mean-token-mean")
 def gspo(
     old_log_prob: Tensor,
     log_prob: Tensor,
@@ -191,9 +195,6 @@ def value_loss(
     return loss, metrics
 
 
-# GSPO and GMPO are sequence-level objectives: each response counts once whatever its length.
-gspo.agg_mode = "seq-mean-token-mean"
-
 
 def resolve_agg_mode(policy_loss: str, configured: str) -> str:
     """The loss aggregation the update uses: ``configured`` ("auto": the policy loss's own, else token-mean).
@@ -263,7 +264,8 @@ def cispo(
     return loss, metrics
 
 
-@POLICY_LOSSES.register("sapo")
+# SAPO's paper objective averages each response's token mean (1/G sum_i 1/|y_i| sum_t): its "auto" default.
+@POLICY_LOSSES.register("sapo", default_agg_mode="seq-mean-token-mean")
 def sapo(
     old_log_prob: Tensor,
     log_prob: Tensor,
@@ -328,6 +330,7 @@ def clip_cov(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617).
 
+    r_it  = exp(clamp(logp_it - logp_old_it, -20, 20))                           (LOG_RATIO_CLAMP)
     L1_it = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))                    (PPO, no dual clip)
     cov_it = (A_it - mean A) (logp_it - mean logp)   over the valid tokens of this call's rows
     C = valid tokens not clipped by L1 with clip_cov_lb < cov_it < clip_cov_ub; of C, the
@@ -385,7 +388,7 @@ def kl_cov(
 
     cov_it = (A_it - mean A) (logp_it - mean logp)  over the valid tokens of this call's rows
     K = the k = max(1, floor(kl_cov_ratio * #valid)) valid tokens with the largest cov_it
-    L_it = -A_it r_it + (kl_cov_coef * |logp_it - logp_old_it|  if it in K),   r = exp(logp - logp_old)
+    L_it = -A_it r_it + (kl_cov_coef * |logp_it - logp_old_it|  if it in K),   r = exp(clamp(logp - logp_old, +-20))
     loss = agg(L, mask, loss_agg_mode)
 
     No ratio clipping; K is the top-k, as in the paper and verl. Defaults: ratio 2e-3 and coefficient 1, the
@@ -416,7 +419,7 @@ def kl_cov(
     return loss, metrics
 
 
-@POLICY_LOSSES.register("gmpo", "geo_mean")
+@POLICY_LOSSES.register("gmpo", "geo_mean", agg_mode="seq-mean-token-mean")
 def gmpo(
     old_log_prob: Tensor,
     log_prob: Tensor,
@@ -434,7 +437,7 @@ def gmpo(
     d_it  = logp_it - logp_old_it;  c_it = clip(d_it, -eps_low, eps_high)    (clip in LOG space)
     A_i   = mean_t A_it  (the response's advantage; with outcome estimators every token already carries it)
     d~_it = min(d_it, c_it) if A_i > 0,  max(d_it, c_it) if A_i < 0,  d_it if A_i == 0   (pessimistic)
-    rho_i = exp(mean_t d~_it),  L_i = -A_i rho_i * exp(mean_t log w_it)   (w: rollout IS weights, else 1)
+    rho_i = exp(clamp(mean_t d~_it, +-20)),  L_i = -A_i rho_i * exp(mean_t log w_it)   (w: rollout IS weights, else 1)
     loss  = mean over non-empty sequences of L_i   (always sequence-level: agg_mode seq-mean-token-mean)
 
     The clip direction follows the sign of A_i, the advantage that multiplies rho_i, so the clipped
@@ -467,10 +470,6 @@ def gmpo(
         }
     return loss, metrics
 
-
-gmpo.agg_mode = "seq-mean-token-mean"
-# SAPO's paper objective averages each response's token mean (1/G sum_i 1/|y_i| sum_t): its "auto" default.
-sapo.default_agg_mode = "seq-mean-token-mean"
 
 
 @POLICY_LOSSES.register("gpg")

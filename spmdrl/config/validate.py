@@ -5,6 +5,7 @@ import dataclasses
 import math
 import os
 
+from spmdrl.config.derived import builds_ref, lora_sync_mode
 from spmdrl.errors import ConfigError
 
 CHOICES = {
@@ -287,29 +288,6 @@ def validate_rollout_correction(cfg) -> None:
             )
 
 
-def lora_settings(cfg):
-    """The [lora] section when LoRA is on (lora.enable), else None."""
-    lora = getattr(cfg, "lora", None)
-    if lora is None or not getattr(lora, "enable", False) or int(getattr(lora, "rank", 0) or 0) <= 0:
-        return None
-    return lora
-
-
-def lora_sync_mode(cfg, on_cuda: bool | None = None) -> str | None:
-    """How a LoRA actor's updates reach the rollout engine: "adapter" or "merge"; None without LoRA.
-    auto: adapter on vLLM on CUDA; merge on the transformers engine and on CPU, where vLLM's LoRA layers run
-    generation several times slower than merged weights (docs/lora.md). on_cuda: the run's device (None: any
-    trainer.device but "cpu", as `spmdrl plan` reads it)."""
-    if lora_settings(cfg) is None:
-        return None
-    mode = cfg.rollout.lora_sync
-    if mode == "auto":
-        from spmdrl.rollout import vllm_available
-
-        vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
-        cuda = cfg.trainer.device != "cpu" if on_cuda is None else on_cuda
-        return "adapter" if vllm and cuda else "merge"
-    return mode
 
 
 def validate_lora_sync(cfg) -> None:
@@ -340,21 +318,7 @@ def validate_lora_sync(cfg) -> None:
                           "(/dev/shm)")
 
 
-def rollout_correction_active(cfg) -> bool:
-    """Whether the update computes importance weights or a rejection mask (and so needs pi_old before it)."""
-    rc = cfg.rollout_correction
-    return rc.rollout_is != "none" or rc.rollout_rs != "none" or rc.rollout_token_veto_threshold > 0
 
-
-def uses_ref(cfg) -> bool:
-    """Whether the run needs the reference policy's log-probs (a KL loss or a KL penalty in the reward)."""
-    return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-
-
-def builds_ref(cfg) -> bool:
-    """Whether the run builds a ref model: it needs the reference policy and the actor is not LoRA (whose
-    reference is the actor with its adapters disabled)."""
-    return uses_ref(cfg) and not cfg.lora.enable
 
 
 def validate_lora(cfg, layout) -> None:
@@ -444,7 +408,7 @@ def validate_split(cfg) -> None:
 
 
 def validate_objective(cfg, layout) -> None:
-    """Checks that keep the optimised objective independent of the parallel layout (issue 13)."""
+    """Checks that keep the optimised objective independent of the parallel layout."""
     from spmdrl.algos import LOSS_AGG
     from spmdrl.algos.losses import resolve_agg_mode
 
@@ -605,7 +569,7 @@ def _check_fsdp_tp_modules(cfg, source: str, path: str) -> None:
     (engines/fsdp.py tp_plan): a model without them (fused q/k/v as in Phi-3 or Falcon) trains at actor_tp = 1."""
     if cfg.placement.actor_tp <= 1:
         return
-    from spmdrl.engines.fsdp import TP_MODULES
+    from spmdrl.reshard.plan import TP_MODULES
 
     have = _decoder_linear_layers(path)
     missing = [m for m in TP_MODULES if have and m not in have]

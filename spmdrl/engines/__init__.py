@@ -5,7 +5,7 @@ from __future__ import annotations
 from spmdrl.errors import ConfigError
 
 from .base import TrainEngine
-from .fsdp import TokenBatch, pack_sequences
+from .token_batch import TokenBatch, pack_sequences
 
 BACKENDS = ("fsdp", "megatron")
 

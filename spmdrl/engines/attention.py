@@ -10,7 +10,7 @@ On CPU the sequences go through torch's scaled_dot_product_attention with is_cau
 anywhere): in one call with each sequence at the start of its own row when their lengths are similar (the rows'
 attention costs at most twice the sequences' own), else one call per sequence. On CUDA the whole batch is one call of torch's flash varlen kernel
 (torch.nn.attention.varlen.varlen_attn), else flash-attn's flash_attn_varlen_func when it is installed, else
-the per-sequence loop; the CUDA calls have never run (no GPU was available).
+the per-sequence loop.
 
 Right-padded rows (each sequence from column 0, padding after it) need no mask either: under causal attention a
 real token only sees earlier positions, all of them real. Padding positions get outputs nobody reads.
@@ -100,7 +100,7 @@ def _varlen_loop(q, k, v, cu_seqlens, scale, lengths=None, window=None):
     return torch.cat(outs) if outs else q.new_empty(q.shape)
 
 
-def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale):  # pragma: no cover - CUDA only, never run here
+def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale):  # pragma: no cover - CUDA only
     """One fused call on a GPU, or None when no kernel here takes these inputs (then the caller runs SDPA).
 
     torch's varlen_attn changed its keywords across releases; each form is called with what it accepts:

@@ -1,7 +1,9 @@
-"""The contract every training backend implements (FSDP2 today, Megatron-core next).
+"""The contract every training backend implements (the FSDP2 and Megatron-core engines): `TrainEngine`, and
+`AdapterEngine` for an engine that trains LoRA adapters.
 
-The trainer, the update, checkpoints, export and the weight sync use only this. Nothing outside
-`spmdrl/engines/` imports a backend's internals (FSDP, DTensor, `.hf`, `.module`).
+The loop, checkpoints and the weight sync call only these protocols' members (tests/test_repo.py checks
+spmdrl/loop/, spmdrl/reshard/ and spmdrl/checkpoint/). Nothing outside `spmdrl/engines/` imports a backend's
+internals (FSDP, DTensor, `.hf`, `.module`).
 
 Loss-scale contract of `train_step`: the engine sums the gradients of the micro-batch losses it is given and
 AVERAGES them over the data-parallel ranks of its mesh (FSDP2's reduce-scatter, Megatron's DDP both do).
@@ -30,9 +32,10 @@ class TrainEngine(Protocol):
 
     trainable: bool
     mesh: "RoleMesh"  # the role's (dp, pp, tp) mesh (spmdrl.dist.meshes)
+    device: torch.device  # where its parameters and the forward heads' results live
     lora: object  # LoRA settings (spmdrl.engines.lora.LoraSettings) when the engine trains adapters, else None
 
-    # ---- forward heads on a token batch (spmdrl.engines.fsdp.TokenBatch) -----------------------------
+    # ---- forward heads on a token batch (spmdrl.engines.token_batch.TokenBatch) -----------------------
     def logprobs(self, tb, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024,
                  top_k: int = -1, top_p: float = 1.0):
         """(log p(response token) [B, R], entropy [B, R] or None), temperature applied to the logits first; with
@@ -89,12 +92,31 @@ class TrainEngine(Protocol):
     def param_manifest(self) -> list:
         """[name, shape, dtype] per saved parameter (for compatibility checks on resume)."""
 
+    def hf_prefix(self) -> str:
+        """Prefix of the HF model's parameter names inside the checkpointed root module ("" when there is none)."""
+
     # ---- memory -------------------------------------------------------------------------------------
     def offload(self, kinds: tuple[str, ...] = OFFLOAD_KINDS) -> None:
         """Move the named kinds of state (params / grads / optimizer) to host memory (GPU only; no-op on CPU)."""
 
     def onload(self, kinds: tuple[str, ...] = OFFLOAD_KINDS) -> None:
         """Bring offloaded state back to the device."""
+
+
+@runtime_checkable
+class AdapterEngine(TrainEngine, Protocol):
+    """A TrainEngine that trains LoRA adapters on a frozen base model (`lora` is not None; docs/lora.md): the
+    loop computes the reference policy with the adapters disabled, the weight sync sends only the adapters, and
+    a checkpoint records their adapter_config."""
+
+    def adapters_disabled(self) -> ContextManager[None]:
+        """A context in which the forward heads compute the base model alone (the reference policy)."""
+
+    def adapter_tensors(self, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Every adapter tensor, whole, on CPU, named as PEFT's save_pretrained names them; on every rank."""
+
+    def adapter_config(self) -> dict:
+        """The adapter_config.json PEFT writes for these adapters."""
 
 
 def forward_each(engine: TrainEngine, tbs: list, head: str, **head_kw) -> list[torch.Tensor]:
@@ -150,3 +172,19 @@ def step_metrics(sums: dict, n: int, grad_norm: float, finite: bool, scheduler) 
     out = {k: v / n for k, v in host_floats(sums).items()}
     out.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0 if finite else 1.0)
     return out
+
+
+def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float) -> Callable[[int], float]:
+    """The learning-rate multiplier of each optimizer step (torch's LambdaLR), shared by the backends: linear
+    warmup over `warmup` steps, then constant, linear or cosine decay to min_ratio at step `total`."""
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "cosine":
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return min_ratio + (1 - min_ratio) * (1 - progress)
+
+    return f

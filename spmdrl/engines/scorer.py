@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from spmdrl.config.derived import resolve_dtype
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import ConfigError
 
@@ -55,7 +56,7 @@ class FSDPScoreEngine:
         try:
             hf, info = AutoModelForSequenceClassification.from_pretrained(
                 model_path, num_labels=1, trust_remote_code=trust_remote_code,
-                dtype=torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda") else torch.float32,
+                dtype=getattr(torch, resolve_dtype(dtype, device.type == "cuda")),
                 attn_implementation="sdpa", output_loading_info=True,
             )
         except (OSError, ValueError, RuntimeError) as e:
@@ -79,7 +80,7 @@ class FSDPScoreEngine:
 
             parallelize_module(getattr(hf, hf.base_model_prefix), mesh.submesh("tp"), tp_plan())
         cuda = device.type == "cuda"
-        param_dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
+        param_dtype = getattr(torch, resolve_dtype(dtype, cuda))
         mp = MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype != torch.float32 else MixedPrecisionPolicy()
         kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp, reshard_after_forward=True)
         self.module = _LastTokenScore(hf, head)

@@ -12,7 +12,7 @@ from spmdrl.config import Config
 from spmdrl.dist.layout import role_backends
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine, build_train_engine
-from spmdrl.config.validate import lora_settings, lora_sync_mode
+from spmdrl.config.derived import builds_ref, lora_settings, lora_sync_mode, rollout_dtype_name, uses_vllm
 from spmdrl.rollout import SamplingSpec, build_engine
 from spmdrl.rollout.base import LoRASpec
 
@@ -29,8 +29,6 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
     the engine's configured state before the next one is built). With lora.enable the actor (and with
     lora.critic the critic) trains adapters, and no ref is built: the reference policy is the actor with its
     adapters disabled (Learner.ref_logprobs)."""
-    from spmdrl.config.validate import builds_ref
-
     a, c, d = cfg.actor, cfg.critic, cfg.data
     on_built = on_built or (lambda role, engine: None)
     mini = a.ppo_mini_batch_size or d.train_batch_size
@@ -79,11 +77,6 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
     return Engines(actor, ref, critic)
 
 
-def rollout_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    r = cfg.rollout.dtype
-    return torch.bfloat16 if r == "bfloat16" or (r == "auto" and device.type == "cuda") else torch.float32
-
-
 def rollout_load_format(cfg: Config, device: torch.device, resuming: bool) -> str:
     """vLLM's load format: "dummy" when a weight sync precedes the first rollout (always after a resume; on
     CUDA the trainer runs one at start), so the checkpoint is read once, by the training engines."""
@@ -95,25 +88,18 @@ def rollout_load_format(cfg: Config, device: torch.device, resuming: bool) -> st
     return "auto" if f == "checkpoint" else f
 
 
-def rollout_loads_shards(cfg: Config) -> bool:
-    """Whether the rollout engine loads TP shards (vLLM) or whole tensors (the transformers fallback)."""
-    from spmdrl.rollout import vllm_available
-
-    return cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
-
-
 def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokenizer_path: str, load_format: str = "auto"):
     """The rollout engine of this rank (a rollout rank). Split placement builds vLLM on the rollout ranks only
     (a prefix of the world: `world_ranks`)."""
     r, d = cfg.rollout, cfg.data
     mesh = meshes["rollout"]
-    sub_world = {"world_ranks": len(mesh.layout.ranks)} if meshes.split and rollout_loads_shards(cfg) else {}
+    sub_world = {"world_ranks": len(mesh.layout.ranks)} if meshes.split and uses_vllm(cfg) else {}
     if lora_sync_mode(cfg, device.type == "cuda") == "adapter":  # vLLM's LoRA layers; merge: merged weights
         sub_world["lora"] = LoRASpec(rank=int(cfg.lora.rank), max_loras=r.max_loras, adapter_dir=r.lora_dir)
     return build_engine(
         r.engine, model_path=cfg.model.path, tokenizer_path=tokenizer_path, tp_size=mesh.tp_size,
         tp_group=mesh.my_tp_group(),
-        dtype="bfloat16" if rollout_dtype(cfg, device) == torch.bfloat16 else "float32",
+        dtype=rollout_dtype_name(cfg, device.type == "cuda"),
         max_model_len=d.max_prompt_length + d.max_response_length, seed=cfg.trainer.seed,
         gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.enable_sleep_mode and device.type == "cuda",
         enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs, per_request_seed=r.per_request_seed,
@@ -133,7 +119,7 @@ def build_weight_sync(cfg: Config, actor, rollout, meshes: RoleMeshes, device: t
     from spmdrl.reshard.sync import WeightSync
 
     mode, r = lora_sync_mode(cfg, device.type == "cuda"), cfg.rollout
-    dtype = rollout_dtype(cfg, device)
+    dtype = getattr(torch, rollout_dtype_name(cfg, device.type == "cuda"))
     if mode == "adapter":
         lora = lora_settings(cfg)
         if actor is not None:
@@ -150,7 +136,7 @@ def build_weight_sync(cfg: Config, actor, rollout, meshes: RoleMeshes, device: t
     return WeightSync(
         MergedActor(actor) if mode == "merge" and actor is not None else actor, rollout, meshes["rollout"],
         dtype=dtype, bucket_mb=r.weight_sync_bucket_mb, memory=memory, split=split, actor_grid=actor_grid,
-        hf_config=hf_config if split else None, rollout_shards=rollout_loads_shards(cfg), group=meshes.weight_group,
+        hf_config=hf_config if split else None, rollout_shards=uses_vllm(cfg), group=meshes.weight_group,
         verify=r.verify_sync,
     )
 

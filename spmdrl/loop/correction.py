@@ -1,15 +1,15 @@
-"""The rollout/trainer mismatch, measured and corrected just before the actor update.
+"""The rollout/trainer mismatch, measured and corrected around the actor update.
 
-Two things need the actor's log-probs of the sampled tokens before its parameters move:
-
-- The diagnostic `rollout/logprob_diff_mean|max` compares like with like: the rollout engine returns processed
-  log-probs (after temperature, top-k and top-p), so when the sampler truncates (rollout.top_p < 1 or
-  rollout.top_k > 0) the actor's log-probs are recomputed with the same truncation (one extra forward pass
-  without gradients); without truncation the old log-probs (or, on-policy, the update's own) already are the
-  same quantity and loop/learner.py and loop/update.py measure it there.
+- `logprob_diff` is the one owner of the diagnostic `rollout/logprob_diff_mean|max`: |actor - rollout| log-prob
+  of the sampled tokens, its token mean over the global batch (a global token sum) and its global maximum. The
+  rollout engine returns processed log-probs (after temperature, top-k and top-p), so the actor side must be the
+  same quantity: with a truncating sampler (`sampler_truncates`: top-p or top-k) the actor's log-probs under
+  the same truncation (one extra forward pass without gradients, before the update); otherwise the old
+  log-probs, or on-policy (no separate old-log-prob pass) the update's own, collected micro-batch by
+  micro-batch (`ActorObjective.own_logprobs`, loop/update.py). loop/learner.py's `update_actor` picks which.
 - The [rollout_correction] section (spmdrl/algos/rollout_correction.py) turns pi_old / pi_rollout into
-  importance weights and a rejection mask. pi_old is the untruncated, temperature-scaled actor policy that the
-  loss's ratio uses; on-policy (no separate old-log-prob pass) it is computed here.
+  importance weights and a rejection mask (`correct_rollout`). pi_old is the untruncated, temperature-scaled
+  actor policy that the loss's ratio uses; on-policy (no separate old-log-prob pass) it is computed here.
 """
 from __future__ import annotations
 
@@ -20,43 +20,43 @@ import torch
 
 from spmdrl.algos.rollout_correction import rollout_correction
 from spmdrl.batch import Batch
-from spmdrl.config.validate import rollout_correction_active
+from spmdrl.config.derived import rollout_correction_active
 
 log = logging.getLogger("spmdrl")
 
 LOGP_FLOOR = -100.0  # a token outside the actor's kept set (log-prob -inf) counts as this in the diagnostic
 
 
-def sampler_truncates(cfg) -> bool:
-    """Whether training rollouts sample from a truncated distribution (top-k or top-p)."""
-    return cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0
-
-
-def logprob_diff(actor_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, reduce: Callable,
-                 reduce_max: Callable) -> dict[str, float]:
-    """rollout/logprob_diff_mean (token mean over the global batch) and _max of |actor - rollout| log-prob."""
-    valid = mask != 0
-    diff = torch.where(valid, (actor_lp.double().clamp(min=LOGP_FLOOR) - rollout_lp.double()).abs(), 0.0)
-    s = reduce(torch.stack([diff.sum(), valid.double().sum()]))
-    top = reduce_max(torch.cat([diff.flatten(), torch.zeros(1, dtype=torch.float64)]).max().view(1))
+def logprob_diff(pieces: list, reduce: Callable, reduce_max: Callable) -> dict[str, float]:
+    """rollout/logprob_diff_mean (token mean over the global batch) and _max (global maximum) of |actor - rollout|
+    log-prob. pieces: (actor_lp, rollout_lp, mask) triples that together cover this rank's samples once (the
+    whole batch, or the update's micro-batches); reduce sums and reduce_max maxes over the actor's dp ranks."""
+    sums, tops = [], []  # per piece, on its device: read once, in the all-reduces
+    for actor_lp, rollout_lp, mask in pieces:
+        valid = (mask != 0).to(actor_lp.device)
+        diff = (actor_lp.double().clamp(min=LOGP_FLOOR) - rollout_lp.to(actor_lp.device).double()).abs()
+        diff = torch.where(valid, diff, 0.0)
+        sums.append(torch.stack([diff.sum(), valid.double().sum()]))
+        tops.append(torch.cat([diff.flatten(), diff.new_zeros(1)]).max())
+    total = torch.stack(sums).sum(0) if sums else torch.zeros(2, dtype=torch.float64)
+    top = torch.stack(tops).max().view(1) if tops else torch.zeros(1, dtype=torch.float64)
+    s = reduce(total)
+    top = reduce_max(top)
     return {"rollout/logprob_diff_mean": float(s[0] / s[1]) if float(s[1]) else 0.0,
             "rollout/logprob_diff_max": float(torch.as_tensor(top)[0])}
 
 
-def prepare_actor_update(cfg, engine, batch: Batch, forward: Callable, reduce: Callable,
-                         reduce_max: Callable) -> tuple[Batch, dict[str, float]]:
-    """The batch the actor update trains on, plus metrics.
+def correct_rollout(cfg, engine, batch: Batch, forward: Callable, reduce: Callable,
+                    reduce_max: Callable) -> tuple[Batch, dict[str, float]]:
+    """The batch the actor update trains on, plus the correction's metrics ([rollout_correction]; without it the
+    batch itself and no metrics).
 
-    forward(engine, batch, top_k=, top_p=) -> [B, R] log-probs with the rollout temperature. The returned batch
-    carries `rollout_is_weights` (when they enter the loss), the response mask after rejection and, when
-    correction is on, `old_log_probs`; `batch` itself is not modified (its mask stays the sampled one)."""
-    metrics: dict[str, float] = {}
-    r = cfg.rollout
-    if sampler_truncates(cfg):
-        processed = forward(engine, batch, top_k=r.top_k, top_p=r.top_p)
-        metrics.update(logprob_diff(processed, batch["rollout_log_probs"], batch["response_mask"], reduce, reduce_max))
+    forward(engine, batch) -> [B, R] log-probs with the rollout temperature. The returned batch carries
+    `rollout_is_weights` (when they enter the loss), the response mask after rejection and `old_log_probs`;
+    `batch` itself is not modified (its mask stays the sampled one)."""
     if not rollout_correction_active(cfg):
-        return batch, metrics
+        return batch, {}
+    metrics: dict[str, float] = {}
     rc = cfg.rollout_correction
     old = batch["old_log_probs"] if "old_log_probs" in batch else forward(engine, batch)
     corr = rollout_correction(

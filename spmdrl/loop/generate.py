@@ -14,7 +14,6 @@ from spmdrl.data.prompts import PromptDataset
 from spmdrl.dist.collectives import reduce_max
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.loop.build import Specs
-from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.scoring import Scorer
 from spmdrl.rollout.multi_turn import AgentLoop
 from spmdrl.rollout.trajectory import Trajectory, encode_infos
@@ -76,13 +75,13 @@ def trajectories_to_batch(trajs: list[Trajectory], prompt_idx: list[int], n: int
     })
 
 
-def sample(engine, agent: AgentLoop | None, dataset: PromptDataset, prompt_idx: list[int], spec, seeds: list[int],
+def sample(rollout, agent: AgentLoop | None, dataset: PromptDataset, prompt_idx: list[int], spec, seeds: list[int],
            pad_id: int) -> Batch:
     """One rollout of dataset rows `prompt_idx` with `spec` (spec.n samples each): a single generate call, or
     with `agent` the multi-turn loop."""
     if agent is None:
         prompts = [dataset.prompt_ids(i) for i in prompt_idx]
-        return rollout_to_batch(prompts, prompt_idx, engine.generate(prompts, spec, seeds), spec.n, pad_id)
+        return rollout_to_batch(prompts, prompt_idx, rollout.generate(prompts, spec, seeds), spec.n, pad_id)
     pb = dataset.batch(prompt_idx)
     kwargs = [(e or {}).get("tools_kwargs") or {} for e in pb.extra_info]
     trajs = agent.run(pb.input_ids, pb.raw_prompt, seeds, spec, kwargs)
@@ -93,11 +92,11 @@ class Generator:
     """Training rollouts of this rank's rollout TP group, in the rollout layout (a rollout rank only).
 
     greedy_baseline: also generate one greedy response per prompt and score it (ReMax's baseline); agent: the
-    multi-turn loop on `engine` (multi_turn.enable), else None."""
+    multi-turn loop on `rollout` (multi_turn.enable), else None."""
 
-    def __init__(self, cfg, mesh: RoleMesh, engine, memory: MemoryLifecycle, specs: Specs, dataset: PromptDataset,
-                 pad_id: int, scorer: Scorer, *, greedy_baseline: bool, agent: AgentLoop | None = None):
-        self.cfg, self.mesh, self.engine, self.memory, self.specs = cfg, mesh, engine, memory, specs
+    def __init__(self, cfg, mesh: RoleMesh, rollout, specs: Specs, dataset: PromptDataset, pad_id: int,
+                 scorer: Scorer, *, greedy_baseline: bool, agent: AgentLoop | None = None):
+        self.cfg, self.mesh, self.rollout, self.specs = cfg, mesh, rollout, specs
         self.dataset, self.pad_id, self.scorer, self.greedy_baseline = dataset, pad_id, scorer, greedy_baseline
         self.agent = agent
         self.loop_time: dict[str, float] = {}
@@ -121,20 +120,20 @@ class Generator:
 
     def generate(self, prompt_idx: list[int], step: int, round_: int = 0) -> Batch:
         """The samples of dataset rows `prompt_idx` (this rollout dp rank's share of a step's prompts): same
-        prompts and seeds on every rank of the TP group."""
+        prompts and seeds on every rank of the TP group. The caller has put the memory in its rollout phase
+        (MemoryLifecycle.for_rollout)."""
         r = self.mesh
         first = round_ * self.cfg.data.train_batch_size + r.dp_offset(len(prompt_idx))
         seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompt_idx))
-        self.memory.for_rollout()  # vLLM's KV cache back (loop/memory.py)
         n = self.specs.train.n
-        batch = sample(self.engine, self.agent, self.dataset, prompt_idx, self.specs.train, seeds, self.pad_id)
+        batch = sample(self.rollout, self.agent, self.dataset, prompt_idx, self.specs.train, seeds, self.pad_id)
         self._note_loop()
         # the group id: one per prompt draw (step, round, global position), never the dataset row, so two
         # draws of one prompt in a step (an epoch boundary, a dynamic-sampling round) stay two groups
         uid = step * self.cfg.algorithm.max_sample_rounds * self.cfg.data.train_batch_size + first
         batch["uid"] = torch.arange(uid, uid + len(prompt_idx), dtype=torch.long).repeat_interleave(n)
         if self.greedy_baseline:  # ReMax: greedy rollout as the baseline
-            gb = sample(self.engine, self.agent, self.dataset, prompt_idx, self.specs.greedy, seeds, self.pad_id)
+            gb = sample(self.rollout, self.agent, self.dataset, prompt_idx, self.specs.greedy, seeds, self.pad_id)
             self.scorer.attach_meta(gb, self.dataset, r)
             self.scorer.score(gb, r)  # the same shaped reward the samples get
             batch["baseline_rewards"] = gb["scores"].repeat_interleave(n)

@@ -10,8 +10,9 @@ from spmdrl.batch import Batch
 from spmdrl.dist.collectives import reduce_max, reduce_sum
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine
-from spmdrl.loop.correction import prepare_actor_update, sampler_truncates
-from spmdrl.loop.update import actor_body, critic_body, forward_all, micro_batch_limits, run_updates
+from spmdrl.config.derived import sampler_truncates
+from spmdrl.loop.correction import correct_rollout, logprob_diff
+from spmdrl.loop.update import ActorObjective, CriticObjective, forward_all, micro_batch_limits, run_updates
 
 
 class Learner:
@@ -29,6 +30,10 @@ class Learner:
     def dp_sum(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum over the actor's data-parallel ranks (one rank per TP group: TP peers hold the same samples)."""
         return reduce_sum(stats, group=self.meshes["actor"].group("dp"))
+
+    def dp_max(self, stats: torch.Tensor) -> list[float]:
+        """Element-wise max over the actor's data-parallel ranks."""
+        return reduce_max(stats, group=self.meshes["actor"].group("dp"))
 
     # ---- forward passes --------------------------------------------------------------------------------
     def logprobs(self, engine: TrainEngine, batch: Batch, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
@@ -80,18 +85,25 @@ class Learner:
 
     # ---- updates ---------------------------------------------------------------------------------------
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self._update(self.critic, batch, critic_body(self.cfg), "critic")
+        return self._update(self.critic, batch, CriticObjective(self.cfg), "critic")
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """The actor update, after measuring (and, with [rollout_correction], correcting) the rollout/trainer
-        mismatch before the first optimizer step (loop/correction.py)."""
-        mesh = self.meshes["actor"]
-        batch, extra = prepare_actor_update(self.cfg, self.actor, batch, self.logprobs, self.dp_sum,
-                                            lambda t: reduce_max(t, group=mesh.group("dp")))
-        body = actor_body(self.cfg, self.loss_fn, self.cfg.rollout.temperature)
-        return {**self._update(self.actor, batch, body, "actor"), **extra}
+        """The actor update, with the rollout/trainer mismatch measured (`rollout/logprob_diff_*`, in every
+        configuration) and, with [rollout_correction], corrected before the first optimizer step
+        (loop/correction.py). The actor's side of the diagnostic: with a truncating sampler its log-probs under
+        the same truncation; otherwise the old log-probs, or on-policy the update's own."""
+        r, sampled = self.cfg.rollout, batch
+        truncated = self.logprobs(self.actor, batch, top_k=r.top_k, top_p=r.top_p) if sampler_truncates(self.cfg) else None
+        batch, metrics = correct_rollout(self.cfg, self.actor, batch, self.logprobs, self.dp_sum, self.dp_max)
+        actor_lp = truncated if truncated is not None else batch.tensors.get("old_log_probs")
+        objective = ActorObjective(self.cfg, self.loss_fn, r.temperature, keep_logprobs=actor_lp is None)
+        metrics.update(self._update(self.actor, batch, objective, "actor"))
+        pieces = objective.own_logprobs if actor_lp is None else [
+            (actor_lp, sampled["rollout_log_probs"], sampled["response_mask"])]
+        metrics.update(logprob_diff(pieces, self.dp_sum, self.dp_max))
+        return metrics
 
-    def _update(self, engine: TrainEngine, batch: Batch, body, role: str) -> dict[str, float]:
+    def _update(self, engine: TrainEngine, batch: Batch, objective, role: str) -> dict[str, float]:
         sec = getattr(self.cfg, role)
         mesh = self.meshes[role]
         mini = mesh.dp_share((self.cfg.actor.ppo_mini_batch_size or self.cfg.data.train_batch_size) * self.cfg.rollout.n,
@@ -99,14 +111,14 @@ class Learner:
         size, budget = micro_batch_limits(sec, self.longest)
         return run_updates(
             engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=size, pad_id=self.pad_id,
-            dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix=role, max_tokens=budget,
+            dp_size=mesh.dp_size, dp_group=mesh.group("dp"), objective=objective, prefix=role, max_tokens=budget,
             packed=sec.use_packing,
         )
 
     # ---- metrics ---------------------------------------------------------------------------------------
     def batch_metrics(self, batch: Batch, actor_version: int) -> dict[str, float]:
         """The batch's rewards, lengths and advantages; in split placement how many actor versions old its
-        weights are (actor_version: the step of the actor's last update); the rollout/trainer log-prob gap."""
+        weights are (actor_version: the step of the actor's last update)."""
         mask = batch["response_mask"]
         m = {
             "train/reward_mean": float(batch["scores"].mean()),
@@ -117,8 +129,4 @@ class Learner:
         }
         if "weight_version" in batch:
             m["train/weight_version_lag"] = actor_version - float(batch["weight_version"].double().mean())
-        if "old_log_probs" in batch and not sampler_truncates(self.cfg):  # else the update measured it
-            lp_diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()
-            m["rollout/logprob_diff_mean"] = float(masked_mean(lp_diff, mask))
-            m["rollout/logprob_diff_max"] = float((lp_diff * mask).max())
         return m

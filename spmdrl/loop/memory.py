@@ -22,8 +22,6 @@ Every transition closes the current phase and opens the next: the phase's peak a
 (torch's allocator, reset at each phase; plus vLLM's cuMem pool where vLLM reports it) become
 memory/<phase>_allocated_gb and memory/<phase>_reserved_gb, maxed over the step; memory/host_rss_gb is this
 rank's resident set. On CPU, sleep and offload are no-ops and allocated/reserved report 0; RSS is real.
-The CUDA branches ran on one H100 for the FSDP2 and Megatron engines without vLLM (docs/performance.md,
-docs/megatron.md); next to vLLM's sleep mode, and adopt / for_checkpoint, they have not run on a GPU.
 """
 from __future__ import annotations
 
@@ -54,12 +52,6 @@ def vllm_pool_bytes() -> int:
         return int(CuMemAllocator.get_instance().get_current_usage())
     except Exception:  # no vLLM, no CUDA build of it, or sleep mode off
         return 0
-
-
-def offload_kinds(cfg) -> dict[str, list[str]]:
-    """memory.<role>_offload per role; ref.offload (FSDP2 CPUOffloadPolicy) already keeps the ref on the host."""
-    m = cfg.memory
-    return {"actor": m.actor_offload, "critic": m.critic_offload, "ref": [] if cfg.ref.offload else m.ref_offload}
 
 
 class MemoryLifecycle:
@@ -139,7 +131,10 @@ class MemoryLifecycle:
             self._onload(role, ALL_KINDS if update else ("params",))
 
     def for_sync(self) -> None:
-        """Actor params on the GPU, everything else configured out, vLLM's weights (not its KV cache) awake."""
+        """Actor params on the GPU, everything else configured out, vLLM's weights (not its KV cache) awake. The
+        loop calls it on the line before a sync; the sync objects call it again, a no-op then."""
+        if self.phase == "sync":
+            return
         self._enter("sync")
         for role in self.engines:
             kinds = tuple(k for k in self.offload[role] if not (role == "actor" and k == "params"))

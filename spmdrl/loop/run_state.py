@@ -100,6 +100,8 @@ class RunCheckpointer:
         self.bad_steps.load_state_dict(state)
         if state.get("kl_ctrl") is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.memory is not None:
+            self.memory.for_sync()
         self.weight_sync()
         if self.stream is not None:
             if self.engines and self.cfg.trainer.max_staleness and "rank_tensors" not in state:

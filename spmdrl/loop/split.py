@@ -5,7 +5,8 @@ The rollout ranks and the training ranks run the same program but different stag
     weights they hold and post each to the training ranks without waiting;
   * the training ranks (`receive`) take batch s, train on it, take in the batches already posted for steps
     s+1 .. s+k (`take_in`) and then send the new weights;
-  * the rollout ranks (`settle`) receive and load those weights and wait until their batch sends are complete;
+  * the rollout ranks receive and load those weights (`load_weights`) and wait until their batch sends are
+    complete (`wait_sends`);
   * both meet at the metric reduction, with nothing posted on either side.
 Each side makes its blocking transfers in the same order (batches, then weights, then the meeting), so no rank
 waits for a transfer whose other end waits behind it, even where the device runs communication kernels one
@@ -32,6 +33,7 @@ from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.dist.transfer import PendingSends, post_batch, recv_batch
 from spmdrl.errors import SpmdrlError
 from spmdrl.loop.generate import Generator
+from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.reshard.sync import WeightSync
 
 # every tensor of a rollout batch as it travels (dtype, 2-D?): the receiving ranks build an empty batch of it
@@ -61,14 +63,16 @@ class BatchStream:
 
     generator: the rollout ranks' Generator (None on the training ranks); sampler: the prompt sampler (the
     training ranks count the rollout ranks' draws, so a checkpoint saves the rollout's sampler state);
-    weight_sync: the actor -> rollout WeightSync (the rollout ranks load what the training ranks send)."""
+    weight_sync: the actor -> rollout WeightSync (the rollout ranks load what the training ranks send); memory:
+    the rollout ranks' memory phases (vLLM's KV cache back before generating)."""
 
     def __init__(self, cfg, meshes: RoleMeshes, generator: Generator | None, sampler: DistributedPromptSampler,
-                 weight_sync: WeightSync):
+                 weight_sync: WeightSync, memory: MemoryLifecycle):
         t = cfg.trainer
         self.k, self.total_steps, self.critic_warmup = t.max_staleness, t.total_steps, t.critic_warmup
         self.samples_per_step = cfg.data.train_batch_size * cfg.rollout.n
         self.meshes, self.generator, self.sampler, self.weight_sync = meshes, generator, sampler, weight_sync
+        self.memory = memory
         self.keys = rollout_keys(cfg.multi_turn.enable)
         self.loop_metrics: dict[str, float] = {}  # rollout ranks: the multi-turn loop's time split this step
         self.rollout_mesh, self.actor_mesh = meshes["rollout"], meshes["actor"]
@@ -84,6 +88,7 @@ class BatchStream:
         last = min(step + self.k, self.total_steps)
         while self.next_batch <= last:
             s = self.next_batch
+            self.memory.for_rollout()
             with timer("rollout"):
                 batch = self.generator.generate(next(self.sampler), s, 0)
             for k, v in self.generator.take_metrics().items():
@@ -96,22 +101,25 @@ class BatchStream:
                 self.sent.append(post_batch(batch, self.rollout_mesh, self.actor_mesh, self.meshes.batch_group, tag=s))
             self.next_batch += 1
 
-    def settle(self, step: int, trained: bool, timer) -> dict[str, float]:
-        """Before the step's meeting point: receive and load the weights of this step's update (when the training
-        ranks updated the actor), and wait until every batch posted is received (the training ranks take them
-        all in before they send the weights)."""
+    def take_metrics(self) -> dict[str, float]:
+        """The multi-turn loop's time split over this step's rollouts (rollout ranks)."""
         m, self.loop_metrics = self.loop_metrics, {}
-        if trained:
-            with timer("wait_weights"):
-                got = self.weight_sync()
-            self.version = step
-            m.update({"weight_sync/bytes_recv": got["weight_sync/bytes_recv"],
-                      "timing/weight_sync_transport_s": got["timing/weight_sync_transport_s"]})
-        with timer("rollout_wait"):
-            for sends in self.sent:
-                sends.wait()
-            self.sent = []
         return m
+
+    def load_weights(self, step: int) -> dict[str, float]:
+        """Receive and load the weights of this step's actor update (rollout ranks; the caller has put the memory
+        in its sync phase): vLLM holds version `step` from here."""
+        got = self.weight_sync()
+        self.version = step
+        return {"weight_sync/bytes_recv": got["weight_sync/bytes_recv"],
+                "timing/weight_sync_transport_s": got["timing/weight_sync_transport_s"]}
+
+    def wait_sends(self) -> None:
+        """Wait until every batch posted is received (the training ranks take them all in before they send the
+        weights), so that nothing is in flight at the step's meeting point (rollout ranks)."""
+        for sends in self.sent:
+            sends.wait()
+        self.sent = []
 
     # ---- training ranks --------------------------------------------------------------------------------
     def receive(self, step: int) -> Batch:

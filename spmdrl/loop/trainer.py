@@ -1,15 +1,19 @@
-"""The RL loop. Every rank runs this same code; each stage is one visible, timed call.
+"""The RL loop. Every rank runs this same code; `Trainer.step` is the whole step, in order, each stage one
+visible, timed call:
 
-    rollout -> reward -> old logprobs -> ref logprobs -> values -> advantages -> updates -> weight sync -> metrics
+    rollout -> batch move -> reward -> old logprobs -> ref logprobs -> values -> advantages -> updates
+    -> weight sync -> metrics
 
-The Trainer builds every component once, in `__init__`, and calls each through a named attribute:
-`collector` (rollout -> batch -> reward, loop/collect.py), `learner` (forward passes, advantages, updates,
-loop/learner.py), `validator` (loop/validate.py), `checkpointer` and `bad_steps` (loop/run_state.py),
-`memory` (loop/memory.py), `weight_sync` (reshard/sync.py), `hooks` (hooks.py).
+with every memory phase change on the line before the stage it serves. The Trainer builds every component
+once, in `__init__`, and calls each through a named attribute: `generator` (rollouts, loop/generate.py),
+`scorer` (rewards, loop/scoring.py), `learner` (forward passes, advantages, updates, loop/learner.py),
+`validator` (loop/validate.py), `checkpointer` and `bad_steps` (loop/run_state.py), `memory` (loop/memory.py),
+`weight_sync` (reshard/sync.py), `hooks` (hooks.py); dynamic sampling's arithmetic is `SampleRounds`
+(loop/collect.py).
 
-Split placement (placement.mode = "split"): the rollout ranks run `stream.produce` and `stream.settle`
-(loop/split.py) and the training ranks everything from the reward on (`train`); they meet at the metric
-reduction, with no transfer pending on either side.
+Split placement (placement.mode = "split"): the rollout ranks run `stream.produce`, `stream.load_weights` and
+`stream.wait_sends` (loop/split.py) and the training ranks everything from the reward on; they meet at the
+metric reduction, with no transfer pending on either side.
 """
 from __future__ import annotations
 
@@ -23,10 +27,10 @@ from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
 from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume
 from spmdrl.config import Config, to_toml
-from spmdrl.config.validate import uses_ref
+from spmdrl.config.derived import offload_kinds, on_policy, uses_ref
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
-from spmdrl.dist.collectives import reduce_max, reduce_mean
+from spmdrl.dist.collectives import reduce_max, reduce_mean, redistribute
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines.loading import load_hf_config
 from spmdrl.faults import inject_fault_if_asked, named_failures, set_collective_timeout
@@ -35,13 +39,14 @@ from spmdrl.loop.build import (
     build_agent, build_engines, build_rollout, build_tools, build_weight_sync, rollout_load_format, sampling_specs,
     tool_schemas,
 )
-from spmdrl.loop.collect import Collector
+from spmdrl.loop.collect import SampleRounds
 from spmdrl.loop.generate import Generator
 from spmdrl.loop.learner import Learner
-from spmdrl.loop.memory import MemoryLifecycle, offload_kinds
+from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.run_state import BadSteps, RunCheckpointer
 from spmdrl.loop.scoring import Scorer
 from spmdrl.loop.split import BatchStream
+from spmdrl.loop.turn_metrics import trajectory_metrics
 from spmdrl.loop.validate import Validator
 from spmdrl.metrics import MetricsLogger, StageTimer, device_peak_tflops, flops_metrics, logger_for, peak_memory_gb
 from spmdrl.reshard.adapter import AdapterSync
@@ -55,12 +60,12 @@ log = logging.getLogger("spmdrl")
 class Trainer:
     """One rank's RL run. Every component is built in `__init__`; `fit` / `step` / `train` call them by name."""
 
-    collector: Collector  # rollout -> batch in the actor layout -> reward
+    generator: Generator | None  # rollouts (a rollout rank only)
+    scorer: Scorer  # rewards, and reward error counts
     learner: Learner  # forward passes, advantages, updates
     validator: Validator | None  # None without data.val_files
     checkpointer: RunCheckpointer  # save / exact resume
     bad_steps: BadSteps
-    scorer: Scorer  # reward error counts
     memory: MemoryLifecycle
     weight_sync: WeightSync | AdapterSync  # AdapterSync: a LoRA actor, rollout.lora_sync = adapter
     stream: BatchStream | None  # split placement only
@@ -101,20 +106,18 @@ class Trainer:
         )
         reward_fn = build_reward_fn(cfg.reward)  # a user function runs in a worker process (rewards/worker.py)
         # ---- models: training engines (training ranks), memory lifecycle, reward model, rollout engine, weight sync
-        self.memory = MemoryLifecycle(device, {}, {} if split else offload_kinds(cfg))  # split: nothing shares a device
+        self.memory = MemoryLifecycle(device, {}, offload_kinds(cfg, split))
         self.memory.begin_build()
         engines = build_engines(cfg, self.meshes, device, on_built=self.memory.adopt) if self.trains else None
         self.actor, self.ref, self.critic = (engines.actor, engines.ref, engines.critic) if engines else (None,) * 3
         self.memory.settle()  # configured state to host memory before vLLM sizes itself to the free GPU memory
-        alg, a = cfg.algorithm, cfg.actor
+        alg = cfg.algorithm
         kl_ctrl = (
             AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon) if alg.kl_ctrl == "adaptive"
             else FixedKLController(alg.kl_coef)
         )
         self.hooks = StageHooks(HookRunner(cfg.hooks.files), cfg, self.meshes, tokenizer)
-        mini = a.ppo_mini_batch_size or d.train_batch_size
-        # on-policy (one epoch, one mini-batch) the update's own log-probs are the old ones
-        self.on_policy = a.ppo_epochs == 1 and mini == d.train_batch_size and not alg.use_kl_in_reward
+        self.on_policy = on_policy(cfg)  # the update's own log-probs are the old ones
         # the reference policy's log-probs: the ref engine's, or with LoRA the actor's with its adapters disabled
         self.uses_ref = self.trains and uses_ref(cfg)
         reward_model = None
@@ -146,12 +149,12 @@ class Trainer:
         generator = None
         agent = build_agent(cfg, tokenizer, rollout, self.meshes, tools) if rollout is not None else None
         if rollout is not None:
-            generator = Generator(cfg, self.rollout_mesh, rollout, self.memory, specs, train_ds, pad_id, scorer,
+            generator = Generator(cfg, self.rollout_mesh, rollout, specs, train_ds, pad_id, scorer,
                                   greedy_baseline="baseline_rewards" in getattr(self.learner.adv_fn, "requires", ()),
                                   agent=agent)
-        self.stream = BatchStream(cfg, self.meshes, generator, sampler, self.weight_sync) if split else None
-        self.collector = Collector(cfg, self.meshes, train_ds, sampler, generator, self.stream, scorer, self.hooks,
-                                   tool_names=[t.name for t in tools])
+        self.generator = generator
+        self.stream = BatchStream(cfg, self.meshes, generator, sampler, self.weight_sync, self.memory) if split else None
+        self.tool_names = [t.name for t in tools]  # multi-turn: the keys of the per-tool metrics
         self.validator = None
         if val_ds is not None:
             self.validator = Validator(cfg, self.rollout_mesh, val_ds, rollout, self.memory, specs, scorer, self.hooks,
@@ -181,6 +184,7 @@ class Trainer:
         if resume_from:
             self.resume(resume_from)
         elif load_format == "dummy" or isinstance(self.weight_sync, AdapterSync):
+            self.memory.for_sync()
             self.weight_sync()  # vLLM holds random weights (or no adapter) until the actor's arrive
 
     def resume(self, path: str) -> None:
@@ -227,64 +231,93 @@ class Trainer:
         return last
 
     def step(self, step: int) -> dict[str, float]:
-        """One RL step; every stage is one call, timed. Colocated: every rank does every stage. Split placement:
-        the rollout ranks produce (generate up to step + max_staleness, post the batches) while the training
-        ranks train on this step's batch; the training ranks take in the posted batches and send the new
-        weights, the rollout ranks load them, and both meet at the metric reduction with nothing in flight."""
+        """One RL step, every stage in order. Colocated: every rank does every stage. Split placement: the
+        rollout ranks produce (generate up to step + max_staleness, post the batches) while the training ranks
+        train on this step's batch; the training ranks take in the posted batches and send the new weights, the
+        rollout ranks load them, and both meet at the metric reduction with nothing in flight."""
+        cfg, memory, learner, hooks = self.cfg, self.memory, self.learner, self.hooks
         timer, t0 = StageTimer(self.device), time.perf_counter()
-        train_actor = step > self.cfg.trainer.critic_warmup
+        train_actor = step > cfg.trainer.critic_warmup
         batch, metrics = None, {}
         rolls = self.stream is not None and self.rollout_mesh.active
-        if rolls:
-            self.stream.produce(step, timer)  # loop/split.py
+        if rolls:  # split placement, rollout ranks: generate and post the batches up to step + k (loop/split.py)
+            self.stream.produce(step, timer)
         if self.trains:
-            batch, collected = self.collector.collect(step, timer)  # rollout -> batch to the actor layout -> reward
-            metrics.update(collected)
-            metrics.update(self.train(step, batch, timer, train_actor))
-        if rolls:  # this step's weights in, every batch sent: the meeting point finds no transfer pending
-            metrics.update(self.stream.settle(step, train_actor, timer))
+            # ---- rollout -> batch move -> reward, in rounds while dynamic sampling lacks informative groups
+            rounds = SampleRounds(cfg, self.meshes, self.scorer, self.train_ds)
+            while rounds.more():
+                if self.stream is None:
+                    memory.for_rollout()
+                    with timer("rollout"):
+                        batch = self.generator.generate(next(self.sampler), step, rounds.index)
+                    with timer("reshard_batch"):  # from the rollout layout to the actor's
+                        batch = redistribute(batch, self.rollout_mesh, self.actor_mesh)
+                    for k, v in self.generator.take_metrics().items():  # the multi-turn loop's time, summed
+                        metrics[k] = metrics.get(k, 0.0) + v
+                else:  # split placement: this step's batch, posted by the rollout ranks
+                    with timer("wait_batch"):
+                        batch = self.stream.receive(step)
+                self.scorer.attach_meta(batch, self.train_ds, self.actor_mesh)
+                if "trajectory" in batch:  # multi-turn: turns, tool calls and failures, of the last round
+                    metrics.update(trajectory_metrics(batch, self.tool_names, self.actor_mesh))
+                metrics.update(hooks("after_rollout", step, batch))
+                with timer("reward"):
+                    metrics.update(self.scorer.score(batch, self.actor_mesh))
+                metrics.update(hooks("after_reward", step, batch))
+                self.scorer.place_token_scores(batch)
+                rounds.add(batch)
+            batch, sampled = rounds.batch(step)
+            metrics.update(sampled)
+            # ---- forward passes: old log-probs, ref log-probs, values
+            memory.for_training("actor", update=False, keep_rollout_weights=not train_actor)
+            if not self.on_policy:
+                with timer("old_logprob"):
+                    batch["old_log_probs"] = learner.logprobs(self.actor, batch)
+            if self.uses_ref:
+                memory.for_training("ref" if self.ref is not None else "actor", update=False)
+                with timer("ref_logprob"):
+                    batch["ref_log_probs"] = learner.ref_logprobs(batch)
+            if self.critic is not None:
+                memory.for_training("critic", update=False)
+                with timer("values"):
+                    batch["values"] = learner.values(batch)
+            # ---- advantages
+            with timer("advantage"):
+                metrics.update(learner.kl_in_reward(batch))
+                metrics.update(learner.advantages(batch))
+            metrics.update(hooks("after_advantage", step, batch))
+            metrics.update(hooks("before_update", step, batch))
+            # ---- updates
+            if self.critic is not None:
+                memory.for_training("critic")
+                with timer("update_critic"):
+                    metrics.update(learner.update_critic(batch))
+            if train_actor:
+                memory.for_training("actor")
+                with timer("update_actor"):
+                    metrics.update(learner.update_actor(batch))
+            metrics.update(hooks("after_update", step, batch))
+            metrics.update(learner.batch_metrics(batch, self.actor_version))  # before the sync: the pre-update lag
+            # ---- weight sync (split placement: the batches posted for the next steps in before the weights go)
+            if self.stream is not None:
+                with timer("wait_batch"):
+                    self.stream.take_in(step)
+            if train_actor:
+                memory.for_sync()
+                with timer("weight_sync"):
+                    metrics.update(self.weight_sync())
+                self.actor_version = step
+            metrics.update(memory.step_metrics())
+            metrics.update(hooks("after_step", step, batch, metrics=dict(metrics)))
+        if rolls:  # split placement, rollout ranks: this step's weights in, every batch sent
+            metrics.update(self.stream.take_metrics())
+            if train_actor:
+                memory.for_sync()
+                with timer("wait_weights"):
+                    metrics.update(self.stream.load_weights(step))
+            with timer("rollout_wait"):
+                self.stream.wait_sends()
         return self.reduce_step_metrics(batch, metrics, timer, t0)
-
-    def train(self, step: int, batch: Batch, timer: StageTimer, train_actor: bool) -> dict[str, float]:
-        """The training roles' stages: forward passes -> advantages -> updates -> weight sync."""
-        learner, memory, hooks, metrics = self.learner, self.memory, self.hooks, {}
-        memory.for_training("actor", update=False, keep_rollout_weights=not train_actor)  # loop/memory.py
-        if not self.on_policy:
-            with timer("old_logprob"):
-                batch["old_log_probs"] = learner.logprobs(self.actor, batch)
-        if self.uses_ref:
-            memory.for_training("ref" if self.ref is not None else "actor", update=False)
-            with timer("ref_logprob"):
-                batch["ref_log_probs"] = learner.ref_logprobs(batch)
-        if self.critic is not None:
-            memory.for_training("critic", update=False)
-            with timer("values"):
-                batch["values"] = learner.values(batch)
-        with timer("advantage"):
-            metrics.update(learner.kl_in_reward(batch))
-            metrics.update(learner.advantages(batch))
-        metrics.update(hooks("after_advantage", step, batch))
-        metrics.update(hooks("before_update", step, batch))
-        if self.critic is not None:
-            memory.for_training("critic")
-            with timer("update_critic"):
-                metrics.update(learner.update_critic(batch))
-        if train_actor:
-            memory.for_training("actor")
-            with timer("update_actor"):
-                metrics.update(learner.update_actor(batch))
-        metrics.update(hooks("after_update", step, batch))
-        metrics.update(learner.batch_metrics(batch, self.actor_version))  # before the sync: the pre-update lag
-        if self.stream is not None:  # split placement: the batches posted for the next steps in before the weights go
-            with timer("wait_batch"):
-                self.stream.take_in(step)
-        if train_actor:
-            with timer("weight_sync"):
-                metrics.update(self.weight_sync())
-            self.actor_version = step
-        metrics.update(memory.step_metrics())
-        metrics.update(hooks("after_step", step, batch, metrics=dict(metrics)))
-        return metrics
 
     def reduce_step_metrics(self, batch: Batch | None, metrics: dict, timer: StageTimer, t0: float) -> dict[str, float]:
         """One all-reduce of every metric (tp copies weighted out); the token count rides along. Split placement:

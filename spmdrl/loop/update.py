@@ -14,7 +14,7 @@ averaged over the steps of the update); token statistics (clip fractions, ppo_kl
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,13 +23,21 @@ from spmdrl.algos import agg_loss, kl_penalty, masked_mean
 from spmdrl.algos.agg import agg_units
 from spmdrl.algos.losses import resolve_agg_mode, value_loss
 from spmdrl.batch import Batch
-from spmdrl.loop.correction import sampler_truncates
 from spmdrl.dist.collectives import reduce_max, reduce_sum
 from spmdrl.engines import TokenBatch, TrainEngine, pack_sequences
 from spmdrl.engines.packing import balanced_partition, micro_batch_count
 
 
 AUTO_BUDGET = -1
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch of an optimizer step, as the engine's train_step hands it to the loss (a tuple whose
+    second item is the TokenBatch: the Megatron engine stages item[1])."""
+    samples: Batch  # the micro-batch's rows of the mini-batch, on the engine's device
+    tokens: TokenBatch  # their token ids, packed or padded for the engine
+    unit_share: float  # its share of the mini-batch's units (tokens or sequences, per the aggregation mode)
+    token_share: float  # its share of the mini-batch's valid tokens (weights the token statistics)
 
 
 def micro_batch_limits(sec, longest: int, *, forward: bool = False) -> tuple[int, int]:
@@ -75,17 +83,17 @@ def micro_batches(
 
 def run_updates(
     engine: TrainEngine, batch: Batch, *, epochs: int, mini_size: int, micro_size: int, pad_id: int,
-    dp_size: int, dp_group, body: Callable, prefix: str, agg_mode: str | None = None, max_tokens: int = 0,
+    dp_size: int, dp_group, objective: "ActorObjective | CriticObjective", prefix: str, max_tokens: int = 0,
     packed: bool = False,
 ) -> dict[str, float]:
     """Optimizer steps over `batch`.
 
-    body(mb, tb, engine) -> (loss, terms, stats): `loss` aggregated over the micro-batch with
-    `body.agg_mode`; `terms` the loss's parts aggregated the same way (logged weighted like the loss);
+    objective(mb, tb, engine) -> (loss, terms, stats): `loss` aggregated over the micro-batch with
+    `objective.agg_mode`; `terms` the loss's parts aggregated the same way (logged weighted like the loss);
     `stats` token means (logged weighted by tokens). Returns the mean over optimizer steps of the
     global (all dp ranks) values, the same on every rank, plus the engine's grad_norm / lr / skipped_step.
     """
-    mode = getattr(body, "agg_mode", None) or agg_mode or "token-mean"
+    mode = objective.agg_mode
     local: dict = {}  # this rank's share of each step's global objective, summed over steps (on the device)
     engine_sums: dict[str, float] = {}
     steps = 0
@@ -96,15 +104,14 @@ def run_updates(
         for mini in minis
     ]).float(), group=dp_group) if minis else None
 
-    def loss_fn(item, eng):
-        mb, tb, (w, w_tok) = item
-        loss, terms, stats = body(mb, tb, eng)
+    def loss_fn(item: MicroBatch, eng):
+        loss, terms, stats = objective(item.samples, item.tokens, eng)
         # metrics stay tensors on the loss's device: read once per update, never per micro-batch
         for k, v in terms.items():
-            local[k] = local.get(k, 0.0) + _detached(v) * w
+            local[k] = local.get(k, 0.0) + _detached(v) * item.unit_share
         for k, v in stats.items():
-            local[k] = local.get(k, 0.0) + _detached(v) * w_tok
-        return loss * (w * dp_size), {}
+            local[k] = local.get(k, 0.0) + _detached(v) * item.token_share
+        return loss * (item.unit_share * dp_size), {}
 
     dev = getattr(engine, "device", torch.device("cpu"))
     for _ in range(epochs):
@@ -115,7 +122,8 @@ def run_updates(
             shares = torch.stack([torch.stack([agg_units(mb["response_mask"], mode),
                                                agg_units(mb["response_mask"], "token-mean")]) for mb, _ in mbs])
             shares = (shares / torch.tensor([unit_total or 1.0, token_total or 1.0], dtype=torch.float64)).tolist()
-            out = engine.train_step([(_staged(mb, dev), tb, tuple(w)) for (mb, tb), w in zip(mbs, shares)], loss_fn)
+            out = engine.train_step([MicroBatch(_staged(mb, dev), tb, w[0], w[1]) for (mb, tb), w in zip(mbs, shares)],
+                                    loss_fn)
             for k, v in out.items():
                 engine_sums[k] = engine_sums.get(k, 0.0) + v
             steps += 1
@@ -128,7 +136,7 @@ def run_updates(
 
 def _staged(mb: Batch, device: torch.device) -> Batch:
     """The micro-batch's tensors on the engine's device, copied from pinned memory without blocking the host, so
-    that the loss's `.to(device)` reads cost no wait on the device queue per micro-batch (never run on a GPU)."""
+    that the loss's `.to(device)` reads cost no wait on the device queue per micro-batch."""
     if device.type == "cpu":
         return mb
     return Batch({k: v.pin_memory().to(device, non_blocking=True) for k, v in mb.tensors.items()}, mb.meta)
@@ -145,29 +153,38 @@ def _stacked(values: list) -> torch.Tensor:
                         else torch.tensor(v, dtype=torch.float64, device=dev) for v in values])
 
 
-def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
+class ActorObjective:
     """The policy objective for one micro-batch: policy loss - entropy bonus (+ KL to the ref), every term
-    aggregated with the same mode and constant norm."""
-    a = cfg.actor
-    mode = resolve_agg_mode(a.policy_loss, a.loss_agg_mode)
-    norm = a.loss_agg_norm or float(cfg.data.max_response_length)
-    extra = dict(
-        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-        sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg, clip_cov_ratio=a.clip_cov_ratio,
-        clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub, kl_cov_ratio=a.kl_cov_ratio, kl_cov_coef=a.kl_cov_coef,
-    )
+    aggregated with the same mode (`agg_mode`) and constant norm.
 
-    def agg(x, mask):
-        return agg_loss(x, mask, mode, norm=norm)
+    keep_logprobs: on-policy runs (no old-log-prob pass) keep each micro-batch's own log-probs of the sampled
+    tokens with its rollout log-probs and mask in `own_logprobs`, for the mismatch diagnostic
+    (loop/correction.py's `logprob_diff`): before the one optimizer step they are the old log-probs."""
 
-    truncated = sampler_truncates(cfg)
+    def __init__(self, cfg, loss_fn: Callable, temperature: float, keep_logprobs: bool = False):
+        a = self.actor = cfg.actor
+        self.loss_fn, self.temperature = loss_fn, temperature
+        self.agg_mode = resolve_agg_mode(a.policy_loss, a.loss_agg_mode)
+        self.norm = a.loss_agg_norm or float(cfg.data.max_response_length)
+        self.loss_kw = dict(
+            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+            sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg, clip_cov_ratio=a.clip_cov_ratio,
+            clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub, kl_cov_ratio=a.kl_cov_ratio,
+            kl_cov_coef=a.kl_cov_coef,
+        )
+        # the entropy enters the gradient only with a bonus; otherwise it is a metric computed without autograd,
+        # or not computed at all (actor.entropy_metric = false)
+        self.entropy_mode = True if a.entropy_coeff != 0 else ("detached" if a.entropy_metric else False)
+        self.keep_logprobs = keep_logprobs
+        self.own_logprobs: list = []  # (log-probs, rollout log-probs, mask) per micro-batch, with keep_logprobs
 
-    # the entropy enters the gradient only with a bonus; otherwise it is a metric computed without autograd,
-    # or not computed at all (actor.entropy_metric = false)
-    entropy_mode = True if a.entropy_coeff != 0 else ("detached" if a.entropy_metric else False)
+    def agg(self, x, mask):
+        return agg_loss(x, mask, self.agg_mode, norm=self.norm)
 
-    def body(mb: Batch, tb: TokenBatch, engine: TrainEngine):
-        logp, ent = engine.logprobs(tb, temperature=temperature, with_entropy=entropy_mode, chunk_size=a.logprob_chunk_size)
+    def __call__(self, mb: Batch, tb: TokenBatch, engine: TrainEngine):
+        a = self.actor
+        logp, ent = engine.logprobs(tb, temperature=self.temperature, with_entropy=self.entropy_mode,
+                                    chunk_size=a.logprob_chunk_size)
         R = logp.shape[1]
         dev = logp.device
         mask = mb["response_mask"][:, :R].to(dev)
@@ -176,24 +193,23 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
             old = mb["old_log_probs"][:, :R].to(dev)
         else:  # on-policy: the parameters have not moved since the rollout, so these are the old log-probs
             old = logp.detach()
-            if not truncated:  # with a truncating sampler loop/correction.py measures it like with like
-                diff = (mb["rollout_log_probs"][:, :R].to(dev) - old).abs()
-                stats["rollout/logprob_diff_mean"] = masked_mean(diff, mask)
-        kw = extra
+            if self.keep_logprobs:
+                self.own_logprobs.append((old, mb["rollout_log_probs"][:, :R].to(dev), mask))
+        kw = self.loss_kw
         if "rollout_is_weights" in mb:  # [rollout_correction]: truncated importance weights pi_old / pi_rollout
-            kw = {**extra, "rollout_is_weights": mb["rollout_is_weights"][:, :R].to(dev)}
-        pg_loss, pg_m = loss_fn(old, logp, mb["advantages"][:, :R].to(dev), mask, loss_agg_mode=mode,
-                                loss_agg_norm=norm, **kw)
+            kw = {**kw, "rollout_is_weights": mb["rollout_is_weights"][:, :R].to(dev)}
+        pg_loss, pg_m = self.loss_fn(old, logp, mb["advantages"][:, :R].to(dev), mask, loss_agg_mode=self.agg_mode,
+                                     loss_agg_norm=self.norm, **kw)
         loss = pg_loss
         terms = {"actor/pg_loss": pg_loss.detach()}
         if ent is not None:
-            entropy = agg(ent, mask)
+            entropy = self.agg(ent, mask)
             if a.entropy_coeff != 0:
                 loss = loss - a.entropy_coeff * entropy
             terms["actor/entropy"] = entropy.detach()
         stats.update({"actor/clipfrac": pg_m["pg_clipfrac"], "actor/ppo_kl": pg_m["ppo_kl"]})
         if a.use_kl_loss:
-            kl = agg(kl_penalty(logp, mb["ref_log_probs"][:, :R].to(dev), a.kl_loss_type), mask)
+            kl = self.agg(kl_penalty(logp, mb["ref_log_probs"][:, :R].to(dev), a.kl_loss_type), mask)
             loss = loss + a.kl_loss_coef * kl
             terms["actor/kl"] = kl.detach()
         elif "ref_log_probs" in mb:
@@ -203,29 +219,26 @@ def actor_body(cfg, loss_fn: Callable, temperature: float) -> Callable:
         terms["actor/loss"] = loss.detach()
         return loss, terms, stats
 
-    body.agg_mode = mode
-    return body
 
-
-def critic_body(cfg) -> Callable:
+class CriticObjective:
     """Clipped value loss for one micro-batch."""
-    c = cfg.critic
-    norm = c.loss_agg_norm or float(cfg.data.max_response_length)
 
-    def body(mb: Batch, tb: TokenBatch, engine: TrainEngine):
+    def __init__(self, cfg):
+        self.section = cfg.critic
+        self.agg_mode = cfg.critic.loss_agg_mode
+        self.norm = cfg.critic.loss_agg_norm or float(cfg.data.max_response_length)
+
+    def __call__(self, mb: Batch, tb: TokenBatch, engine: TrainEngine):
         v = engine.values(tb)
         R = v.shape[1]
         dev = v.device
         mask = mb["response_mask"][:, :R].to(dev)
         loss, m = value_loss(
-            v, mb["values"][:, :R].to(dev), mb["returns"][:, :R].to(dev), mask, c.cliprange_value,
-            loss_agg_mode=c.loss_agg_mode, loss_agg_norm=norm,
+            v, mb["values"][:, :R].to(dev), mb["returns"][:, :R].to(dev), mask, self.section.cliprange_value,
+            loss_agg_mode=self.agg_mode, loss_agg_norm=self.norm,
         )
         return loss, {"critic/vf_loss": loss.detach()}, {"critic/vf_clipfrac": m["vf_clipfrac"],
                                                           "critic/values_mean": masked_mean(v.detach(), mask)}
-
-    body.agg_mode = c.loss_agg_mode
-    return body
 
 
 @torch.no_grad()

@@ -21,14 +21,14 @@ log = logging.getLogger("spmdrl")
 
 
 class Validator:
-    """Generates on the rollout ranks (engine: this rank's rollout engine, None where it holds none) and sums
+    """Generates on the rollout ranks (rollout: this rank's rollout engine, None where it holds none) and sums
     the scores over every rank. In split placement it runs between steps, where no transfer is pending and the
     rollout ranks hold the last weights (loop/split.py)."""
 
-    def __init__(self, cfg, mesh: RoleMesh, dataset: PromptDataset, engine, memory: MemoryLifecycle, specs: Specs,
+    def __init__(self, cfg, mesh: RoleMesh, dataset: PromptDataset, rollout, memory: MemoryLifecycle, specs: Specs,
                  scorer: Scorer, hooks: StageHooks, pad_id: int, agent: AgentLoop | None = None):
         """agent: the multi-turn loop (multi_turn.enable): validation rolls out with it too."""
-        self.cfg, self.mesh, self.dataset, self.engine, self.memory = cfg, mesh, dataset, engine, memory
+        self.cfg, self.mesh, self.dataset, self.rollout, self.memory = cfg, mesh, dataset, rollout, memory
         self.specs, self.scorer, self.hooks, self.pad_id, self.agent = specs, scorer, hooks, pad_id, agent
         # the same sorted list on every rank: it orders the all-reduce
         self.sources = sorted(set(dataset.batch(list(range(len(dataset)))).data_source))
@@ -49,7 +49,7 @@ class Validator:
         for start in range(0, len(rows), chunk):
             part = rows[start: start + chunk]
             seeds = request_seeds(self.cfg.trainer.seed + 1, 0, part[0], len(part))
-            batch = sample(self.engine, self.agent, ds, part, self.specs.val, seeds, self.pad_id)
+            batch = sample(self.rollout, self.agent, ds, part, self.specs.val, seeds, self.pad_id)
             self.scorer.attach_meta(batch, ds, r)
             self.scorer.score(batch, r, shaping=False)
             for k, v in self.hooks("on_validation", step, batch).items():  # mean over chunks

@@ -32,13 +32,15 @@ CUDA context and NCCL's buffers (`spmdrl.plan.overheads`):
 Assumptions (each is a named constant, in `spmdrl.plan.overheads` where it is not a model dimension): the CUDA
 context costs CUDA_CONTEXT_GIB per GPU; a rank's host process (Python, torch, vLLM, tokenizer, data) costs
 PROCESS_HOST_GIB; activation bytes per token per layer follow `layer_activation_bytes` (bf16 tensors saved for
-backward, fp32 RMSNorm inputs). None of these figures has been measured on a GPU.
+backward, fp32 RMSNorm inputs). These are estimates.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from spmdrl.config.validate import lora_settings, lora_sync_mode
+from spmdrl.config.derived import (builds_ref, compute_dtype_name, lora_settings, lora_sync_mode, offload_kinds,
+                                    rollout_dtype_name, uses_vllm)
 from spmdrl.engines.loading import block_index, load_hf_config, model_param_shapes
 from spmdrl.errors import ConfigError
 
@@ -108,13 +110,12 @@ def load_bytes_per_rank(params, lay, store_eb: int, ckpt_eb: int) -> int:
 def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int, backend: str = "fsdp"):
     """The SyncPlan WeightSync builds at run time: the actor's source blocks (FSDP2 x DTensor tp, or Megatron
     tp x pp x dp), vLLM TP targets."""
-    from spmdrl.reshard.plan import ModelDims, fsdp_blocks, megatron_blocks, plan_sync, rollout_targets
-    from spmdrl.rollout import vllm_available
+    from spmdrl.reshard.plan import ModelDims, fsdp_blocks, megatron_blocks, plan_sync
+    from spmdrl.reshard.vllm_reads import rollout_targets
 
     dims = ModelDims.from_hf_config(hf_config)
     groups = role_table(layout)["rollout"]["tp_groups"]
-    vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
-    targets, reads = rollout_targets(params, groups, hf_config, loads_tp_shards=vllm)
+    targets, reads = rollout_targets(params, groups, hf_config, loads_tp_shards=uses_vllm(cfg))
     grid = layout["actor"].mesh_ranks()
     if backend == "megatron":
         sources = megatron_blocks(params, grid, num_layers=hf_config.num_hidden_layers, dims=dims)
@@ -190,40 +191,45 @@ def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, mast
     return kinds, train, forward, host_always
 
 
-def build_plan(cfg, world_size: int | None = None) -> dict:
-    """Everything `spmdrl plan` prints, as one JSON-able dict."""
-    from spmdrl.config.validate import builds_ref
-    from spmdrl.dist.layout import is_split, plan_layout, role_backends
-    from spmdrl.rollout import vllm_available
+ELEM_BYTES = {"bfloat16": 2, "float32": 4}
 
-    m = cfg.memory
-    on_gpu = cfg.trainer.device != "cpu"
-    world = world_size or m.nodes * m.gpus_per_node
-    backends = role_backends(cfg)
-    layout = plan_layout(cfg.placement, world, backends=backends)
-    hf = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
-    actor_params = model_param_shapes(hf)
-    rollout_eb = 2 if cfg.rollout.dtype == "bfloat16" or (cfg.rollout.dtype == "auto" and on_gpu) else 4
-    compute_eb = 2 if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu) else 4
-    master_eb = 4  # FSDPEngine keeps float32 master shards for a trainable role whatever model.dtype (engines/fsdp.py)
+
+@dataclass
+class SyncFigures:
+    """The weight sync as the run plans it: the full-weight plan, or with rollout.lora_sync = adapter the
+    adapter's; `full_plan` is what vLLM holds either way."""
+    plan: object  # reshard.plan.SyncPlan (or the adapter's figures)
+    summary: dict
+    full_plan: object
+    bucket: int
+    lora: object  # the [lora] section when LoRA is on, else None
+    lora_mode: str | None
+    adapter: list | None  # the adapter's (name, shape) list with LoRA
+    adapter_peers: dict
+
+
+def _sync_figures(cfg, hf, actor_params, layout: dict, backends: dict, rollout_eb: int) -> SyncFigures:
+    from spmdrl.dist.layout import is_split
+
     plan = weight_sync_plan(actor_params, hf, layout, cfg, rollout_eb, backend=backends["actor"])
     bucket = cfg.rollout.weight_sync_bucket_mb << 20
-    sync = plan.summary(bucket)
-    full_plan = plan  # what vLLM holds: the full model (an adapter sync replaces `plan` with the adapter's)
-    lora, lora_mode = lora_settings(cfg), lora_sync_mode(cfg)
-    adapter, adapter_peers = None, {}
-    if lora is not None:
+    figures = SyncFigures(plan, plan.summary(bucket), plan, bucket, lora_settings(cfg), lora_sync_mode(cfg), None, {})
+    if figures.lora is not None:
         from spmdrl.reshard.adapter import adapter_params
 
         if backends["actor"] != "fsdp":
             raise ConfigError("lora needs trainer.backend = 'fsdp' (the LoRA actor is PEFT on FSDP2)")
-        adapter = adapter_params(hf, int(lora.rank), lora.target_modules)
-        if lora_mode == "adapter":
-            plan, sync = adapter_sync_figures(adapter, layout, rollout_eb, bucket, is_split(layout))
-            adapter_peers = p2p_peers(plan, m.gpus_per_node) if is_split(layout) else {}
+        figures.adapter = adapter_params(hf, int(figures.lora.rank), figures.lora.target_modules)
+        if figures.lora_mode == "adapter":
+            split = is_split(layout)
+            figures.plan, figures.summary = adapter_sync_figures(figures.adapter, layout, rollout_eb, bucket, split)
+            figures.adapter_peers = p2p_peers(figures.plan, cfg.memory.gpus_per_node) if split else {}
+    return figures
 
-    d = cfg.data
-    seq = d.max_prompt_length + d.max_response_length
+
+def _roles(cfg, hf, actor_params) -> dict:
+    """The models the run builds, each with its parameters and micro-batch: actor, ref (only when built),
+    critic, reward model."""
     roles = {"actor": dict(params=actor_params, trainable=True, micro=cfg.actor.micro_batch_size, lm_head=True)}
     if builds_ref(cfg):  # with LoRA the reference policy is the actor with its adapters disabled
         roles["ref"] = dict(params=actor_params, trainable=False, micro=cfg.ref.micro_batch_size, lm_head=True)
@@ -237,79 +243,140 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                                micro=cfg.reward.model_micro_batch_size, lm_head=False, hf=rhf)
     for role, r in roles.items():
         r["role"] = role
-    split = is_split(layout)  # rollout ranks hold vLLM only, training ranks never hold it
-    offload = {"actor": m.actor_offload, "critic": m.critic_offload, "ref": m.ref_offload, "reward": []}
-    if split:  # nothing shares a device: the lifecycle offloads nothing (loop/trainer.py)
-        offload = {k: [] for k in offload}
-    state = {}
-    for role, r in roles.items():
-        c = r.get("hf", hf)
-        if backends.get(role) == "megatron":
-            from spmdrl.plan.megatron import megatron_memory, megatron_stats, micro_batches_in_flight
+    return roles
 
-            st = megatron_stats(r["params"], layout[role], c)
-            mem = megatron_memory(
-                st, c=c, lay=layout[role], trainable=r["trainable"], micro=r["micro"], seq=seq, lm_head=r["lm_head"],
-                compute_eb=compute_eb, ckpt=cfg.model.gradient_checkpointing, on_gpu=on_gpu,
-                in_flight=micro_batches_in_flight(cfg, role, layout[role]), layer_bytes=layer_activation_bytes,
-                chunk=cfg.actor.logprob_chunk_size)
-            kinds, train, forward, host_always = mem["kinds"], mem["train"], mem["forward"], False
-            build, build_kinds = mem["build"], mem["build_kinds"]
-            st["worst_stage"] = mem["worst_stage"]
-        else:
-            st = shard_stats(r["params"], layout[role])
-            adapters = None
-            if cfg.lora.enable and (role == "actor" or (role == "critic" and cfg.lora.critic)):
-                from spmdrl.engines.lora import adapter_shapes
 
-                shapes = adapter_shapes(r["params"], cfg.lora.rank, cfg.lora.target_modules)
-                adapters = {**shard_stats(shapes, layout[role]), "rank": cfg.lora.rank,
-                            "targets": len({n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n, _ in shapes})}
-                st["adapters"] = adapters["total"]
-            kinds, train, forward, host_always = _fsdp_memory(cfg, r, st, c, layout[role], seq, compute_eb, master_eb,
-                                                              adapters)
-            # FSDP2 at construction: the sharded weights only (gradients are None, AdamW's state is created at
-            # the first step); under CPUOffloadPolicy (ref.offload) not even those
-            build_kinds = {} if host_always else {"params": kinds["params"]}
-            build = dict(build_kinds)
-        resident = {k: v for k, v in kinds.items() if k not in offload[role] and not host_always}
-        # the Megatron engine frees its grad buffers on offload (regrown as zeros), so they take no host memory
-        freed = ("grads",) if backends.get(role) == "megatron" else ()
-        host = {k: v for k, v in kinds.items() if (k in offload[role] and k not in freed) or host_always}
-        # DCP stages one tensor at a time to the host: the largest shard, float32 for a trained role's master
-        # weights and Adam moments
-        staging = st["largest"] * (4 if r["trainable"] else compute_eb)
-        state[role] = dict(kinds=kinds, train=train, forward=forward, resident=resident, host_when_idle=host,
-                           host_always=({"params": kinds["params"]} if host_always else {}), stats=st,
-                           build=build, build_kinds=build_kinds, staging=staging)
+def _role_state(cfg, r: dict, hf, layout: dict, backends: dict, offload: list, seq: int, compute_eb: int,
+                on_gpu: bool) -> dict:
+    """One role's memory: its kinds of state, what a training and a forward stage add, what stays resident and
+    what goes to the host between its stages, its construction peak and its checkpoint staging."""
+    role = r["role"]
+    master_eb = 4  # FSDPEngine keeps float32 master shards for a trainable role whatever model.dtype (engines/fsdp.py)
+    c = r.get("hf", hf)
+    if backends.get(role) == "megatron":
+        from spmdrl.plan.megatron import megatron_memory, megatron_stats, micro_batches_in_flight
 
+        st = megatron_stats(r["params"], layout[role], c)
+        mem = megatron_memory(
+            st, c=c, lay=layout[role], trainable=r["trainable"], micro=r["micro"], seq=seq, lm_head=r["lm_head"],
+            compute_eb=compute_eb, ckpt=cfg.model.gradient_checkpointing, on_gpu=on_gpu,
+            in_flight=micro_batches_in_flight(cfg, role, layout[role]), layer_bytes=layer_activation_bytes,
+            chunk=cfg.actor.logprob_chunk_size)
+        kinds, train, forward, host_always = mem["kinds"], mem["train"], mem["forward"], False
+        build, build_kinds = mem["build"], mem["build_kinds"]
+        st["worst_stage"] = mem["worst_stage"]
+    else:
+        st = shard_stats(r["params"], layout[role])
+        adapters = None
+        if cfg.lora.enable and (role == "actor" or (role == "critic" and cfg.lora.critic)):
+            from spmdrl.engines.lora import adapter_shapes
+
+            shapes = adapter_shapes(r["params"], cfg.lora.rank, cfg.lora.target_modules)
+            adapters = {**shard_stats(shapes, layout[role]), "rank": cfg.lora.rank,
+                        "targets": len({n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n, _ in shapes})}
+            st["adapters"] = adapters["total"]
+        kinds, train, forward, host_always = _fsdp_memory(cfg, r, st, c, layout[role], seq, compute_eb, master_eb,
+                                                          adapters)
+        # FSDP2 at construction: the sharded weights only (gradients are None, AdamW's state is created at
+        # the first step); under CPUOffloadPolicy (ref.offload) not even those
+        build_kinds = {} if host_always else {"params": kinds["params"]}
+        build = dict(build_kinds)
+    resident = {k: v for k, v in kinds.items() if k not in offload and not host_always}
+    # the Megatron engine frees its grad buffers on offload (regrown as zeros), so they take no host memory
+    freed = ("grads",) if backends.get(role) == "megatron" else ()
+    host = {k: v for k, v in kinds.items() if (k in offload and k not in freed) or host_always}
+    # DCP stages one tensor at a time to the host: the largest shard, float32 for a trained role's master
+    # weights and Adam moments
+    staging = st["largest"] * (4 if r["trainable"] else compute_eb)
+    return dict(kinds=kinds, train=train, forward=forward, resident=resident, host_when_idle=host,
+                host_always=({"params": kinds["params"]} if host_always else {}), stats=st,
+                build=build, build_kinds=build_kinds, staging=staging)
+
+
+@dataclass
+class VllmFigures:
+    on: bool  # the rollout engine is vLLM (else the transformers fallback: no pool, nothing asleep)
+    weights: int  # what one rollout rank's vLLM holds of the model (and its LoRA slots), bytes
+    pool: float  # its memory budget, gpu_memory_utilization x GPU
+    asleep: dict  # what it keeps outside the pool while it sleeps
+    awake: dict  # what it keeps outside its budget when awake
+    kv_cache: float  # what its budget leaves for the KV cache
+
+
+def _vllm_figures(cfg, hf, layout: dict, sync: SyncFigures, rollout_eb: int) -> VllmFigures:
     from spmdrl.reshard.plan import numel
 
     held: dict[int, int] = {}
-    for ts in full_plan.targets.values():
+    for ts in sync.full_plan.targets.values():
         for rank, b in ts:
             held[rank] = held.get(rank, 0) + numel(b)
-    vllm_w = max(held.values()) * rollout_eb
-    if lora_mode == "adapter":  # vLLM's LoRA slots: max_loras adapters at vLLM's rank, A and B of every adapted linear
+    weights = max(held.values()) * rollout_eb
+    if sync.lora_mode == "adapter":  # vLLM's LoRA slots: max_loras adapters at vLLM's rank, A and B of every adapted linear
         from spmdrl.rollout.base import LoRASpec
 
-        slot_rank = LoRASpec(rank=int(lora.rank)).max_lora_rank()
-        vllm_w = (max(held.values()) * rollout_eb
-                  + cfg.rollout.max_loras * sum(math.prod(sh) for _, sh in adapter) // int(lora.rank) * slot_rank * rollout_eb)
-    vllm_pool = cfg.rollout.gpu_memory_utilization * m.gpu_memory_gb * GIB
+        rank = int(sync.lora.rank)
+        slot_rank = LoRASpec(rank=rank).max_lora_rank()
+        weights += cfg.rollout.max_loras * sum(math.prod(sh) for _, sh in sync.adapter) // rank * slot_rank * rollout_eb
+    pool = cfg.rollout.gpu_memory_utilization * cfg.memory.gpu_memory_gb * GIB
     rt = layout["rollout"].tp
-    vllm_act = (cfg.rollout.max_num_batched_tokens * (4 * hf.hidden_size + 2 * hf.intermediate_size // rt) * rollout_eb
-                + cfg.rollout.max_num_seqs * hf.vocab_size * 4)
-    vllm_on = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
-    asleep = vllm_outside_pool(cfg, hf, rt, rollout_eb) if vllm_on else {}  # what vLLM keeps while it sleeps
+    act = (cfg.rollout.max_num_batched_tokens * (4 * hf.hidden_size + 2 * hf.intermediate_size // rt) * rollout_eb
+           + cfg.rollout.max_num_seqs * hf.vocab_size * 4)
+    on = uses_vllm(cfg)
+    asleep = vllm_outside_pool(cfg, hf, rt, rollout_eb) if on else {}  # what vLLM keeps while it sleeps
     awake = {k: v for k, v in asleep.items() if k == "vllm_allreduce_buffers"}  # outside its budget when awake
     # vLLM sizes its KV cache to what its budget leaves after weights, activations, graphs and runner buffers
-    kv_cache = vllm_pool - vllm_w - vllm_act - asleep.get("vllm_cudagraph_pool", 0) - asleep.get("vllm_runner_buffers", 0)
+    kv_cache = pool - weights - act - asleep.get("vllm_cudagraph_pool", 0) - asleep.get("vllm_runner_buffers", 0)
+    return VllmFigures(on, weights, pool, asleep, awake, kv_cache)
+
+
+def _memory_table(phases: dict, m, gpus_node: int) -> tuple[dict, bool]:
+    """Per phase: GPU total per rank, host total per node, and whether both fit under memory.margin."""
+    memory, fits = {}, True
+    for name, (gpu, host) in phases.items():
+        gpu = {**gpu, "cuda_context": CUDA_CONTEXT_GIB * GIB}
+        gpu_total = sum(gpu.values())
+        host_node = gpus_node * (sum(host.values()) + PROCESS_HOST_GIB * GIB)
+        ok = gpu_total <= m.margin * m.gpu_memory_gb * GIB and host_node <= m.margin * m.host_memory_gb * GIB
+        fits &= ok
+        memory[name] = {"gpu_gb": _gib(gpu_total), "host_gb": _gib(host_node), "fits": ok,
+                        "gpu": {k: _gib(v) for k, v in gpu.items() if v},
+                        "host_per_rank": {**{k: _gib(v) for k, v in host.items() if v}, "process": PROCESS_HOST_GIB}}
+    return memory, fits
+
+
+def build_plan(cfg, world_size: int | None = None) -> dict:
+    """Everything `spmdrl plan` prints, as one JSON-able dict: the weight sync, each role's state, vLLM's share,
+    NCCL, and the memory of every phase. What the config means (rollout dtype, vLLM or not, offload kinds, LoRA
+    sync mode, the ref model) comes from spmdrl.config.derived, as at run time."""
+    from spmdrl.dist.layout import is_split, plan_layout, role_backends
+
+    m = cfg.memory
+    on_gpu = cfg.trainer.device != "cpu"
+    world = world_size or m.nodes * m.gpus_per_node
+    backends = role_backends(cfg)
+    layout = plan_layout(cfg.placement, world, backends=backends)
+    split = is_split(layout)  # rollout ranks hold vLLM only, training ranks never hold it
+    hf = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
+    actor_params = model_param_shapes(hf)
+    rollout_eb = ELEM_BYTES[rollout_dtype_name(cfg, on_gpu)]
+    compute_eb = ELEM_BYTES[compute_dtype_name(cfg, on_gpu)]
+    sync_figures = _sync_figures(cfg, hf, actor_params, layout, backends, rollout_eb)
+    plan, sync, bucket = sync_figures.plan, sync_figures.summary, sync_figures.bucket
+    lora, lora_mode, adapter = sync_figures.lora, sync_figures.lora_mode, sync_figures.adapter
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    roles = _roles(cfg, hf, actor_params)
+    offload = {**offload_kinds(cfg, split), "reward": []}
+    state = {role: _role_state(cfg, r, hf, layout, backends, offload[role], seq, compute_eb, on_gpu)
+             for role, r in roles.items()}
+    vllm = _vllm_figures(cfg, hf, layout, sync_figures, rollout_eb)
+    vllm_w, vllm_pool, asleep, awake = vllm.weights, vllm.pool, vllm.asleep, vllm.awake
+    kv_cache, vllm_on = vllm.kv_cache, vllm.on
+    rt = layout["rollout"].tp
 
     # NCCL per rank: communicators and point-to-point peers; the worst rank of a set
     gpus_node = min(m.gpus_per_node, world)
     comms = communicators(layout, backends, world, split, vllm_on)
-    peers = adapter_peers if lora_mode == "adapter" else p2p_peers(plan, m.gpus_per_node)
+    peers = sync_figures.adapter_peers if lora_mode == "adapter" else p2p_peers(plan, m.gpus_per_node)
     mega = next((layout[r] for r in ("actor", "ref", "critic") if r in roles and backends.get(r) == "megatron"), None)
 
     def nccl(ranks, vllm: bool = True, p2p: bool = True) -> dict[str, int]:
@@ -409,16 +476,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         for name, (gpu, host) in phases.items():
             if name.startswith("train_") or name.endswith("_forward"):
                 phases[name] = (gpu, {**host, "vllm_weights_pinned": vllm_w})
-    memory, fits = {}, True
-    for name, (gpu, host) in phases.items():
-        gpu = {**gpu, "cuda_context": CUDA_CONTEXT_GIB * GIB}
-        gpu_total = sum(gpu.values())
-        host_node = gpus_node * (sum(host.values()) + PROCESS_HOST_GIB * GIB)
-        ok = gpu_total <= m.margin * m.gpu_memory_gb * GIB and host_node <= m.margin * m.host_memory_gb * GIB
-        fits &= ok
-        memory[name] = {"gpu_gb": _gib(gpu_total), "host_gb": _gib(host_node), "fits": ok,
-                        "gpu": {k: _gib(v) for k, v in gpu.items() if v},
-                        "host_per_rank": {**{k: _gib(v) for k, v in host.items() if v}, "process": PROCESS_HOST_GIB}}
+    memory, fits = _memory_table(phases, m, gpus_node)
     memory["build"]["vllm_start"] = vllm_start
     fits &= vllm_start["ok"]
     kv_ok = kv_cache >= 2 * hf.num_hidden_layers * _kv_per_token(hf, rt) * seq  # at least one full sequence

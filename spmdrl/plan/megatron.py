@@ -19,7 +19,7 @@ most micro-batches in flight, the last the output layer, its logits and the valu
               logits, exponentials, gradient).
 
 Forward-only passes (ref, old log-probs) keep one layer's activations and the logits of one micro-batch.
-These are estimates for a GPU run; none of it has been measured on a GPU.
+These are estimates for a GPU run.
 """
 from __future__ import annotations
 

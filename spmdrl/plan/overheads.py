@@ -1,6 +1,6 @@
 """What a GPU rank holds besides model state and activations: the CUDA context, NCCL's buffers and vLLM's
-memory outside its sleep pool. Each figure is a named constant with its source; none has been measured on a GPU
-by this project (they are estimates, and `spmdrl plan` prints them per phase so a measured run can be compared).
+memory outside its sleep pool. Each figure is a named constant with its source; they are estimates, and
+`spmdrl plan` prints them per phase so a measured run can be compared.
 
 NCCL. Every process group a rank joins is an NCCL communicator of its own (torch binds the device in
 `init_process_group`, so `new_group` creates them eagerly; spmdrl/dist/init.py). What a communicator costs is its

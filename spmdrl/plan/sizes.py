@@ -3,7 +3,7 @@
 The config's workload (batch, lengths, micro-batches, rollout settings, offloading) is planned on a world of one
 GPU for each Qwen2.5 size whose config.json ships in spmdrl/model_configs, once as full fine-tuning and once with
 LoRA (the config's [lora], else rank 32 on every linear layer, synced as an adapter). Every figure is
-`build_plan`'s; nothing here ran on a GPU.
+`build_plan`'s.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _row(plan: dict) -> dict:
 def fit_table(cfg, sizes=QWEN25_SIZES) -> list[dict]:
     """One row per size: parameters, and full fine-tuning's and LoRA's fit, peak GPU GiB (and its phase) and
     weight-sync bytes on one GPU of memory.gpu_memory_gb."""
-    from spmdrl.config.validate import lora_settings
+    from spmdrl.config.derived import lora_settings
     from spmdrl.plan.estimate import build_plan
 
     lora = lora_settings(cfg) or DEFAULT_LORA

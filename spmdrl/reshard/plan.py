@@ -55,6 +55,7 @@ def full_block(shape: tuple[int, ...]) -> Block:
 
 # ---------------------------------------------------------------------------------------- source: FSDP2 (+ tp)
 
+TP_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # engines/fsdp.py tp_plan
 TP_COLWISE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 TP_ROWWISE = re.compile(r"\.(o_proj|down_proj)\.weight$")
 
@@ -230,21 +231,6 @@ class ModelDims:
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
             model_type=getattr(c, "model_type", ""),
         )
-
-
-def rollout_targets(params, tp_groups: list[list[int]], hf_config, loads_tp_shards: bool, *,
-                    dtype: str = "float32", expert_parallel: bool = False):
-    """(targets, reads): what each rollout rank needs, and for vLLM how it was learnt: the blocks its weight
-    loaders read at each TP rank (reshard/vllm_reads.py; a parameter whose loader is opaque goes whole). Engines
-    that hold full weights get every tensor whole (reads None). tp_groups: the rollout role's TP groups (global
-    ranks, vLLM TP order)."""
-    if loads_tp_shards:
-        from .vllm_reads import probe_vllm_reads, vllm_targets
-
-        reads = probe_vllm_reads(hf_config, params, len(tp_groups[0]), dtype=dtype, expert_parallel=expert_parallel)
-        return vllm_targets(params, tp_groups, reads), reads
-    ranks = [r for g in tp_groups for r in g]
-    return {name: [(r, full_block(shape)) for r in ranks] for name, shape in params}, None
 
 
 # --------------------------------------------------------------------------------------------------- the plan

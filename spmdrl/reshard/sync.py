@@ -16,10 +16,10 @@ from spmdrl.dist.meshes import RoleMesh
 
 from spmdrl.errors import LayoutError
 
-from .plan import SyncPlan, fsdp_blocks, plan_sync, rollout_targets
+from .plan import SyncPlan, fsdp_blocks, plan_sync
 from .transport import execute
 from .verify import verify_sync
-from .vllm_reads import route_summary
+from .vllm_reads import rollout_targets, route_summary
 
 logger = logging.getLogger(__name__)
 

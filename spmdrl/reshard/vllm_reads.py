@@ -318,6 +318,19 @@ def vllm_targets(params: list[tuple[str, tuple[int, ...]]], groups: list[list[in
             for name, shape in params}
 
 
+def rollout_targets(params, tp_groups: list[list[int]], hf_config, loads_tp_shards: bool, *,
+                    dtype: str = "float32", expert_parallel: bool = False):
+    """(targets, reads): what each rollout rank needs, and for vLLM how it was learnt: the blocks its weight
+    loaders read at each TP rank (reshard/vllm_reads.py; a parameter whose loader is opaque goes whole). Engines
+    that hold full weights get every tensor whole (reads None). tp_groups: the rollout role's TP groups (global
+    ranks, vLLM TP order)."""
+    if loads_tp_shards:
+        reads = probe_vllm_reads(hf_config, params, len(tp_groups[0]), dtype=dtype, expert_parallel=expert_parallel)
+        return vllm_targets(params, tp_groups, reads), reads
+    ranks = [r for g in tp_groups for r in g]
+    return {name: [(r, full_block(shape)) for r in ranks] for name, shape in params}, None
+
+
 def route_summary(params: list[tuple[str, tuple[int, ...]]], reads: VllmReads, elem_bytes: int) -> list[dict]:
     """Per parameter family: the route, how many tensors, and the bytes one rollout rank needs by the route
     (the planned route: the largest per-rank share; the whole-tensor route: every tensor whole)."""

@@ -156,7 +156,7 @@ def main():
     from spmdrl.dist.layout import ROLES, RoleLayout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine, pack_sequences
-    from spmdrl.loop.update import actor_body, critic_body, run_updates
+    from spmdrl.loop.update import ActorObjective, CriticObjective, run_updates
 
     env, device = init_distributed("cpu")
     W = env.world_size
@@ -219,10 +219,10 @@ def main():
         cfg.actor.policy_loss, cfg.actor.loss_agg_mode = "ppo", mode
         cfg.actor.entropy_coeff, cfg.actor.use_kl_loss, cfg.actor.kl_loss_coef = 0.01, True, 0.1
         cfg.actor.kl_loss_type, cfg.data.max_response_length = "low_var_kl", 8
-        body = actor_body(cfg, POLICY_LOSSES.get("ppo"), 1.0)
+        body = ActorObjective(cfg, POLICY_LOSSES.get("ppo"), 1.0)
         grads.clear()
         m = run_updates(eng, local, epochs=1, mini_size=len(local), micro_size=args.micro, pad_id=0,
-                        dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix="actor")
+                        dp_size=mesh.dp_size, dp_group=mesh.group("dp"), objective=body, prefix="actor")
         res["grads"][mode] = dict(grads)
         res["metrics"][mode] = m
 
@@ -245,17 +245,17 @@ def main():
     returns = (full["values"] + full["advantages"])[mesh.dp_rank * per: (mesh.dp_rank + 1) * per]
     res["critic_metrics"] = run_updates(critic, Batch({**local.tensors, "returns": returns}), epochs=1,
                                         mini_size=len(local), micro_size=args.micro, pad_id=0, dp_size=mesh.dp_size,
-                                        dp_group=mesh.group("dp"), body=critic_body(cfg), prefix="critic")
+                                        dp_group=mesh.group("dp"), objective=CriticObjective(cfg), prefix="critic")
     res["critic_grads"] = {"token-mean": dict(cgrads)}
 
     # ---- checkpoint + bitwise resume ------------------------------------------------------------------------
     if not args.skip_resume:
         cfg.actor.loss_agg_mode = "token-mean"
-        body = actor_body(cfg, POLICY_LOSSES.get("ppo"), 1.0)
+        body = ActorObjective(cfg, POLICY_LOSSES.get("ppo"), 1.0)
 
         def step(e):
             return run_updates(e, local, epochs=1, mini_size=len(local), micro_size=args.micro, pad_id=0,
-                               dp_size=mesh.dp_size, dp_group=mesh.group("dp"), body=body, prefix="actor")
+                               dp_size=mesh.dp_size, dp_group=mesh.group("dp"), objective=body, prefix="actor")
 
         a = engine(lr=1e-2, weight_decay=0.01, grad_clip=0.5)
         step(a)

@@ -23,7 +23,7 @@ def main() -> None:
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
-    from spmdrl.loop.update import actor_body, run_updates
+    from spmdrl.loop.update import ActorObjective, run_updates
 
     env, device = init_distributed("cpu")
     cfg = Config()
@@ -41,13 +41,13 @@ def main() -> None:
                    "advantages": torch.randn(B, R, generator=g) * rmask, "old_log_probs": torch.zeros(B, R),
                    "index": torch.arange(B)})
     cfg.data.max_response_length = R
-    body = actor_body(cfg, POLICY_LOSSES.get(cfg.actor.policy_loss), 1.0)
+    body = ActorObjective(cfg, POLICY_LOSSES.get(cfg.actor.policy_loss), 1.0)
     lens = [a + b for a, b in zip(plens, rlens)]
     out = {}
     for packed in (False, True):
         with FlopCounterMode(display=False) as fc:
             run_updates(eng, batch, epochs=1, mini_size=B, micro_size=B, pad_id=0, dp_size=1,
-                        dp_group=mesh.group("dp"), body=body, prefix="actor", packed=packed)
+                        dp_group=mesh.group("dp"), objective=body, prefix="actor", packed=packed)
         # packed: one row of every token, which megatron runs with the batch's dense [1, 1, T, T] block mask
         rows, width = (1, sum(lens)) if packed else (B, max(lens))
         out["packed" if packed else "padded"] = {"flops": fc.get_total_flops(), "rows": rows, "width": width,

@@ -33,7 +33,7 @@ def main():
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
     from spmdrl.engines.megatron import dist_optim
-    from spmdrl.loop.update import actor_body, run_updates
+    from spmdrl.loop.update import ActorObjective, run_updates
 
     # the comparison is of two runs of step 3 in this process: keep cuBLAS / atomics from reordering sums
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -50,12 +50,12 @@ def main():
 
     cfg = Config()
     cfg.actor.policy_loss, cfg.actor.loss_agg_mode, cfg.data.max_response_length = "ppo", "token-mean", 8
-    body = actor_body(cfg, POLICY_LOSSES.get("ppo"), 1.0)
+    body = ActorObjective(cfg, POLICY_LOSSES.get("ppo"), 1.0)
     batch = Batch({k: v for k, v in global_batch().items() if v is not None})  # rollout_log_probs: None
 
     def step(e):
         return run_updates(e, batch, epochs=1, mini_size=len(batch), micro_size=4, pad_id=0, dp_size=1,
-                           dp_group=mesh.group("dp"), body=body, prefix="actor")
+                           dp_group=mesh.group("dp"), objective=body, prefix="actor")
 
     def state(e):
         main = {n: [(pc.block, t.detach().clone()) for pc, t in pairs]

@@ -65,13 +65,13 @@ def main():
     from spmdrl.algos.kl import controller_kl, kl_penalty
     from spmdrl.batch import Batch
     from spmdrl.config import Config
-    from spmdrl.loop.correction import prepare_actor_update
+    from spmdrl.loop.correction import correct_rollout
     from spmdrl.dist.collectives import reduce_max, reduce_sum
     from spmdrl.dist.init import init_distributed
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines.fsdp import FSDPEngine
-    from spmdrl.loop.update import actor_body, run_updates
+    from spmdrl.loop.update import ActorObjective, run_updates
 
     env, device = init_distributed("cpu")
     cfg = Config()
@@ -99,9 +99,9 @@ def main():
         cfg.actor.policy_loss, cfg.actor.loss_agg_mode = loss_name, mode
         cfg.actor.entropy_coeff, cfg.actor.use_kl_loss, cfg.actor.kl_loss_coef = 0.01, True, 0.1
         cfg.actor.kl_loss_type, cfg.data.max_response_length = "low_var_kl", 8
-        body = actor_body(cfg, POLICY_LOSSES.get(loss_name), 1.0)
+        body = ActorObjective(cfg, POLICY_LOSSES.get(loss_name), 1.0)
         m = run_updates(engine, local, epochs=1, mini_size=len(local), micro_size=args.micro, pad_id=0,
-                        dp_size=mesh.dp_size, dp_group=dp_group, body=body, prefix="actor")
+                        dp_size=mesh.dp_size, dp_group=dp_group, objective=body, prefix="actor")
         res["grads"][(loss_name, mode)] = dict(grads)
         res["metrics"][(loss_name, mode)] = m
 
@@ -115,10 +115,10 @@ def main():
         rc.rollout_is, rc.rollout_rs = is_level, rs_level
         for k, v in RC.items():
             setattr(rc, k, v)
-        batch, m_rc = prepare_actor_update(cfg, engine, local, None, reduce, lambda t: reduce_max(t, group=dp_group))
-        body = actor_body(cfg, POLICY_LOSSES.get("ppo"), 1.0)
+        batch, m_rc = correct_rollout(cfg, engine, local, None, reduce, lambda t: reduce_max(t, group=dp_group))
+        body = ActorObjective(cfg, POLICY_LOSSES.get("ppo"), 1.0)
         m = run_updates(engine, batch, epochs=1, mini_size=len(batch), micro_size=args.micro, pad_id=0,
-                        dp_size=mesh.dp_size, dp_group=dp_group, body=body, prefix="actor")
+                        dp_size=mesh.dp_size, dp_group=dp_group, objective=body, prefix="actor")
         res["rc"][(is_level, rs_level, mode)] = {"grads": dict(grads), "metrics": {**m, **m_rc}}
     cfg.rollout_correction.rollout_is = cfg.rollout_correction.rollout_rs = "none"
 

@@ -16,7 +16,7 @@ from spmdrl.config import load_config
 from spmdrl.dist.layout import plan_layout
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines.fsdp import FSDPEngine
-from spmdrl.loop.update import actor_body, run_updates
+from spmdrl.loop.update import ActorObjective, run_updates
 
 LAYOUTS = {  # name: (micro_batch_size, max_tokens_per_micro_batch, use_packing)
     "padded_one_micro": (8, 0, False),
@@ -50,12 +50,12 @@ def main():
     eng.optimizer.step = lambda *a, **k: recorded.update(
         {n: p.grad.full_tensor().clone() for n, p in eng.hf.named_parameters() if p.grad is not None})
     local = global_batch().select(list(range(8 * rank, 8 * rank + 8)))
-    body = actor_body(cfg, POLICY_LOSSES.get("ppo"), 1.0)
+    body = ActorObjective(cfg, POLICY_LOSSES.get("ppo"), 1.0)
     result = {}
     for name, (micro, budget, packed) in LAYOUTS.items():
         recorded.clear()
-        run_updates(eng, local, epochs=1, mini_size=8, micro_size=micro, pad_id=0, agg_mode="token-mean", dp_size=2,
-                    dp_group=mesh.mesh.get_group("dp"), body=body, prefix="actor", max_tokens=budget, packed=packed)
+        run_updates(eng, local, epochs=1, mini_size=8, micro_size=micro, pad_id=0, dp_size=2,
+                    dp_group=mesh.mesh.get_group("dp"), objective=body, prefix="actor", max_tokens=budget, packed=packed)
         result[name] = dict(recorded)
     if rank == 0:
         torch.save(result, out)

@@ -40,7 +40,9 @@ import torch.distributed as dist
 
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.engines.base import accumulate, clipped_step, step_metrics
-from spmdrl.engines.fsdp import TokenBatch, lr_lambda, relayout
+from spmdrl.config.derived import resolve_dtype
+from spmdrl.engines.base import lr_lambda
+from spmdrl.engines.token_batch import TokenBatch, relayout
 from spmdrl.errors import ConfigError
 from spmdrl.reshard.plan import MEGATRON_MODEL_TYPES
 
@@ -69,7 +71,7 @@ class MegatronEngine:
         self.device, self.mesh, self.trainable, self.model_path, self.seed = device, mesh, trainable, model_path, seed
         self.attention = attention  # local spec core attention: "sdpa" (spmdrl's SdpaAttention) or "local"
         cuda = device.type == "cuda"
-        self.dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
+        self.dtype = getattr(torch, resolve_dtype(dtype, cuda))
         try:
             self.config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
@@ -369,8 +371,7 @@ class MegatronEngine:
                      (torch AdamW's moments on CPU); model parameters it updates in place belong to "params";
           grads      megatron DDP's float32 grad buffers (param.main_grad views): freed without a copy, back as
                      zeros (train_step zeroes them before its first backward anyway).
-        Ran on one H100 (single rank, GRPO and PPO through the trainer); the same park / unpark code is tested on
-        CPU through _park / _unpark."""
+        The same park / unpark code is tested on CPU through _park / _unpark."""
         if self.device.type == "cuda":
             self._park(kinds)
 

@@ -114,7 +114,7 @@ def fusion_flags(device: torch.device, use_te: bool, trainable: bool, kernels: d
       bias_dropout_fusion      off: the residual adds have no bias and dropout is 0, so the unfused path is one add
       persist_layer_norm       off: read only by apex's FusedLayerNorm; spmdrl's RMSNorm and TE's norms ignore it
       cross_entropy_loss_fusion off: read only by GPTModel's own loss; spmdrl computes log-probs itself (forward.py)
-    None of these has run on a GPU."""
+    """
     if device.type != "cuda":
         return dict(bias_activation_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
                     masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,

@@ -1,4 +1,5 @@
-"""The algorithms added for issue 13, each against a hand computation or an independent float64 formula."""
+"""Policy losses, advantage estimators, KL estimators and dynamic sampling beyond the PPO / GRPO core, each against
+a hand computation or an independent float64 formula."""
 import math
 
 import pytest
@@ -250,12 +251,12 @@ def test_gspo_with_explicit_other_aggregation_is_rejected():
 
 
 @pytest.mark.parametrize("name", ["cispo", "sapo", "clip_cov", "kl_cov", "gmpo", "geo_mean", "gpg"])
-def test_new_policy_losses_reachable_by_config(name):
+def test_policy_losses_reachable_by_config(name):
     _validate(2, f"actor.policy_loss={name}")
 
 
 @pytest.mark.parametrize("name", ["grpo_passk", "opo", "gpg"])
-def test_new_estimators_reachable_by_config(name):
+def test_estimators_reachable_by_config(name):
     _validate(2, f"algorithm.adv_estimator={name}")
 
 

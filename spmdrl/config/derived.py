@@ -1,0 +1,96 @@
+"""What a config means: the facts the loop, the engines and `spmdrl plan` derive from it, each derived here once.
+
+Pure functions of the config (and, where it matters, of whether the run is on a GPU); no validation (that is
+config/validate.py) and nothing built.
+"""
+from __future__ import annotations
+
+def uses_ref(cfg) -> bool:
+    """Whether the run needs the reference policy's log-probs (a KL loss or a KL penalty in the reward)."""
+    return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def builds_ref(cfg) -> bool:
+    """Whether the run builds a ref model: it needs the reference policy and the actor is not LoRA (whose
+    reference is the actor with its adapters disabled)."""
+    return uses_ref(cfg) and not cfg.lora.enable
+
+
+def on_policy(cfg) -> bool:
+    """Whether the update's own log-probs are the old ones: one epoch over one mini-batch (the whole batch) and no
+    KL penalty in the reward (which needs the old log-probs before the update). Off-policy runs compute the old
+    log-probs in a forward pass of their own."""
+    a = cfg.actor
+    mini = a.ppo_mini_batch_size or cfg.data.train_batch_size
+    return a.ppo_epochs == 1 and mini == cfg.data.train_batch_size and not cfg.algorithm.use_kl_in_reward
+
+
+def sampler_truncates(cfg) -> bool:
+    """Whether training rollouts sample from a truncated distribution (top-k or top-p)."""
+    return cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0
+
+
+def rollout_correction_active(cfg) -> bool:
+    """Whether the update computes importance weights or a rejection mask (and so needs pi_old before it)."""
+    rc = cfg.rollout_correction
+    return rc.rollout_is != "none" or rc.rollout_rs != "none" or rc.rollout_token_veto_threshold > 0
+
+
+def uses_vllm(cfg) -> bool:
+    """Whether the rollout engine is vLLM (rollout.engine = "vllm", or "auto" where vLLM is installed) rather than
+    the transformers fallback; vLLM loads TP shards, the fallback whole tensors."""
+    if cfg.rollout.engine == "vllm":
+        return True
+    if cfg.rollout.engine != "auto":
+        return False
+    from spmdrl.rollout import vllm_available
+
+    return vllm_available()
+
+
+def resolve_dtype(name: str, on_gpu: bool) -> str:
+    """A dtype setting ("auto", "bfloat16", "float32") as the engines run it: "auto" is bfloat16 on a GPU and
+    float32 on CPU."""
+    return "bfloat16" if name == "bfloat16" or (name == "auto" and on_gpu) else "float32"
+
+
+def rollout_dtype_name(cfg, on_gpu: bool) -> str:
+    """The rollout engine's dtype (rollout.dtype)."""
+    return resolve_dtype(cfg.rollout.dtype, on_gpu)
+
+
+def compute_dtype_name(cfg, on_gpu: bool) -> str:
+    """The training engines' compute dtype (model.dtype)."""
+    return resolve_dtype(cfg.model.dtype, on_gpu)
+
+
+def offload_kinds(cfg, split: bool = False) -> dict[str, list[str]]:
+    """memory.<role>_offload per role: the kinds of state each training engine keeps in host memory between its
+    stages. Split placement offloads nothing (nothing shares a device with vLLM); ref.offload (FSDP2
+    CPUOffloadPolicy) already keeps the ref on the host."""
+    if split:
+        return {"actor": [], "critic": [], "ref": []}
+    m = cfg.memory
+    return {"actor": m.actor_offload, "critic": m.critic_offload, "ref": [] if cfg.ref.offload else m.ref_offload}
+
+
+def lora_settings(cfg):
+    """The [lora] section when LoRA is on (lora.enable), else None."""
+    lora = getattr(cfg, "lora", None)
+    if lora is None or not getattr(lora, "enable", False) or int(getattr(lora, "rank", 0) or 0) <= 0:
+        return None
+    return lora
+
+
+def lora_sync_mode(cfg, on_cuda: bool | None = None) -> str | None:
+    """How a LoRA actor's updates reach the rollout engine: "adapter" or "merge"; None without LoRA.
+    auto: adapter on vLLM on CUDA; merge on the transformers engine and on CPU, where vLLM's LoRA layers run
+    generation several times slower than merged weights (docs/lora.md). on_cuda: the run's device (None: any
+    trainer.device but "cpu", as `spmdrl plan` reads it)."""
+    if lora_settings(cfg) is None:
+        return None
+    mode = cfg.rollout.lora_sync
+    if mode == "auto":
+        cuda = cfg.trainer.device != "cpu" if on_cuda is None else on_cuda
+        return "adapter" if uses_vllm(cfg) and cuda else "merge"
+    return mode
