@@ -286,7 +286,8 @@ def test_qwen3_sync_from_megatron_plans_q_k_norms_at_the_lower_bound():
     dims = dims_from_hf(cfg, tp=2, divisible_by=8)
     ps = hf_param_shapes(dims)
     grid = grid_of(1, 2, 2)
-    sources = megatron_blocks(ps, grid, num_layers=L, padded_vocab=dims.vocab_padded, dims=ModelDims.from_hf_config(cfg))
+    sources = megatron_blocks(ps, grid, num_layers=L, padded_vocab=dims.vocab_padded,
+                              dims=ModelDims.from_hf_config(cfg))
     assert {n: sorted(b) for n, b in sources.items()} == {n: sorted(b) for n, b in engine_blocks(dims, grid).items()}
     targets, reads = rollout_targets(ps, [[0, 1], [2, 3]], cfg, loads_tp_shards=True)
     assert not reads.whole, reads.whole

@@ -113,7 +113,8 @@ def fsdp_blocks(params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[
 # (megatron's LanguageModule.setup_embeddings_and_output_layer). DP replicas hold identical copies (the
 # distributed optimizer shards only optimizer state and fp32 main weights, which the sync does not read).
 
-MEGATRON_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # what spmdrl/engines/megatron converts (its engine refuses others at build)
+# what spmdrl/engines/megatron converts (its engine refuses others at build)
+MEGATRON_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 MEGATRON_COL = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 MEGATRON_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 MEGATRON_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
@@ -151,7 +152,7 @@ def megatron_stages(name: str, pp: int, stage_of_layer: dict[int, int], tied: bo
         return sorted({0, pp - 1}) if tied else [0]
     if MEGATRON_LAST.match(name):
         return [pp - 1]
-    raise ValueError(f"{name}: no Megatron pipeline stage is known for this parameter (Llama / Qwen2 / Qwen3 family only)")
+    raise ValueError(f"{name}: no Megatron pipeline stage is known for this parameter (Llama / Qwen2 / Qwen3 only)")
 
 
 def megatron_tp_block(name: str, shape: tuple[int, ...], tp: int, t: int, padded_vocab: int) -> Block:

@@ -178,7 +178,8 @@ def main():
                      "recompute": eng.tcfg.recompute_granularity,
                      "core_attention_checkpointed": sorted({m.checkpoint_core_attention for m in eng.stage.modules()
                                                             if hasattr(m, "checkpoint_core_attention")}),
-                     "qk_norms": sum(n.endswith(("q_layernorm", "k_layernorm")) and hasattr(m, "weight")  # not IdentityOp
+                     # Qwen3's q / k norms (without qk_layernorm those names are weightless IdentityOps)
+                     "qk_norms": sum(n.endswith(("q_layernorm", "k_layernorm")) and hasattr(m, "weight")
                                      for n, m in eng.stage.named_modules())}
     prompts, resps = fixed_batch()
     res["logprobs"] = {}
