@@ -357,7 +357,7 @@ def model_dirs(tmp_path_factory):
     small = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2)
     out = {}
-    for model_type, kw in (("llama", small), ("qwen2", small), ("mistral", small), ("gemma", small),
+    for model_type, kw in (("llama", small), ("qwen2", small), ("qwen3", small), ("mistral", small), ("gemma", small),
                            ("mixtral", dict(small, num_local_experts=4, num_experts_per_tok=2)),
                            ("gpt2", dict(vocab_size=320, n_embd=64, n_layer=2, n_head=4))):
         AutoConfig.for_model(model_type, **kw).save_pretrained(root / model_type)
@@ -403,11 +403,13 @@ def test_moe_layouts_the_experts_do_not_fit_are_refused(model_dirs):
 
 
 def test_megatron_backend_refuses_other_architectures_at_validation(model_dirs):
-    msg = validate_error(2, f"model.path={model_dirs['mistral']}", "trainer.backend=megatron")
-    assert "'mistral' model" in msg and "Megatron backend converts llama, qwen2 only" in msg
-    validate(valid(f"model.path={model_dirs['llama']}", "trainer.backend=megatron"), 2)
+    # rollout.engine = hf: these config.json files name no architectures, which vLLM's check refuses first
+    msg = validate_error(2, f"model.path={model_dirs['mistral']}", "trainer.backend=megatron", "rollout.engine=hf")
+    assert "'mistral' model" in msg and "Megatron backend converts llama, qwen2, qwen3 only" in msg
+    for ok in ("llama", "qwen3"):
+        validate(valid(f"model.path={model_dirs[ok]}", "trainer.backend=megatron", "rollout.engine=hf"), 2)
     msg = validate_error(2, f"model.path={model_dirs['llama']}", "critic.enable=true", "trainer.critic_backend=megatron",
-                         f"critic.path={model_dirs['gemma']}")
+                         f"critic.path={model_dirs['gemma']}", "rollout.engine=hf")
     assert msg.startswith(f"critic.path = '{model_dirs['gemma']}' is a 'gemma' model")
 
 

@@ -21,15 +21,33 @@ def _config(**kw):
     return Qwen2Config(**{**base, **kw})
 
 
+def _qwen3_config(**kw):
+    """Qwen3: per-head q / k norms, no q/k/v bias, head_dim 32 set explicitly (heads * head_dim = 256 != hidden)."""
+    from transformers import Qwen3Config
+
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=32, tie_word_embeddings=False, use_sliding_window=False)
+    return Qwen3Config(**{**base, **kw})
+
+
 def _grid(dp, pp, tp):
     r = iter(range(dp * pp * tp))
     return [[[next(r) for _ in range(tp)] for _ in range(pp)] for _ in range(dp)]
 
 
-@pytest.mark.parametrize("dp,pp,tp,tie", [(1, 1, 1, False), (2, 1, 2, False), (1, 2, 2, True), (2, 2, 4, False)])
-def test_source_blocks_tile_every_hf_parameter_once(dp, pp, tp, tie):
-    dims = dims_from_hf(_config(tie_word_embeddings=tie), tp=tp)
+@pytest.mark.parametrize("dp,pp,tp,tie,arch", [(1, 1, 1, False, "qwen2"), (2, 1, 2, False, "qwen2"),
+                                                (1, 2, 2, True, "qwen2"), (2, 2, 4, False, "qwen2"),
+                                                (1, 2, 2, False, "qwen3"), (2, 2, 4, True, "qwen3")])
+def test_source_blocks_tile_every_hf_parameter_once(dp, pp, tp, tie, arch):
+    dims = dims_from_hf((_config if arch == "qwen2" else _qwen3_config)(tie_word_embeddings=tie), tp=tp)
     shapes = dict(hf_param_shapes(dims))
+    if arch == "qwen3":  # the HF model's own parameter list: q/k norms [head_dim], no q/k/v bias
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(_qwen3_config(tie_word_embeddings=tie))
+        assert list(shapes.items()) == [(n, tuple(p.shape)) for n, p in hf.named_parameters()]
+        assert shapes["model.layers.0.self_attn.q_norm.weight"] == (32,)
     blocks = source_blocks(dims, _grid(dp, pp, tp))
     assert blocks.keys() == shapes.keys()
     for name, shape in shapes.items():
@@ -71,6 +89,23 @@ def test_fused_qkv_and_gate_up_rows_follow_megatrons_layout():
                 assert torch.equal(local[pc.rows[0]: pc.rows[1]], src[r0: r0 + nr, c0: c0 + nc]), (t, pc)
 
 
+def test_qwen3_q_k_norms_are_whole_on_every_tp_rank_and_sliding_windows_are_refused():
+    """megatron's q_layernorm / k_layernorm are one [head_dim] weight shared by all heads: every tp rank of the
+    layer's stage holds HF's q_norm / k_norm whole. A config with sliding-window layers is refused (the
+    backend's attention is full causal attention)."""
+    dims = dims_from_hf(_qwen3_config(), tp=2)
+    assert dims.qk_norm and not dims.qkv_bias and dims.head_dim == 32
+    for t in range(2):
+        for kind, hf in (("q", "q_norm"), ("k", "k_norm")):
+            got = hf_pieces(f"decoder.layers.1.self_attention.{kind}_layernorm.weight", dims, 2, t, 2)
+            assert [(pc.hf_name, pc.block, pc.rows) for pc in got] == [
+                (f"model.layers.3.self_attn.{hf}.weight", ((0,), (32,)), (0, 32))]
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" in stage_megatron_names(dims, 2, 0)
+    assert not dims_from_hf(_config(), tp=2).qk_norm
+    with pytest.raises(ConfigError, match=r"layers \[2, 3\] of this qwen3 model use sliding-window attention"):
+        dims_from_hf(_qwen3_config(use_sliding_window=True, sliding_window=16, max_window_layers=2), tp=1)
+
+
 def test_vocabulary_padding_and_trimming():
     assert padded_vocab(151936, 128, 1) == 151936 and padded_vocab(300, 128, 2) == 512
     dims = dims_from_hf(_config(), tp=2)
@@ -88,8 +123,9 @@ def test_layouts_megatron_cannot_shard_are_refused():
         stage_layers(4, 3, 0)
 
 
-def test_stage_names_cover_the_model_once():
-    dims = dims_from_hf(_config(), tp=1)
+@pytest.mark.parametrize("config", [_config, _qwen3_config])
+def test_stage_names_cover_the_model_once(config):
+    dims = dims_from_hf(config(), tp=1)
     names = [(p, m) for p in range(2) for m in stage_megatron_names(dims, 2, p)]
     hf = {pc.hf_name for p, m in names for pc in hf_pieces(m, dims, 1, 0, stage_layers(4, 2, p).start)}
     assert hf == {n for n, _ in hf_param_shapes(dims)}

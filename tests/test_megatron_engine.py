@@ -1,6 +1,7 @@
 """The Megatron-core backend (spmdrl/engines/megatron) on CPU/gloo with real megatron-core, several processes.
 
-One torchrun run per layout (tests/dist_scripts/megatron_engine.py) on a tiny fp32 Qwen2; every check compares
+One torchrun run per layout (tests/dist_scripts/megatron_engine.py) on a tiny fp32 Qwen2 (a Qwen3 for the
+qwen3 layout: per-head q / k norms, head_dim set apart from hidden / heads); every check compares
 against an independent reference computed here: an unsharded HF float64 forward (log-probs, entropy), the float64
 whole-batch PPO objective of tests/test_objective_layout.py (gradients, per loss aggregation mode), the original
 safetensors (HF -> Megatron -> HF round trip, bitwise), and the running engine (bitwise resume, `spmdrl export`).
@@ -24,9 +25,10 @@ pytestmark = pytest.mark.dist
 SCRIPT = os.path.join(HERE, "dist_scripts", "megatron_engine.py")
 # (name, model, nproc, tp, pp, extra args): dp = nproc / (tp * pp); the first runs torch SDPA attention (the
 # default) with selective recompute (core attention), the second megatron's own DotProductAttention and full
-# activation recompute
+# activation recompute, the third a Qwen3 (megatron's qk_layernorm) at tp 2 x pp 2
 LAYOUTS = [("tp2_pp2_tied", "tied", 4, 2, 2, ["--recompute", "selective"]),
-           ("pp2_dp2_local_recompute", "untied", 4, 1, 2, ["--recompute", "--attention", "local"])]
+           ("pp2_dp2_local_recompute", "untied", 4, 1, 2, ["--recompute", "--attention", "local"]),
+           ("qwen3_tp2_pp2", "qwen3", 4, 2, 2, [])]
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +42,32 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("megatron_models")
     return {"untied": build_tiny(str(root / "untied"), seed=0),
-            "tied": build_tiny(str(root / "tied"), seed=1, tie_word_embeddings=True)}
+            "tied": build_tiny(str(root / "tied"), seed=1, tie_word_embeddings=True),
+            "qwen3": _tiny_qwen3(str(root / "qwen3"))}
+
+
+def _tiny_qwen3(out_dir: str) -> str:
+    """A tiny random Qwen3: head_dim 32 with hidden 64 and 4 heads (q_proj is [128, 64]: megatron's kv_channels,
+    not hidden / heads), 2 kv groups, and q / k norm weights drawn away from HF's init of ones (so a norm
+    that is not loaded, loaded swapped, or not applied changes the outputs)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from spmdrl.tiny import build_tokenizer
+
+    tok = build_tokenizer(out_dir)
+    cfg = Qwen3Config(vocab_size=max(320, len(tok)), hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                      use_sliding_window=False, tie_word_embeddings=False, bos_token_id=0, pad_token_id=0,
+                      eos_token_id=tok.eos_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(2)
+        model = AutoModelForCausalLM.from_config(cfg).float()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +135,13 @@ def test_tp2_ran_the_gpu_configuration(runs):
     that mark is missing."""
     for res in runs["tp2_pp2_tied"][2]:  # selective recompute: core attention checkpointed in every layer
         assert res["config"] == {"sequence_parallel": True, "norms": [("RMSNorm", True)], "recompute": "selective",
-                                 "core_attention_checkpointed": [True]}
+                                 "core_attention_checkpointed": [True], "qk_norms": 0}
+    for res in runs["qwen3_tp2_pp2"][2]:  # Qwen3's q / k norms, 2 per layer of the rank's stage, are RMSNorm too
+        assert res["config"] == {"sequence_parallel": True, "norms": [("RMSNorm", True)], "recompute": None,
+                                 "core_attention_checkpointed": [False], "qk_norms": 4}
     for res in runs["pp2_dp2_local_recompute"][2]:  # tp 1: nothing to split the sequence over
         assert res["config"] == {"sequence_parallel": False, "norms": [("RMSNorm", False)], "recompute": "full",
-                                 "core_attention_checkpointed": [False]}
+                                 "core_attention_checkpointed": [False], "qk_norms": 0}
 
 
 def _assemble(ranks, key, mode, shapes):

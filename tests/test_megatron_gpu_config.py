@@ -20,12 +20,12 @@ FUSIONS = {"bias_activation_fusion", "gradient_accumulation_fusion", "apply_rope
 ALL_KERNELS = {"triton": True, "te_rope": True, "apex_wgrad": True, "softmax": True}
 
 
-def _configs(tp, **kw):
+def _configs(tp, arch="qwen2", **kw):
     from spmdrl.engines.megatron.convert import dims_from_hf
     from spmdrl.engines.megatron.model import transformer_config
     from spmdrl.tiny import build_model
 
-    hf = build_model(None).config
+    hf = build_model(None, arch=arch).config
     dims = dims_from_hf(hf, tp=tp, divisible_by=128, value_head=False)
     mesh = SimpleNamespace(tp_size=tp, pp_size=2)
     # TransformerConfig is a plain dataclass: building it for a CUDA device needs no GPU
@@ -33,14 +33,15 @@ def _configs(tp, **kw):
             transformer_config(dims, hf, mesh, torch.device("cpu"), torch.bfloat16, **kw))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_cpu_builds_the_transformer_config_cuda_gets(tp):
+@pytest.mark.parametrize("tp,arch", [(1, "qwen2"), (2, "qwen2"), (2, "qwen3")])
+def test_cpu_builds_the_transformer_config_cuda_gets(tp, arch):
     """Only where the weights are first allocated and the fusion flags (all off on CPU) differ; the CUDA config
-    carries fusion_flags' decision for the kernels this process finds."""
+    carries fusion_flags' decision for the kernels this process finds. A Qwen3 gets megatron's q/k layernorm."""
     from spmdrl.engines.megatron.model import fused_kernels, fusion_flags
 
-    cuda, cpu = _configs(tp)
+    cuda, cpu = _configs(tp, arch)
     assert cuda.sequence_parallel is (tp > 1)
+    assert cuda.qk_layernorm is cpu.qk_layernorm is (arch == "qwen3")
     assert cuda.batch_p2p_sync is False and cuda.variable_seq_lengths is True
     differ = {f.name for f in dataclasses.fields(cuda)
               if not f.name.endswith("init_method")  # functions built per instance

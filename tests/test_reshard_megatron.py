@@ -243,11 +243,12 @@ def test_value_head_model_has_no_embedding_copy():
     assert {r for r, _ in no_copy["model.embed_tokens.weight"]} == set(grid[0][0])
 
 
-@pytest.mark.parametrize("dp,pp,tp,tied,bias,value_head", [
-    (1, 2, 2, False, True, False), (2, 1, 2, True, False, False), (1, 2, 2, True, True, False),
-    (2, 2, 1, False, False, True), (1, 4, 2, False, True, True), (2, 2, 2, True, False, False),
+@pytest.mark.parametrize("dp,pp,tp,tied,bias,value_head,qk_norm", [
+    (1, 2, 2, False, True, False, False), (2, 1, 2, True, False, False, False), (1, 2, 2, True, True, False, False),
+    (2, 2, 1, False, False, True, False), (1, 4, 2, False, True, True, False), (2, 2, 2, True, False, False, False),
+    (1, 2, 2, False, False, False, True), (2, 2, 2, True, False, True, True),  # Qwen3: q_norm / k_norm
 ])
-def test_engine_pieces_agree_with_megatron_blocks(dp, pp, tp, tied, bias, value_head):
+def test_engine_pieces_agree_with_megatron_blocks(dp, pp, tp, tied, bias, value_head, qk_norm):
     """The Megatron engine's own HF<->Megatron piece arithmetic (what its weight_shards yields, from the fused
     megatron tensors) holds exactly the blocks megatron_blocks says, rank by rank (the engine does not yield
     the last stage's copy of a tied embedding: tied_copy=False)."""
@@ -255,15 +256,59 @@ def test_engine_pieces_agree_with_megatron_blocks(dp, pp, tp, tied, bias, value_
     from spmdrl.engines.megatron.convert import source_blocks as engine_blocks
 
     dims = Dims(hidden=H, heads=NH, groups=NG, head_dim=HD, ffn=FFN, vocab=V, vocab_padded=padded_vocab(V, 8, tp),
-                layers=L, tie=tied, qkv_bias=bias, value_head=value_head)
+                layers=L, tie=tied, qkv_bias=bias, value_head=value_head, qk_norm=qk_norm)
     ps = hf_param_shapes(dims)
     grid = grid_of(dp, pp, tp)
     mine = megatron_blocks(ps, grid, num_layers=L, padded_vocab=dims.vocab_padded, dims=DIMS,
                            tied=tied and not value_head, tied_copy=False)
     theirs = engine_blocks(dims, grid)
     assert set(mine) == set(theirs) == {n for n, _ in ps}
+    assert qk_norm == ("model.layers.0.self_attn.q_norm.weight" in mine)
     for name in mine:
         assert sorted(mine[name]) == sorted(theirs[name]), name
+
+
+def test_qwen3_sync_from_megatron_plans_q_k_norms_at_the_lower_bound():
+    """A Qwen3 (head_dim 32 set explicitly, heads * head_dim != hidden) trained at megatron tp 2 x pp 2 synced
+    into vLLM tp 2, targets learnt from vLLM's own Qwen3 loaders: q_norm / k_norm are whole on both tp ranks of
+    their layer's stage and on every vLLM rank, and the plan hands each rollout rank every element it needs
+    exactly once, at the lower bound (nothing on the whole-tensor route)."""
+    pytest.importorskip("vllm")
+    from transformers import Qwen3Config
+
+    from spmdrl.engines.megatron.convert import dims_from_hf, hf_param_shapes
+    from spmdrl.engines.megatron.convert import source_blocks as engine_blocks
+    from spmdrl.reshard.plan import rollout_targets
+
+    cfg = Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, use_sliding_window=False,
+                      max_position_embeddings=256, architectures=["Qwen3ForCausalLM"])  # as config.json has it
+    dims = dims_from_hf(cfg, tp=2, divisible_by=8)
+    ps = hf_param_shapes(dims)
+    grid = grid_of(1, 2, 2)
+    sources = megatron_blocks(ps, grid, num_layers=L, padded_vocab=dims.vocab_padded,
+                              dims=ModelDims.from_hf_config(cfg))
+    assert {n: sorted(b) for n, b in sources.items()} == {n: sorted(b) for n, b in engine_blocks(dims, grid).items()}
+    targets, reads = rollout_targets(ps, [[0, 1], [2, 3]], cfg, loads_tp_shards=True)
+    assert not reads.whole, reads.whole
+    norms = [n for n, _ in ps if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 2 * L
+    for name in norms:
+        stage = next(p for p, layers in enumerate(pp_stage_layers(L, 2)) if int(name.split(".")[2]) in layers)
+        assert sorted(sources[name]) == [(r, ((0,), (32,))) for r in grid[0][stage]], name
+        assert sorted(targets[name]) == [(r, ((0,), (32,))) for r in range(4)], name
+    plan = plan_sync(ps, sources, targets, elem_bytes=2)
+    for name, shape in ps:
+        for dst, need in targets[name]:
+            painted = torch.zeros(shape, dtype=torch.int32)
+            for t in plan.transfers[name] + plan.local[name]:
+                if t.dst == dst:
+                    painted[tuple(slice(o, o + n) for o, n in zip(*t.block))] += 1
+            want = torch.zeros(shape, dtype=torch.int32)
+            want[tuple(slice(o, o + n) for o, n in zip(*need))] = 1
+            assert torch.equal(painted, want), (name, dst)
+    recv, lb = plan.bytes_recv(), plan.lower_bound()
+    assert {r: recv.get(r, 0) for r in lb} == lb and max(lb.values()) > 0
 
 
 def test_sync_refuses_shards_that_disagree_with_the_plan():

@@ -107,13 +107,15 @@ def fsdp_blocks(params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[
 #   * linear_proj (o_proj) and linear_fc2 (down_proj) are row-parallel: columns chunk(cols, tp, t);
 #   * word embeddings and the output layer are vocab-parallel over the padded vocabulary: rows
 #     [t * Vp / tp, (t + 1) * Vp / tp) cut to HF's V rows (the padding rows do not exist in HF);
-#   * norms, the value head and row-parallel biases are whole on every TP rank.
+#   * norms (Qwen3's per-head q_norm / k_norm [head_dim] too: megatron's q_layernorm / k_layernorm hold one
+#     weight for all heads), the value head and row-parallel biases are whole on every TP rank.
 # A decoder layer lives on the one pipeline stage that builds it; embeddings on the first stage, final norm,
 # output layer and value head on the last; tied embeddings with pp > 1 are also copied on the last stage
 # (megatron's LanguageModule.setup_embeddings_and_output_layer). DP replicas hold identical copies (the
 # distributed optimizer shards only optimizer state and fp32 main weights, which the sync does not read).
 
-MEGATRON_MODEL_TYPES = ("llama", "qwen2")  # what spmdrl/engines/megatron converts (its engine refuses others at build)
+# what spmdrl/engines/megatron converts (its engine refuses others at build)
+MEGATRON_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 MEGATRON_COL = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 MEGATRON_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 MEGATRON_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
@@ -151,7 +153,7 @@ def megatron_stages(name: str, pp: int, stage_of_layer: dict[int, int], tied: bo
         return sorted({0, pp - 1}) if tied else [0]
     if MEGATRON_LAST.match(name):
         return [pp - 1]
-    raise ValueError(f"{name}: no Megatron pipeline stage is known for this parameter (Llama/Qwen2 family only)")
+    raise ValueError(f"{name}: no Megatron pipeline stage is known for this parameter (Llama / Qwen2 / Qwen3 only)")
 
 
 def megatron_tp_block(name: str, shape: tuple[int, ...], tp: int, t: int, padded_vocab: int) -> Block:

@@ -1,5 +1,5 @@
 """Checks of the Megatron engine at one layout (--tp, --pp; dp = world / (tp * pp)), in one torchrun run, on a
-tiny fp32 HF Qwen2 model. Writes <out>/rank<r>.pt with, per rank:
+tiny fp32 HF model (Qwen2 / Qwen3). Writes <out>/rank<r>.pt with, per rank:
 
   logprobs: {(packed, temperature): (logp [B, R], entropy [B, R])} of a fixed batch (every rank the whole batch);
   trunc: {(packed, top_k, top_p): (logp, entropy)} of the same batch at temperature 0.7 with the sampler's truncation;
@@ -177,7 +177,10 @@ def main():
                                       if n.endswith("layernorm") and hasattr(m, "weight")}),
                      "recompute": eng.tcfg.recompute_granularity,
                      "core_attention_checkpointed": sorted({m.checkpoint_core_attention for m in eng.stage.modules()
-                                                            if hasattr(m, "checkpoint_core_attention")})}
+                                                            if hasattr(m, "checkpoint_core_attention")}),
+                     # Qwen3's q / k norms (without qk_layernorm those names are weightless IdentityOps)
+                     "qk_norms": sum(n.endswith(("q_layernorm", "k_layernorm")) and hasattr(m, "weight")
+                                     for n, m in eng.stage.named_modules())}
     prompts, resps = fixed_batch()
     res["logprobs"] = {}
     for packed in (False, True):

@@ -1,4 +1,4 @@
-"""HF (Llama / Qwen2 family) <-> megatron-core GPTModel weights, as pure block arithmetic.
+"""HF (Llama / Qwen2 / Qwen3 family) <-> megatron-core GPTModel weights, as pure block arithmetic.
 
 Every megatron parameter a rank holds is a stack of row ranges ("pieces"), each of which is a rectangular
 block of one HF parameter. That single mapping drives loading (read exactly those HF slices from safetensors),
@@ -16,7 +16,9 @@ Megatron's layouts (tp ranks t = 0..tp-1, each holding its contiguous share of d
       rank t holds rows t*Vp/tp + [0, Vp/tp); rows >= V are padding (zero, masked out of the softmax, never in
       HF). A tied model's output_layer on the last PP stage (PP > 1) is megatron's copy of the embedding: it
       loads from model.embed_tokens.weight and is not an HF parameter of its own (no pieces out).
-  norms, the critic's value head: replicated over tp (every tp rank holds the full HF block).
+  norms, the critic's value head: replicated over tp (every tp rank holds the full HF block). Qwen3's per-head
+      q / k norms (HF self_attn.q_norm / k_norm [head_dim], megatron's self_attention.q_layernorm / k_layernorm,
+      qk_layernorm) are such norms: one weight shared by every head, so every tp rank holds it whole.
 Layers: PP stage p holds global layers [p*L/pp, (p+1)*L/pp) (megatron's even split; the engine asserts its
 layer numbers agree); megatron names them decoder.layers.<local index>.
 The reshard planner's Megatron source layout (spmdrl/reshard/plan.py) must agree with `hf_pieces`.
@@ -44,6 +46,7 @@ class Dims:
     qkv_bias: bool
     value_head: bool  # a critic: score.weight/score.bias instead of lm_head
     value_bias: bool = True
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every query and key head (megatron's qk_layernorm)
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,16 @@ def dims_from_hf(cfg, *, tp: int, divisible_by: int = 128, value_head: bool = Fa
                           f"num_attention_heads = {heads}); choose a tp that divides {groups}")
     if cfg.intermediate_size % tp:
         raise ConfigError(f"megatron backend: intermediate_size = {cfg.intermediate_size} is not divisible by tp = {tp}")
+    sliding = [i for i, kind in enumerate(getattr(cfg, "layer_types", None) or []) if kind != "full_attention"]
+    if sliding:  # megatron's attention here is full causal attention: a window would be silently dropped
+        raise ConfigError(f"megatron backend: layers {sliding} of this {cfg.model_type} model use sliding-window "
+                          "attention (config.json use_sliding_window / layer_types), which the backend does not "
+                          "implement; use trainer.backend = 'fsdp' or a config without sliding windows")
     qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
     return Dims(cfg.hidden_size, heads, groups, head_dim, cfg.intermediate_size, cfg.vocab_size,
                 padded_vocab(cfg.vocab_size, divisible_by, tp), cfg.num_hidden_layers,
-                bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias, value_head)
+                bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias, value_head,
+                qk_norm=cfg.model_type == "qwen3")
 
 
 def vocab_rows(dims: Dims, tp: int, t: int) -> tuple[int, int]:
@@ -107,6 +116,9 @@ def hf_pieces(mname: str, dims: Dims, tp: int, t: int, first_layer: int, *, last
             return [Piece(pre + "input_layernorm.weight", ((0,), (H,)), (0, H))]
         if rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
             return [Piece(pre + "post_attention_layernorm.weight", ((0,), (H,)), (0, H))]
+        if rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+            proj = "q_norm" if rest.startswith("self_attention.q") else "k_norm"
+            return [Piece(f"{pre}self_attn.{proj}.weight", ((0,), (hd,)), (0, hd))]
         if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = rest.rsplit(".", 1)[1]
             qpg, ng_local = dims.heads // dims.groups, dims.groups // tp
@@ -160,7 +172,10 @@ def hf_param_shapes(dims: Dims) -> list[tuple[str, tuple[int, ...]]]:
         out += [(p + "self_attn.v_proj.weight", (kv, H))]
         if dims.qkv_bias:
             out += [(p + "self_attn.v_proj.bias", (kv,))]
-        out += [(p + "self_attn.o_proj.weight", (H, q)), (p + "mlp.gate_proj.weight", (dims.ffn, H)),
+        out += [(p + "self_attn.o_proj.weight", (H, q))]
+        if dims.qk_norm:
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        out += [(p + "mlp.gate_proj.weight", (dims.ffn, H)),
                 (p + "mlp.up_proj.weight", (dims.ffn, H)), (p + "mlp.down_proj.weight", (H, dims.ffn)),
                 (p + "input_layernorm.weight", (H,)), (p + "post_attention_layernorm.weight", (H,))]
     out.append(("model.norm.weight", (H,)))
@@ -182,6 +197,8 @@ def stage_megatron_names(dims: Dims, pp: int, p: int, *, te: bool = False) -> li
         if dims.qkv_bias:
             out.append(d + "self_attention.linear_qkv.bias")
         out.append(d + "self_attention.linear_proj.weight")
+        if dims.qk_norm:
+            out += [d + "self_attention.q_layernorm.weight", d + "self_attention.k_layernorm.weight"]
         out.append(d + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"))
         out += [d + "mlp.linear_fc1.weight", d + "mlp.linear_fc2.weight"]
     if p == pp - 1:

@@ -57,7 +57,7 @@ CHECKPOINTED = ("params", "optimizer")  # the offload kinds a checkpoint holds (
 
 
 class MegatronEngine:
-    """One HF Llama/Qwen2-family model as a megatron-core GPTModel sharded over a role mesh."""
+    """One HF Llama / Qwen2 / Qwen3 model as a megatron-core GPTModel sharded over a role mesh."""
 
     lora = None  # megatron-core 0.16.1 has no LoRA; config validation refuses lora.enable with this backend
 
@@ -77,8 +77,8 @@ class MegatronEngine:
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.path = {model_path!r}: cannot load the model config ({e})") from None
         if self.config.model_type not in MEGATRON_MODEL_TYPES:  # config validation refuses it first
-            raise ConfigError(f"megatron backend: model_type {self.config.model_type!r} is not supported "
-                              "(Llama / Qwen2 family); use trainer.backend = 'fsdp'")
+            raise ConfigError(f"megatron backend: model_type {self.config.model_type!r} is not supported (it converts "
+                              f"{', '.join(MEGATRON_MODEL_TYPES)}); use trainer.backend = 'fsdp'")
         if value_head:
             self.config.num_labels = 1
         self.use_te = have_te() if use_te is None else use_te

@@ -1,4 +1,4 @@
-"""Build a megatron-core GPTModel for one role from an HF Llama / Qwen2 config, on the role's mesh.
+"""Build a megatron-core GPTModel for one role from an HF Llama / Qwen2 / Qwen3 config, on the role's mesh.
 
 parallel_state is initialised with order "tp-pp-dp" (tp fastest, then pp, then dp: megatron's RankGenerator
 reads the order string fastest first), which is the layout of spmdrl's RoleLayout; the engine then asserts
@@ -147,7 +147,7 @@ def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype:
         num_layers=dims.layers, hidden_size=dims.hidden, num_attention_heads=dims.heads,
         num_query_groups=dims.groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=dims.qkv_bias,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=dims.qkv_bias, qk_layernorm=dims.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=mesh.tp_size, pipeline_model_parallel_size=mesh.pp_size,
         sequence_parallel=mesh.tp_size > 1,
@@ -199,21 +199,27 @@ def block_spec(cfg, use_te: bool, attention: str, num_layers: int):
     TransformerEngine installed: megatron's TE spec (TE's fused norm + linear; its norms support sequence
     parallelism). Otherwise megatron's local spec with two changes: core attention through torch SDPA
     (`attention="sdpa"`), and every RMSNorm (the two per layer and the final one) is `RMSNorm` below, which
-    supports sequence parallelism; megatron's own torch norm (WrappedTorchNorm) refuses it."""
+    supports sequence parallelism; megatron's own torch norm (WrappedTorchNorm) refuses it. Qwen3's q / k norms
+    (`qk_layernorm`) are `RMSNorm` too: each tp rank normalises the heads it holds with the one replicated
+    weight, so that gradient is a partial sum as well; finalize_model_grads all-reduces every q_layernorm /
+    k_layernorm gradient over tp when qk_layernorm is set."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec()
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
     if attention == "sdpa":
         layer.submodules.self_attention.submodules.core_attention = SdpaAttention
     elif attention != "local":
         raise ConfigError(f"megatron backend: attention {attention!r} is not one of sdpa, local")
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
+    if cfg.qk_layernorm:  # Qwen3's per-head q / k norms over head_dim (the local spec's default: megatron's torch norm)
+        attn = layer.submodules.self_attention.submodules
+        attn.q_layernorm = attn.k_layernorm = RMSNorm
     return ModuleSpec(module=TransformerBlock,
                       submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm))
 
