@@ -278,7 +278,7 @@ def test_qwen3_sync_from_megatron_plans_q_k_norms_at_the_lower_bound():
 
     from spmdrl.engines.megatron.convert import dims_from_hf, hf_param_shapes
     from spmdrl.engines.megatron.convert import source_blocks as engine_blocks
-    from spmdrl.reshard.plan import rollout_targets
+    from spmdrl.reshard.vllm_reads import rollout_targets
 
     cfg = Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, use_sliding_window=False,

@@ -435,7 +435,7 @@ class TrainerConfig:
     """auto (cuda when available) | cuda | cpu."""
     backend: str = "fsdp"
     """Training backend of the actor and ref: fsdp (FSDP2 + DTensor TP) or megatron (megatron-core GPTModel, TP x PP x DP;
-    Llama / Qwen2 family; every Megatron role shares one tp/pp layout)."""
+    Llama / Qwen2 / Qwen3 family; every Megatron role shares one tp/pp layout)."""
     critic_backend: str = ""
     """Training backend of the critic: fsdp or megatron; empty uses trainer.backend."""
     experiment_name: str = ""

@@ -11,6 +11,7 @@ import math
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -94,6 +95,9 @@ class _ValueHead(nn.Module):
         h = hidden[b.rows(), b.resp_pos]
         head = self.hf.score if hasattr(self.hf, "score") else self.hf.classifier
         return head(h).squeeze(-1).float() * b.resp_mask, None
+
+
+TP_PARTIAL_NORMS = ("q_norm", "k_norm")  # applied per head, inside the TP-sharded attention
 
 
 def tp_plan():
@@ -213,6 +217,11 @@ class FSDPEngine:
         self.defer_grad_sync = defer_grad_sync
         self._shards_checked = False
         self._my_blocks: dict | None = None
+        # per-head norms (Qwen3's and Gemma 3's q_norm / k_norm) act on this TP rank's heads only: their gradient
+        # here is a partial sum, completed over the TP group before the step (the replicas would drift apart)
+        self._tp_partial = [p for n, p in hf.named_parameters() if p.requires_grad and mesh.tp_size > 1
+                            and n.rsplit(".", 2)[-2] in TP_PARTIAL_NORMS]
+        self._tp_group = mesh.submesh("tp").get_group() if self._tp_partial else None
         self.optimizer = self.scheduler = None
         if trainable:
             o = optim or {}
@@ -266,6 +275,9 @@ class FSDPEngine:
             loss, metrics = loss_fn(mb, self)
             loss.backward()
             accumulate(sums, metrics)  # stays on the device: no host sync per micro-batch
+        for p in self._tp_partial:
+            if p.grad is not None:
+                dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=self._tp_group)
         grad_norm, finite = clipped_step(self.optimizer, self.clip_grad_norm)
         return step_metrics(sums, len(micro_batches), grad_norm, finite, self.scheduler)
 

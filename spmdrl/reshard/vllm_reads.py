@@ -205,8 +205,13 @@ def _engine_config(hf_config, tp: int, dtype: str, expert_parallel: bool, trust_
     from vllm.engine.arg_utils import EngineArgs
 
     with tempfile.TemporaryDirectory(prefix="spmdrl-probe-") as d:
+        config = hf_config.to_dict()
+        if not config.get("architectures"):  # a bare config: vLLM would pick the backbone (a pooling model)
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"), "")]
         with open(os.path.join(d, "config.json"), "w") as f:
-            f.write(hf_config.to_json_string())
+            json.dump(config, f)
         args = EngineArgs(model=d, tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
                           enforce_eager=True, dtype=dtype, skip_tokenizer_init=True, load_format="dummy",
                           enable_expert_parallel=expert_parallel, trust_remote_code=trust_remote_code,
