@@ -215,7 +215,6 @@ def test_megatron_blocks_at_70b_scale():
 
     hf = load_hf_config("meta-llama/Llama-3.3-70B-Instruct")
     ps = model_param_shapes(hf)
-    dims = ModelDims.from_hf_config(hf)
     grid = grid_of(2, 2, 8)
     groups = [list(range(8 * k, 8 * k + 8)) for k in range(4)]
     plan = plan_sync(ps, megatron_blocks(ps, grid, num_layers=80), rollout_targets(ps, groups, hf, True)[0], elem_bytes=2)

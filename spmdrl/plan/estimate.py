@@ -496,7 +496,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         "placement": {"mode": "split" if split else "colocate", **(split_figures(cfg, layout) if split else {})},
         "weight_sync": {k: sync[k] for k in ("bytes_recv_max", "bytes_lower_bound", "collectives", "buckets",
                                              "bytes_recv_total", "bytes_sent_max")}
-                       | {"routes": sync_routes(full_plan)}
+                       | {"routes": sync_routes(sync_figures.full_plan)}
                        | ({"lora_sync": lora_mode, "adapter_bytes": sum(math.prod(sh) for _, sh in adapter) * rollout_eb}
                           if lora_mode else {})
                        | {"elem_bytes": rollout_eb, "full_gather_bytes_per_rank": state["actor"]["stats"]["total"] * 4,
