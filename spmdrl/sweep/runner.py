@@ -41,6 +41,9 @@ def config_changes(run: Run) -> list[str]:
     except ConfigError:  # written by an older schema; nothing to compare against
         return []
     new = dataclasses.asdict(run.cfg)
+    for cfg in (old, new):  # a run records its output directory made absolute (spmdrl/train.py)
+        if cfg["trainer"]["output_dir"]:
+            cfg["trainer"]["output_dir"] = os.path.abspath(cfg["trainer"]["output_dir"])
     return [f"{sec}.{k}" for sec in new for k in new[sec]
             if old[sec][k] != new[sec][k] and not f"{sec}.{k}".startswith(NOT_RESULTS)]
 
