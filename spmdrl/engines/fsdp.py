@@ -275,11 +275,21 @@ class FSDPEngine:
             loss, metrics = loss_fn(mb, self)
             loss.backward()
             accumulate(sums, metrics)  # stays on the device: no host sync per micro-batch
-        for p in self._tp_partial:
-            if p.grad is not None:
-                dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=self._tp_group)
+        if self._tp_partial:
+            self._sum_tp_partial_grads()
         grad_norm, finite = clipped_step(self.optimizer, self.clip_grad_norm)
         return step_metrics(sums, len(micro_batches), grad_norm, finite, self.scheduler)
+
+    def _sum_tp_partial_grads(self) -> None:
+        """The per-head norms' gradients summed over the TP group, in one all-reduce of their concatenation."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self._tp_partial
+                 if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self._tp_group)
+        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(summed.view_as(g))
 
     def clip_grad_norm(self) -> float:
         """Global grad norm over all parameters, then clip. With TP, parameters live on different meshes

@@ -100,26 +100,25 @@ def view_block(full_shape: tuple[int, ...], offset: int, shape: tuple[int, ...],
 
 def coalesce(blocks: list[Block]) -> list[Block]:
     """Distinct blocks merged where two differ only in one dimension and touch along it (per-expert reads of a
-    fused expert tensor become one block per gate/up half); overlapping blocks become their bounding box."""
+    fused expert tensor become one block per gate/up half); overlapping blocks become their bounding box.
+    One sort-and-sweep per dimension, repeated until nothing merges (a 128-expert tensor: 256 reads, a few passes)."""
     out = sorted(set(b for b in blocks if numel(b)))
-    merged = True
-    while merged:
-        merged = False
-        for i in range(len(out)):
-            for j in range(len(out)):
-                a, b = out[i], out[j]
-                if i == j:
-                    continue
-                diff = [d for d in range(len(a[0])) if (a[0][d], a[1][d]) != (b[0][d], b[1][d])]
-                if len(diff) == 1 and a[0][diff[0]] + a[1][diff[0]] == b[0][diff[0]]:
-                    d = diff[0]
-                    offs, size = list(a[0]), list(a[1])
+    changed = bool(out)
+    while changed:
+        changed = False
+        for d in range(len(out[0][0]) if out else 0):
+            rest = lambda b: (b[0][:d] + b[0][d + 1:], b[1][:d] + b[1][d + 1:])  # noqa: E731
+            merged: list[Block] = []
+            for b in sorted(out, key=lambda b: (rest(b), b[0][d])):
+                last = merged[-1] if merged else None
+                if last is not None and rest(last) == rest(b) and last[0][d] + last[1][d] == b[0][d]:
+                    size = list(last[1])
                     size[d] += b[1][d]
-                    out = [x for k, x in enumerate(out) if k not in (i, j)] + [(tuple(offs), tuple(size))]
-                    merged = True
-                    break
-            if merged:
-                break
+                    merged[-1] = (last[0], tuple(size))
+                    changed = True
+                else:
+                    merged.append(b)
+            out = merged
     if any(intersect(a, b) for k, a in enumerate(out) for b in out[k + 1:]):
         lo = tuple(min(b[0][d] for b in out) for d in range(len(out[0][0])))
         hi = tuple(max(b[0][d] + b[1][d] for b in out) for d in range(len(out[0][0])))
