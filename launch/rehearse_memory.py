@@ -1,31 +1,30 @@
-"""Rehearse a large config's per-rank GPU memory on one GPU, phase by phase, and compare with `spmdrl plan`.
+"""Rehearse one rank of a large config on one GPU, component by component, and compare with `spmdrl plan`.
 
     python launch/rehearse_memory.py --config configs/ppo_70b.toml --out /tmp/rehearsal          # one GPU
     python launch/rehearse_memory.py --config configs/ppo_70b.toml --out /tmp/rehearsal --smoke  # CPU check
 
 What it does:
-1. The target: the per-rank training peak `spmdrl plan` gives for --config (max over train_actor / train_critic).
-2. A stand-in that one GPU can hold: a Llama whose layers have the shapes one rank of the config holds (heads,
-   kv heads, ffn and vocabulary divided by the actor's tp; hidden size and head dim unchanged) and as many layers
-   as make the one-GPU plan's training peak (world 1, no parallelism; the config's batch sizes, lengths, offload
-   kinds and backend) come closest to the target, within 10% (the search fails otherwise).
-   Random-init bf16 weights are written as an HF directory next to the byte tokenizer of spmdrl.tiny, and a few
-   synthetic prompts as the dataset.
-3. Run A (one process): PPO with the config's algorithm (actor + critic + ref, the config's offload settings)
+1. The stand-in: a Llama with the layers one rank of the config's actor holds: heads, kv heads, ffn and
+   vocabulary divided by the actor's tp (hidden size and head dim unchanged), and num_layers / actor pp layers;
+   fewer layers where that does not fit this GPU by the one-GPU plan (--layers sets the count). Random-init
+   bf16 weights are written as an HF directory next to the byte tokenizer of spmdrl.tiny, and a few synthetic
+   prompts as the dataset.
+2. Run A (one process): PPO with the config's algorithm, backend and offload settings (actor + critic + ref)
    for 3 steps with a checkpoint after step 2; run B, a new process: resume from that checkpoint and one more
-   step. Step 3 of run A reports the save's phase (`memory/checkpoint_save_*`), step 3 of run B the build,
-   load and resume phases; every step reports the training phases.
-4. A table: measured peak allocated GiB (`memory/<phase>_allocated_gb`, max over both runs) next to the plan's
-   figure for the stand-in config, with the ratio; a row is marked when it is off by more than 10% or above
-   0.9 x the GPU's memory. Written as JSON to <out>/rehearsal.json too.
+   step. Both run with memory.report_components, so every phase reports what each engine holds on the device
+   (params, grads, optimizer: real tensor bytes) and the rest of its peak (transient: activations, gradients
+   inside an update, logits, staging).
+3. A table per phase and component: measured GiB, the plan's figure for the stand-in (world 1) and their ratio;
+   next to it the plan's figure for the same component on one rank of the config itself, and the factor between
+   the two plans (layers, and the dp sharding a one-GPU run cannot do). A row is marked when measured and
+   planned differ by more than 10%. Written as JSON to <out>/rehearsal.json too.
 
-vLLM is not used: the rollout engine is spmdrl's transformers engine (`rollout.engine = "hf"`). What that changes:
-vLLM's pool (weights + KV cache, `rollout.gpu_memory_utilization` of the GPU) does not exist, so the phases in
-which the plan counts vLLM (load, rollout, sync) are not comparable and are shown for information; the
-transformers engine keeps its own full copy of the weights, on the GPU while generating and syncing and in host
-memory otherwise (its `sleep` moves them). The training, build, checkpoint-save and resume phases hold only the
-training engines and are comparable. --smoke runs the same pipeline on CPU with a 2-layer model of hidden size
-64 (where every memory figure is 0): it checks the script, not the memory.
+What one GPU cannot rehearse, listed with the config's planned figures instead of measurements: NCCL
+communicators and p2p buffers (one process has no peer), vLLM (the rollout engine is spmdrl's transformers
+engine, `rollout.engine = "hf"`: no vLLM pool, so the load / rollout / sync phases are not compared), the
+weight sync's buffers (nothing to send), and the CUDA context (outside torch's allocator).
+--smoke runs the same pipeline on CPU with a 2-layer model of hidden size 64: the resident components are real
+tensor bytes there too (they are compared), the transient ones are not measured (torch has no peak counter for CPU memory).
 """
 from __future__ import annotations
 
@@ -38,13 +37,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-TRAIN_PHASES = ("train_actor", "train_critic")
 COMPARABLE = ("build", "checkpoint_save", "resume", "ref_forward", "actor_forward", "critic_forward",
               "train_actor", "train_critic")
-
-
-def train_peak(plan: dict) -> float:
-    return max(plan["memory"][p]["gpu_gb"] for p in TRAIN_PHASES if p in plan["memory"])
 
 
 def stand_in_overrides(model_dir: str, data: str, out: str, smoke: bool) -> list[str]:
@@ -100,31 +94,72 @@ def write_llama(shape: dict, layers: int, out_dir: str, smoke: bool) -> None:
     del model
 
 
-def choose_layers(cfg_path: str, base_overrides: list[str], work: str, smoke: bool) -> tuple[dict, int, float, float]:
-    """(shape, layers, the stand-in's planned training peak, the target): the per-rank layer shape of the config's
-    actor and the layer count whose one-GPU plan comes closest to the config's per-rank training peak."""
+def choose_layers(cfg_path: str, base_overrides: list[str], work: str, layers: int | None,
+                  gpu_gb: float) -> tuple[dict, int, dict]:
+    """(shape, layers, the config's own plan): one rank's layer shape of the config's actor, and its layer
+    count (num_layers / actor pp), or the most layers whose one-GPU plan fits `gpu_gb` x memory.margin."""
     from spmdrl.config import load_config
     from spmdrl.engines.loading import load_hf_config
     from spmdrl.plan import build_plan
 
     cfg = load_config(cfg_path, [])
-    target = train_peak(build_plan(cfg))
-    shape = stand_in_shape(load_hf_config(cfg.model.path, cfg.model.trust_remote_code), cfg.placement.actor_tp)
+    target = build_plan(cfg)
+    hf = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
+    shape = stand_in_shape(hf, cfg.placement.actor_tp)
+    if layers:
+        return shape, layers, target
     probe = os.path.join(work, "probe")
     os.makedirs(probe, exist_ok=True)
-    best = None
-    for layers in range(1, 200):
-        llama_config(shape, layers).save_pretrained(probe)
-        peak = train_peak(build_plan(load_config(cfg_path, base_overrides + [f"model.path={probe}"]), world_size=1))
-        if best is None or abs(peak - target) < abs(best[1] - target):
-            best = (layers, peak)
-        if peak > target:
-            break
-    layers, peak = best
-    if not smoke and abs(peak - target) > 0.1 * target:
-        raise SystemExit(f"no layer count brings the one-GPU training peak within 10% of {target:.1f} GiB "
-                         f"(closest: {layers} layers, {peak:.1f} GiB)")
-    return shape, layers, peak, target
+    overrides = base_overrides + [f"model.path={probe}", f"memory.gpu_memory_gb={gpu_gb}"]
+    for n in range(max(1, hf.num_hidden_layers // cfg.placement.actor_pp), 0, -1):
+        llama_config(shape, n).save_pretrained(probe)
+        if build_plan(load_config(cfg_path, overrides), world_size=1)["fits"]:
+            return shape, n, target
+    raise SystemExit(f"not even one layer of {shape} fits {gpu_gb:.0f} GiB by the one-GPU plan")
+
+
+# The plan's components that a one-process run cannot hold: listed with the config's figures, never compared.
+NOT_REHEARSED = ("nccl_", "vllm_", "sync_", "cuda_context")
+
+
+def resident(name: str) -> bool:
+    return name.rsplit("_", 1)[-1] in ("params", "grads", "optimizer") and not name.endswith("gathered_params")
+
+
+def gib_parts(plan: dict, phase: str) -> dict[str, float]:
+    return {k: v / 2**30 for k, v in plan["memory"].get(phase, {}).get("gpu_bytes", {}).items()}
+
+
+def compare(plan: dict, target: dict, measured: dict, cpu: bool) -> tuple[list[dict], list[dict]]:
+    """(compared rows, not-rehearsed rows). Per phase: each resident component measured vs planned; `transient`
+    vs the planned components that are neither resident on the device at the phase's end (by measurement: a
+    gradient FSDP2 frees at the end of its update is transient) nor among NOT_REHEARSED. On CPU (`cpu`) offload is
+    a no-op, so state the plan has in host memory is on the "device" too: only planned components are compared."""
+    rows, skipped = [], []
+    for phase in COMPARABLE:
+        got = measured.get(phase)
+        want, tgt = gib_parts(plan, phase), gib_parts(target, phase)
+        if not got or phase not in plan["memory"]:
+            continue
+        names = sorted({n for n in set(want) | set(got) if resident(n) and (got.get(n) or want.get(n))
+                        and not (cpu and n not in want)})
+        held = [n for n in names if got.get(n)]
+        rest = lambda parts: sum(v for n, v in parts.items()  # noqa: E731  (a gradient not held is transient)
+                                 if not n.startswith(NOT_REHEARSED)
+                                 and not (resident(n) and (n in held or not n.endswith("_grads"))))
+        for n in names + ["transient"]:
+            m = got.get(n)
+            w, t = (rest(want), rest(tgt)) if n == "transient" else (want.get(n), tgt.get(n))
+            ratio = m / w if m is not None and w else None
+            note = "" if ratio is None or abs(ratio - 1) <= 0.1 else "off by more than 10%"
+            if m is None:
+                note = "CPU: transient not measured" if n == "transient" else "not measured"
+            rows.append({"phase": phase, "component": n, "measured_gb": m, "planned_gb": w, "ratio": ratio,
+                         "target_gb": t, "target_factor": t / w if t and w else None, "note": note})
+        for n, v in sorted(tgt.items()):
+            if n.startswith(NOT_REHEARSED):
+                skipped.append({"phase": phase, "component": n, "target_gb": v})
+    return rows, skipped
 
 
 def run(cmd: list[str], log: str) -> None:
@@ -141,8 +176,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/ppo_70b.toml")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=None, help="stand-in layers (default: one rank's, or what fits)")
     ap.add_argument("--smoke", action="store_true", help="CPU check of the pipeline with a tiny model")
     args = ap.parse_args()
+    import torch
+
     from spmdrl.config import load_config
     from spmdrl.data.synthetic import make_arith
     from spmdrl.metrics import read_jsonl
@@ -152,10 +190,13 @@ def main() -> int:
     model_dir, run_a, run_b = (os.path.join(out, x) for x in ("model", "run_a", "run_b"))
     data = make_arith(os.path.join(out, "data"), n_train=64, n_val=0, seed=0)["train"]
     base = stand_in_overrides(model_dir, data, run_a, args.smoke)
-    shape, layers, planned_peak, target = choose_layers(args.config, base, out, args.smoke)
-    print(f"target: {target:.2f} GiB per rank ({args.config}); stand-in: {layers} layers of {shape}, "
-          f"plan {planned_peak:.2f} GiB", flush=True)
-    write_llama(shape, 2 if args.smoke else layers, model_dir, args.smoke)
+    gpu_gb = (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() and not args.smoke
+              else load_config(args.config, []).memory.gpu_memory_gb)
+    shape, layers, target = choose_layers(args.config, base, out, 2 if args.smoke else args.layers, gpu_gb)
+    what = "2 layers of hidden size 64 (--smoke)" if args.smoke else f"{layers} layers of {shape}"
+    print(f"stand-in: {what} for one rank of {args.config}; GPU {gpu_gb:.1f} GiB", flush=True)
+    write_llama(shape, layers, model_dir, args.smoke)
+    base += [f"memory.gpu_memory_gb={gpu_gb}", "memory.report_components=true"]
     plan = build_plan(load_config(args.config, base), world_size=1)
     train = [sys.executable, "-m", "spmdrl.train", "--config", args.config]
     run(train + base + ["trainer.total_steps=3", "checkpoint.resume=off"], os.path.join(out, "run_a.log"))
@@ -163,35 +204,28 @@ def main() -> int:
     resumed = [o for o in base if not o.startswith("trainer.output_dir=")]
     run(train + resumed + [f"trainer.output_dir={run_b}", "trainer.total_steps=3", f"checkpoint.resume={ckpt}"],
         os.path.join(out, "run_b.log"))
-    measured: dict[str, float] = {}
+    measured: dict[str, dict[str, float]] = {}
     for d in (run_a, run_b):
         for row in read_jsonl(os.path.join(d, "metrics.jsonl")):
             for k, v in row.items():
-                if k.startswith("memory/") and k.endswith("_allocated_gb"):
-                    phase = k[len("memory/"):-len("_allocated_gb")]
-                    measured[phase] = max(measured.get(phase, 0.0), v)
-    limit = 0.9 * plan["hardware"]["gpu_memory_gb"] * 1e9 / 2**30
-    rows = []
-    for phase in sorted(set(plan["memory"]) | set(measured)):
-        want = plan["memory"].get(phase, {}).get("gpu_gb")
-        got = measured.get(phase)
-        ratio = got / want if got is not None and want else None
-        if phase not in COMPARABLE:
-            flag = "not comparable: the plan counts vLLM, the rehearsal runs the transformers engine"
-        elif ratio is None:
-            flag = "no planned figure" if got is not None else "not measured"
-        else:
-            flag = "off by more than 10%" if abs(ratio - 1) > 0.1 else ""
-        if got is not None and got > limit:
-            flag = f"above 0.9 x GPU ({limit:.1f} GiB)"
-        rows.append({"phase": phase, "measured_gb": got, "planned_gb": want, "ratio": ratio, "note": flag})
-    print(f"{'phase':18s} {'measured GiB':>13s} {'planned GiB':>12s} {'ratio':>6s}  note")
+                parts = k.split("/")
+                if len(parts) == 3 and parts[0] == "memory" and parts[2].endswith("_gb"):
+                    phase, name = parts[1], parts[2][:-3]
+                    measured.setdefault(phase, {})[name] = max(measured.get(phase, {}).get(name, 0.0), v)
+    rows, skipped = compare(plan, target, measured, cpu=args.smoke)
+    f = (lambda x, w: f"{x:{w}.3g}" if x is not None else " " * (w - 1) + "-")  # noqa: E731
+    print(f"{'phase':16s} {'component':22s} {'measured':>9s} {'planned':>8s} {'ratio':>6s} {'target':>8s} "
+          f"{'factor':>7s}  note   (GiB; planned: the stand-in, world 1; target: one rank of the config)")
     for r in rows:
-        f = (lambda x, w: f"{x:{w}.2f}" if x is not None else " " * (w - 1) + "-")
-        print(f"{r['phase']:18s} {f(r['measured_gb'], 13)} {f(r['planned_gb'], 12)} {f(r['ratio'], 6)}  {r['note']}")
+        print(f"{r['phase']:16s} {r['component']:22s} {f(r['measured_gb'], 9)} {f(r['planned_gb'], 8)} "
+              f"{f(r['ratio'], 6)} {f(r['target_gb'], 8)} {f(r['target_factor'], 7)}  {r['note']}")
+    print("not rehearsed on one GPU (the config's planned GiB per rank):")
+    for phase in dict.fromkeys(r["phase"] for r in skipped):
+        print(f"  {phase:16s} " + ", ".join(f"{r['component']} {r['target_gb']:.3g}" for r in skipped
+                                             if r["phase"] == phase))
     with open(os.path.join(out, "rehearsal.json"), "w") as fh:
-        json.dump({"config": args.config, "target_train_peak_gb": target, "layers": layers,
-                   "planned_train_peak_gb": planned_peak, "phases": rows}, fh, indent=1)
+        json.dump({"config": args.config, "layers": layers, "shape": shape, "gpu_gb": gpu_gb,
+                   "components": rows, "not_rehearsed": skipped}, fh, indent=1)
     return 0
 
 

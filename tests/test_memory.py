@@ -117,3 +117,41 @@ def test_plan_cli_table_and_json(tmp_path):
 def test_plan_without_config_json_is_one_line_error(tmp_path):
     r = CliRunner().invoke(app, ["plan", "--config", "configs/grpo.toml", f"model.path={tmp_path}"])
     assert r.exit_code == 2 and "model.path" in r.output and "config.json" in r.output
+
+
+def test_component_figures_are_the_engines_tensor_bytes_and_match_the_plan(tmp_path):
+    """memory.report_components: each phase reports what each engine holds (params / grads / optimizer), as real
+    tensor bytes on CPU too. Against two references: the HF model's own parameter count (4 bytes each in float32;
+    AdamW's two moments per parameter after a step), and `spmdrl plan`'s components for the same config."""
+    from launching import world_of_one
+    from transformers import AutoModelForCausalLM
+
+    from spmdrl.config import load_config
+    from spmdrl.dist.layout import plan_layout
+    from spmdrl.dist.meshes import RoleMeshes
+    from spmdrl.engines.fsdp import FSDPEngine
+    from spmdrl.engines.token_batch import pack_sequences
+    from spmdrl.plan import build_plan
+    from spmdrl.tiny import build_tiny
+
+    model = build_tiny(str(tmp_path / "m"), num_layers=2)
+    cfg = load_config(None, [f"model.path={model}", "trainer.device=cpu", "memory.report_components=true"])
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model).parameters())
+    with world_of_one():
+        mesh = RoleMeshes(plan_layout(cfg.placement, 1), 0, "cpu")["actor"]
+        eng = FSDPEngine(model, mesh, torch.device("cpu"), trainable=True)
+        mem = MemoryLifecycle(torch.device("cpu"), {}, {"actor": ["optimizer"]}, components=True)
+        mem.begin_build()
+        mem.adopt("actor", eng)
+        assert eng.resident_bytes() == {"params": 4 * n, "grads": 0, "optimizer": 0}
+        mem.for_training("actor")
+        tb = pack_sequences([torch.tensor([5, 6, 7])], [torch.tensor([8, 9])], 0)
+        eng.train_step([tb], lambda mb, e: (-(e.logprobs(mb)[0] * mb.resp_mask).sum(), {}))
+        m = mem.step_metrics()
+    gib = 2**30
+    assert m["memory/train_actor/actor_params_gb"] * gib == 4 * n
+    assert m["memory/train_actor/actor_optimizer_gb"] * gib == 2 * 4 * n
+    assert m["memory/train_actor/actor_grads_gb"] == 0  # FSDP2 frees gradients at the end of train_step
+    assert "memory/train_actor/transient_gb" not in m  # CPU: no allocator peak to take it from
+    planned = build_plan(cfg, world_size=1)["memory"]["train_actor"]["gpu_bytes"]
+    assert planned["actor_params"] == 4 * n and planned["actor_optimizer"] == 2 * 4 * n

@@ -412,6 +412,8 @@ class MemoryConfig:
     """Host memory per node in GiB (2^30 bytes), for `spmdrl plan`."""
     margin: float = 0.9
     """`spmdrl plan` says a phase fits when it uses at most this fraction of GPU and host memory."""
+    report_components: bool = False
+    """Also log, per phase, each role's params / grads / optimizer bytes on the device at the phase's end (memory/<phase>/<role>_<kind>_gb) and, on CUDA, the rest of the phase's peak (memory/<phase>/transient_gb): the figures launch/rehearse_memory.py compares with `spmdrl plan` component by component."""
 
 
 @dataclass

@@ -102,6 +102,11 @@ class TrainEngine(Protocol):
     def onload(self, kinds: tuple[str, ...] = OFFLOAD_KINDS) -> None:
         """Bring offloaded state back to the device."""
 
+    def resident_bytes(self) -> dict[str, int]:
+        """{params, grads, optimizer: bytes of this rank's state of that kind on `device` now}: each storage
+        counted once, offloaded state and freed gradients as 0. The per-component memory figures
+        (`logging.memory_components`) and the one-GPU rehearsal compare these with `spmdrl plan`."""
+
 
 @runtime_checkable
 class AdapterEngine(TrainEngine, Protocol):
@@ -117,6 +122,24 @@ class AdapterEngine(TrainEngine, Protocol):
 
     def adapter_config(self) -> dict:
         """The adapter_config.json PEFT writes for these adapters."""
+
+
+def device_bytes(tensors, device: torch.device, exclude: set[int] = frozenset()) -> tuple[int, set[int]]:
+    """(bytes of the distinct storages behind `tensors` that live on `device`'s type, their data pointers):
+    views of one buffer count once, storages whose pointer is in `exclude` (counted under another kind) not at
+    all. DTensors count their local shard."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if t.device.type != device.type or not st.nbytes() or ptr in seen or ptr in exclude:
+            continue
+        seen.add(ptr)
+        total += st.nbytes()
+    return total, seen
 
 
 def forward_each(engine: TrainEngine, tbs: list, head: str, **head_kw) -> list[torch.Tensor]:

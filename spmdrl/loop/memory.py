@@ -22,6 +22,13 @@ Every transition closes the current phase and opens the next: the phase's peak a
 (torch's allocator, reset at each phase; plus vLLM's cuMem pool where vLLM reports it) become
 memory/<phase>_allocated_gb and memory/<phase>_reserved_gb, maxed over the step; memory/host_rss_gb is this
 rank's resident set. On CPU, sleep and offload are no-ops and allocated/reserved report 0; RSS is real.
+
+With `components` (memory.report_components), each phase also reports what it holds, component by component,
+maxed over the step: memory/<phase>/<role>_<kind>_gb, the bytes of each engine's params / grads / optimizer on
+the device at the phase's end (TrainEngine.resident_bytes: real tensor bytes, on CPU too), and on CUDA
+memory/<phase>/vllm_pool_gb and memory/<phase>/transient_gb = the phase's peak allocated minus those resident
+bytes and vLLM's pool: activations, gradients that live only inside an update (FSDP2 frees them at its end),
+logits, sync buckets.
 """
 from __future__ import annotations
 
@@ -57,8 +64,11 @@ def vllm_pool_bytes() -> int:
 class MemoryLifecycle:
     """Phase transitions and per-phase memory metrics for colocated placement."""
 
-    def __init__(self, device: torch.device, engines: dict, offload: dict[str, list[str]], rollout=None):
+    def __init__(self, device: torch.device, engines: dict, offload: dict[str, list[str]], rollout=None,
+                 components: bool = False):
         self.device, self.cuda = device, device.type == "cuda"
+        self.components = components
+        self._parts: dict[str, float] = {}
         self._kinds = offload
         self.engines: dict = {}
         self.offload: dict[str, tuple[str, ...]] = {}
@@ -153,8 +163,9 @@ class MemoryLifecycle:
         for phase, (alloc, reserved) in self._peaks.items():
             out[f"memory/{phase}_allocated_gb"] = alloc / GIB
             out[f"memory/{phase}_reserved_gb"] = reserved / GIB
+        out.update({k: v / GIB for k, v in self._parts.items()})
         out["memory/host_rss_gb"] = host_rss_bytes() / GIB
-        self._peaks = {}
+        self._peaks, self._parts = {}, {}
         if self.phase is not None and self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)  # the open phase counts from here in the next step
         return out
@@ -177,6 +188,18 @@ class MemoryLifecycle:
             alloc = reserved = 0.0
         a, r = self._peaks.get(self.phase, (0.0, 0.0))
         self._peaks[self.phase] = (max(a, alloc), max(r, reserved))
+        if self.components:
+            self._record_parts(alloc, pool if self.cuda else 0)
+
+    def _record_parts(self, peak: float, pool: int) -> None:
+        parts = {f"{role}_{kind}": b for role, engine in self.engines.items()
+                 for kind, b in engine.resident_bytes().items()}
+        if self.cuda:
+            parts["vllm_pool"] = pool
+            parts["transient"] = max(0.0, peak - sum(parts.values()))
+        for name, b in parts.items():
+            key = f"memory/{self.phase}/{name}_gb"
+            self._parts[key] = max(self._parts.get(key, 0.0), b)
 
     def _offload(self, role: str, kinds: tuple[str, ...]) -> None:
         if kinds:  # the engines decide what moves (nothing on CPU, where the state is in host memory already)

@@ -106,7 +106,7 @@ class Trainer:
         )
         reward_fn = build_reward_fn(cfg.reward)  # a user function runs in a worker process (rewards/worker.py)
         # ---- models: training engines (training ranks), memory lifecycle, reward model, rollout engine, weight sync
-        self.memory = MemoryLifecycle(device, {}, offload_kinds(cfg, split))
+        self.memory = MemoryLifecycle(device, {}, offload_kinds(cfg, split), components=cfg.memory.report_components)
         self.memory.begin_build()
         engines = build_engines(cfg, self.meshes, device, on_built=self.memory.adopt) if self.trains else None
         self.actor, self.ref, self.critic = (engines.actor, engines.ref, engines.critic) if engines else (None,) * 3

@@ -340,6 +340,7 @@ def _memory_table(phases: dict, m, gpus_node: int) -> tuple[dict, bool]:
         fits &= ok
         memory[name] = {"gpu_gb": _gib(gpu_total), "host_gb": _gib(host_node), "fits": ok,
                         "gpu": {k: _gib(v) for k, v in gpu.items() if v},
+                        "gpu_bytes": {k: int(v) for k, v in gpu.items() if v},
                         "host_per_rank": {**{k: _gib(v) for k, v in host.items() if v}, "process": PROCESS_HOST_GIB}}
     return memory, fits
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.dist.meshes import RoleMesh
-from spmdrl.engines.base import accumulate, clipped_step, step_metrics
+from spmdrl.engines.base import accumulate, clipped_step, device_bytes, step_metrics
 from spmdrl.config.derived import resolve_dtype
 from spmdrl.engines.base import lr_lambda
 from spmdrl.engines.token_batch import TokenBatch, relayout
@@ -379,6 +379,20 @@ class MegatronEngine:
         """Bring parked kinds back to the device (see offload); kinds that are not parked are left alone."""
         if self.device.type == "cuda":
             self._unpark(kinds)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes on the device now of the storages offload would park, kind by kind (see offload): parked
+        storages are resized to 0 and count nothing."""
+        from .offload import optimizer_tensors
+
+        p, taken = device_bytes(self.stage.parameters(), self.device)
+        o = g = 0
+        if self.optimizer is not None:
+            o, _ = device_bytes(optimizer_tensors(self.optimizer), self.device, taken)
+        if self.trainable:
+            bufs = self.model.buffers + self.model.expert_parallel_buffers
+            g, _ = device_bytes((b.grad_data for b in bufs), self.device, taken)
+        return {"params": p, "grads": g, "optimizer": o}
 
     def _park(self, kinds) -> None:
         from .offload import HostStash, optimizer_tensors, unique_storages
