@@ -47,3 +47,21 @@ def test_phase_memory_of_a_short_grpo_run_against_the_plan(tmp_path, record_prop
                                                 for k, (m, p) in sorted(phases.items())})
     got, want = phases["train_actor"]
     assert 0.75 * want <= got <= 1.25 * want, (got, want)
+
+
+def test_the_comparison_reads_what_the_plan_writes(tmp_path):
+    """CPU: the plan of the GPU test's own config (its phase names and fields, built in-process as `spmdrl
+    plan` builds it) read by measured_vs_planned next to a metrics row of the names the trainer logs."""
+    from spmdrl.config import load_config
+    from spmdrl.plan import build_plan
+    from spmdrl.tiny import build_tiny
+
+    model = build_tiny(str(tmp_path / "m"))
+    cfg = load_config(os.path.join(REPO, "configs/quickstart/grpo.toml"),
+                      [f"model.path={model}", "trainer.device=cuda", "rollout.engine=hf", *RUN])
+    plan = json.loads(json.dumps(build_plan(cfg, world_size=1)))
+    rows = [{"memory/train_actor_allocated_gb": 2.0, "memory/sync_allocated_gb": 1.0}, {"memory/train_actor_allocated_gb": 3.0}]
+    got = measured_vs_planned(plan, rows)
+    p = plan["memory"]["train_actor"]
+    assert got["train_actor"] == (3.0, p["gpu_gb"] - p["gpu"]["cuda_context"]) and p["gpu"]["cuda_context"] > 0
+    assert got["sync"][0] == 1.0 and got["sync"][1] is not None
