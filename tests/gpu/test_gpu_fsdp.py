@@ -13,7 +13,6 @@
 CPU runs the eager packed case, LoRA and staging; model.compile and the recompute policies have their CPU
 forms in tests/test_fsdp_compile.py and tests/test_recompute.py, activation offload is CUDA-only.
 """
-import collections
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from devices import DEVICES
+from test_gpu_attention import VARLEN_OP
 from launching import world_of_one
 from spmdrl.batch import Batch
 from spmdrl.config.schema import PlacementConfig
@@ -68,7 +68,7 @@ class VarlenCalls(TorchDispatchMode):
         self.n = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += "_varlen_attn" in func.name()
+        self.n += func.name() == VARLEN_OP
         return func(*args, **(kwargs or {}))
 
 

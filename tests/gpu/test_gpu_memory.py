@@ -60,7 +60,8 @@ def test_the_comparison_reads_what_the_plan_writes(tmp_path):
     cfg = load_config(os.path.join(REPO, "configs/quickstart/grpo.toml"),
                       [f"model.path={model}", "trainer.device=cuda", "rollout.engine=hf", *RUN])
     plan = json.loads(json.dumps(build_plan(cfg, world_size=1)))
-    rows = [{"memory/train_actor_allocated_gb": 2.0, "memory/sync_allocated_gb": 1.0}, {"memory/train_actor_allocated_gb": 3.0}]
+    rows = [{"memory/train_actor_allocated_gb": 2.0, "memory/sync_allocated_gb": 1.0},
+            {"memory/train_actor_allocated_gb": 3.0}]
     got = measured_vs_planned(plan, rows)
     p = plan["memory"]["train_actor"]
     assert got["train_actor"] == (3.0, p["gpu_gb"] - p["gpu"]["cuda_context"]) and p["gpu"]["cuda_context"] > 0
