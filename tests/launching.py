@@ -36,13 +36,20 @@ def run(args: list[str], nproc: int | None, timeout: int = 600, module: bool = F
 
 
 @contextlib.contextmanager
-def world_of_one():
-    """A gloo world of one process (this one) for in-process engine tests; left as found on exit."""
+def world_of_one(device: str = "cpu"):
+    """A world of one process (this one) for in-process engine tests: gloo for device "cpu", NCCL bound to GPU 0
+    for "cuda"; left as found on exit."""
+    import torch
     import torch.distributed as dist
 
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        kw = {}
+        if device == "cuda":
+            torch.cuda.set_device(0)
+            kw["device_id"] = torch.device("cuda", 0)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1, **kw)
     try:
         yield
     finally:

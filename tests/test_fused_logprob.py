@@ -5,6 +5,7 @@ differentiated or detached. And what it keeps for backward: never an [N, V] tens
 import pytest
 import torch
 
+from devices import DEVICES
 from spmdrl.algos.token_stats import LinearLogprob, logprobs_from_hidden
 
 N, H, V = 37, 16, 50
@@ -88,18 +89,25 @@ def test_logprob_only_gradient_and_no_vocab_sized_tensor_kept():
     assert saved and all(s[-1] != V or len(s) == 1 for s in saved if s != tuple(w.shape)), saved  # no [N, V]
 
 
-def test_bfloat16_matches_unfused_checkpointed_path():
-    """In bf16 (the GPU compute dtype) the fused head agrees with the checkpointed autograd path it replaces to
-    bf16 rounding: the same matmuls in the weight's dtype, the softmax math in float32."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_matches_float64_and_the_unfused_checkpointed_path(device):
+    """In bf16 (the GPU compute dtype), on the device: the fused head agrees with float64 autograd over the
+    bf16-rounded inputs, and with the checkpointed autograd path it replaces, to bf16 rounding (the same matmuls
+    in the weight's dtype, the softmax math in float32)."""
     h, w, _, y, g_lp, g_ent = data(1, bias=False)
+    want = reference(h.bfloat16(), w.bfloat16(), None, y, 1.0, g_lp, g_ent, True)
     out = []
     for fused in (True, False):
-        hh, ww = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+        hh, ww = (t.to(device, torch.bfloat16).requires_grad_() for t in (h, w))
+        yy, glp, gent = (t.to(device) for t in (y, g_lp, g_ent))
         if fused:
-            lp, ent = LinearLogprob.apply(hh, ww, None, y, 1.0, -100, True, True, 8)
+            lp, ent = LinearLogprob.apply(hh, ww, None, yy, 1.0, -100, True, True, 8)
+            assert "LinearLogprobBackward" in graph_ops(lp)
         else:
-            lp, ent = logprobs_from_hidden(hh, ww, y, chunk_size=8, top_p=1 - 1e-9)  # truncation: the old path
-        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
-        out.append((lp, ent, hh.grad.float(), ww.grad.float()))
+            lp, ent = logprobs_from_hidden(hh, ww, yy, chunk_size=8, top_p=1 - 1e-9)  # truncation: the old path
+        ((lp * glp).sum() + (ent * gent).sum()).backward()
+        out.append(tuple(t.float().cpu() for t in (lp, ent, hh.grad, ww.grad)))
     for a, b in zip(*out):
-        assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2), (a.float() - b.float()).abs().max()
+        assert torch.allclose(a, b, atol=2e-2, rtol=2e-2), (a - b).abs().max()
+    for got, ref in zip(out[0], want[:4]):  # float64: values and gradients within bf16 rounding of their scale
+        assert (got.double() - ref).abs().max() <= 2e-2 * ref.abs().max(), (got.double() - ref).abs().max()

@@ -365,3 +365,15 @@ def test_loop_engines_and_plan_do_not_rederive_config_meanings():
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if not line.lstrip().startswith("#") and any(re.search(c, line) for c in CONFIG_MEANINGS)]
     assert not hits, "derive these in spmdrl/config/derived.py and call it:\n" + "\n".join(hits)
+
+
+def test_gpu_tier_runs_every_file_with_gpu_tests():
+    """launch/gpu_tier.sh names the files it collects (collecting the whole suite would import vLLM on a GPU
+    machine without it): every test file parametrised over devices.DEVICES or marked gpu must be among them."""
+    script = (ROOT / "launch" / "gpu_tier.sh").read_text()
+    listed = re.search(r'^TIER_FILES="([^"]*)"', script, flags=re.M).group(1).split()
+    covered = lambda rel: any(rel == f or rel.startswith(f.rstrip("/") + "/") for f in listed)
+    uses = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "tests").rglob("test_*.py"))
+            if p.name != "test_repo.py" and re.search(r"\bDEVICES\b|\bgpu_only\b|mark\.gpu\b", p.read_text())]
+    assert uses and "tests/gpu/test_gpu_fsdp.py" in uses
+    assert [u for u in uses if not covered(u)] == [], listed

@@ -1,10 +1,10 @@
 """Bitwise resume of the Megatron engine on CUDA (megatron's distributed optimizer, bf16 params with float32
-master weights) at world 1 (dp = tp = pp = 1). Run under torchrun --nproc-per-node 1 by tests/test_megatron_gpu.py.
+master weights) at world 1 (dp = tp = pp = 1). Run under torchrun --nproc-per-node 1 by tests/gpu/test_gpu_megatron.py.
 
 Engine A (AdamW with weight decay, grad clipping, a 3-step linear warm-up so the LR scheduler's position
 matters) takes 2 PPO steps, is checkpointed through spmdrl's CheckpointManager, exported (its own export_hf)
 and takes step 3. Engine B, fresh from the HF model, loads the checkpoint and takes step 3. Writes
-<out>/result.pt: the bf16 parameters and float32 master weights of both after step 3, both right after the
+<out>/result.pt: the fusion flags the engine was built with, the bf16 parameters and float32 master weights of both after step 3, both right after the
 save / load, both step-3 metrics; <out>/ckpt holds the checkpoint, <out>/export_step2 the engine's export.
 """
 import argparse
@@ -64,6 +64,9 @@ def main():
 
     a = engine()
     assert type(dist_optim.distributed_optimizer(a.optimizer)).__name__ == "DistributedOptimizer"
+    from spmdrl.engines.megatron.model import fused_kernels, fusion_flags
+
+    fusions = fusion_flags(device, a.use_te, True, fused_kernels())  # what this machine's kernels allow
     initial = state(a)
     step(a)
     step(a)
@@ -72,7 +75,8 @@ def main():
         2, engines={"actor": a}, trainer_state={"step": 2}, config_toml="",
         hf_files=lambda d: a.hf_config().save_pretrained(d))
     a.export_hf(os.path.join(args.out, "export_step2"))
-    res = {"initial": initial, "saved": state(a), "lr_saved": a.scheduler.get_last_lr()[0]}
+    res = {"initial": initial, "saved": state(a), "lr_saved": a.scheduler.get_last_lr()[0],
+           "fusions": {f: getattr(a.tcfg, f) for f in fusions}, "fusions_allowed": fusions}
     res["metrics_a"] = step(a)
     res["after_a"] = state(a)
 

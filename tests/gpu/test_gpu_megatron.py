@@ -4,9 +4,11 @@ dist_optim.py).
 test_flat_ranges_as_hf_blocks runs everywhere: the block arithmetic that turns a dp rank's flat range of a
 megatron parameter into blocks of HF tensors, against direct indexing of a reference tensor.
 test_gpu_resume_is_bitwise_and_export_reads_it needs one CUDA GPU (world 1: dp = tp = pp = 1, the only layout
-one GPU runs): torchrun tests/dist_scripts/megatron_gpu_resume.py on a tiny bf16 Qwen2, then bitwise resume
-(bf16 params, float32 master weights, step-3 metrics) and `spmdrl export` of the checkpoint == the engine's
-own export.
+one GPU runs; megatron-core carried as a wheel by launch/gpu_tier.sh): torchrun
+tests/dist_scripts/megatron_gpu_resume.py on a tiny bf16 Qwen2 with the fusion flags the machine's kernels
+allow, then bitwise resume (bf16 params, float32 master weights, step-3 metrics) and `spmdrl export` of the
+checkpoint == the engine's own export. Its CPU counterpart is tests/test_megatron_engine.py (torch AdamW, no
+distributed optimizer, which rejects CPU tensors).
 """
 import os
 import sys
@@ -14,10 +16,11 @@ import sys
 import pytest
 import torch
 
+from devices import gpu_only
 from launching import run
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "dist_scripts", "megatron_gpu_resume.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(TESTS, "dist_scripts", "megatron_gpu_resume.py")
 
 pytest.importorskip("megatron.core")
 
@@ -62,14 +65,16 @@ def _safetensors(d):
     return out
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron's distributed optimizer needs a CUDA GPU")
-def test_gpu_resume_is_bitwise_and_export_reads_it(tmp_path):
+@gpu_only
+def test_gpu_resume_is_bitwise_and_export_reads_it(tmp_path, record_property):
     from spmdrl.export import export_hf
     from spmdrl.tiny import build_tiny
 
     model = build_tiny(str(tmp_path / "model"), seed=0)
     run([SCRIPT, "--model", model, "--out", str(tmp_path)], nproc=1, timeout=600)
     res = torch.load(tmp_path / "result.pt", weights_only=False)
+    record_property("fusions", res["fusions"])
+    assert res["fusions"] == res["fusions_allowed"]  # the engine built with every fusion the kernels here allow
 
     def same(x, y):
         assert x.keys() == y.keys() and x
