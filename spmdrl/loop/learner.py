@@ -62,14 +62,14 @@ class Learner:
         student's), [B, R] in the actor's layout. A teacher laid out unlike the actor (teacher_tp != actor_tp)
         takes the token columns in its own layout, every rank of a teacher tp group holding the same samples, and
         its log-probs go back the same way (dist.collectives.redistribute, both ways)."""
-        actor, teacher = self.meshes["actor"], self.meshes["teacher"]
-        if (actor.layout.dp, actor.layout.pp, actor.layout.tp) == (teacher.layout.dp, teacher.layout.pp, teacher.layout.tp):
+        a, t = self.meshes["actor"], self.meshes["teacher"]
+        if (a.dp_size, a.pp_size, a.tp_size) == (t.dp_size, t.pp_size, t.tp_size):
             return self.logprobs(self.teacher, batch)
         group = self.meshes.train_group  # None when colocated: the world
         keys = ("prompts", "responses", "prompt_len", "response_len", "response_mask")
-        tokens = redistribute(Batch({k: batch[k] for k in keys}), actor, teacher, group=group)
+        tokens = redistribute(Batch({k: batch[k] for k in keys}), a, t, group=group)
         scored = Batch({"teacher_log_probs": self.logprobs(self.teacher, tokens)})
-        return redistribute(scored, teacher, actor, group=group)["teacher_log_probs"][:, : batch["responses"].shape[1]]
+        return redistribute(scored, t, a, group=group)["teacher_log_probs"][:, : batch["responses"].shape[1]]
 
     def values(self, batch: Batch) -> torch.Tensor:
         c = self.cfg.critic
