@@ -111,7 +111,8 @@ def check_models(cfg) -> None:
 def check_teacher(cfg) -> None:
     """distill.teacher_path: a model directory (or hub id) whose tokenizer is the student's: the same token ids
     for the same strings (vocabulary, special tokens) and the same chat template, since the teacher scores the
-    student's token ids as they are. Checked where both tokenizers are on disk (a hub id: when the engines load)."""
+    student's token ids as they are. Checked where both tokenizers are on disk (a hub id: by spmdrl.train once
+    spmdrl.hub has its snapshot, before anything is built)."""
     d, m = cfg.distill, cfg.model
     if not d.teacher_path:
         return
