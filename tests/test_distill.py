@@ -213,3 +213,21 @@ def test_bad_teacher_is_one_line_before_launch(tiny, tmp_path, case):
                           f"trainer.output_dir={tmp_path}", "data.max_prompt_length=256", "data.max_response_length=256",
                           f"distill.teacher_path={teacher}", *extra), "distill.teacher_path" if case != "layout"
                       else "placement", needle)
+
+
+def test_plan_has_the_teacher_forward_and_its_memory():
+    """`spmdrl plan` (no GPU, no weights): the teacher's mesh at its own tp, its forward phase, and its weights on
+    the GPU only in that phase when memory.teacher_offload parks them."""
+    from spmdrl.config import load_config
+    from spmdrl.plan import build_plan
+
+    cfg = load_config(os.path.join(os.path.dirname(HERE), "configs", "grpo.toml"), [
+        "model.path=Qwen/Qwen2.5-0.5B-Instruct", "distill.teacher_path=Qwen/Qwen2.5-1.5B-Instruct",
+        "placement.teacher_tp=2", 'memory.teacher_offload=["params"]'])
+    p = build_plan(cfg)
+    assert (p["roles"]["teacher"]["tp"], p["roles"]["teacher"]["dp"]) == (2, 4)
+    phases = p["memory"]
+    assert "teacher_params" in phases["teacher_forward"]["gpu"] and "teacher_activations" in phases["teacher_forward"]["gpu"]
+    assert "teacher_params" not in phases["train_actor"]["gpu"] and "teacher_params" in phases["train_actor"]["host_per_rank"]
+    # 1.54B parameters over tp 2 x dp 4 in bf16: about 0.36 GiB per rank
+    assert 0.3 < phases["teacher_forward"]["gpu"]["teacher_params"] < 0.45
