@@ -6,6 +6,9 @@
 #   GRPO_CONFIG=configs/quickstart/grpo_split.toml bash launch/quickstart.sh   # split placement, one step off-policy
 #   TASK=tools bash launch/quickstart.sh   # long sums the tiny model solves only by calling the calculator
 #     (its own data, SFT on tool-call conversations and GRPO with multi-turn rollouts; OUT=outputs/quickstart_tools)
+#   TASK=distill bash launch/quickstart.sh   # on-policy distillation: the GRPO quickstart's result (run first when
+#     $OUT/grpo has no checkpoint) exported as the teacher, the SFT model as the student; distillation and plain
+#     GRPO from the same start over the same steps, side by side (DISTILL_STEPS, default 20)
 # A second run reuses $OUT's tiny model, data and SFT model (delete $OUT/sft_model to train it again).
 # SFT_OVERRIDES="sft.max_steps=100" passes overrides to the SFT stage.
 set -euo pipefail
@@ -14,7 +17,8 @@ TASK=${TASK:-arith}
 case "$TASK" in
   arith) SUFFIX= ; DATA=(synthetic --n-sft 4096) ;;
   tools) SUFFIX=_tools ; DATA=(tool-sums) ;;
-  *) echo "error: TASK=$TASK is not one of arith, tools" >&2; exit 2 ;;
+  distill) SUFFIX= ; DATA=(synthetic --n-sft 4096) ;;  # the arithmetic task's model, data and SFT warm start
+  *) echo "error: TASK=$TASK is not one of arith, tools, distill" >&2; exit 2 ;;
 esac
 OUT=${OUT:-outputs/quickstart$SUFFIX}
 NPROC=${NPROC:-2}
@@ -37,6 +41,33 @@ else
   spmdrl sft --nproc "$NPROC" --config "configs/quickstart/sft$SUFFIX.toml" \
     model.path="$OUT/tiny" sft.train_files="[\"$OUT/data/sft.parquet\"]" \
     sft.save_dir="$OUT/sft_model" trainer.output_dir="$OUT/sft" ${SFT_OVERRIDES:-}
+fi
+if [ "$TASK" = distill ]; then
+  # the teacher: the GRPO quickstart's trained model (trained here first if $OUT/grpo holds no checkpoint)
+  STEPS=${DISTILL_STEPS:-20}
+  if [ ! -f "$OUT/teacher/config.json" ]; then
+    if ! ls "$OUT/grpo/checkpoints" 2>/dev/null | grep -q step_; then
+      echo "== 4a GRPO quickstart, the teacher ($NPROC processes) -> $OUT/grpo"
+      spmdrl train --nproc "$NPROC" --config configs/quickstart/grpo.toml \
+        model.path="$OUT/sft_model" data.train_files="[\"$OUT/data/train.parquet\"]" \
+        data.val_files="[\"$OUT/data/val.parquet\"]" trainer.output_dir="$OUT/grpo" checkpoint.resume=off trainer.overwrite=true
+    fi
+    spmdrl export --checkpoint "$OUT/grpo" --out "$OUT/teacher"
+  fi
+  t_grpo=$(date +%s)
+  for run in distill grpo_baseline; do
+    cfg=configs/quickstart/distill.toml
+    [ "$run" = grpo_baseline ] && cfg=configs/quickstart/grpo.toml
+    echo "== 4b $run: $STEPS steps from the SFT model ($NPROC processes) -> $OUT/$run"
+    spmdrl train --nproc "$NPROC" --config "$cfg" model.path="$OUT/sft_model" \
+      data.train_files="[\"$OUT/data/train.parquet\"]" data.val_files="[\"$OUT/data/val.parquet\"]" \
+      trainer.output_dir="$OUT/$run" trainer.total_steps="$STEPS" trainer.test_freq=5 checkpoint.save_freq=-1 \
+      checkpoint.resume=off trainer.overwrite=true $([ "$run" = distill ] && echo distill.teacher_path="$OUT/teacher") "$@"
+  done
+  echo "teacher (GRPO quickstart, its last validation) vs the student distilled from it and plain GRPO, same start:"
+  spmdrl summary "$OUT/grpo" "$OUT/distill" "$OUT/grpo_baseline"
+  echo "distillation and GRPO $(( $(date +%s) - t_grpo )) s; quickstart finished in $(( $(date +%s) - start )) s"
+  exit 0
 fi
 echo "== 4/4 GRPO ($NPROC processes, in-process vLLM) -> $RUN"
 t_grpo=$(date +%s)

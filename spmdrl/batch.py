@@ -89,13 +89,17 @@ BATCH_KEYS = [
      "the reward: rule/custom score x `reward.rule_weight`, the reward model, DAPO overlong shaping"),
     ("token_level_scores", "[B, R] float32", "after_advantage", "`scores` on each response's last token"),
     ("old_log_probs", "[B, R] float32", "after_advantage",
-     "the actor's log-probs before the update; absent on-policy (one epoch, one mini-batch, no KL in reward), "
-     "where the update's own log-probs serve"),
+     "the actor's log-probs before the update; absent on-policy (one epoch, one mini-batch, no KL in reward, no "
+     "distillation), where the update's own log-probs serve"),
     ("ref_log_probs", "[B, R] float32", "after_advantage", "with a reference model (KL loss or KL in reward)"),
+    ("teacher_log_probs", "[B, R] float32", "after_advantage",
+     "with `distill.teacher_path`: the distillation teacher's log-probs of the sampled tokens"),
     ("values", "[B, R] float32", "after_advantage", "with a critic"),
     ("token_level_rewards", "[B, R] float32", "after_advantage",
      "`token_level_scores` minus the KL penalty when `algorithm.use_kl_in_reward`"),
-    ("advantages`, `returns", "[B, R] float32", "after_advantage", "the estimator's output, 0 on padding"),
+    ("advantages`, `returns", "[B, R] float32", "after_advantage",
+     "the estimator's output (advantages: plus the reverse-KL distillation term with `distill.mode = \"reverse_kl\"`), "
+     "0 on padding"),
 ]
 
 

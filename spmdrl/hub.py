@@ -2,7 +2,7 @@
 
 `localise_models(cfg)` runs on every rank once the process group exists, before anything reads a model. Each
 model key that names a hub id (model.path, model.tokenizer_path, critic.path when the critic is on,
-reward.model_path, reward.model_tokenizer_path) is downloaded by the first rank of every node into that node's
+reward.model_path, reward.model_tokenizer_path, distill.teacher_path, distill.teacher_tokenizer_path) is downloaded by the first rank of every node into that node's
 HF cache (huggingface_hub.snapshot_download, which returns at once when the snapshot is already there) while
 the node's other ranks wait (spmdrl.dist.node.once_per_node). The config returned names the snapshot
 directory instead, so the engines, vLLM and the tokenizers read local files only and never call the hub.
@@ -29,6 +29,8 @@ MODEL_KEYS = (
     ("critic", "path", "enable", True),
     ("reward", "model_path", None, True),
     ("reward", "model_tokenizer_path", None, False),
+    ("distill", "teacher_path", None, True),
+    ("distill", "teacher_tokenizer_path", None, False),
 )
 FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]  # configs, tokenizers, remote code
 WEIGHTS = ["*.safetensors"]

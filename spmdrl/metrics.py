@@ -275,7 +275,8 @@ __all__ = ["MetricsLogger", "StageTimer", "logger_for", "peak_memory_gb", "read_
 
 def summarize_run(run_dir: str) -> dict[str, float]:
     """Headline numbers of a finished run from its metrics.jsonl: first/last/best validation accuracy, reward
-    at the start and end (mean of the first and last 5 steps), median step time and throughput."""
+    at the start and end (mean of the first and last 5 steps; with distillation also the KL to the teacher),
+    median step time and throughput."""
     import statistics
 
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"), last_per_step=True)
@@ -288,6 +289,10 @@ def summarize_run(run_dir: str) -> dict[str, float]:
         rewards = [r["train/reward_mean"] for r in train]
         out["train/reward first 5"] = statistics.fmean(rewards[:5])
         out["train/reward last 5"] = statistics.fmean(rewards[-5:])
+        kl = [r["distill/kl_mean"] for r in train if "distill/kl_mean" in r]
+        if kl:  # on-policy distillation: the per-token reverse KL to the teacher
+            out["distill/kl_mean first 5"] = statistics.fmean(kl[:5])
+            out["distill/kl_mean last 5"] = statistics.fmean(kl[-5:])
         for key in ("timing/step_s", "timing/rollout_s", "timing/update_actor_s", "timing/weight_sync_s", "perf/tokens_per_s"):
             vals = [r[key] for r in train if key in r]
             if vals:

@@ -97,6 +97,7 @@ def check_models(cfg) -> None:
     if cfg.reward.model_tokenizer_path:
         check_model_dir("reward.model_tokenizer_path", cfg.reward.model_tokenizer_path, tokenizer=True,
                         trust_remote_code=m.trust_remote_code)
+    check_teacher(cfg)
     context = (hf or {}).get("max_position_embeddings")
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
     if isinstance(context, int) and need > context:
@@ -105,6 +106,38 @@ def check_models(cfg) -> None:
             f"{cfg.data.max_response_length} = {need} exceeds the model's context of {context} tokens "
             f"(max_position_embeddings in {m.path}/config.json); lower them"
         )
+
+
+def check_teacher(cfg) -> None:
+    """distill.teacher_path: a model directory (or hub id) whose tokenizer is the student's: the same token ids
+    for the same strings (vocabulary, special tokens) and the same chat template, since the teacher scores the
+    student's token ids as they are. Checked where both tokenizers are on disk (a hub id: by spmdrl.train once
+    spmdrl.hub has its snapshot, before anything is built)."""
+    d, m = cfg.distill, cfg.model
+    if not d.teacher_path:
+        return
+    check_model_dir("distill.teacher_path", d.teacher_path)
+    key = "distill.teacher_tokenizer_path" if d.teacher_tokenizer_path else "distill.teacher_path"
+    teacher_tok, student_tok = d.teacher_tokenizer_path or d.teacher_path, m.tokenizer_path or m.path
+    if not (os.path.isdir(os.path.expanduser(teacher_tok)) and os.path.isdir(os.path.expanduser(student_tok))):
+        return
+    check_model_dir(key, teacher_tok, tokenizer=True, trust_remote_code=m.trust_remote_code)
+    from transformers import AutoTokenizer
+
+    teacher, student = (AutoTokenizer.from_pretrained(os.path.expanduser(p), trust_remote_code=m.trust_remote_code)
+                        for p in (teacher_tok, student_tok))
+    tv, sv = teacher.get_vocab(), student.get_vocab()
+    if tv != sv:
+        differ = sorted(set(tv.items()) ^ set(sv.items()), key=lambda x: x[1])
+        tok, idx = differ[0]
+        raise ConfigError(
+            f"{key} = {teacher_tok!r}: the teacher's vocabulary differs from the student's ({len(tv)} vs {len(sv)} "
+            f"tokens; first difference: {tok!r} at id {idx}); distillation scores the student's token ids with the "
+            "teacher, so both need one tokenizer family: use a teacher of the student's family")
+    if teacher.chat_template != student.chat_template:
+        raise ConfigError(
+            f"{key} = {teacher_tok!r}: the teacher's chat template differs from the student's, so the teacher would "
+            "score prompts rendered in a format it was not trained on; use a teacher of the student's family")
 
 
 def check_writable(out: str) -> None:

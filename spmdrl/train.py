@@ -164,9 +164,12 @@ def main(argv=None) -> int:
         from spmdrl.config import to_toml
         from spmdrl.hub import localise_models
         from spmdrl.loop.trainer import Trainer
+        from spmdrl.preflight import check_teacher
 
         # hub ids -> node-local snapshot directories (one download per node); the run records the config as given
-        Trainer(localise_models(cfg), layout, env.rank, env.world_size, device, config_toml=to_toml(cfg)).fit()
+        local = localise_models(cfg)
+        check_teacher(local)  # a hub-id teacher's tokenizer family, now that its files are here
+        Trainer(local, layout, env.rank, env.world_size, device, config_toml=to_toml(cfg)).fit()
 
     return run_entry(argv, prog="spmdrl.train", description=__doc__.split("\n\n")[0], root_cls=Config,
                      validate_fn=validate, run_fn=run, preflight_fn=train_preflight)

@@ -16,7 +16,7 @@ from launching import run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
-from objective_layout import CASES, ESTIMATORS, RC, RC_CASES, global_batch, with_rollout_log_probs  # noqa: E402
+from objective_layout import CASES, DISTILL_CASES, ESTIMATORS, RC, RC_CASES, global_batch, with_rollout_log_probs  # noqa: E402
 
 pytestmark = pytest.mark.dist
 SCRIPT = os.path.join(HERE, "dist_scripts", "objective_layout.py")
@@ -47,9 +47,10 @@ def test_gradient_and_logged_loss_independent_of_layout(runs, case):
         assert dp2["metrics"][case][key] == pytest.approx(dp1["metrics"][case][key], abs=1e-6, rel=1e-6), key
 
 
-def _reference(model_path: str, mode: str, weights=None, keep=None):
+def _reference(model_path: str, mode: str, weights=None, keep=None, distill_kl: str | None = None):
     """Float64, whole global batch, one sample at a time; PPO + entropy bonus + k3 KL, aggregated by `mode`;
-    optionally the PPO term weighted per token by `weights` and the mask replaced by `keep`."""
+    optionally the PPO term weighted per token by `weights` and the mask replaced by `keep`; with distill_kl
+    (k2 | k3) plus 0.3 x that estimate of KL(actor || teacher) (on-policy distillation's kl_loss mode)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float64)
@@ -90,6 +91,10 @@ def _reference(model_path: str, mode: str, weights=None, keep=None):
 
     terms = {"actor/pg_loss": agg(pg), "actor/entropy": agg(ent), "actor/kl": agg(kl)}
     loss = terms["actor/pg_loss"] - 0.01 * terms["actor/entropy"] + 0.1 * terms["actor/kl"]
+    if distill_kl is not None:
+        dt = b["teacher_log_probs"].double() - logp
+        terms["actor/distill_kl_loss"] = agg(0.5 * dt**2 if distill_kl == "k2" else torch.exp(dt) - dt - 1)
+        loss = loss + 0.3 * terms["actor/distill_kl_loss"]
     loss.backward()
     terms["actor/loss"] = loss
     return {k: float(v.detach()) for k, v in terms.items()}, {k: p.grad for k, p in model.named_parameters()}
@@ -105,6 +110,20 @@ def test_update_matches_float64_whole_batch(runs, mode):
             torch.testing.assert_close(got[k].double(), g, atol=2e-6, rtol=1e-5, msg=lambda m: f"{mode} {k}: {m}")
         for key, v in values.items():
             assert res["metrics"][("ppo", mode)][key] == pytest.approx(v, abs=1e-6, rel=1e-6), (mode, key)
+
+
+@pytest.mark.parametrize("kl_type,mode", DISTILL_CASES)
+def test_distill_kl_loss_matches_float64_whole_batch(runs, kl_type, mode):
+    """distill.mode = kl_loss: the KL to the teacher in the loss, the same gradient at dp 1 and 2, both equal to a
+    float64 whole-batch reference from the full log-softmax."""
+    model, dp2, dp1 = runs
+    values, grads = _reference(model, mode, distill_kl=kl_type)
+    for res in (dp2, dp1):
+        got = res["distill"][(kl_type, mode)]
+        for k, g in grads.items():
+            torch.testing.assert_close(got["grads"][k].double(), g, atol=2e-6, rtol=1e-5, msg=lambda m: f"{kl_type} {k}: {m}")
+        for key, v in values.items():
+            assert got["metrics"][key] == pytest.approx(v, abs=1e-6, rel=1e-6), (kl_type, key)
 
 
 def _correction64(is_level, rs_level):

@@ -8,6 +8,7 @@ from .schema import (
     Config,
     CriticConfig,
     DataConfig,
+    DistillConfig,
     HooksConfig,
     LoggingConfig,
     LoRAConfig,
@@ -22,7 +23,7 @@ from .schema import (
 from .validate import validate
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "Config", "CriticConfig", "DataConfig", "HooksConfig",
+    "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "Config", "CriticConfig", "DataConfig", "DistillConfig", "HooksConfig",
     "LoggingConfig", "LoRAConfig", "MemoryConfig", "ModelConfig", "PlacementConfig", "RefConfig", "RewardConfig", "RolloutConfig",
     "TrainerConfig", "config_reference", "field_docs", "load_config", "to_toml", "validate",
 ]

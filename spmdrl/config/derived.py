@@ -16,13 +16,19 @@ def builds_ref(cfg) -> bool:
     return uses_ref(cfg) and not cfg.lora.enable
 
 
+def distills(cfg) -> bool:
+    """Whether the run distils a teacher into the actor (distill.teacher_path set): a teacher model is built."""
+    return bool(cfg.distill.teacher_path)
+
+
 def on_policy(cfg) -> bool:
-    """Whether the update's own log-probs are the old ones: one epoch over one mini-batch (the whole batch) and no
-    KL penalty in the reward (which needs the old log-probs before the update). Off-policy runs compute the old
-    log-probs in a forward pass of their own."""
+    """Whether the update's own log-probs are the old ones: one epoch over one mini-batch (the whole batch), no
+    KL penalty in the reward and no distillation (both need the student's log-probs before the update).
+    Off-policy runs compute the old log-probs in a forward pass of their own."""
     a = cfg.actor
     mini = a.ppo_mini_batch_size or cfg.data.train_batch_size
-    return a.ppo_epochs == 1 and mini == cfg.data.train_batch_size and not cfg.algorithm.use_kl_in_reward
+    return (a.ppo_epochs == 1 and mini == cfg.data.train_batch_size and not cfg.algorithm.use_kl_in_reward
+            and not distills(cfg))
 
 
 def sampler_truncates(cfg) -> bool:
@@ -69,9 +75,10 @@ def offload_kinds(cfg, split: bool = False) -> dict[str, list[str]]:
     stages. Split placement offloads nothing (nothing shares a device with vLLM); ref.offload (FSDP2
     CPUOffloadPolicy) already keeps the ref on the host."""
     if split:
-        return {"actor": [], "critic": [], "ref": []}
+        return {"actor": [], "critic": [], "ref": [], "teacher": []}
     m = cfg.memory
-    return {"actor": m.actor_offload, "critic": m.critic_offload, "ref": [] if cfg.ref.offload else m.ref_offload}
+    return {"actor": m.actor_offload, "critic": m.critic_offload, "ref": [] if cfg.ref.offload else m.ref_offload,
+            "teacher": m.teacher_offload}
 
 
 def lora_settings(cfg):

@@ -184,6 +184,29 @@ class RefConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (docs/distillation.md): a frozen teacher scores every token the student (the actor)
+    sampled, and the student minimises the per-token reverse KL to it, alone or next to the reward's advantage."""
+
+    teacher_path: str = ""
+    """The teacher: an HF model directory or hub id of the student's tokenizer family, loaded like the ref; empty
+    disables distillation."""
+    teacher_tokenizer_path: str = ""
+    """The teacher's tokenizer, compared with the student's before launch (same vocabulary and chat template);
+    empty means teacher_path."""
+    mode: str = "reverse_kl"
+    """reverse_kl (the advantage of each sampled token gains -coef * (log pi_student - log pi_teacher), optimised by
+    actor.policy_loss with its importance ratio and clipping) | kl_loss (coef x a per-token KL(student || teacher)
+    estimate, kl_type, added to the actor's loss)."""
+    coef: float = 1.0
+    """Weight of the distillation term; the reward's advantage keeps weight 1 (reward.rule_weight = 0 and no reward
+    model: pure distillation)."""
+    kl_type: str = "k2"
+    """kl_loss mode: the KL estimator (k1 | k2 | k3 | k1+ | k3+, as actor.kl_loss_type); k2 and the '+' variants
+    have the gradient of the reverse KL on the student's samples, k1's is zero in expectation."""
+
+
+@dataclass
 class CriticConfig:
     """The value model (PPO with GAE)."""
 
@@ -384,6 +407,12 @@ class PlacementConfig:
     """Ranks running vLLM; empty means all ranks (colocate). Split placement: required, the first R ranks [0, ..., R-1]."""
     rollout_tp: int = 1
     """vLLM tensor-parallel degree: ranks per engine."""
+    teacher_ranks: list[int] = field(default_factory=list)
+    """Ranks of the distillation teacher; empty means the actor's ranks."""
+    teacher_tp: int = 1
+    """Teacher tensor-parallel degree (a teacher larger than the student shards over more ranks)."""
+    teacher_pp: int = 1
+    """Teacher pipeline-parallel degree (Megatron backend only)."""
     reward_ranks: list[int] = field(default_factory=list)
     """Ranks of the reward model; empty means the actor's ranks."""
     reward_tp: int = 1
@@ -402,6 +431,8 @@ class MemoryConfig:
     """["params"] moves the ref weights to host memory outside its forward (GPU only; ref.offload streams them instead)."""
     defer_grad_sync: bool = False
     """Reduce-scatter gradients only on a mini-batch's last micro-batch. Costs an unsharded float32 gradient of the whole (tp-local) model per rank (4 bytes x params / tp) while accumulating; the default reduce-scatters every micro-batch."""
+    teacher_offload: list[str] = field(default_factory=list)
+    """["params"] moves the distillation teacher's weights to host memory outside its forward (GPU only)."""
     gpu_memory_gb: float = 80.0
     """GPU memory per device in GiB (2^30 bytes), for `spmdrl plan` (an 80 GB H100 has 79.6 GiB; `nvidia-smi` shows MiB)."""
     gpus_per_node: int = 8
@@ -573,6 +604,7 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

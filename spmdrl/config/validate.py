@@ -5,7 +5,7 @@ import dataclasses
 import math
 import os
 
-from spmdrl.config.derived import builds_ref, lora_sync_mode
+from spmdrl.config.derived import builds_ref, distills, lora_sync_mode
 from spmdrl.errors import ConfigError
 
 CHOICES = {
@@ -88,7 +88,7 @@ def check_ranges(cfg) -> None:
 
 def validate(cfg, world_size: int):
     """Raise ConfigError on the first inconsistency; return the per-role layout on success."""
-    from spmdrl.algos import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES
+    from spmdrl.algos import ADV_ESTIMATORS, DISTILL_MODES, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES
     from spmdrl.dist.layout import check_megatron_roles, plan_layout, role_backends
 
     from spmdrl.trackers import check_backends
@@ -113,6 +113,8 @@ def validate(cfg, world_size: int):
         ("critic.loss_agg_mode", LOSS_AGG),
         ("actor.kl_loss_type", KL_ESTIMATORS),
         ("algorithm.kl_penalty", KL_ESTIMATORS),
+        ("distill.kl_type", KL_ESTIMATORS),
+        ("distill.mode", DISTILL_MODES),
     ):
         if _get(cfg, key) not in reg:
             raise ConfigError(f"{key} = {_get(cfg, key)!r} is not registered; registered: {', '.join(reg.names())}")
@@ -133,7 +135,7 @@ def validate(cfg, world_size: int):
     for key in ("actor.clip_ratio_low", "actor.clip_ratio_high", "actor.grad_clip", "critic.grad_clip",
                 "actor.entropy_coeff", "actor.kl_loss_coef", "algorithm.kl_coef", "rollout.val_temperature",
                 "reward.timeout_s", "data.val_batch_size", "actor.warmup_steps", "trainer.test_freq",
-                "trainer.critic_warmup", "reward.rule_weight", "reward.model_weight", "critic.cliprange_value"):
+                "trainer.critic_warmup", "reward.rule_weight", "reward.model_weight", "critic.cliprange_value", "distill.coef"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, found {_get(cfg, key)}")
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -176,7 +178,7 @@ def validate(cfg, world_size: int):
     layout = plan_layout(cfg.placement, world_size, backends=role_backends(cfg))
     validate_lora(cfg, layout)
     built = ["actor"] + (["ref"] if builds_ref(cfg) else []) + (
-        ["critic"] if cfg.critic.enable else [])
+        ["critic"] if cfg.critic.enable else []) + (["teacher"] if distills(cfg) else [])
     check_megatron_roles(layout, role_backends(cfg), built)
     if cfg.reward.model_path and layout["reward"].tp != layout["actor"].tp:
         raise ConfigError(
@@ -214,6 +216,7 @@ def validate(cfg, world_size: int):
             f"{cfg.data.max_response_length}"
         )
     validate_objective(cfg, layout)
+    validate_distill(cfg)
     validate_rollout_correction(cfg)
     validate_split(cfg)
     validate_architecture(cfg)
@@ -221,6 +224,20 @@ def validate(cfg, world_size: int):
     validate_multi_turn(cfg)
     validate_tools(cfg)
     return layout
+
+
+def validate_distill(cfg) -> None:
+    """The [distill] section (loop/learner.py Learner.distill); plan_layout has placed the teacher (the training
+    ranks, teacher_tp x teacher_pp dividing them). The teacher's files and tokenizer family are checked on disk
+    before launch (spmdrl.preflight.check_teacher)."""
+    p, d = cfg.placement, cfg.distill
+    if not distills(cfg):
+        if p.teacher_ranks or p.teacher_tp != 1 or p.teacher_pp != 1 or cfg.memory.teacher_offload:
+            raise ConfigError("placement.teacher_ranks / teacher_tp / teacher_pp and memory.teacher_offload place the "
+                              "distillation teacher, but distill.teacher_path is empty; set it or leave them unset")
+        return
+    if d.coef <= 0:
+        raise ConfigError(f"distill.coef must be > 0 with a teacher (distill.teacher_path), found {d.coef}")
 
 
 def validate_multi_turn(cfg) -> None:
@@ -451,14 +468,15 @@ def validate_memory(cfg) -> None:
     if cfg.rollout.load_format not in ("auto", "dummy", "checkpoint"):
         raise ConfigError(f"rollout.load_format = {cfg.rollout.load_format!r} is not one of auto, dummy, checkpoint")
     m = cfg.memory
-    for role in ("actor", "critic", "ref"):
+    for role in ("actor", "critic", "ref", "teacher"):
         bad = [k for k in getattr(m, f"{role}_offload") if k not in MEMORY_KINDS]
         if bad:
             raise ConfigError(f"memory.{role}_offload has {bad}: allowed kinds are {', '.join(MEMORY_KINDS)}")
-    absent = [k for k in m.ref_offload if k != "params"]  # the reference model is never trained
-    if absent:
-        raise ConfigError(f"memory.ref_offload has {absent}: the reference model has no gradients or optimizer "
-                          "state, only 'params' applies; remove the others")
+    for role in ("ref", "teacher"):  # frozen models: weights only
+        absent = [k for k in getattr(m, f"{role}_offload") if k != "params"]
+        if absent:
+            raise ConfigError(f"memory.{role}_offload has {absent}: the {role} model has no gradients or optimizer "
+                              "state, only 'params' applies; remove the others")
     for key in ("gpu_memory_gb", "host_memory_gb", "gpus_per_node", "nodes"):
         if not getattr(m, key) > 0:
             raise ConfigError(f"memory.{key} must be > 0, found {getattr(m, key)}")
@@ -520,6 +538,8 @@ def validate_architecture(cfg) -> None:
     checks = [("model.path", cfg.model.path, vllm, backends["actor"] == "megatron")]  # actor, ref, rollout
     if cfg.critic.enable and backends["critic"] == "megatron":
         checks.append(("critic.path" if cfg.critic.path else "model.path", cfg.critic.path or cfg.model.path, False, True))
+    if distills(cfg):  # the teacher: a training backend builds it, vLLM never loads it
+        checks.append(("distill.teacher_path", cfg.distill.teacher_path, False, backends["teacher"] == "megatron"))
     for key, path, vllm_loads, megatron in checks:
         hf = hf_config_json(path)
         if hf is None:
@@ -531,6 +551,8 @@ def validate_architecture(cfg) -> None:
             _check_fsdp_tp_heads(cfg, source, hf)
             _check_moe_layout(cfg, source, hf)
             _check_fsdp_tp_modules(cfg, source, path)
+        if not megatron and key == "distill.teacher_path":
+            _check_fsdp_tp_heads(cfg, source, hf, roles=("teacher",))
         if megatron and model_type not in MEGATRON_MODEL_TYPES:
             raise ConfigError(
                 f"{source} is a {model_type!r} model (config.json model_type), but the Megatron backend converts "
@@ -595,7 +617,7 @@ def _check_moe_layout(cfg, source: str, hf: dict) -> None:
                           "rollout tensor-parallel degree; choose a rollout_tp of at most the expert count")
 
 
-def _check_fsdp_tp_heads(cfg, source: str, hf: dict) -> None:
+def _check_fsdp_tp_heads(cfg, source: str, hf: dict, roles=("actor", "ref", "critic")) -> None:
     """FSDP2 + DTensor TP shards q/k/v by heads: every TP rank must hold whole heads of each (HF's attention
     reshapes a shard into [-1, head_dim] and would fail at the first forward, after vLLM is built)."""
     from spmdrl.dist.layout import role_backends
@@ -605,7 +627,8 @@ def _check_fsdp_tp_heads(cfg, source: str, hf: dict) -> None:
     if not isinstance(heads, int) or not isinstance(kv, int):
         return
     p = cfg.placement
-    for role, tp in (("actor", p.actor_tp), ("ref", p.ref_tp), ("critic", p.critic_tp)):
+    for role in roles:
+        tp = getattr(p, f"{role}_tp")
         if backends.get(role) == "fsdp" and tp > 1 and (heads % tp or kv % tp):
             raise ConfigError(
                 f"placement.{role}_tp = {tp}: {source} has {heads} attention heads and {kv} key/value heads, and the "

@@ -73,7 +73,7 @@ def _unpack(rows: torch.Tensor, keys: list[str], widths: list[int], like: Batch)
     return Batch(out)
 
 
-def redistribute(batch: Batch, src: RoleMesh, dst: RoleMesh) -> Batch:
+def redistribute(batch: Batch, src: RoleMesh, dst: RoleMesh, group=None) -> Batch:
     """Move a batch laid out by `src`'s data-parallel ranks to `dst`'s (tensors only; meta is re-derived).
 
     Global sample order is src dp-rank major; every rank of a src tp group holds its dp rank's samples. When
@@ -81,7 +81,9 @@ def redistribute(batch: Batch, src: RoleMesh, dst: RoleMesh) -> Batch:
     no communication. Otherwise one all-reduce agrees on sizes and widths, and one batched point-to-point
     exchange of packed float64 rows gives each dst rank exactly the samples it lacks, from one replica of the
     src dp rank that holds them (tp copies are never gathered). Every rank passes a batch with the same keys
-    (a rank outside src passes zero-row tensors of the right dtype and rank).
+    (a rank outside src passes zero-row tensors of the right dtype and rank). group: the ranks that take part
+    (every rank of src and dst; None: the world), e.g. the training ranks of a split layout moving a batch
+    between two training roles.
     """
     me = src.rank
     probe = batch_move_plan(src.layout, dst.layout, dst.layout.dp)  # structure only: does anything move?
@@ -95,17 +97,17 @@ def redistribute(batch: Batch, src: RoleMesh, dst: RoleMesh) -> Batch:
     dev = comm_device()
     local_w = [batch.tensors[k].shape[1] if batch.tensors[k].dim() == 2 else 1 for k in keys]
     agreed = torch.tensor([len(batch) if src.active else 0, *local_w], dtype=torch.long, device=dev)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     per_src, widths = int(agreed[0]), [int(w) for w in agreed[1:]]
     plan = batch_move_plan(src.layout, dst.layout, per_src)
     packed = _pack(batch, keys, widths, dev)
     ops, received = [], []
     for peer, (lo, hi) in sorted(plan.sends.get(me, {}).items()):
-        ops.append(dist.P2POp(dist.isend, packed[lo:hi].contiguous(), peer))
+        ops.append(dist.P2POp(dist.isend, packed[lo:hi].contiguous(), peer, group=group))
     for peer, (glo, ghi) in sorted(plan.recvs.get(me, {}).items()):
         buf = torch.empty(ghi - glo, sum(widths), dtype=torch.float64, device=dev)
         received.append((glo, buf))
-        ops.append(dist.P2POp(dist.irecv, buf, peer))
+        ops.append(dist.P2POp(dist.irecv, buf, peer, group=group))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()

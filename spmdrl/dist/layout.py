@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from spmdrl.errors import LayoutError
 
-ROLES = ("actor", "ref", "critic", "reward", "rollout")
+ROLES = ("actor", "ref", "critic", "teacher", "reward", "rollout")  # rollout last: split placement's other side
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,16 @@ def _ranks(spec: list[int], default: tuple[int, ...], world_size: int, key: str)
 
 
 PIPELINE_BACKENDS = ("megatron",)  # training backends that run pipeline parallelism
-TRAINED_ROLES = ("actor", "ref", "critic")  # roles built by a training backend (trainer.backend)
+TRAINED_ROLES = ("actor", "ref", "critic", "teacher")  # roles built by a training backend (trainer.backend)
 
 
 def role_backends(cfg) -> dict[str, str]:
-    """The training backend of each role that has one: trainer.backend for actor and ref, for the critic
-    trainer.critic_backend when set (the same rule as engines.role_backend, without importing the engines)."""
+    """The training backend of each role that has one: trainer.backend for actor, ref and the distillation teacher,
+    for the critic trainer.critic_backend when set (the same rule as engines.role_backend, without importing the
+    engines)."""
     t = cfg.trainer
-    return {"actor": t.backend, "ref": t.backend, "critic": getattr(t, "critic_backend", "") or t.backend}
+    return {"actor": t.backend, "ref": t.backend, "critic": getattr(t, "critic_backend", "") or t.backend,
+            "teacher": t.backend}
 
 
 def plan_layout(placement, world_size: int, *, allow_split: bool = True,
@@ -97,6 +99,7 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = True,
         "actor": actor,
         "ref": _ranks(placement.ref_ranks, actor, world_size, "ref_ranks"),
         "critic": _ranks(placement.critic_ranks, actor, world_size, "critic_ranks"),
+        "teacher": _ranks(placement.teacher_ranks, actor, world_size, "teacher_ranks"),
         "reward": _ranks(placement.reward_ranks, actor, world_size, "reward_ranks"),
         "rollout": rollout,
     }
@@ -104,6 +107,7 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = True,
         "actor": (placement.actor_tp, placement.actor_pp),
         "ref": (placement.ref_tp, placement.ref_pp),
         "critic": (placement.critic_tp, placement.critic_pp),
+        "teacher": (placement.teacher_tp, placement.teacher_pp),
         "reward": (placement.reward_tp, 1),
         "rollout": (placement.rollout_tp, 1),
     }

@@ -12,7 +12,7 @@ from spmdrl.config import Config
 from spmdrl.dist.layout import role_backends
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine, build_train_engine
-from spmdrl.config.derived import builds_ref, lora_settings, lora_sync_mode, rollout_dtype_name, uses_vllm
+from spmdrl.config.derived import builds_ref, distills, lora_settings, lora_sync_mode, rollout_dtype_name, uses_vllm
 from spmdrl.rollout import SamplingSpec, build_engine
 from spmdrl.rollout.base import LoRASpec
 
@@ -22,10 +22,11 @@ class Engines:
     actor: TrainEngine
     ref: TrainEngine | None
     critic: TrainEngine | None
+    teacher: TrainEngine | None = None  # the distillation teacher (distill.teacher_path)
 
 
 def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_built=None) -> Engines:
-    """actor, then ref, then critic; on_built(role, engine) runs right after each (the memory lifecycle parks
+    """actor, then ref, then critic, then the distillation teacher; on_built(role, engine) runs right after each (the memory lifecycle parks
     the engine's configured state before the next one is built). With lora.enable the actor (and with
     lora.critic the critic) trains adapters, and no ref is built: the reference policy is the actor with its
     adapters disabled (Learner.ref_logprobs)."""
@@ -74,7 +75,12 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
             defer_grad_sync=cfg.memory.defer_grad_sync, **common, **(lora if cfg.lora.critic else {}), **attn("critic"),
         )
         on_built("critic", critic)
-    return Engines(actor, ref, critic)
+    teacher = None
+    if distills(cfg):  # frozen, on its own mesh (placement.teacher_tp / teacher_pp), loaded like the ref
+        teacher = build_train_engine(backend["teacher"], cfg.distill.teacher_path, meshes["teacher"], device,
+                                     trainable=False, **common, **attn("teacher"))
+        on_built("teacher", teacher)
+    return Engines(actor, ref, critic, teacher)
 
 
 def rollout_load_format(cfg: Config, device: torch.device, resuming: bool) -> str:

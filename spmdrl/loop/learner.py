@@ -1,13 +1,14 @@
-"""The training roles' stages of a step: forward passes (old, ref log-probs; values), the KL penalty in the
-reward, advantages, the critic and actor updates, and the batch's training metrics."""
+"""The training roles' stages of a step: forward passes (old, ref, teacher log-probs; values), the KL penalty in
+the reward, advantages (with the distillation term), the critic and actor updates, and the batch's training
+metrics."""
 from __future__ import annotations
 
 import torch
 
-from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES, kl_penalty, masked_mean
+from spmdrl.algos import ADV_ESTIMATORS, DISTILL_MODES, POLICY_LOSSES, distill_sums, kl_penalty, masked_mean
 from spmdrl.algos.kl import AdaptiveKLController, FixedKLController, controller_kl
 from spmdrl.batch import Batch
-from spmdrl.dist.collectives import reduce_max, reduce_sum
+from spmdrl.dist.collectives import redistribute, reduce_max, reduce_sum
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine
 from spmdrl.config.derived import sampler_truncates
@@ -16,13 +17,15 @@ from spmdrl.loop.update import ActorObjective, CriticObjective, forward_all, mic
 
 
 class Learner:
-    """actor, ref, critic: the training engines (ref and critic None when the config has none); kl_ctrl: the
-    KL-in-reward coefficient's controller (its state goes into checkpoints)."""
+    """actor, ref, critic, teacher: the training engines (ref, critic and the distillation teacher None when the
+    config has none); kl_ctrl: the KL-in-reward coefficient's controller (its state goes into checkpoints)."""
 
     def __init__(self, cfg, meshes: RoleMeshes, actor: TrainEngine, ref: TrainEngine | None,
-                 critic: TrainEngine | None, kl_ctrl: AdaptiveKLController | FixedKLController, pad_id: int):
+                 critic: TrainEngine | None, kl_ctrl: AdaptiveKLController | FixedKLController, pad_id: int,
+                 teacher: TrainEngine | None = None):
         self.cfg, self.meshes, self.pad_id, self.kl_ctrl = cfg, meshes, pad_id, kl_ctrl
-        self.actor, self.ref, self.critic = actor, ref, critic
+        self.actor, self.ref, self.critic, self.teacher = actor, ref, critic, teacher
+        self.distill_fn = DISTILL_MODES.get(cfg.distill.mode) if teacher is not None else None
         self.adv_fn = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
         self.loss_fn = POLICY_LOSSES.get(cfg.actor.policy_loss)
         self.longest = cfg.data.max_prompt_length + cfg.data.max_response_length  # a sequence's bound, in tokens
@@ -54,6 +57,20 @@ class Learner:
         with self.actor.adapters_disabled():
             return self.logprobs(self.actor, batch)
 
+    def teacher_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The distillation teacher's log-probs of the sampled tokens (at the rollout temperature, as the
+        student's), [B, R] in the actor's layout. A teacher laid out unlike the actor (teacher_tp != actor_tp)
+        takes the token columns in its own layout, every rank of a teacher tp group holding the same samples, and
+        its log-probs go back the same way (dist.collectives.redistribute, both ways)."""
+        a, t = self.meshes["actor"], self.meshes["teacher"]
+        if (a.dp_size, a.pp_size, a.tp_size) == (t.dp_size, t.pp_size, t.tp_size):
+            return self.logprobs(self.teacher, batch)
+        group = self.meshes.train_group  # None when colocated: the world
+        keys = ("prompts", "responses", "prompt_len", "response_len", "response_mask")
+        tokens = redistribute(Batch({k: batch[k] for k in keys}), a, t, group=group)
+        scored = Batch({"teacher_log_probs": self.logprobs(self.teacher, tokens)})
+        return redistribute(scored, t, a, group=group)["teacher_log_probs"][:, : batch["responses"].shape[1]]
+
     def values(self, batch: Batch) -> torch.Tensor:
         c = self.cfg.critic
         size, budget = micro_batch_limits(c, self.longest, forward=True)
@@ -83,6 +100,28 @@ class Learner:
         )
         return {}
 
+    def distill(self, batch: Batch) -> dict[str, float]:
+        """On-policy distillation (algos/distill.py), after the reward's advantages: a mode of stage "advantage"
+        adds distill.coef x its term to them (the loss stage is the actor objective's); and the distill/* metrics
+        over the global batch's model tokens: the per-token KL estimate log pi_student - log pi_teacher (mean, max),
+        both log-probs' means, and with an advantage-stage mode the teacher's share of sum |advantage|."""
+        d, mask = self.cfg.distill, batch["response_mask"]
+        student, teacher = batch["old_log_probs"], batch["teacher_log_probs"]
+        sums, top = distill_sums(student, teacher, mask)
+        extra = torch.zeros(2, dtype=torch.float64)
+        if self.distill_fn.stage == "advantage":
+            term = d.coef * self.distill_fn(student, teacher, mask, kl_type=d.kl_type)
+            valid = mask != 0
+            extra = torch.stack([batch["advantages"].double().abs()[valid].sum(), term.double().abs()[valid].sum()])
+            batch["advantages"] = batch["advantages"] + term.to(batch["advantages"].dtype)
+        total = self.dp_sum(torch.cat([sums, extra]))
+        n = max(float(total[3]), 1.0)
+        m = {"distill/kl_mean": float(total[0]) / n, "distill/kl_max": self.dp_max(top)[0],
+             "distill/teacher_logprob_mean": float(total[1]) / n, "distill/student_logprob_mean": float(total[2]) / n}
+        if self.distill_fn.stage == "advantage":
+            m["distill/teacher_adv_share"] = float(total[5]) / max(float(total[4] + total[5]), 1e-30)
+        return m
+
     # ---- updates ---------------------------------------------------------------------------------------
     def update_critic(self, batch: Batch) -> dict[str, float]:
         return self._update(self.critic, batch, CriticObjective(self.cfg), "critic")
@@ -96,7 +135,8 @@ class Learner:
         truncated = self.logprobs(self.actor, batch, top_k=r.top_k, top_p=r.top_p) if sampler_truncates(self.cfg) else None
         batch, metrics = correct_rollout(self.cfg, self.actor, batch, self.logprobs, self.dp_sum, self.dp_max)
         actor_lp = truncated if truncated is not None else batch.tensors.get("old_log_probs")
-        objective = ActorObjective(self.cfg, self.loss_fn, r.temperature, keep_logprobs=actor_lp is None)
+        objective = ActorObjective(self.cfg, self.loss_fn, r.temperature, keep_logprobs=actor_lp is None,
+                                   distill_fn=self.distill_fn)
         metrics.update(self._update(self.actor, batch, objective, "actor"))
         pieces = objective.own_logprobs if actor_lp is None else [
             (actor_lp, sampled["rollout_log_probs"], sampled["response_mask"])]

@@ -1,8 +1,8 @@
 """The RL loop. Every rank runs this same code; `Trainer.step` is the whole step, in order, each stage one
 visible, timed call:
 
-    rollout -> batch move -> reward -> old logprobs -> ref logprobs -> values -> advantages -> updates
-    -> weight sync -> metrics
+    rollout -> batch move -> reward -> old logprobs -> ref logprobs -> teacher logprobs -> values -> advantages
+    -> updates -> weight sync -> metrics
 
 with every memory phase change on the line before the stage it serves. The Trainer builds every component
 once, in `__init__`, and calls each through a named attribute: `generator` (rollouts, loop/generate.py),
@@ -109,7 +109,8 @@ class Trainer:
         self.memory = MemoryLifecycle(device, {}, offload_kinds(cfg, split), components=cfg.memory.report_components)
         self.memory.begin_build()
         engines = build_engines(cfg, self.meshes, device, on_built=self.memory.adopt) if self.trains else None
-        self.actor, self.ref, self.critic = (engines.actor, engines.ref, engines.critic) if engines else (None,) * 3
+        self.actor, self.ref, self.critic, self.teacher = (
+            (engines.actor, engines.ref, engines.critic, engines.teacher) if engines else (None,) * 4)
         self.memory.settle()  # configured state to host memory before vLLM sizes itself to the free GPU memory
         alg = cfg.algorithm
         kl_ctrl = (
@@ -144,7 +145,7 @@ class Trainer:
         )
         # ---- the loop's components, each given what it needs (docs/architecture.md, "The loop")
         specs = sampling_specs(cfg, tokenizer.eos_token_id)
-        self.learner = Learner(cfg, self.meshes, self.actor, self.ref, self.critic, kl_ctrl, pad_id)
+        self.learner = Learner(cfg, self.meshes, self.actor, self.ref, self.critic, kl_ctrl, pad_id, teacher=self.teacher)
         scorer = self.scorer = Scorer(cfg, tokenizer, reward_fn, reward_model)
         generator = None
         agent = build_agent(cfg, tokenizer, rollout, self.meshes, tools) if rollout is not None else None
@@ -277,6 +278,10 @@ class Trainer:
                 memory.for_training("ref" if self.ref is not None else "actor", update=False)
                 with timer("ref_logprob"):
                     batch["ref_log_probs"] = learner.ref_logprobs(batch)
+            if self.teacher is not None:  # on-policy distillation: the teacher scores the student's tokens
+                memory.for_training("teacher", update=False)
+                with timer("teacher_logprob"):
+                    batch["teacher_log_probs"] = learner.teacher_logprobs(batch)
             if self.critic is not None:
                 memory.for_training("critic", update=False)
                 with timer("values"):
@@ -285,6 +290,8 @@ class Trainer:
             with timer("advantage"):
                 metrics.update(learner.kl_in_reward(batch))
                 metrics.update(learner.advantages(batch))
+                if self.teacher is not None:
+                    metrics.update(learner.distill(batch))
             metrics.update(hooks("after_advantage", step, batch))
             metrics.update(hooks("before_update", step, batch))
             # ---- updates

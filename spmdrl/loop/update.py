@@ -154,15 +154,20 @@ def _stacked(values: list) -> torch.Tensor:
 
 
 class ActorObjective:
-    """The policy objective for one micro-batch: policy loss - entropy bonus (+ KL to the ref), every term
-    aggregated with the same mode (`agg_mode`) and constant norm.
+    """The policy objective for one micro-batch: policy loss - entropy bonus (+ KL to the ref) (+ distill.coef x
+    the distillation KL to the teacher, distill.mode = kl_loss), every term aggregated with the same mode
+    (`agg_mode`) and constant norm.
 
     keep_logprobs: on-policy runs (no old-log-prob pass) keep each micro-batch's own log-probs of the sampled
     tokens with its rollout log-probs and mask in `own_logprobs`, for the mismatch diagnostic
     (loop/correction.py's `logprob_diff`): before the one optimizer step they are the old log-probs."""
 
-    def __init__(self, cfg, loss_fn: Callable, temperature: float, keep_logprobs: bool = False):
+    def __init__(self, cfg, loss_fn: Callable, temperature: float, keep_logprobs: bool = False,
+                 distill_fn: Callable | None = None):
         a = self.actor = cfg.actor
+        # on-policy distillation's loss-stage term (algos/distill.py), times distill.coef; None otherwise
+        self.distill = distill_fn if getattr(distill_fn, "stage", None) == "loss" else None
+        self.distill_coef, self.distill_kl_type = cfg.distill.coef, cfg.distill.kl_type
         self.loss_fn, self.temperature = loss_fn, temperature
         self.agg_mode = resolve_agg_mode(a.policy_loss, a.loss_agg_mode)
         self.norm = a.loss_agg_norm or float(cfg.data.max_response_length)
@@ -216,6 +221,11 @@ class ActorObjective:
             stats["actor/kl"] = masked_mean(kl_penalty(logp.detach(), mb["ref_log_probs"][:, :R].to(dev), "kl"), mask)
         else:  # no ref model: KL to the rollout policy
             stats["actor/kl"] = masked_mean((old - logp).detach(), mask)
+        if self.distill is not None:
+            term = self.agg(self.distill(logp, mb["teacher_log_probs"][:, :R].to(dev), mask,
+                                         kl_type=self.distill_kl_type), mask)
+            loss = loss + self.distill_coef * term
+            terms["actor/distill_kl_loss"] = term.detach()
         terms["actor/loss"] = loss.detach()
         return loss, terms, stats
 

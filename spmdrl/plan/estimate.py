@@ -10,13 +10,14 @@ from `spmdrl.plan.megatron` and their weight-sync sources from `reshard.plan.meg
 Memory is an estimate per rank (GPU) and per node (host), in GiB (2^30 bytes), for the colocated phase order
 that `spmdrl.loop.memory.MemoryLifecycle` runs, plus the moments around it:
 
-    build -> load -> (sync) -> rollout -> ref_forward -> train_critic -> train_actor -> sync -> rollout ...
+    build -> load -> (sync) -> rollout -> ref_forward -> teacher_forward -> train_critic -> train_actor -> sync
+    -> rollout ...
     checkpoint_save at the end of a step; resume in a new process instead of build/load
 
 A phase's GPU figure is what the active role needs (state onloaded, FSDP2 all-gather buffers, activations)
 plus what the other roles keep resident (the kinds not listed in memory.<role>_offload) plus vLLM's share, the
 CUDA context and NCCL's buffers (`spmdrl.plan.overheads`):
-  build            training engines built one at a time (actor, ref, critic), each one's configured kinds moved
+  build            training engines built one at a time (actor, ref, critic, teacher), each one's configured kinds moved
                    to the host right after it is built: the worst engine at its construction peak next to what
                    the earlier ones left. vLLM then starts only if gpu_memory_utilization x GPU is free
                    (vllm_start; vLLM 0.32 v1/worker/utils.py request_memory refuses to start otherwise).
@@ -39,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from spmdrl.config.derived import (builds_ref, compute_dtype_name, lora_settings, lora_sync_mode, offload_kinds,
+from spmdrl.config.derived import (builds_ref, compute_dtype_name, distills, lora_settings, lora_sync_mode, offload_kinds,
                                     rollout_dtype_name, uses_vllm)
 from spmdrl.engines.loading import block_index, load_hf_config, model_param_shapes
 from spmdrl.errors import ConfigError
@@ -229,7 +230,7 @@ def _sync_figures(cfg, hf, actor_params, layout: dict, backends: dict, rollout_e
 
 def _roles(cfg, hf, actor_params) -> dict:
     """The models the run builds, each with its parameters and micro-batch: actor, ref (only when built),
-    critic, reward model."""
+    critic, distillation teacher, reward model."""
     roles = {"actor": dict(params=actor_params, trainable=True, micro=cfg.actor.micro_batch_size, lm_head=True)}
     if builds_ref(cfg):  # with LoRA the reference policy is the actor with its adapters disabled
         roles["ref"] = dict(params=actor_params, trainable=False, micro=cfg.ref.micro_batch_size, lm_head=True)
@@ -237,6 +238,10 @@ def _roles(cfg, hf, actor_params) -> dict:
         chf = load_hf_config(cfg.critic.path, cfg.model.trust_remote_code) if cfg.critic.path else hf
         roles["critic"] = dict(params=model_param_shapes(chf, value_head=True), trainable=True,
                                micro=cfg.critic.micro_batch_size, lm_head=False, hf=chf)
+    if distills(cfg):  # forward-only passes with the actor's forward micro-batches (Learner.logprobs)
+        thf = load_hf_config(cfg.distill.teacher_path, cfg.model.trust_remote_code)
+        roles["teacher"] = dict(params=model_param_shapes(thf), trainable=False, lm_head=True, hf=thf,
+                                micro=cfg.actor.forward_micro_batch_size or cfg.actor.micro_batch_size)
     if cfg.reward.model_path:
         rhf = load_hf_config(cfg.reward.model_path, cfg.model.trust_remote_code)
         roles["reward"] = dict(params=model_param_shapes(rhf, value_head=True), trainable=False,
@@ -378,7 +383,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     gpus_node = min(m.gpus_per_node, world)
     comms = communicators(layout, backends, world, split, vllm_on)
     peers = sync_figures.adapter_peers if lora_mode == "adapter" else p2p_peers(plan, m.gpus_per_node)
-    mega = next((layout[r] for r in ("actor", "ref", "critic") if r in roles and backends.get(r) == "megatron"), None)
+    mega = next((layout[r] for r in ("actor", "ref", "critic", "teacher") if r in roles and backends.get(r) == "megatron"), None)
 
     def nccl(ranks, vllm: bool = True, p2p: bool = True) -> dict[str, int]:
         worst: dict[str, int] = {}
@@ -428,7 +433,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                       {**h0, "load_largest_slice": max(math.prod(s) for _, s in actor_params) * 4 // max(1, layout["actor"].dp)})
     phases["rollout"] = ({**({} if split else g0), "vllm_weights": vllm_w, "vllm_kv_cache_and_activations": vllm_pool - vllm_w,
                           **awake, **nccl_rollout}, {} if split else h0)
-    for role in ("ref", "reward"):
+    for role in ("ref", "teacher", "reward"):
         if role in state:
             g, h = idle({role})
             phases[f"{role}_forward"] = ({**g, **prefixed(role, state[role]["forward"]), **vllm_idle, **nccl_train}, h)
@@ -538,7 +543,7 @@ def _build_phase(state: dict, offload: dict) -> tuple[dict, dict]:
     after them, stays)."""
     before: dict[str, int] = {}
     worst: dict[str, int] = {}
-    for role in ("actor", "ref", "critic", "reward"):
+    for role in ("actor", "ref", "critic", "teacher", "reward"):
         if role not in state:
             continue
         s = state[role]
@@ -623,7 +628,7 @@ def render(p: dict) -> str:
 def _hint(part: str, phase: str) -> str:
     """The first settings to change for one memory part (a breakdown key such as actor_optimizer) in `phase`."""
     role, _, kind = part.partition("_")
-    if role in ("actor", "critic", "ref"):
+    if role in ("actor", "critic", "ref", "teacher"):
         if kind in ("optimizer", "grads", "params"):
             # offloaded state comes back to the GPU for its own update and forward passes
             busy = phase == f"train_{role}" or phase == f"{role}_forward"

@@ -20,6 +20,7 @@ RC_CASES = [  # [rollout_correction] (rollout_is, rollout_rs), with the PPO loss
     ("token", "none", "token-mean"), ("sequence", "geometric", "seq-mean-token-mean"),
 ]
 RC = dict(rollout_is_threshold=1.2, rollout_rs_threshold=1.1, rollout_rs_threshold_lower=0.92)
+DISTILL_CASES = [("k2", "token-mean"), ("k3", "seq-mean-token-mean")]  # distill.mode = kl_loss: (kl_type, mode)
 ESTIMATORS = ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax",
               "grpo_passk", "opo", "gpg"]
 
@@ -45,6 +46,7 @@ def global_batch(B: int = 8, n: int = 2, seed: int = 0) -> dict:
         "rollout_log_probs": None,  # filled below: old_log_probs plus a mismatch
         "token_level_rewards": rewards, "values": torch.randn(B, R, generator=g) * mask,
         "index": torch.arange(B // n).repeat_interleave(n), "baseline_rewards": torch.randn(B, generator=g),
+        "teacher_log_probs": (-5.77 + 0.3 * torch.randn(B, R, generator=g)) * mask,  # distillation (drawn last)
     }
 
 
@@ -61,7 +63,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--micro", type=int, required=True)
     args = p.parse_args()
-    from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES
+    from spmdrl.algos import ADV_ESTIMATORS, DISTILL_MODES, POLICY_LOSSES
     from spmdrl.algos.kl import controller_kl, kl_penalty
     from spmdrl.batch import Batch
     from spmdrl.config import Config
@@ -104,6 +106,15 @@ def main():
                         dp_size=mesh.dp_size, dp_group=dp_group, objective=body, prefix="actor")
         res["grads"][(loss_name, mode)] = dict(grads)
         res["metrics"][(loss_name, mode)] = m
+
+    res["distill"] = {}  # the kl_loss mode's term on top of the PPO loss (entropy bonus and ref KL as above)
+    for kl_type, mode in DISTILL_CASES:
+        cfg.actor.policy_loss, cfg.actor.loss_agg_mode = "ppo", mode
+        cfg.distill.mode, cfg.distill.kl_type, cfg.distill.coef = "kl_loss", kl_type, 0.3
+        body = ActorObjective(cfg, POLICY_LOSSES.get("ppo"), 1.0, distill_fn=DISTILL_MODES.get("kl_loss"))
+        m = run_updates(engine, local, epochs=1, mini_size=len(local), micro_size=args.micro, pad_id=0,
+                        dp_size=mesh.dp_size, dp_group=dp_group, objective=body, prefix="actor")
+        res["distill"][(kl_type, mode)] = {"grads": dict(grads), "metrics": m}
 
     def reduce(t):
         return reduce_sum(t, group=dp_group)
