@@ -8,7 +8,7 @@ A run never mixes with another: a fresh run (resume=off, or auto finding no chec
 that holds another run's checkpoints or metrics is refused unless trainer.overwrite clears them. One case
 starts over without asking: resume=auto, no checkpoint directory at all, and output_dir/config.toml equal to
 this run's config (up to the keys that may change on resume): the same run relaunched before its first
-checkpoint; its partial metrics and events are cleared.
+checkpoint; its partial metrics and events are moved to output_dir/previous/<n>/, never deleted.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class Plan:
     resume: str | None
     resume_step: int = 0
     clear: tuple[str, ...] = ()  # another run's files that trainer.overwrite removes (rank 0, before start)
+    keep: tuple[str, ...] = ()  # an attempt of this run that saved no checkpoint: moved to output_dir/previous/<n>
 
 
 def looks_local(path: str) -> bool:
@@ -178,9 +179,10 @@ def check_resume(cfg, config_toml: str, world_size: int | None = None) -> Plan:
                 f"{hint}trainer.overwrite=true to delete them, or a new trainer.output_dir"
             )
     if path is None:
-        clear = tuple(p for p in (checkpoint_root(out), *(os.path.join(out, f) for f in RUN_FILES))
-                      if (cfg.trainer.overwrite or restart) and os.path.exists(p))
-        return Plan(None, clear=clear)
+        found = tuple(p for p in (checkpoint_root(out), *(os.path.join(out, f) for f in RUN_FILES)) if os.path.exists(p))
+        if cfg.trainer.overwrite:
+            return Plan(None, clear=found)
+        return Plan(None, keep=found if restart else ())
     manifest = read_manifest(path)
     if os.path.isfile(os.path.join(path, "config.toml")):
         check_saved_config(path, config_toml)
@@ -324,10 +326,21 @@ def preflight(cfg, config_toml: str, world_size: int | None = None) -> Plan:
 
 
 def clear_previous_run(plan: Plan) -> None:
-    """trainer.overwrite on a fresh run: delete the earlier run's checkpoints, metrics and events (rank 0)."""
+    """Before a fresh run (rank 0): trainer.overwrite deletes the earlier run's checkpoints, metrics and events;
+    an earlier attempt of this same run that saved no checkpoint is moved to output_dir/previous/<n>/."""
     for p in plan.clear:
         log.warning("trainer.overwrite = true: deleting %s", p)
         if os.path.isdir(p):
             shutil.rmtree(p)
         else:
             os.remove(p)
+    if plan.keep:
+        previous = os.path.join(os.path.dirname(plan.keep[0]), "previous")
+        n = 1 + max((int(d) for d in os.listdir(previous) if d.isdigit()), default=0) if os.path.isdir(previous) else 1
+        dest = os.path.join(previous, str(n))
+        os.makedirs(dest)
+        for p in plan.keep:
+            shutil.move(p, os.path.join(dest, os.path.basename(p)))
+        log.warning("no checkpoint of this run to resume from: starting at step 0; the earlier attempt's %s moved to "
+                    "%s (set checkpoint.save_freq or checkpoint.save_every_min to resume mid-run)",
+                    ", ".join(os.path.basename(p) for p in plan.keep), dest)

@@ -250,11 +250,12 @@ def test_overwrite_and_restart_before_the_first_checkpoint(tiny, tmp_path):
     cfg = load_config(GRPO, [*overrides, "checkpoint.resume=off", "trainer.overwrite=true"])
     assert train_preflight(cfg, rank=0).resume is None  # rank 0 deletes the other run's files
     assert sorted(os.listdir(out)) == []
-    # the same run relaunched (auto) after a crash before its first checkpoint starts over, clearing its metrics
+    # the same run relaunched (auto) after a stop before its first checkpoint starts over; its metrics are kept
     cfg = load_config(GRPO, overrides)
     (out / "config.toml").write_text(to_toml(cfg))
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
     assert train_preflight(cfg, rank=0).resume is None and not (out / "metrics.jsonl").exists()
+    assert (out / "previous" / "1" / "metrics.jsonl").read_text() == '{"step": 0}\n'
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
     other = load_config(GRPO, [*overrides, "actor.lr=1e-3"])  # another config: another run
     with pytest.raises(SpmdrlError, match="holds another run"):

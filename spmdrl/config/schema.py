@@ -458,6 +458,9 @@ class CheckpointConfig:
 
     save_freq: int = 0
     """Save every this many steps (and at the end); 0 saves only at the end; -1 never."""
+    save_every_min: float = 30.0
+    """Also save after a step that ends this many minutes or more after the last save (or the start), so a stop
+    loses at most about this much training; 0 disables it (-1 in save_freq disables every save)."""
     keep_last: int = 2
     """This run's complete checkpoints to keep (another run's are never deleted); 0 keeps all."""
     resume: str = "auto"

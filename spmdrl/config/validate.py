@@ -71,6 +71,7 @@ def check_ranges(cfg) -> None:
     need(0 < r.val_top_p <= 1, "rollout.val_top_p", "in (0, 1]")
     need(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", ">= 0 (0 keeps every checkpoint)")
     need(cfg.checkpoint.save_freq >= -1, "checkpoint.save_freq", ">= -1 (-1 never saves)")
+    need(cfg.checkpoint.save_every_min >= 0, "checkpoint.save_every_min", ">= 0 (0: no time-based saves)")
     need(0 <= a.min_lr_ratio <= 1, "actor.min_lr_ratio", "in [0, 1]")
     need(a.weight_decay >= 0, "actor.weight_decay", ">= 0")
     need(c.weight_decay >= 0, "critic.weight_decay", ">= 0")

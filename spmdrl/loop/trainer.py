@@ -25,7 +25,7 @@ import torch
 
 from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
-from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume
+from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume, resume_advice
 from spmdrl.config import Config, to_toml
 from spmdrl.config.derived import offload_kinds, on_policy, uses_ref
 from spmdrl.data.prompts import PromptDataset
@@ -200,7 +200,8 @@ class Trainer:
         timer = StageTimer(self.device)  # names validation and checkpointing in failure messages
         set_collective_timeout(cfg.trainer.dist_timeout_s)
         try:
-            with named_failures(lambda: self.global_step, cfg.trainer.dist_timeout_s):
+            with named_failures(lambda: self.global_step, cfg.trainer.dist_timeout_s,
+                                lambda: resume_advice(cfg.trainer.output_dir)):
                 if self.validator is not None and cfg.trainer.val_before_train and not self.resumed_from:
                     with timer("validation"):
                         self.logger.log(0, self.validator.run(self.global_step))
@@ -222,8 +223,7 @@ class Trainer:
                     self.logger.log(self.global_step, metrics)
                     last = metrics
                     self.bad_steps.check(self.global_step)
-                    freq = cfg.checkpoint.save_freq
-                    if not bad and freq >= 0 and (done or (freq > 0 and self.global_step % freq == 0)):
+                    if not bad and self.checkpointer.due(self.global_step, done):
                         with timer("checkpoint"):
                             self.checkpointer.save(self.global_step)
         finally:
