@@ -141,6 +141,57 @@ def sft(
     _validate_and_launch("spmdrl.sft", config, overrides, nproc, dry_run, SFTConfig, validate_sft)
 
 
+@app.command("eval", context_settings=PASS_OVERRIDES)
+@user_errors
+def eval_(
+    config: str = typer.Option(..., "--config", "-c", help=CONFIG_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    checkpoint: Optional[str] = typer.Option(
+        None, "--checkpoint", help="Evaluate this checkpoint (or a run's output_dir: its latest) instead of model.path; "
+        "its policy is exported to <out>/model first (a LoRA one merged)."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Where eval.json and generations.jsonl go; default "
+                                      "<trainer.output_dir>/eval."),
+    nproc: int = typer.Option(1, "--nproc", "-n", min=1, help="Ranks on this machine; > 1 launches torchrun."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the config and print the command; run nothing."),
+):
+    """Validation only (python -m spmdrl.evaluate): the model's accuracy per data source on data.val_files, with
+    the run's rollout engine, rollout.val_* sampling and reward; no training engine is built (verl's
+    trainer.val_only). Prints the accuracies and writes <out>/eval.json; logging.log_generations=N also writes N
+    samples to <out>/generations.jsonl."""
+    from spmdrl.config import load_config
+    from spmdrl.evaluate import EVAL_FILE, validate_eval
+    from spmdrl.preflight import check_models
+
+    overrides = _overrides(overrides)
+    cfg = load_config(config, overrides)
+    out = os.path.abspath(out or os.path.join(cfg.trainer.output_dir, "eval"))
+    extra = [f"trainer.output_dir={out}"]
+    if checkpoint:
+        from spmdrl.checkpoint import find_checkpoint, read_manifest
+
+        path = find_checkpoint(checkpoint)
+        model = os.path.join(out, "model")
+        extra += [f"model.path={model}", "model.tokenizer_path=", "lora.enable=false"]
+        if not dry_run:
+            import shutil
+
+            from spmdrl.export import export_hf
+
+            shutil.rmtree(model, ignore_errors=True)  # the export of an earlier evaluation in this directory
+            lora = "adapter" in read_manifest(path)["engines"].get("actor", {})
+            typer.echo(f"exporting {path} to {model}", err=True)
+            export_hf(path, model, merged=lora)
+    overrides += extra
+    cfg = load_config(config, overrides)
+    if not dry_run or not checkpoint:
+        validate_eval(cfg, nproc)
+        check_models(cfg)
+    for name in (EVAL_FILE, "generations.jsonl", "metrics.jsonl"):  # this directory holds one evaluation
+        if not dry_run and os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    _launch(launch_command("spmdrl.evaluate", config, overrides, nproc), dry_run)
+
+
 @config_app.command("show", context_settings=PASS_OVERRIDES)
 @user_errors
 def config_show(

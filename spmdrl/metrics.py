@@ -55,6 +55,11 @@ class _Tensorboard:
             self.writer.add_scalar(k, v, global_step=step)
         self.writer.flush()
 
+    def log_table(self, step: int, name: str, rows: list[dict]) -> None:
+        text = "\n\n".join("```\n" + json.dumps(r, indent=1, ensure_ascii=False) + "\n```" for r in rows)
+        self.writer.add_text(name, text, global_step=step)
+        self.writer.flush()
+
     def close(self, failed: bool) -> None:
         self.writer.close()
 
@@ -140,6 +145,24 @@ class MetricsLogger:
                     self._bar.update(step - self._bar.n)
             else:
                 print(line, file=sys.stdout, flush=True)
+
+    def log_generations(self, step: int, split: str, rows: list[dict]) -> None:
+        """Sampled generations (spmdrl.loop.generations rows): appended to output_dir/generations.jsonl, and to
+        every backend that shows tables as `generations/<split>` (tensorboard text, a wandb table, an MLflow
+        artifact). A backend that fails is counted as for metrics."""
+        if not self.enabled or not rows:
+            return
+        with open(os.path.join(self.output_dir, "generations.jsonl"), "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        for name, sink in self._sinks.items():
+            if hasattr(sink, "log_table"):
+                try:
+                    sink.log_table(step, f"generations/{split}", rows)
+                except Exception as e:
+                    self._failures[name] = self._failures.get(name, 0) + 1
+                    log.warning("%s: logging the generations of step %d failed (%s: %s)", name, step,
+                                type(e).__name__, e)
 
     def close(self) -> None:
         """Close every backend; called while an exception propagates (a finally block), the tracker runs are

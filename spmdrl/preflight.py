@@ -108,6 +108,18 @@ def check_models(cfg) -> None:
         )
 
 
+def check_inputs(cfg) -> None:
+    """The files a run reads exist: data.train_files, data.val_files, and model.path when it looks local."""
+    for key in ("data.train_files", "data.val_files"):
+        for path in getattr(cfg.data, key.split(".")[1]):
+            if not os.path.isfile(os.path.expanduser(path)):
+                what = "is a directory; list the .parquet/.jsonl files inside it" if os.path.isdir(path) else \
+                    "no such file"
+                raise ConfigError(f"{key}: {path!r}: {what} (check the path; `spmdrl data` writes example files)")
+    if cfg.model.path and looks_local(cfg.model.path) and not os.path.isdir(os.path.expanduser(cfg.model.path)):
+        raise ConfigError(f"model.path = {cfg.model.path!r}: no such directory; give an HF model directory or a hub id")
+
+
 def check_writable(out: str) -> None:
     """output_dir exists and takes a file, or its nearest existing ancestor is a writable directory."""
     bad = ConfigError(f"trainer.output_dir = {out!r} cannot be created or written; choose a writable directory")
@@ -315,8 +327,25 @@ def check_multi_turn(cfg) -> None:
     ChatGlue(tok, tool_schemas(tools), name=path)
 
 
+def resolve_total_epochs(cfg) -> None:
+    """trainer.total_epochs > 0: set trainer.total_steps from the training files' row count (in place)."""
+    t, d = cfg.trainer, cfg.data
+    if t.total_epochs <= 0:
+        return
+    from spmdrl.data.io import count_rows
+
+    rows = count_rows(list(d.train_files))
+    per_epoch = rows // d.train_batch_size
+    if per_epoch == 0:
+        raise ConfigError(f"trainer.total_epochs = {t.total_epochs}: data.train_files hold {rows} rows, fewer than one "
+                          f"batch of data.train_batch_size = {d.train_batch_size}; lower the batch size or add data")
+    t.total_steps = t.total_epochs * per_epoch
+
+
 def preflight(cfg, config_toml: str, world_size: int | None = None) -> Plan:
-    """Every disk and host check, in the order a user would fix them (world_size: the run's ranks, when known)."""
+    """Every disk and host check, in the order a user would fix them (world_size: the run's ranks, when known).
+    trainer.total_epochs becomes trainer.total_steps here (resolve_total_epochs)."""
+    resolve_total_epochs(cfg)
     check_models(cfg)
     check_multi_turn(cfg)
     check_writable(cfg.trainer.output_dir)

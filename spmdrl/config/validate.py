@@ -85,6 +85,11 @@ def check_ranges(cfg) -> None:
     need(all(s for s in r.stop), "rollout.stop", "non-empty strings (an empty stop string ends every response)")
     need(all(i >= 0 for i in r.stop_token_ids), "rollout.stop_token_ids", "token ids >= 0")
     need(bool(cfg.checkpoint.resume.strip()), "checkpoint.resume", "auto, off or a checkpoint path")
+    rw = cfg.reward
+    need(not (rw.custom_fn and rw.custom_fns), "reward.custom_fns", "empty when reward.custom_fn is set (put that "
+         "function in the list instead)")
+    need(not rw.weights or len(rw.weights) == len(rw.custom_fns), "reward.weights",
+         f"one weight per reward.custom_fns entry ({len(rw.custom_fns)}), or empty for weights of 1")
 
 
 def validate(cfg, world_size: int):
@@ -134,7 +139,7 @@ def validate(cfg, world_size: int):
     for key in ("actor.clip_ratio_low", "actor.clip_ratio_high", "actor.grad_clip", "critic.grad_clip",
                 "actor.entropy_coeff", "actor.kl_loss_coef", "algorithm.kl_coef", "rollout.val_temperature",
                 "reward.timeout_s", "data.val_batch_size", "actor.warmup_steps", "trainer.test_freq",
-                "trainer.critic_warmup", "reward.rule_weight", "reward.model_weight", "critic.cliprange_value"):
+                "trainer.critic_warmup", "trainer.total_epochs", "reward.rule_weight", "reward.model_weight", "critic.cliprange_value"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, found {_get(cfg, key)}")
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length

@@ -41,6 +41,7 @@ from spmdrl.loop.build import (
 )
 from spmdrl.loop.collect import SampleRounds
 from spmdrl.loop.generate import Generator
+from spmdrl.loop.generations import GenerationLog
 from spmdrl.loop.learner import Learner
 from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.run_state import BadSteps, RunCheckpointer
@@ -70,6 +71,7 @@ class Trainer:
     weight_sync: WeightSync | AdapterSync  # AdapterSync: a LoRA actor, rollout.lora_sync = adapter
     stream: BatchStream | None  # split placement only
     hooks: StageHooks
+    generations: GenerationLog  # logging.log_generations / dump_rollouts
     logger: MetricsLogger
 
     def __init__(self, cfg: Config, layout: dict, rank: int, world_size: int, device: torch.device,
@@ -155,10 +157,12 @@ class Trainer:
         self.generator = generator
         self.stream = BatchStream(cfg, self.meshes, generator, sampler, self.weight_sync, self.memory) if split else None
         self.tool_names = [t.name for t in tools]  # multi-turn: the keys of the per-tool metrics
+        self.generations = GenerationLog(cfg.logging, cfg.trainer.output_dir, rank,
+                                         lambda *rows: self.logger.log_generations(*rows))
         self.validator = None
         if val_ds is not None:
             self.validator = Validator(cfg, self.rollout_mesh, val_ds, rollout, self.memory, specs, scorer, self.hooks,
-                                       pad_id, agent=agent)
+                                       pad_id, agent=agent, generations=self.generations)
         # ---- outputs and run state: config copy, metrics, checkpoints, resume
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         if rank == 0:
@@ -221,6 +225,7 @@ class Trainer:
                         with timer("validation"):
                             metrics.update(self.validator.run(self.global_step))
                     self.logger.log(self.global_step, metrics)
+                    self.generations.flush(self.global_step, "train")
                     last = metrics
                     self.bad_steps.check(self.global_step)
                     if not bad and self.checkpointer.due(self.global_step, done):
@@ -268,6 +273,7 @@ class Trainer:
                 rounds.add(batch)
             batch, sampled = rounds.batch(step)
             metrics.update(sampled)
+            self.generations.record(step, "train", batch, self.actor_mesh)
             # ---- forward passes: old log-probs, ref log-probs, values
             memory.for_training("actor", update=False, keep_rollout_weights=not train_actor)
             if not self.on_policy:
