@@ -217,6 +217,7 @@ class Trainer:
                     StageTimer.failed = StageTimer.last = None
                     inject_fault_if_asked(self.rank, self.global_step, self.actor)  # tests only (spmdrl/faults.py)
                     metrics = self.step(self.global_step)
+                    self.generations.flush(self.global_step, "train")
                     metrics.update(self.scorer.error_metrics())
                     bad = self.bad_steps.count(metrics)
                     done = self.global_step == cfg.trainer.total_steps
@@ -225,7 +226,6 @@ class Trainer:
                         with timer("validation"):
                             metrics.update(self.validator.run(self.global_step))
                     self.logger.log(self.global_step, metrics)
-                    self.generations.flush(self.global_step, "train")
                     last = metrics
                     self.bad_steps.check(self.global_step)
                     if not bad and self.checkpointer.due(self.global_step, done):
