@@ -198,26 +198,36 @@ def config_show(
     config: Optional[str] = typer.Option(None, "--config", "-c", help=CONFIG_HELP + " Omit for the defaults."),
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
     world_size: Optional[int] = typer.Option(
-        None, "--world-size", "-w", min=1, help="Also validate for this many ranks and print the layout on stderr."
+        None, "--world-size", "-w", min=1, help="Validate for this many ranks (default: the fewest the [placement] "
+        "allows) and print the layout on stderr."
     ),
     comments: bool = typer.Option(False, "--comments", help="Put each key's documentation above it."),
     sft: bool = typer.Option(False, "--sft", help="An SFT config (`spmdrl sft`); a file with an [sft] table is one anyway."),
 ):
-    """Print the resolved config (files, extends and overrides merged) as TOML, valid input to --config."""
+    """Print the resolved config (files, extends and overrides merged) as TOML, valid input to --config.
+
+    A config file or overrides are validated first (for --world-size ranks, else the fewest the [placement]
+    allows; wandb/MLflow are not checked): an invalid value is a one-line error, exit 2. The defaults alone are
+    printed without validation (they name no model)."""
     from spmdrl.config import load_config, to_toml, validate
     from spmdrl.config.loader import read_toml_tree
     from spmdrl.config.schema import Config, SFTConfig
+    from spmdrl.dist.layout import smallest_world
 
     overrides = _overrides(overrides)
     sft = sft or any(o.startswith("sft.") for o in overrides) or bool(config and "sft" in read_toml_tree(config)[0])
     cfg = load_config(config, overrides, root_cls=SFTConfig if sft else Config)
-    if world_size is not None:
+    if world_size is not None or config or overrides:
+        from spmdrl.dist.layout import role_backends
+
+        world = world_size or smallest_world(cfg.placement, None if sft else role_backends(cfg))
         if sft:
             from spmdrl.sft import validate_sft
 
-            layout = validate_sft(cfg, world_size)
+            layout = validate_sft(cfg, world)
         else:
-            layout = validate(cfg, world_size)
+            layout = validate(cfg, world, trackers=False)
+    if world_size is not None:
         for role in layout.values():
             typer.echo(f"# {role.role}: {len(role.ranks)} ranks, dp={role.dp} pp={role.pp} tp={role.tp}", err=True)
     typer.echo(to_toml(cfg, with_docs=comments), nl=False)
@@ -370,19 +380,37 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of the table."),
     sizes: bool = typer.Option(False, "--sizes", help="Also: which Qwen2.5 sizes (0.5B-72B) fit this workload on one "
                                "GPU, full fine-tuning next to LoRA (lora, else rank 32 on every linear)."),
+    min_gpus: bool = typer.Option(False, "--min-gpus", help="Search the smallest GPU count that fits (1, 2, 4, ... "
+                                  "then whole nodes; on each the config's tensor parallelism, then larger, each without "
+                                  "and with the training state offloaded) and plan that layout; slow for large models."),
 ):
-    """Role meshes, weight-sync bytes and memory per phase for a config; no GPU, no weights (spmdrl/plan/)."""
+    """Role meshes, weight-sync bytes and memory per phase for a config; no GPU, no weights (spmdrl/plan/).
+    Trackers (wandb, MLflow) are not checked: a plan starts no run."""
     import json
 
     from spmdrl.config import load_config, validate
     from spmdrl.plan import build_plan, render
+    from spmdrl.plan.search import apply
 
     extra = [f"memory.{k}={v}" for k, v in (("gpu_memory_gb", gpu_gb), ("gpus_per_node", gpus_per_node),
                                             ("host_memory_gb", host_gb)) if v is not None]
     cfg = load_config(config, _overrides(overrides) + extra)
-    world = world_size or cfg.memory.nodes * cfg.memory.gpus_per_node
-    validate(cfg, world)
-    p = build_plan(cfg, world)
+    if min_gpus:
+        from spmdrl.errors import ConfigError
+        from spmdrl.plan.search import format_change, min_gpus as search
+
+        found = search(cfg, note=lambda line: typer.echo(f"# tried {line}", err=True))
+        if found is None:
+            raise ConfigError("no layout of up to 1024 GPUs fits this config; see `spmdrl plan` without --min-gpus for "
+                              "what does not fit")
+        world, change, p = found
+        typer.echo(f"smallest layout that fits: {world} GPU(s)" + (f" with {format_change(change)}" if change else
+                                                                     " as configured"), err=True)
+    else:
+        world = world_size or cfg.memory.nodes * cfg.memory.gpus_per_node
+        cfg = apply(cfg, world, {}) if world_size else cfg  # the header says the hardware of --world-size
+        validate(cfg, world, trackers=False)
+        p = build_plan(cfg, world)
     if sizes:
         from spmdrl.plan.sizes import fit_table, render_fit_table
 

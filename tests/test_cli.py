@@ -76,6 +76,15 @@ def test_config_show_with_comments_and_defaults(tmp_path):
     assert load_config(str(path)) == load_config(None)
 
 
+def test_config_show_refuses_invalid_values():
+    """`config show` printed a misspelt estimator and a mini-batch that does not divide the batch with exit 0."""
+    assert_user_error(run("config", "show", "--config", GRPO, "algorithm.adv_estimator=grpoo"),
+                      "algorithm.adv_estimator = 'grpoo' is not registered")
+    assert_user_error(run("config", "show", "--config", GRPO, "data.train_batch_size=8", "actor.ppo_mini_batch_size=3"),
+                      "data.train_batch_size = 8 is not divisible by actor.ppo_mini_batch_size = 3")
+    assert run("config", "show", "--config", GRPO, "logging.backends=[\"wandb\"]").exit_code == 0  # no tracker check
+
+
 def test_config_show_validates_for_world_size():
     result = run("config", "show", "--config", GRPO, "--world-size", 8)
     assert result.exit_code == 0, result.output

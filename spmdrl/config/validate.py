@@ -92,15 +92,17 @@ def check_ranges(cfg) -> None:
          f"one weight per reward.custom_fns entry ({len(rw.custom_fns)}), or empty for weights of 1")
 
 
-def validate(cfg, world_size: int):
-    """Raise ConfigError on the first inconsistency; return the per-role layout on success."""
+def validate(cfg, world_size: int, *, trackers: bool = True):
+    """Raise ConfigError on the first inconsistency; return the per-role layout on success. trackers=False skips
+    the checks of wandb and MLflow (installed, an API key): for commands that start no run (plan, config show)."""
     from spmdrl.algos import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES
     from spmdrl.dist.layout import check_megatron_roles, plan_layout, role_backends
 
     from spmdrl.trackers import check_backends
 
     check_finite(cfg)
-    check_backends(cfg.logging)
+    if trackers:
+        check_backends(cfg.logging)
     if "megatron" in [b for r, b in role_backends(cfg).items() if r != "critic" or cfg.critic.enable]:
         m = cfg.model
         for key, bad in (("model.compile", m.compile), ("model.checkpoint_every_n_layers", m.checkpoint_every_n_layers != 1),

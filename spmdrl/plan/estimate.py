@@ -654,6 +654,9 @@ def advice(p: dict) -> list[str]:
                        f"(memory.margin x memory.gpu_memory_gb); largest: "
                        + ", ".join(f"{k} {v:g} GiB" for k, v in parts))
             out += [f"  change {_hint(k, name)}" for k, _ in parts]
+            out.append("  or offload what is idle in this phase: memory.actor_offload / memory.critic_offload = "
+                       "[\"params\", \"optimizer\", \"grads\"], memory.ref_offload = [\"params\"] or ref.offload = true "
+                       "(host memory between phases); `spmdrl plan --min-gpus` tries offload and TP on 1, 2, 4, ... GPUs")
         else:
             out.append(f"does not fit: phase {name} needs {ph['host_gb']:.1f} GiB of host memory per node, "
                        f"{host_cap:.1f} GiB allowed (memory.margin x memory.host_memory_gb): offload fewer kinds "
