@@ -233,6 +233,29 @@ def config_show(
     typer.echo(to_toml(cfg, with_docs=comments), nl=False)
 
 
+@config_app.command("from-verl", context_settings=PASS_OVERRIDES)
+@user_errors
+def config_from_verl(
+    args: Optional[list[str]] = typer.Argument(None, help="verl's command line or its Hydra overrides "
+                                               "(actor_rollout_ref.actor.optim.lr=1e-6 ...); later ones win.",
+                                               show_default=False),
+    yaml_file: Optional[str] = typer.Option(None, "--yaml", help="A verl config YAML (ppo_trainer.yaml style), read "
+                                            "before the overrides."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Write the TOML here instead of stdout."),
+):
+    """Convert a verl run (command line and/or YAML) into an spmdrl TOML config, with what could not be converted
+    as comments at the top (docs/verl.md has the key map)."""
+    from spmdrl.config.verl import from_verl, to_toml_text
+
+    text = to_toml_text(*from_verl(list(args or []), yaml_file))
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
+        typer.echo(f"wrote {out}; check it with `spmdrl config show --config {out}`")
+    else:
+        typer.echo(text, nl=False)
+
+
 @config_app.command("docs")
 @user_errors
 def config_docs(
