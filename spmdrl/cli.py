@@ -1,11 +1,14 @@
 """The `spmdrl` command: launch training, inspect configs, prepare data and tiny models.
 
     spmdrl train --config configs/grpo.toml --nproc 8 actor.lr=2e-6
+    spmdrl eval --config configs/grpo.toml --checkpoint outputs/run
     spmdrl config show --config configs/grpo.toml --world-size 8
+    spmdrl config from-verl actor_rollout_ref.actor.optim.lr=1e-6 trainer.total_epochs=15
     spmdrl data synthetic --out data/arith
     spmdrl model tiny --out models/tiny
     spmdrl sweep plan|run|report configs/ablations/estimators.toml
     spmdrl plan --config configs/ppo_70b.toml --json
+    spmdrl plan --config configs/grpo.toml --min-gpus
 
 Every SpmdrlError (bad config, data, path) prints as one line `error: ...` on stderr with exit code 2.
 """
@@ -245,9 +248,10 @@ def config_from_verl(
 ):
     """Convert a verl run (command line and/or YAML) into an spmdrl TOML config, with what could not be converted
     as comments at the top (docs/verl.md has the key map)."""
-    from spmdrl.config.verl import from_verl, to_toml_text
+    from spmdrl.config.docs import converted_toml
+    from spmdrl.config.verl import from_verl
 
-    text = to_toml_text(*from_verl(list(args or []), yaml_file))
+    text = converted_toml(*from_verl(list(args or []), yaml_file))
     if out:
         with open(out, "w", encoding="utf-8") as f:
             f.write(text)

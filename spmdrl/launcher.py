@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ["PYTHONSAFEPATH"] = "1"
+    # torchrun sets 1 itself when it is unset, with a banner on every launch; the same value, without the banner
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name in list(logging.root.manager.loggerDict):  # each sets its own level; the ranks say what happened
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -31,6 +31,9 @@ CONSOLE_KEYS = (
     ("pg_loss", "actor/pg_loss"),
     ("vf_loss", "critic/vf_loss"),
     ("loss", "sft/loss"),
+    ("turns", "multi_turn/turns_mean"),
+    ("tool_calls", "tools/calls"),
+    ("tool_fail", "tools/failures"),
     ("step_s", "timing/step_s"),
     ("tok/s", "perf/tokens_per_s"),
 )
@@ -87,10 +90,12 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str, *, tensorboard: bool = True, jsonl: bool = True, console: bool = True,
                  rank: int = 0, append: bool = True, progress_total: int = 0, backends: list[str] | None = None,
-                 run=None, logging_config=None):
+                 run=None, logging_config=None, console_every: int = 1, last_step: int = 0):
         """backends: names from spmdrl.trackers.BACKENDS (default: tensorboard and jsonl as the two flags say);
-        wandb and mlflow need `run` (a spmdrl.trackers.TrackerRun) and `logging_config` (the [logging] section)."""
+        wandb and mlflow need `run` (a spmdrl.trackers.TrackerRun) and `logging_config` (the [logging] section).
+        console_every: steps between console lines (last_step, the run's last, always has one)."""
         self.output_dir = output_dir
+        self.console_every, self.last_step = max(1, console_every), last_step
         self._bar = None
         self.enabled = rank == 0
         self.console = console and self.enabled
@@ -136,7 +141,7 @@ class MetricsLogger:
                 if n == 1 or n % 100 == 0:
                     log.warning("%s: logging step %d failed (%s: %s); training goes on (failure %d, logged as "
                                 "logging/%s_failures)", name, step, type(e).__name__, e, n, name)
-        if self.console:
+        if self.console and (step % self.console_every == 0 or step == self.last_step):
             parts = [f"step {step}"] + [f"{label} {_fmt(values[k])}" for label, k in CONSOLE_KEYS if k in values]
             line = " | ".join(parts)
             if self._bar is not None and not self._bar.disable:
@@ -195,9 +200,10 @@ def logger_for(cfg, rank: int, *, resume: bool, progress_total: int) -> MetricsL
     lg = cfg.logging
     backends = selected_backends(lg)
     run = tracker_run(cfg, resume=resume) if rank == 0 and any(b in ("wandb", "mlflow") for b in backends) else None
+    every = lg.console_every or (max(1, progress_total // 20) if hasattr(cfg, "sft") else 1)
     return MetricsLogger(cfg.trainer.output_dir, console=lg.console, rank=rank, append=resume,
                          progress_total=progress_total if lg.progress else 0, backends=backends, run=run,
-                         logging_config=lg)
+                         logging_config=lg, console_every=every, last_step=progress_total)
 
 
 def read_jsonl(path: str, *, last_per_step: bool = False) -> list[dict]:

@@ -160,6 +160,8 @@ class WandbSink:
         self.info, self.lg, self.run = run, lg, None
 
     def open(self) -> None:
+        if (os.environ.get("SPMDRL_VERBOSITY") or self.lg.verbosity) != "debug":
+            os.environ.setdefault("WANDB_SILENT", "true")  # no banners or links on the console (the run dir has them)
         import wandb
 
         info = self.info

@@ -167,7 +167,7 @@ def test_plan_that_does_not_fit_names_the_phase_and_what_to_change():
     # the phase furthest over the limit, its two largest parts, and a setting for each
     assert tail[0].startswith("  does not fit: phase train_") and "36.00 GiB allowed" in tail[0]
     assert "optimizer" in tail[0] and tail[1].strip().startswith("change ") and "placement." in tail[1]
-    assert any("or offload what is idle in this phase: memory.actor_offload" in line for line in tail)
+    assert any("or offload what is idle in this phase to host memory: memory.actor_offload=" in line for line in tail)
     fits = CliRunner().invoke(app, ["plan", "--config", os.path.join(REPO, "configs", "ppo_70b.toml")])
     assert "fits: true" in fits.output and "does not fit" not in fits.output
 

@@ -487,7 +487,10 @@ class LoggingConfig:
     jsonl: bool = True
     """false removes jsonl from logging.backends (a shorthand kept for older configs)."""
     console: bool = True
-    """Print a line of key metrics per step on rank 0."""
+    """Print a line of key metrics on rank 0 (every console_every steps)."""
+    console_every: int = 0
+    """Steps between console lines (the last step always has one); 0: every step of an RL run, about 20 lines over
+    an SFT run."""
     progress: bool = True
     """Show progress bars for long stages on rank 0."""
     log_generations: int = 0

@@ -141,7 +141,7 @@ def validate(cfg, world_size: int, *, trackers: bool = True):
     for key in ("actor.clip_ratio_low", "actor.clip_ratio_high", "actor.grad_clip", "critic.grad_clip",
                 "actor.entropy_coeff", "actor.kl_loss_coef", "algorithm.kl_coef", "rollout.val_temperature",
                 "reward.timeout_s", "data.val_batch_size", "actor.warmup_steps", "trainer.test_freq",
-                "trainer.critic_warmup", "trainer.total_epochs", "reward.rule_weight", "reward.model_weight", "critic.cliprange_value"):
+                "trainer.critic_warmup", "trainer.total_epochs", "logging.console_every", "reward.rule_weight", "reward.model_weight", "critic.cliprange_value"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, found {_get(cfg, key)}")
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length

@@ -308,29 +308,3 @@ def from_verl(args: list[str], yaml_path: str | None = None) -> tuple[dict, list
         items[key.lstrip("+")] = _value(text)
         quiet.discard(key.lstrip("+"))
     return convert(items, quiet)
-
-
-def _root():
-    from spmdrl.config.schema import Config
-
-    return Config
-
-
-def to_toml_text(sections: dict[str, dict[str, Any]], notes: list[str]) -> str:
-    """The converted keys as a TOML config (checked against spmdrl's schema: types and names), notes as comments."""
-    import typing
-
-    from spmdrl.config.docs import _toml_value
-    from spmdrl.config.loader import _sections, build
-
-    for sec, values in sections.items():  # verl takes one path where spmdrl keeps a list
-        hints = typing.get_type_hints(_sections(_root())[sec])
-        for k, v in values.items():
-            if typing.get_origin(hints.get(k)) is list and not isinstance(v, list):
-                values[k] = [v]
-    build(sections, {s: "the converted verl config" for s in sections})  # a wrong type names the key
-    lines = ["# converted from verl by `spmdrl config from-verl`; check every value, then `spmdrl config show --config F`"]
-    lines += [f"# {n}" for n in notes]
-    for sec, values in sections.items():
-        lines += ["", f"[{sec}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-    return "\n".join(lines) + "\n"

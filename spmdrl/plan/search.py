@@ -8,10 +8,9 @@ from __future__ import annotations
 import copy
 from typing import Callable, Iterator
 
+from spmdrl.config.derived import FULL_OFFLOAD
 from spmdrl.errors import ConfigError
-
-FULL_OFFLOAD = {"memory.actor_offload": ["params", "optimizer", "grads"],
-                "memory.critic_offload": ["params", "optimizer", "grads"], "memory.ref_offload": ["params"]}
+from spmdrl.plan.estimate import format_change
 
 
 def world_sizes(gpus_per_node: int, max_gpus: int) -> list[int]:
@@ -71,8 +70,3 @@ def min_gpus(cfg, max_gpus: int = 1024, note: Callable[[str], None] = lambda s: 
             if plan["fits"]:
                 return world, change, plan
     return None
-
-
-def format_change(change: dict) -> str:
-    return " ".join(f"{k}={v}" if not isinstance(v, list) else f"{k}=[{','.join(repr(x).replace(chr(39), chr(34)) for x in v)}]"
-                    for k, v in change.items())
