@@ -71,15 +71,20 @@ def launch_command(module: str, config: str, overrides: list[str], nproc: int) -
 _exec = os.execve  # replaced in tests
 
 
-def _launch(cmd: list[str], dry_run: bool) -> None:
+def _launch(cmd: list[str], dry_run: bool, verbosity: str = "info") -> None:
     """Become the launcher (exec, no parent left behind): a signal to this PID reaches torchrun's agent, which
-    stops every rank; safe-path mode (PYTHONSAFEPATH) reaches the ranks through the environment."""
+    stops every rank; safe-path mode (PYTHONSAFEPATH) reaches the ranks through the environment. At
+    logging.verbosity info, torch's C++ warnings (vLLM's NUMA binding notice on every rank) are left out
+    (TORCH_CPP_LOG_LEVEL=ERROR, read once when torch loads; a value set by the user is kept)."""
     typer.echo(" ".join(cmd), err=True)
     if dry_run:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    _exec(cmd[0], cmd, {**os.environ, "PYTHONSAFEPATH": "1"})
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    if (os.environ.get("SPMDRL_VERBOSITY") or verbosity) != "debug":
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    _exec(cmd[0], cmd, env)
 
 
 def _validate_and_launch(module, config, overrides, nproc, dry_run, root_cls, validate_fn, preflight_fn=None) -> None:
@@ -92,7 +97,7 @@ def _validate_and_launch(module, config, overrides, nproc, dry_run, root_cls, va
     validate_fn(cfg, nproc)
     if preflight_fn is not None and preflight_fn(cfg, nproc) is False:
         return
-    _launch(launch_command(module, config, overrides, nproc), dry_run)
+    _launch(launch_command(module, config, overrides, nproc), dry_run, cfg.logging.verbosity)
 
 
 def _train_preflight(cfg, nproc: int):
@@ -192,7 +197,7 @@ def eval_(
     for name in (EVAL_FILE, "generations.jsonl", "metrics.jsonl"):  # this directory holds one evaluation
         if not dry_run and os.path.isfile(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
-    _launch(launch_command("spmdrl.evaluate", config, overrides, nproc), dry_run)
+    _launch(launch_command("spmdrl.evaluate", config, overrides, nproc), dry_run, cfg.logging.verbosity)
 
 
 @config_app.command("show", context_settings=PASS_OVERRIDES)

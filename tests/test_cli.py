@@ -127,15 +127,23 @@ def test_train_dry_run_validates_and_builds_the_command():
 def test_train_runs_the_module_and_returns_its_exit_code(monkeypatch):
     launched = []
 
+    envs = []
+
     def fake_exec(path, cmd, env):  # the CLI becomes the launcher: exec, in safe-path mode
         launched.append(cmd)
+        envs.append(env)
         assert path == cmd[0] and env["PYTHONSAFEPATH"] == "1"
         raise typer.Exit(3)
 
     monkeypatch.setattr(cli, "_exec", fake_exec)
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    monkeypatch.delenv("SPMDRL_VERBOSITY", raising=False)
     result = run("train", "--config", GRPO, "--nproc", 2, "placement.rollout_tp=1")
     assert result.exit_code == 3
     assert launched == [cli.launch_command("spmdrl.train", GRPO, ["placement.rollout_tp=1"], 2)]
+    assert envs[-1]["TORCH_CPP_LOG_LEVEL"] == "ERROR"  # torch's C++ warnings only at logging.verbosity = debug
+    run("train", "--config", GRPO, "--nproc", 2, "placement.rollout_tp=1", "logging.verbosity=debug")
+    assert "TORCH_CPP_LOG_LEVEL" not in envs[-1]
     sft_cfg = os.path.join(os.path.dirname(GRPO), "quickstart", "sft.toml")
     result = run("sft", "--config", sft_cfg, "--nproc", 2)
     assert result.exit_code == 3 and launched[-1][-3:] == ["spmdrl.sft", "--config", sft_cfg]
