@@ -762,3 +762,15 @@ def test_a_save_is_due_by_steps_at_the_end_and_by_minutes():
         timed.last_save = time.monotonic()  # what a save does
         assert not timed.due(3, False)
         assert not checkpointer("checkpoint.save_freq=-1", "checkpoint.save_every_min=0.001").due(5, True)
+
+
+def test_a_lora_export_names_the_base_model_as_the_run_gave_it(tmp_path):
+    """An exported adapter named its base by the (relative, or hub-snapshot) path the engine read, so
+    AutoPeftModelForCausalLM failed from another directory: a hub id given as model.path is recorded as the
+    id (engines record a local base as an absolute path)."""
+    from spmdrl.export import _hub_model_id
+
+    (tmp_path / "config.toml").write_text('[model]\npath = "Qwen/Qwen2.5-0.5B-Instruct"\n')
+    assert _hub_model_id(str(tmp_path)) == "Qwen/Qwen2.5-0.5B-Instruct"
+    (tmp_path / "config.toml").write_text('[model]\npath = "./outputs/sft_model"\n')
+    assert _hub_model_id(str(tmp_path)) is None
