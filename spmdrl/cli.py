@@ -415,6 +415,7 @@ def plan(
     min_gpus: bool = typer.Option(False, "--min-gpus", help="Search the smallest GPU count that fits (1, 2, 4, ... "
                                   "then whole nodes; on each the config's tensor parallelism, then larger, each without "
                                   "and with the training state offloaded) and plan that layout; slow for large models."),
+    max_gpus: int = typer.Option(1024, "--max-gpus", min=1, help="With --min-gpus: search no further than this."),
 ):
     """Role meshes, weight-sync bytes and memory per phase for a config; no GPU, no weights (spmdrl/plan/).
     Trackers (wandb, MLflow) are not checked: a plan starts no run."""
@@ -431,10 +432,10 @@ def plan(
         from spmdrl.errors import ConfigError
         from spmdrl.plan.search import format_change, min_gpus as search
 
-        found = search(cfg, note=lambda line: typer.echo(f"# tried {line}", err=True))
+        found = search(cfg, max_gpus, note=lambda line: typer.echo(f"# tried {line}", err=True))
         if found is None:
-            raise ConfigError("no layout of up to 1024 GPUs fits this config; see `spmdrl plan` without --min-gpus for "
-                              "what does not fit")
+            raise ConfigError(f"no layout of up to {max_gpus} GPUs fits this config; see `spmdrl plan` without "
+                              "--min-gpus for what does not fit")
         world, change, p = found
         typer.echo(f"smallest layout that fits: {world} GPU(s)" + (f" with {format_change(change)}" if change else
                                                                      " as configured"), err=True)

@@ -191,6 +191,6 @@ def test_plan_header_world_size_no_tracker_check_and_min_gpus(tmp_path):
     assert r.exit_code == 0, r.output
     assert "smallest layout that fits: 1 GPU(s) as configured" in r.stderr
     assert "world 1 ranks (1 node(s) x 1 GPUs" in r.stdout and "fits: true" in r.stdout
-    r = CliRunner().invoke(app, [*args, "--min-gpus", "--gpu-gb", "1", "--gpus-per-node", "2"], env=env)
-    assert r.exit_code == 2 and r.stderr.splitlines()[-1].startswith("error: no layout of up to 1024 GPUs fits this config")
+    r = CliRunner().invoke(app, [*args, "--min-gpus", "--gpu-gb", "1", "--gpus-per-node", "2", "--max-gpus", "2"], env=env)
+    assert r.exit_code == 2 and r.stderr.splitlines()[-1].startswith("error: no layout of up to 2 GPUs fits this config")
     assert "# tried 2 GPU(s) memory.actor_offload=" in r.stderr
