@@ -1,11 +1,14 @@
 """The `spmdrl` command: launch training, inspect configs, prepare data and tiny models.
 
     spmdrl train --config configs/grpo.toml --nproc 8 actor.lr=2e-6
+    spmdrl eval --config configs/grpo.toml --checkpoint outputs/run
     spmdrl config show --config configs/grpo.toml --world-size 8
+    spmdrl config from-verl actor_rollout_ref.actor.optim.lr=1e-6 trainer.total_epochs=15
     spmdrl data synthetic --out data/arith
     spmdrl model tiny --out models/tiny
     spmdrl sweep plan|run|report configs/ablations/estimators.toml
     spmdrl plan --config configs/ppo_70b.toml --json
+    spmdrl plan --config configs/grpo.toml --min-gpus
 
 Every SpmdrlError (bad config, data, path) prints as one line `error: ...` on stderr with exit code 2.
 """
@@ -68,15 +71,20 @@ def launch_command(module: str, config: str, overrides: list[str], nproc: int) -
 _exec = os.execve  # replaced in tests
 
 
-def _launch(cmd: list[str], dry_run: bool) -> None:
+def _launch(cmd: list[str], dry_run: bool, verbosity: str = "info") -> None:
     """Become the launcher (exec, no parent left behind): a signal to this PID reaches torchrun's agent, which
-    stops every rank; safe-path mode (PYTHONSAFEPATH) reaches the ranks through the environment."""
+    stops every rank; safe-path mode (PYTHONSAFEPATH) reaches the ranks through the environment. At
+    logging.verbosity info, torch's C++ warnings (vLLM's NUMA binding notice on every rank) are left out
+    (TORCH_CPP_LOG_LEVEL=ERROR, read once when torch loads; a value set by the user is kept)."""
     typer.echo(" ".join(cmd), err=True)
     if dry_run:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    _exec(cmd[0], cmd, {**os.environ, "PYTHONSAFEPATH": "1"})
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    if (os.environ.get("SPMDRL_VERBOSITY") or verbosity) != "debug":
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    _exec(cmd[0], cmd, env)
 
 
 def _validate_and_launch(module, config, overrides, nproc, dry_run, root_cls, validate_fn, preflight_fn=None) -> None:
@@ -89,7 +97,7 @@ def _validate_and_launch(module, config, overrides, nproc, dry_run, root_cls, va
     validate_fn(cfg, nproc)
     if preflight_fn is not None and preflight_fn(cfg, nproc) is False:
         return
-    _launch(launch_command(module, config, overrides, nproc), dry_run)
+    _launch(launch_command(module, config, overrides, nproc), dry_run, cfg.logging.verbosity)
 
 
 def _train_preflight(cfg, nproc: int):
@@ -141,35 +149,120 @@ def sft(
     _validate_and_launch("spmdrl.sft", config, overrides, nproc, dry_run, SFTConfig, validate_sft)
 
 
+@app.command("eval", context_settings=PASS_OVERRIDES)
+@user_errors
+def eval_(
+    config: str = typer.Option(..., "--config", "-c", help=CONFIG_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    checkpoint: Optional[str] = typer.Option(
+        None, "--checkpoint", help="Evaluate this checkpoint (or a run's output_dir: its latest) instead of model.path; "
+        "its policy is exported to <out>/model first (a LoRA one merged)."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Where eval.json and generations.jsonl go; default "
+                                      "<trainer.output_dir>/eval."),
+    nproc: int = typer.Option(1, "--nproc", "-n", min=1, help="Ranks on this machine; > 1 launches torchrun."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the config and print the command; run nothing."),
+):
+    """Validation only (python -m spmdrl.evaluate): the model's accuracy per data source on data.val_files, with
+    the run's rollout engine, rollout.val_* sampling and reward; no training engine is built (verl's
+    trainer.val_only). Prints the accuracies and writes <out>/eval.json; logging.log_generations=N also writes N
+    samples to <out>/generations.jsonl."""
+    from spmdrl.config import load_config
+    from spmdrl.evaluate import EVAL_FILE, validate_eval
+    from spmdrl.preflight import check_models
+
+    overrides = _overrides(overrides)
+    cfg = load_config(config, overrides)
+    out = os.path.abspath(out or os.path.join(cfg.trainer.output_dir, "eval"))
+    extra = [f"trainer.output_dir={out}"]
+    if checkpoint:
+        from spmdrl.checkpoint import find_checkpoint, read_manifest
+
+        path = find_checkpoint(checkpoint)
+        model = os.path.join(out, "model")
+        extra += [f"model.path={model}", "model.tokenizer_path=", "lora.enable=false"]
+        if not dry_run:
+            import shutil
+
+            from spmdrl.export import export_hf
+
+            shutil.rmtree(model, ignore_errors=True)  # the export of an earlier evaluation in this directory
+            lora = "adapter" in read_manifest(path)["engines"].get("actor", {})
+            typer.echo(f"exporting {path} to {model}", err=True)
+            export_hf(path, model, merged=lora)
+    overrides += extra
+    cfg = load_config(config, overrides)
+    if not dry_run or not checkpoint:
+        validate_eval(cfg, nproc)
+        check_models(cfg)
+    for name in (EVAL_FILE, "generations.jsonl", "metrics.jsonl"):  # this directory holds one evaluation
+        if not dry_run and os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    _launch(launch_command("spmdrl.evaluate", config, overrides, nproc), dry_run, cfg.logging.verbosity)
+
+
 @config_app.command("show", context_settings=PASS_OVERRIDES)
 @user_errors
 def config_show(
     config: Optional[str] = typer.Option(None, "--config", "-c", help=CONFIG_HELP + " Omit for the defaults."),
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
     world_size: Optional[int] = typer.Option(
-        None, "--world-size", "-w", min=1, help="Also validate for this many ranks and print the layout on stderr."
+        None, "--world-size", "-w", min=1, help="Validate for this many ranks (default: the fewest the [placement] "
+        "allows) and print the layout on stderr."
     ),
     comments: bool = typer.Option(False, "--comments", help="Put each key's documentation above it."),
     sft: bool = typer.Option(False, "--sft", help="An SFT config (`spmdrl sft`); a file with an [sft] table is one anyway."),
 ):
-    """Print the resolved config (files, extends and overrides merged) as TOML, valid input to --config."""
+    """Print the resolved config (files, extends and overrides merged) as TOML, valid input to --config.
+
+    A config file or overrides are validated first (for --world-size ranks, else the fewest the [placement]
+    allows; wandb/MLflow are not checked): an invalid value is a one-line error, exit 2. The defaults alone are
+    printed without validation (they name no model)."""
     from spmdrl.config import load_config, to_toml, validate
     from spmdrl.config.loader import read_toml_tree
     from spmdrl.config.schema import Config, SFTConfig
+    from spmdrl.dist.layout import smallest_world
 
     overrides = _overrides(overrides)
     sft = sft or any(o.startswith("sft.") for o in overrides) or bool(config and "sft" in read_toml_tree(config)[0])
     cfg = load_config(config, overrides, root_cls=SFTConfig if sft else Config)
-    if world_size is not None:
+    if world_size is not None or config or overrides:
+        from spmdrl.dist.layout import role_backends
+
+        world = world_size or smallest_world(cfg.placement, None if sft else role_backends(cfg))
         if sft:
             from spmdrl.sft import validate_sft
 
-            layout = validate_sft(cfg, world_size)
+            layout = validate_sft(cfg, world)
         else:
-            layout = validate(cfg, world_size)
+            layout = validate(cfg, world, trackers=False)
+    if world_size is not None:
         for role in layout.values():
             typer.echo(f"# {role.role}: {len(role.ranks)} ranks, dp={role.dp} pp={role.pp} tp={role.tp}", err=True)
     typer.echo(to_toml(cfg, with_docs=comments), nl=False)
+
+
+@config_app.command("from-verl", context_settings=PASS_OVERRIDES)
+@user_errors
+def config_from_verl(
+    args: Optional[list[str]] = typer.Argument(None, help="verl's command line or its Hydra overrides "
+                                               "(actor_rollout_ref.actor.optim.lr=1e-6 ...); later ones win.",
+                                               show_default=False),
+    yaml_file: Optional[str] = typer.Option(None, "--yaml", help="A verl config YAML (ppo_trainer.yaml style), read "
+                                            "before the overrides."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Write the TOML here instead of stdout."),
+):
+    """Convert a verl run (command line and/or YAML) into an spmdrl TOML config, with what could not be converted
+    as comments at the top (docs/verl.md has the key map)."""
+    from spmdrl.config.docs import converted_toml
+    from spmdrl.config.verl import from_verl
+
+    text = converted_toml(*from_verl(list(args or []), yaml_file))
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
+        typer.echo(f"wrote {out}; check it with `spmdrl config show --config {out}`")
+    else:
+        typer.echo(text, nl=False)
 
 
 @config_app.command("docs")
@@ -319,19 +412,38 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of the table."),
     sizes: bool = typer.Option(False, "--sizes", help="Also: which Qwen2.5 sizes (0.5B-72B) fit this workload on one "
                                "GPU, full fine-tuning next to LoRA (lora, else rank 32 on every linear)."),
+    min_gpus: bool = typer.Option(False, "--min-gpus", help="Search the smallest GPU count that fits (1, 2, 4, ... "
+                                  "then whole nodes; on each the config's tensor parallelism, then larger, each without "
+                                  "and with the training state offloaded) and plan that layout; slow for large models."),
+    max_gpus: int = typer.Option(1024, "--max-gpus", min=1, help="With --min-gpus: search no further than this."),
 ):
-    """Role meshes, weight-sync bytes and memory per phase for a config; no GPU, no weights (spmdrl/plan/)."""
+    """Role meshes, weight-sync bytes and memory per phase for a config; no GPU, no weights (spmdrl/plan/).
+    Trackers (wandb, MLflow) are not checked: a plan starts no run."""
     import json
 
     from spmdrl.config import load_config, validate
     from spmdrl.plan import build_plan, render
+    from spmdrl.plan.search import apply
 
     extra = [f"memory.{k}={v}" for k, v in (("gpu_memory_gb", gpu_gb), ("gpus_per_node", gpus_per_node),
                                             ("host_memory_gb", host_gb)) if v is not None]
     cfg = load_config(config, _overrides(overrides) + extra)
-    world = world_size or cfg.memory.nodes * cfg.memory.gpus_per_node
-    validate(cfg, world)
-    p = build_plan(cfg, world)
+    if min_gpus:
+        from spmdrl.errors import ConfigError
+        from spmdrl.plan.search import format_change, min_gpus as search
+
+        found = search(cfg, max_gpus, note=lambda line: typer.echo(f"# tried {line}", err=True))
+        if found is None:
+            raise ConfigError(f"no layout of up to {max_gpus} GPUs fits this config; see `spmdrl plan` without "
+                              "--min-gpus for what does not fit")
+        world, change, p = found
+        typer.echo(f"smallest layout that fits: {world} GPU(s)" + (f" with {format_change(change)}" if change else
+                                                                     " as configured"), err=True)
+    else:
+        world = world_size or cfg.memory.nodes * cfg.memory.gpus_per_node
+        cfg = apply(cfg, world, {}) if world_size else cfg  # the header says the hardware of --world-size
+        validate(cfg, world, trackers=False)
+        p = build_plan(cfg, world)
     if sizes:
         from spmdrl.plan.sizes import fit_table, render_fit_table
 

@@ -202,6 +202,20 @@ def _export(path: str, out_dir: str, *, dtype: str = "auto", engine: str = "acto
     return out_dir
 
 
+def _hub_model_id(path: str) -> str | None:
+    """model.path of checkpoint `path`'s config.toml when it is a hub id (not a local path)."""
+    import tomllib
+
+    from spmdrl.preflight import looks_local
+
+    try:
+        with open(os.path.join(path, "config.toml"), "rb") as f:
+            given = tomllib.load(f).get("model", {}).get("path", "")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    return given if given and not looks_local(given) and not os.path.exists(given) else None
+
+
 def export_lora(path: str, out_dir: str, *, dtype: str = "auto", engine: str = "actor", verify: bool = True,
                 merged: bool = False) -> str:
     """A LoRA checkpoint's adapters as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors,
@@ -211,7 +225,10 @@ def export_lora(path: str, out_dir: str, *, dtype: str = "auto", engine: str = "
     from spmdrl.engines.lora import is_adapter, peft_name, write_adapter
 
     hf_dir = os.path.join(path, "hf")
-    config = read_manifest(path)["engines"][engine]["adapter"]
+    config = dict(read_manifest(path)["engines"][engine]["adapter"])
+    hub_id = _hub_model_id(path)
+    if hub_id:  # the run read a hub id from a local snapshot: PEFT users expect the id
+        config["base_model_name_or_path"] = hub_id
     reader, entries = _stored(path, engine, verify)
     tensors = _read(path, reader, [e for e in entries if is_adapter(e[0])])
     if not merged:

@@ -208,8 +208,12 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
 
 
 @contextlib.contextmanager
-def named_failures(step: Callable[[], int], timeout_s: float) -> Iterator[None]:
+def named_failures(step: Callable[[], int], timeout_s: float,
+                   advice: Callable[[], str] | None = None) -> Iterator[None]:
     """Failures inside name the step and the stage (StageTimer.current) they happened in.
+
+    advice() says what a relaunch does (spmdrl.checkpoint.resume_advice: the checkpoint it resumes from, or that
+    none was saved); without it the messages say "resume from the last complete checkpoint".
 
     The stage is StageTimer's view of this process: the one the exception escaped from or is in, else the
     last one finished. A collective failing (a peer died or hung) and a SIGTERM from the launcher become
@@ -225,17 +229,16 @@ def named_failures(step: Callable[[], int], timeout_s: float) -> Iterator[None]:
         stage, last = StageTimer.failed or StageTimer.current, StageTimer.last
         place = f"stage {stage!r}" if stage else f"after stage {last!r}" if last else "before the first stage"
         where = f"step {step()}, {place}"
+        then = advice() if advice else "relaunch the same command to resume from the last complete checkpoint"
         if isinstance(e, Terminated):
             raise Stopped(
                 f"{where}: stopped by {e} (Ctrl-C, a kill of the launcher, or the launcher stopping every rank "
-                "after one failed: the launcher's summary names that rank); relaunch the same command to resume "
-                "from the last complete checkpoint", e.signum
+                f"after one failed: the launcher's summary names that rank); {then}", e.signum
             ) from None
         if is_collective_failure(e):
             raise SpmdrlError(
                 f"{where}: a collective failed ({type(e).__name__}: {_one_line(e)}); another rank probably died "
-                f"or hung (collectives give up after trainer.dist_timeout_s={timeout_s:g}s); relaunch to resume "
-                "from the last complete checkpoint"
+                f"or hung (collectives give up after trainer.dist_timeout_s={timeout_s:g}s); {then}"
             ) from None
         if isinstance(e, SpmdrlError):
             try:

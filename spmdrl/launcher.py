@@ -144,7 +144,8 @@ def summarise_failures(failures: dict) -> int:
     for rank, f in silent:
         print(f"error: rank {rank} (pid {f.pid}) was killed by {f.signal_name()} (from outside spmdrl: kill -9, the "
               "OOM killer, a scheduler) and the launcher stopped the other ranks; its output above may have the "
-              "cause; relaunch the same command to resume from the last complete checkpoint", file=sys.stderr,
+              "cause; relaunch the same command to resume from the last complete checkpoint, if one was saved",
+              file=sys.stderr,
               flush=True)
     if silent:  # the root cause, even when a survivor then failed in a collective with a one-line error
         return 1
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ["PYTHONSAFEPATH"] = "1"
+    # torchrun sets 1 itself when it is unset, with a banner on every launch; the same value, without the banner
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name in list(logging.root.manager.loggerDict):  # each sets its own level; the ranks say what happened
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -31,6 +31,9 @@ CONSOLE_KEYS = (
     ("pg_loss", "actor/pg_loss"),
     ("vf_loss", "critic/vf_loss"),
     ("loss", "sft/loss"),
+    ("turns", "multi_turn/turns_mean"),
+    ("tool_calls", "tools/calls"),
+    ("tool_fail", "tools/failures"),
     ("step_s", "timing/step_s"),
     ("tok/s", "perf/tokens_per_s"),
 )
@@ -53,6 +56,11 @@ class _Tensorboard:
     def log(self, step: int, values: dict[str, float]) -> None:
         for k, v in values.items():
             self.writer.add_scalar(k, v, global_step=step)
+        self.writer.flush()
+
+    def log_table(self, step: int, name: str, rows: list[dict]) -> None:
+        text = "\n\n".join("```\n" + json.dumps(r, indent=1, ensure_ascii=False) + "\n```" for r in rows)
+        self.writer.add_text(name, text, global_step=step)
         self.writer.flush()
 
     def close(self, failed: bool) -> None:
@@ -82,10 +90,12 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str, *, tensorboard: bool = True, jsonl: bool = True, console: bool = True,
                  rank: int = 0, append: bool = True, progress_total: int = 0, backends: list[str] | None = None,
-                 run=None, logging_config=None):
+                 run=None, logging_config=None, console_every: int = 1, last_step: int = 0):
         """backends: names from spmdrl.trackers.BACKENDS (default: tensorboard and jsonl as the two flags say);
-        wandb and mlflow need `run` (a spmdrl.trackers.TrackerRun) and `logging_config` (the [logging] section)."""
+        wandb and mlflow need `run` (a spmdrl.trackers.TrackerRun) and `logging_config` (the [logging] section).
+        console_every: steps between console lines (last_step, the run's last, always has one)."""
         self.output_dir = output_dir
+        self.console_every, self.last_step = max(1, console_every), last_step
         self._bar = None
         self.enabled = rank == 0
         self.console = console and self.enabled
@@ -131,7 +141,7 @@ class MetricsLogger:
                 if n == 1 or n % 100 == 0:
                     log.warning("%s: logging step %d failed (%s: %s); training goes on (failure %d, logged as "
                                 "logging/%s_failures)", name, step, type(e).__name__, e, n, name)
-        if self.console:
+        if self.console and (step % self.console_every == 0 or step == self.last_step):
             parts = [f"step {step}"] + [f"{label} {_fmt(values[k])}" for label, k in CONSOLE_KEYS if k in values]
             line = " | ".join(parts)
             if self._bar is not None and not self._bar.disable:
@@ -140,6 +150,24 @@ class MetricsLogger:
                     self._bar.update(step - self._bar.n)
             else:
                 print(line, file=sys.stdout, flush=True)
+
+    def log_generations(self, step: int, split: str, rows: list[dict]) -> None:
+        """Sampled generations (spmdrl.loop.generations rows): appended to output_dir/generations.jsonl, and to
+        every backend that shows tables as `generations/<split>` (tensorboard text, a wandb table, an MLflow
+        artifact). A backend that fails is counted as for metrics."""
+        if not self.enabled or not rows:
+            return
+        with open(os.path.join(self.output_dir, "generations.jsonl"), "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        for name, sink in self._sinks.items():
+            if hasattr(sink, "log_table"):
+                try:
+                    sink.log_table(step, f"generations/{split}", rows)
+                except Exception as e:
+                    self._failures[name] = self._failures.get(name, 0) + 1
+                    log.warning("%s: logging the generations of step %d failed (%s: %s)", name, step,
+                                type(e).__name__, e)
 
     def close(self) -> None:
         """Close every backend; called while an exception propagates (a finally block), the tracker runs are
@@ -172,9 +200,10 @@ def logger_for(cfg, rank: int, *, resume: bool, progress_total: int) -> MetricsL
     lg = cfg.logging
     backends = selected_backends(lg)
     run = tracker_run(cfg, resume=resume) if rank == 0 and any(b in ("wandb", "mlflow") for b in backends) else None
+    every = lg.console_every or (max(1, progress_total // 20) if hasattr(cfg, "sft") else 1)
     return MetricsLogger(cfg.trainer.output_dir, console=lg.console, rank=rank, append=resume,
                          progress_total=progress_total if lg.progress else 0, backends=backends, run=run,
-                         logging_config=lg)
+                         logging_config=lg, console_every=every, last_step=progress_total)
 
 
 def read_jsonl(path: str, *, last_per_step: bool = False) -> list[dict]:

@@ -8,7 +8,7 @@ A run never mixes with another: a fresh run (resume=off, or auto finding no chec
 that holds another run's checkpoints or metrics is refused unless trainer.overwrite clears them. One case
 starts over without asking: resume=auto, no checkpoint directory at all, and output_dir/config.toml equal to
 this run's config (up to the keys that may change on resume): the same run relaunched before its first
-checkpoint; its partial metrics and events are cleared.
+checkpoint; its partial metrics and events are moved to output_dir/previous/<n>/, never deleted.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class Plan:
     resume: str | None
     resume_step: int = 0
     clear: tuple[str, ...] = ()  # another run's files that trainer.overwrite removes (rank 0, before start)
+    keep: tuple[str, ...] = ()  # an attempt of this run that saved no checkpoint: moved to output_dir/previous/<n>
 
 
 def looks_local(path: str) -> bool:
@@ -140,6 +141,18 @@ def check_teacher(cfg) -> None:
             "score prompts rendered in a format it was not trained on; use a teacher of the student's family")
 
 
+def check_inputs(cfg) -> None:
+    """The files a run reads exist: data.train_files, data.val_files, and model.path when it looks local."""
+    for key in ("data.train_files", "data.val_files"):
+        for path in getattr(cfg.data, key.split(".")[1]):
+            if not os.path.isfile(os.path.expanduser(path)):
+                what = "is a directory; list the .parquet/.jsonl files inside it" if os.path.isdir(path) else \
+                    "no such file"
+                raise ConfigError(f"{key}: {path!r}: {what} (check the path; `spmdrl data` writes example files)")
+    if cfg.model.path and looks_local(cfg.model.path) and not os.path.isdir(os.path.expanduser(cfg.model.path)):
+        raise ConfigError(f"model.path = {cfg.model.path!r}: no such directory; give an HF model directory or a hub id")
+
+
 def check_writable(out: str) -> None:
     """output_dir exists and takes a file, or its nearest existing ancestor is a writable directory."""
     bad = ConfigError(f"trainer.output_dir = {out!r} cannot be created or written; choose a writable directory")
@@ -211,9 +224,10 @@ def check_resume(cfg, config_toml: str, world_size: int | None = None) -> Plan:
                 f"{hint}trainer.overwrite=true to delete them, or a new trainer.output_dir"
             )
     if path is None:
-        clear = tuple(p for p in (checkpoint_root(out), *(os.path.join(out, f) for f in RUN_FILES))
-                      if (cfg.trainer.overwrite or restart) and os.path.exists(p))
-        return Plan(None, clear=clear)
+        found = tuple(p for p in (checkpoint_root(out), *(os.path.join(out, f) for f in RUN_FILES)) if os.path.exists(p))
+        if cfg.trainer.overwrite:
+            return Plan(None, clear=found)
+        return Plan(None, keep=found if restart else ())
     manifest = read_manifest(path)
     if os.path.isfile(os.path.join(path, "config.toml")):
         check_saved_config(path, config_toml)
@@ -346,8 +360,25 @@ def check_multi_turn(cfg) -> None:
     ChatGlue(tok, tool_schemas(tools), name=path)
 
 
+def resolve_total_epochs(cfg) -> None:
+    """trainer.total_epochs > 0: set trainer.total_steps from the training files' row count (in place)."""
+    t, d = cfg.trainer, cfg.data
+    if t.total_epochs <= 0:
+        return
+    from spmdrl.data.io import count_rows
+
+    rows = count_rows(list(d.train_files))
+    per_epoch = rows // d.train_batch_size
+    if per_epoch == 0:
+        raise ConfigError(f"trainer.total_epochs = {t.total_epochs}: data.train_files hold {rows} rows, fewer than one "
+                          f"batch of data.train_batch_size = {d.train_batch_size}; lower the batch size or add data")
+    t.total_steps = t.total_epochs * per_epoch
+
+
 def preflight(cfg, config_toml: str, world_size: int | None = None) -> Plan:
-    """Every disk and host check, in the order a user would fix them (world_size: the run's ranks, when known)."""
+    """Every disk and host check, in the order a user would fix them (world_size: the run's ranks, when known).
+    trainer.total_epochs becomes trainer.total_steps here (resolve_total_epochs)."""
+    resolve_total_epochs(cfg)
     check_models(cfg)
     check_multi_turn(cfg)
     check_writable(cfg.trainer.output_dir)
@@ -357,10 +388,21 @@ def preflight(cfg, config_toml: str, world_size: int | None = None) -> Plan:
 
 
 def clear_previous_run(plan: Plan) -> None:
-    """trainer.overwrite on a fresh run: delete the earlier run's checkpoints, metrics and events (rank 0)."""
+    """Before a fresh run (rank 0): trainer.overwrite deletes the earlier run's checkpoints, metrics and events;
+    an earlier attempt of this same run that saved no checkpoint is moved to output_dir/previous/<n>/."""
     for p in plan.clear:
         log.warning("trainer.overwrite = true: deleting %s", p)
         if os.path.isdir(p):
             shutil.rmtree(p)
         else:
             os.remove(p)
+    if plan.keep:
+        previous = os.path.join(os.path.dirname(plan.keep[0]), "previous")
+        n = 1 + max((int(d) for d in os.listdir(previous) if d.isdigit()), default=0) if os.path.isdir(previous) else 1
+        dest = os.path.join(previous, str(n))
+        os.makedirs(dest)
+        for p in plan.keep:
+            shutil.move(p, os.path.join(dest, os.path.basename(p)))
+        log.warning("no checkpoint of this run to resume from: starting at step 0; the earlier attempt's %s moved to "
+                    "%s (set checkpoint.save_freq or checkpoint.save_every_min to resume mid-run)",
+                    ", ".join(os.path.basename(p) for p in plan.keep), dest)

@@ -160,6 +160,8 @@ class WandbSink:
         self.info, self.lg, self.run = run, lg, None
 
     def open(self) -> None:
+        if (os.environ.get("SPMDRL_VERBOSITY") or self.lg.verbosity) != "debug":
+            os.environ.setdefault("WANDB_SILENT", "true")  # no banners or links on the console (the run dir has them)
         import wandb
 
         info = self.info
@@ -177,6 +179,14 @@ class WandbSink:
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log({**values, "step": step})
+
+    def log_table(self, step: int, name: str, rows: list[dict]) -> None:
+        import wandb
+
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        data = [[v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v)
+                 for v in (r.get(c) for c in columns)] for r in rows]
+        self.run.log({name: wandb.Table(columns=columns, data=data), "step": step})
 
     def close(self, failed: bool) -> None:
         if self.run is not None:
@@ -246,6 +256,10 @@ class MlflowSink:
         for i in range(0, len(items), 1000):  # MLflow's most metrics per batch
             self.client.log_batch(self.run_id, metrics=items[i: i + 1000])
 
+    def log_table(self, step: int, name: str, rows: list[dict]) -> None:
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        self.client.log_text(self.run_id, text, f"{name}/step_{step:08d}.jsonl")
+
     def close(self, failed: bool) -> None:
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
@@ -291,12 +305,12 @@ class Background:
                     self._opened = True
                 except Exception as e:
                     self._fail("starting the run", e)
-            elif kind == "log":
+            elif kind in ("log", "table"):
                 if not self._opened:
                     self.failures += 1  # warned about when open failed
                     continue
                 try:
-                    self.sink.log(item[1], item[2])
+                    self.sink.log(item[1], item[2]) if kind == "log" else self.sink.log_table(*item[1:])
                 except Exception as e:
                     self._fail(f"logging step {item[1]}", e)
             else:  # close
@@ -309,6 +323,9 @@ class Background:
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self._put(("log", step, dict(values)))
+
+    def log_table(self, step: int, name: str, rows: list[dict]) -> None:
+        self._put(("table", step, name, [dict(r) for r in rows]))
 
     def close(self, failed: bool) -> None:
         deadline = time.monotonic() + self.timeout_s

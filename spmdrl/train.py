@@ -76,7 +76,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
     watch_stop_signals(lambda signum: report_error(
         f"stopped by {signal.Signals(signum).name}; the rank was blocked in a call that does not return to Python "
         f"(waiting for a peer that died?) and left after {STOP_GRACE_S:g}s; relaunch the same command to resume from "
-        "the last complete checkpoint", env.rank))
+        "the last complete checkpoint, if one was saved", env.rank))
     with stop_signals():
         try:
             slow_start_if_injected(env.rank)

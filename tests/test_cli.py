@@ -76,6 +76,15 @@ def test_config_show_with_comments_and_defaults(tmp_path):
     assert load_config(str(path)) == load_config(None)
 
 
+def test_config_show_refuses_invalid_values():
+    """`config show` printed a misspelt estimator and a mini-batch that does not divide the batch with exit 0."""
+    assert_user_error(run("config", "show", "--config", GRPO, "algorithm.adv_estimator=grpoo"),
+                      "algorithm.adv_estimator = 'grpoo' is not registered")
+    assert_user_error(run("config", "show", "--config", GRPO, "data.train_batch_size=8", "actor.ppo_mini_batch_size=3"),
+                      "data.train_batch_size = 8 is not divisible by actor.ppo_mini_batch_size = 3")
+    assert run("config", "show", "--config", GRPO, "logging.backends=[\"wandb\"]").exit_code == 0  # no tracker check
+
+
 def test_config_show_validates_for_world_size():
     result = run("config", "show", "--config", GRPO, "--world-size", 8)
     assert result.exit_code == 0, result.output
@@ -118,15 +127,23 @@ def test_train_dry_run_validates_and_builds_the_command():
 def test_train_runs_the_module_and_returns_its_exit_code(monkeypatch):
     launched = []
 
+    envs = []
+
     def fake_exec(path, cmd, env):  # the CLI becomes the launcher: exec, in safe-path mode
         launched.append(cmd)
+        envs.append(env)
         assert path == cmd[0] and env["PYTHONSAFEPATH"] == "1"
         raise typer.Exit(3)
 
     monkeypatch.setattr(cli, "_exec", fake_exec)
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    monkeypatch.delenv("SPMDRL_VERBOSITY", raising=False)
     result = run("train", "--config", GRPO, "--nproc", 2, "placement.rollout_tp=1")
     assert result.exit_code == 3
     assert launched == [cli.launch_command("spmdrl.train", GRPO, ["placement.rollout_tp=1"], 2)]
+    assert envs[-1]["TORCH_CPP_LOG_LEVEL"] == "ERROR"  # torch's C++ warnings only at logging.verbosity = debug
+    run("train", "--config", GRPO, "--nproc", 2, "placement.rollout_tp=1", "logging.verbosity=debug")
+    assert "TORCH_CPP_LOG_LEVEL" not in envs[-1]
     sft_cfg = os.path.join(os.path.dirname(GRPO), "quickstart", "sft.toml")
     result = run("sft", "--config", sft_cfg, "--nproc", 2)
     assert result.exit_code == 3 and launched[-1][-3:] == ["spmdrl.sft", "--config", sft_cfg]
@@ -250,11 +267,12 @@ def test_overwrite_and_restart_before_the_first_checkpoint(tiny, tmp_path):
     cfg = load_config(GRPO, [*overrides, "checkpoint.resume=off", "trainer.overwrite=true"])
     assert train_preflight(cfg, rank=0).resume is None  # rank 0 deletes the other run's files
     assert sorted(os.listdir(out)) == []
-    # the same run relaunched (auto) after a crash before its first checkpoint starts over, clearing its metrics
+    # the same run relaunched (auto) after a stop before its first checkpoint starts over; its metrics are kept
     cfg = load_config(GRPO, overrides)
     (out / "config.toml").write_text(to_toml(cfg))
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
     assert train_preflight(cfg, rank=0).resume is None and not (out / "metrics.jsonl").exists()
+    assert (out / "previous" / "1" / "metrics.jsonl").read_text() == '{"step": 0}\n'
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
     other = load_config(GRPO, [*overrides, "actor.lr=1e-3"])  # another config: another run
     with pytest.raises(SpmdrlError, match="holds another run"):

@@ -147,3 +147,25 @@ def test_verbosity_quiets_library_warnings_unless_debug(level):
     for text in ("megatron says", "triton says", "vllm logs"):
         assert (text in out) != quiet, (text, out)
     assert ("VLLM_LOGGING_LEVEL ERROR" in out) == quiet
+
+
+def test_console_line_every_n_steps_and_the_tool_metrics_on_it(tmp_path, capsys):
+    """An SFT run printed 350 step lines: logger_for gives it about 20 (the last step always); an RL run keeps a
+    line per step, with the multi-turn figures on it when it has them."""
+    from spmdrl.config import load_config
+    from spmdrl.config.schema import SFTConfig
+    from spmdrl.metrics import logger_for
+
+    sft = load_config(None, [f"trainer.output_dir={tmp_path / 'sft'}", "logging.progress=false"], root_cls=SFTConfig)
+    with logger_for(sft, 0, resume=False, progress_total=350) as logger:
+        for step in range(1, 351):
+            logger.log(step, {"sft/loss": 1.0})
+    steps = [int(line.split()[1]) for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert steps == list(range(17, 351, 17)) + [350]
+    rl = load_config(None, [f"trainer.output_dir={tmp_path / 'rl'}", "logging.progress=false"])
+    with logger_for(rl, 0, resume=False, progress_total=3) as logger:
+        for step in range(1, 4):
+            logger.log(step, {"train/reward_mean": 0.5, "multi_turn/turns_mean": 2.0, "tools/calls": 12.0,
+                              "tools/failures": 1.0})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert lines == [f"step {s} | reward 0.5 | turns 2 | tool_calls 12 | tool_fail 1" for s in (1, 2, 3)]

@@ -204,7 +204,7 @@ def test_grpo_with_tools_through_the_trainer(tool_model, tmp_path, monkeypatch):
     val, s1, s2 = rows
     assert val["val/accuracy"] > 0.5  # greedy validation runs the same loop: b, c, d, e answer as scripted
     assert s1["multi_turn/turns_max"] == 3 and 1 < s1["multi_turn/turns_mean"] < 3
-    both = {k: s1.get(k, 0.0) + s2.get(k, 0.0) for k in s1}  # step 1 has prompts a-d, step 2 e, a, b, c
+    both = {k: s1.get(k, 0.0) + s2.get(k, 0.0) for k in {*s1, *s2}}  # step 1: prompts a-d, step 2: e, a, b, c
     assert both["tools/calls/add"] > 0 and both["tools/failures/boom/exception"] > 0
     assert both["tools/failures/slow/timeout"] > 0 and both["tools/failures/_unknown/malformed"] > 0
     assert both["tools/calls"] == sum(both[f"tools/calls/{k}"] for k in ("add", "boom", "slow", "_unknown"))

@@ -167,5 +167,30 @@ def test_plan_that_does_not_fit_names_the_phase_and_what_to_change():
     # the phase furthest over the limit, its two largest parts, and a setting for each
     assert tail[0].startswith("  does not fit: phase train_") and "36.00 GiB allowed" in tail[0]
     assert "optimizer" in tail[0] and tail[1].strip().startswith("change ") and "placement." in tail[1]
+    assert any("or offload what is idle in this phase to host memory: memory.actor_offload=" in line for line in tail)
     fits = CliRunner().invoke(app, ["plan", "--config", os.path.join(REPO, "configs", "ppo_70b.toml")])
     assert "fits: true" in fits.output and "does not fit" not in fits.output
+
+
+def test_plan_header_world_size_no_tracker_check_and_min_gpus(tmp_path):
+    """`plan --world-size 4` said "1 node(s) x 8 GPUs" and refused wandb without an API key; --min-gpus searches
+    the fewest GPUs that fit (a tiny model fits on one; nothing fits 1 GiB GPUs)."""
+    from typer.testing import CliRunner
+
+    from spmdrl.cli import app
+
+    model = build_tiny(str(tmp_path / "model"), seed=0)
+    args = ["plan", "--config", os.path.join(REPO, "configs", "grpo.toml"), f"model.path={model}",
+            "data.max_prompt_length=256", "data.max_response_length=256", "placement.actor_tp=1",
+            "placement.rollout_tp=1", "placement.ref_tp=1", "logging.backends=[\"wandb\"]", "logging.wandb_mode=online"]
+    env = {"WANDB_API_KEY": "", "NETRC": str(tmp_path / "none")}
+    r = CliRunner().invoke(app, [*args, "--world-size", "4"], env=env)
+    assert r.exit_code == 0, r.output
+    assert "world 4 ranks (1 node(s) x 4 GPUs of 80.0 GiB" in r.stdout
+    r = CliRunner().invoke(app, [*args, "--min-gpus"], env=env)
+    assert r.exit_code == 0, r.output
+    assert "smallest layout that fits: 1 GPU(s) as configured" in r.stderr
+    assert "world 1 ranks (1 node(s) x 1 GPUs" in r.stdout and "fits: true" in r.stdout
+    r = CliRunner().invoke(app, [*args, "--min-gpus", "--gpu-gb", "1", "--gpus-per-node", "2", "--max-gpus", "2"], env=env)
+    assert r.exit_code == 2 and r.stderr.splitlines()[-1].startswith("error: no layout of up to 2 GPUs fits this config")
+    assert "# tried 2 GPU(s) memory.actor_offload=" in r.stderr

@@ -577,7 +577,7 @@ def test_the_launcher_names_a_rank_killed_from_outside_and_exits_1(tmp_path, cap
     assert code == 1 and err.splitlines() == [
         "error: rank 1 (pid 1001) was killed by SIGKILL (from outside spmdrl: kill -9, the OOM killer, a scheduler) "
         "and the launcher stopped the other ranks; its output above may have the cause; relaunch the same command to "
-        "resume from the last complete checkpoint"]
+        "resume from the last complete checkpoint, if one was saved"]
     assert summarise_failures({0: _failure(tmp_path, 0, 2, "model.path = 'x': no such directory")}) == 2
     assert summarise_failures({0: _failure(tmp_path, 0, 143, "step 3: stopped by SIGTERM (...)"),
                                1: _failure(tmp_path, 1, 143, "step 3: stopped by SIGTERM (...)")}) == 143
@@ -712,3 +712,65 @@ def test_an_import_that_hangs_says_so(tmp_path, monkeypatch, capsys):
     assert load_tools([f"{path}:f"])[0].name == "f"
     err = capsys.readouterr().err
     assert f"tool '{path}:f': importing {path} has taken over 0.3s and goes on" in err, err
+
+
+def test_a_stop_says_whether_a_relaunch_resumes_or_starts_over(tmp_path):
+    """Ctrl-C of a default run (checkpoint.save_freq = 0) before any save printed "relaunch the same command to
+    resume from the last complete checkpoint" though there was none: the line now says what a relaunch does."""
+    import signal
+    import time
+
+    from spmdrl.checkpoint import MARKER, resume_advice
+    from spmdrl.faults import Stopped, named_failures
+
+    def stop():
+        with pytest.raises(Stopped) as e:
+            with named_failures(lambda: 3, 30, lambda: resume_advice(str(tmp_path))):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+        return str(e.value)
+
+    assert stop().endswith("no checkpoint was saved yet, so relaunching the same command starts over at step 0 (it "
+                           "moves this attempt's metrics to output_dir/previous/); set checkpoint.save_freq (steps) "
+                           "or checkpoint.save_every_min to save during a run")
+    step = tmp_path / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / MARKER).write_text("{}")
+    assert stop().endswith(f"relaunch the same command to resume from {step}")
+
+
+def test_a_save_is_due_by_steps_at_the_end_and_by_minutes():
+    """checkpoint.save_every_min bounds what a stop loses when save_freq saves only at the end (the default)."""
+    import time
+
+    from launching import world_of_one
+    from spmdrl.config import load_config
+    from spmdrl.loop.run_state import RunCheckpointer
+
+    def checkpointer(*overrides):
+        return RunCheckpointer(load_config(None, list(overrides)), None, {}, None, None, None, None, None, None, 0, "")
+
+    with world_of_one():
+        default = checkpointer()
+        assert default.cfg.checkpoint.save_every_min == 30.0
+        assert not default.due(1, done=False) and default.due(2, done=True)
+        assert [s for s in range(1, 7) if checkpointer("checkpoint.save_freq=3").due(s, False)] == [3, 6]
+        timed = checkpointer("checkpoint.save_every_min=0.002")  # 0.12 s
+        assert not timed.due(1, False)
+        time.sleep(0.15)
+        assert timed.due(2, False)
+        timed.last_save = time.monotonic()  # what a save does
+        assert not timed.due(3, False)
+        assert not checkpointer("checkpoint.save_freq=-1", "checkpoint.save_every_min=0.001").due(5, True)
+
+
+def test_a_lora_export_names_the_base_model_as_the_run_gave_it(tmp_path):
+    """An exported adapter named its base by the (relative, or hub-snapshot) path the engine read, so
+    AutoPeftModelForCausalLM failed from another directory: a hub id given as model.path is recorded as the
+    id (engines record a local base as an absolute path)."""
+    from spmdrl.export import _hub_model_id
+
+    (tmp_path / "config.toml").write_text('[model]\npath = "Qwen/Qwen2.5-0.5B-Instruct"\n')
+    assert _hub_model_id(str(tmp_path)) == "Qwen/Qwen2.5-0.5B-Instruct"
+    (tmp_path / "config.toml").write_text('[model]\npath = "./outputs/sft_model"\n')
+    assert _hub_model_id(str(tmp_path)) is None

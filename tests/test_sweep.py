@@ -46,8 +46,13 @@ def assert_user_error(result, *needles):
         assert needle in err, err
 
 
-def write_sweep(tmp_path, body: str, base: str = BASE, name: str = "abl.toml"):
+def write_sweep(tmp_path, body: str, base: str = BASE, name: str = "abl.toml", inputs: bool = True):
+    """The sweep file, its base config and (inputs) the data file and model directory BASE names."""
     (tmp_path / "base.toml").write_text(base)
+    if inputs:
+        (tmp_path / "data").mkdir(exist_ok=True)
+        (tmp_path / "data" / "train.parquet").touch()
+        (tmp_path / "model").mkdir(exist_ok=True)
     path = tmp_path / name
     path.write_text(body)
     return str(path)
@@ -69,10 +74,10 @@ def test_grid_runs_names_and_overrides(tmp_path, monkeypatch):
     sw = sweep.load_sweep(write_sweep(tmp_path, GRID))
     assert len(sw.runs) == 8 and sw.mode == "grid" and sw.nproc == 1
     assert [r.name for r in sw.runs[:3]] == [
-        "adv_estimator=grpo,lr=1e-06,seed=0", "adv_estimator=grpo,lr=1e-06,seed=1", "adv_estimator=grpo,lr=3e-06,seed=0"]
+        "adv_estimator-grpo__lr-1e-06__seed-0", "adv_estimator-grpo__lr-1e-06__seed-1", "adv_estimator-grpo__lr-3e-06__seed-0"]
     assert len({r.name for r in sw.runs}) == 8
     last = sw.runs[-1]
-    assert last.name == "adv_estimator=rloo,lr=3e-06,seed=1"
+    assert last.name == "adv_estimator-rloo__lr-3e-06__seed-1"
     assert last.output_dir == os.path.join("out/abl", last.name)
     assert last.overrides == ["trainer.total_steps=3", "algorithm.adv_estimator=rloo", "actor.lr=3e-06",
                               "trainer.seed=1", f"trainer.output_dir={last.output_dir}", "logging.group=abl",
@@ -81,13 +86,13 @@ def test_grid_runs_names_and_overrides(tmp_path, monkeypatch):
     assert last.cfg.logging.group == "abl"
     assert last.cfg.logging.tags == ["algorithm.adv_estimator=rloo", "actor.lr=3e-06", "trainer.seed=1"]
     assert (last.cfg.algorithm.adv_estimator, last.cfg.actor.lr, last.cfg.trainer.seed) == ("rloo", 3e-6, 1)
-    assert last.total_steps == 3 and last.group == "adv_estimator=rloo,lr=3e-06"
+    assert last.total_steps == 3 and last.group == "adv_estimator-rloo__lr-3e-06"
     assert sw.base == "base.toml"  # relative to the sweep file, passed relative to the cwd
 
     result = cli_run("sweep", "plan", sw.path)
     assert result.exit_code == 0, result.output
     assert "8 runs (grid over algorithm.adv_estimator, actor.lr, trainer.seed)" in result.stdout
-    assert "adv_estimator=rloo,lr=3e-06,seed=1  [new]  algorithm.adv_estimator=rloo actor.lr=3e-06 trainer.seed=1" in result.stdout
+    assert "adv_estimator-rloo__lr-3e-06__seed-1  [new]  algorithm.adv_estimator=rloo actor.lr=3e-06 trainer.seed=1" in result.stdout
 
 
 def test_zip_crosses_seeds_and_names_stay_unique(tmp_path, monkeypatch):
@@ -103,15 +108,15 @@ seeds = [7]
 "data.train_files" = [["a/x.parquet"], ["b/x.parquet"], ["a/x.parquet", "b/x.parquet"]]
 """))
     assert [r.name for r in sw.runs] == [
-        "actor.lr=1e-06,critic.lr=1e-05,train_files=a_x.parquet,seed=7",
-        "actor.lr=1e-05,critic.lr=0.0001,train_files=b_x.parquet,seed=7",
-        "actor.lr=0.0001,critic.lr=0.001,train_files=a_x.parquet+b_x.parquet,seed=7",
+        "actor.lr-1e-06__critic.lr-1e-05__train_files-a_x.parquet__seed-7",
+        "actor.lr-1e-05__critic.lr-0.0001__train_files-b_x.parquet__seed-7",
+        "actor.lr-0.0001__critic.lr-0.001__train_files-a_x.parquet+b_x.parquet__seed-7",
     ]
     assert sw.runs[2].cfg.data.train_files == ["a/x.parquet", "b/x.parquet"]
     # values that sanitize to the same name get a hash of the values
     points = [{"model.path": "m/a"}, {"model.path": "m_a"}]
     names = sweep._names(points)
-    assert names[0] != names[1] and all(n.startswith("path=m_a,") for n in names)
+    assert names[0] != names[1] and all(n.startswith("path-m_a__") for n in names)
     # strings that would parse as another type stay strings
     assert sweep.override_value("1e-6") == '"1e-6"' and sweep.override_value("grpo") == "grpo"
     assert sweep.override_value(True) == "true" and sweep.override_value(["a b", 1]) == '["a b", 1]'
@@ -134,8 +139,8 @@ seeds = [7]
     ('base = "base.toml"\noutput_dir = "o"\noverrides = ["actor.lr"]\nseeds = [0]\n', ["overrides:", "section.key=value"]),
     ('base = "base.toml"\noutput_dir = "o"\noverrides = ["trainer.output_dir=x"]\nseeds = [0]\n', ["trainer.output_dir"]),
     ('base = "base.toml"\noutput_dir = "o"\n[axes]\n"algorithm.adv_estimator" = ["grpo", "nope"]\n',
-     ["run 'adv_estimator=nope'", "algorithm.adv_estimator", "not registered"]),
-    ('base = "base.toml"\noutput_dir = "o"\nnproc = 3\n[axes]\n"rollout.n" = [4]\n', ["run 'n=4'"]),  # 4 prompts, 3 ranks
+     ["run 'adv_estimator-nope'", "algorithm.adv_estimator", "not registered"]),
+    ('base = "base.toml"\noutput_dir = "o"\nnproc = 3\n[axes]\n"rollout.n" = [4]\n', ["run 'n-4'"]),  # 4 prompts, 3 ranks
     ('base = "base.toml"\noutput_dir = "o"\nseeds = [0]\n[axes]\n"trainer.seed" = [1]\n', ["'seeds'", "trainer.seed"]),
     ('base = "base.toml"\noutput_dir = "o"\n[slurm]\nnodes = "2"\n[axes]\n"actor.lr" = [1e-6]\n', ["slurm.nodes"]),
     ('base = "base.toml"\noutput_dir = "o"\n[axes\n', ["invalid TOML"]),
@@ -158,6 +163,24 @@ def fake_metrics(run_dir, steps, reward=0.5, total=None):
         for s in range(1, steps + 1):
             f.write(json.dumps({"step": s, "train/reward_mean": reward * s, "timing/step_s": 1.0,
                                 "perf/tokens_per_s": 100.0, **({"val/accuracy": 0.1 * s} if s == steps else {})}) + "\n")
+
+
+def test_plan_lists_missing_inputs_and_run_refuses_them(tmp_path, monkeypatch):
+    """`sweep plan` validated the configs but not their files: a run whose data or model is missing is listed
+    under its line, and `sweep run` refuses before the first run starts."""
+    monkeypatch.chdir(tmp_path)
+    path = write_sweep(tmp_path, 'base = "base.toml"\noutput_dir = "out"\n[axes]\n"data.train_files" = '
+                       '[["data/train.parquet"], ["data/other.parquet"]]\n')
+    result = cli_run("sweep", "plan", path)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    i = next(k for k, line in enumerate(lines) if "train_files-data_other.parquet" in line)
+    assert lines[i + 1] == "     missing input: data.train_files: 'data/other.parquet': no such file (check the path; " \
+                           "`spmdrl data` writes example files)"
+    assert lines[-1] == "1 of 2 runs miss input files; `spmdrl sweep run` refuses to start until they exist"
+    assert sum("missing input" in line for line in lines) == 1
+    assert_user_error(cli_run("sweep", "run", path), "run 'train_files-data_other.parquet'", "'data/other.parquet': no such file")
+    assert not os.path.exists("out")
 
 
 def test_state_skip_resume_and_changed_config(tmp_path, monkeypatch):
@@ -210,15 +233,15 @@ def test_run_continues_past_failures_and_fail_fast(tmp_path, monkeypatch):
     result = cli_run("sweep", "run", path)
     assert result.exit_code == 1, result.output
     assert len(calls) == 4  # went on past the failure
-    assert "lr=2e-06: FAILED (exit 3)" in result.stdout and "    boom" in result.stdout
-    assert "lr=3e-06: FAILED (exit -1)" in result.stdout  # exited 0 before the last step
-    assert "2 of 4 runs failed: lr=2e-06 (exit 3" in result.stderr
-    assert "boom" in open("out/lr=2e-06/launch.log").read()
+    assert "lr-2e-06: FAILED (exit 3)" in result.stdout and "    boom" in result.stdout
+    assert "lr-3e-06: FAILED (exit -1)" in result.stdout  # exited 0 before the last step
+    assert "2 of 4 runs failed: lr-2e-06 (exit 3" in result.stderr
+    assert "boom" in open("out/lr-2e-06/launch.log").read()
 
     calls.clear()
     result = cli_run("sweep", "run", "--fail-fast", path)
     assert result.exit_code == 1 and len(calls) == 1, result.output  # the finished runs are skipped
-    assert "lr=1e-06: finished (2/2 steps), skipped" in result.stdout
+    assert "lr-1e-06: finished (2/2 steps), skipped" in result.stdout
 
 
 def test_slurm_array_script(tmp_path, monkeypatch):
@@ -269,10 +292,10 @@ def test_report_table_seed_means_and_plots(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "val_acc final" in out and "tok/s" in out and "mean ± std over seeds" in out
-    row = next(line for line in out.splitlines() if line.startswith("adv_estimator=grpo,seed=1"))
-    assert row.split() == ["adv_estimator=grpo,seed=1", "done", "2", "0.2", "0.2", "0.3", "1", "100"]
-    assert next(line for line in out.splitlines() if line.startswith("adv_estimator=rloo,seed=1")).split()[1:3] == ["new", "-"]
-    assert "adv_estimator=grpo      2" in out  # grpo: two seeds in the mean
+    row = next(line for line in out.splitlines() if line.startswith("adv_estimator-grpo__seed-1"))
+    assert row.split() == ["adv_estimator-grpo__seed-1", "done", "2", "0.2", "0.2", "0.3", "1", "100"]
+    assert next(line for line in out.splitlines() if line.startswith("adv_estimator-rloo__seed-1")).split()[1:3] == ["new", "-"]
+    assert "adv_estimator-grpo      2" in out  # grpo: two seeds in the mean
     for name in ("reward.png", "val_accuracy.png"):
         assert (tmp_path / "plots" / name).read_bytes().startswith(PNG)
 
@@ -301,7 +324,7 @@ seeds = [0, 1]
 "actor.lr" = [1e-6, 1e-4]
 """
     sw = sweep.load_sweep(write_sweep(tmp_path, body))
-    assert [r.name for r in sw.runs] == ["small,seed=0", "small,seed=1", "big,seed=0", "big,seed=1"]
+    assert [r.name for r in sw.runs] == ["small__seed-0", "small__seed-1", "big__seed-0", "big__seed-1"]
     assert [r.cfg.actor.lr for r in sw.runs] == [1e-6, 1e-6, 1e-4, 1e-4]
     with pytest.raises(ConfigError, match="labels"):
         sweep.load_sweep(write_sweep(tmp_path, body.replace('["small", "big"]', '["small"]')))

@@ -205,3 +205,39 @@ def test_backend_errors_before_launch(monkeypatch):
     from spmdrl.trackers import selected_backends
 
     assert selected_backends(load_config(None, ["logging.tensorboard=false"]).logging) == ["jsonl"]
+
+
+def test_generations_reach_the_jsonl_file_tensorboard_wandb_and_mlflow(tmp_path):
+    """logging.log_generations: the rows go to generations.jsonl, a tensorboard text, a wandb table (offline)
+    and an MLflow artifact, each readable back."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    import glob
+    import json
+
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    store, out = tmp_path / "mlruns", tmp_path / "out"
+    cfg = load_config(None, [f"trainer.output_dir={out}", f"logging.mlflow_tracking_uri={store}",
+                             "logging.wandb_mode=offline"])
+    run = TrackerRun(str(out), "r", "p", config={"actor": {"lr": 1e-6}})
+    rows = [{"step": 3, "split": "val", "prompt": "user: 1+2=", "response": "3", "reward": 1.0,
+             "turns": [{"text": "t", "tool_calls": []}]}]
+    logger = MetricsLogger(str(out), backends=["tensorboard", "jsonl", "wandb", "mlflow"], console=False, run=run,
+                           logging_config=cfg.logging)
+    logger.log(3, {"a/x": 1.0})
+    logger.log_generations(3, "val", rows)
+    logger.close()
+    assert [json.loads(line) for line in open(out / "generations.jsonl")] == rows
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    (text,) = events.Tensors("generations/val/text_summary")
+    assert text.step == 3 and b'"response": "3"' in text.tensor_proto.string_val[0]
+    run_id = read_ids(str(out))["mlflow"]["run_id"]
+    client = MlflowClient(tracking_uri=f"file:{store}")
+    path = client.download_artifacts(run_id, "generations/val/step_00000003.jsonl", str(tmp_path))
+    assert [json.loads(line) for line in open(path)] == rows
+    (table,) = glob.glob(str(out / "wandb" / "offline-run-*" / "files" / "media" / "table" / "generations" / "val_*.table.json"))
+    data = json.load(open(table))
+    assert data["columns"][:3] == ["step", "split", "prompt"] and data["data"][0][3] == "3"

@@ -19,7 +19,7 @@ tensor. Nothing is unpickled except DCP's own `.metadata`, through an allowlist 
 """
 from .files import (
     MANIFEST, MARKER, checkpoint_root, find_checkpoint, is_complete, latest_checkpoint, list_checkpoints,
-    rng_from_json, rng_to_json, step_dir,
+    resume_advice, rng_from_json, rng_to_json, step_dir,
 )
 from .manager import CheckpointManager
 from .verify import (
@@ -29,5 +29,5 @@ from .verify import (
 __all__ = [
     "MANIFEST", "MARKER", "MAY_CHANGE_ON_RESUME", "CheckpointManager", "check_compatible", "check_files",
     "checkpoint_root", "config_differences", "find_checkpoint", "is_complete", "latest_checkpoint",
-    "list_checkpoints", "read_manifest", "resolve_resume", "rng_from_json", "rng_to_json", "step_dir",
+    "list_checkpoints", "read_manifest", "resolve_resume", "resume_advice", "rng_from_json", "rng_to_json", "step_dir",
 ]

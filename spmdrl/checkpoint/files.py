@@ -57,6 +57,17 @@ def latest_checkpoint(root: str) -> str | None:
     return found[-1][1] if found else None
 
 
+def resume_advice(output_dir: str) -> str:
+    """What relaunching the same command does, for a stop or failure message: resume from the newest complete
+    checkpoint under output_dir, or, with none saved yet, start over (and how to save one next time)."""
+    latest = latest_checkpoint(checkpoint_root(output_dir))
+    if latest:
+        return f"relaunch the same command to resume from {latest}"
+    return ("no checkpoint was saved yet, so relaunching the same command starts over at step 0 (it moves this "
+            "attempt's metrics to output_dir/previous/); set checkpoint.save_freq (steps) or checkpoint.save_every_min "
+            "to save during a run")
+
+
 def find_checkpoint(path: str) -> str:
     """A complete checkpoint directory from `path`: the checkpoint itself, or the latest one under a run's
     output_dir or its checkpoints/ directory."""

@@ -5,6 +5,11 @@ config/validate.py) and nothing built.
 """
 from __future__ import annotations
 
+# every offloadable kind of every training role in host memory between phases: `spmdrl plan`'s last resort
+FULL_OFFLOAD = {"memory.actor_offload": ["params", "optimizer", "grads"],
+                "memory.critic_offload": ["params", "optimizer", "grads"], "memory.ref_offload": ["params"]}
+
+
 def uses_ref(cfg) -> bool:
     """Whether the run needs the reference policy's log-probs (a KL loss or a KL penalty in the reward)."""
     return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward

@@ -121,4 +121,24 @@ def missing_docs(root_cls=Config) -> list[str]:
     return missing
 
 
-__all__ = ["field_docs", "to_toml", "config_reference", "missing_docs"]
+def converted_toml(sections: dict, notes: list[str]) -> str:
+    """A converted config (spmdrl.config.verl.from_verl: {section: {key: value}} and notes) as TOML, checked
+    against the schema (names and types), the notes as comments on top."""
+    import typing
+
+    from .loader import build
+
+    for sec, values in sections.items():  # verl takes one path where spmdrl keeps a list
+        hints = typing.get_type_hints(_sections(Config)[sec])
+        for k, v in values.items():
+            if typing.get_origin(hints.get(k)) is list and not isinstance(v, list):
+                values[k] = [v]
+    build(sections, {s: "the converted verl config" for s in sections})  # a wrong type names the key
+    lines = ["# converted from verl by `spmdrl config from-verl`; check every value, then `spmdrl config show --config F`"]
+    lines += [f"# {n}" for n in notes]
+    for sec, values in sections.items():
+        lines += ["", f"[{sec}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["config_reference", "converted_toml", "field_docs", "missing_docs", "to_toml"]

@@ -206,8 +206,10 @@ def parse_overrides(overrides: list[str]) -> tuple[dict, dict[str, str]]:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
-        if len(parts) != 2 or not all(parts):
-            raise ConfigError(f"override {item!r}: the key must be section.key (e.g. actor.lr=1e-6)")
+        if len(parts) != 2 or not all(parts) or key.startswith("+"):
+            from spmdrl.config.verl import override_hint
+
+            raise ConfigError(f"override {item!r}: {override_hint(key.strip())}")
         data.setdefault(parts[0], {})[parts[1]] = value.strip()
         origin[key.strip()] = OVERRIDE
         origin.setdefault(parts[0], OVERRIDE)

@@ -303,6 +303,10 @@ class RewardConfig:
 
     custom_fn: str = ""
     """Custom scorer 'path/to/file.py:function' or 'package.module:function', signature (data_source, solution_str, ground_truth, extra_info) -> float | dict."""
+    custom_fns: list[str] = field(default_factory=list)
+    """Several custom scorers (same specs and signature as custom_fn; instead of it): the reward is their weighted sum, and each one's mean is logged as reward/extra/<function name>."""
+    weights: list[float] = field(default_factory=list)
+    """Weights of reward.custom_fns, one per function; empty weighs each 1."""
     on_error: str = "raise"
     """When a reward function raises: raise (stop, naming the sample) | zero (score 0 and count it)."""
     timeout_s: float = 120.0
@@ -452,7 +456,10 @@ class TrainerConfig:
     """The loop."""
 
     total_steps: int = 10
-    """RL steps to run."""
+    """RL steps to run (set from total_epochs when that is > 0)."""
+    total_epochs: int = 0
+    """> 0: run this many passes over data.train_files instead: total_steps = total_epochs x (rows //
+    data.train_batch_size), the rows counted before data.filter_overlong (verl's total_epochs)."""
     device_peak_tflops: float = 0.0
     """Peak TFLOP/s of one device for perf/mfu_*; 0 uses the bf16 dense peak of a known GPU (H100, H200, A100)
     and on CPU reports only the achieved perf/*_tflops."""
@@ -491,6 +498,9 @@ class CheckpointConfig:
 
     save_freq: int = 0
     """Save every this many steps (and at the end); 0 saves only at the end; -1 never."""
+    save_every_min: float = 30.0
+    """Also save after a step that ends this many minutes or more after the last save (or the start), so a stop
+    loses at most about this much training; 0 disables it (-1 in save_freq disables every save)."""
     keep_last: int = 2
     """This run's complete checkpoints to keep (another run's are never deleted); 0 keeps all."""
     resume: str = "auto"
@@ -510,9 +520,19 @@ class LoggingConfig:
     jsonl: bool = True
     """false removes jsonl from logging.backends (a shorthand kept for older configs)."""
     console: bool = True
-    """Print a line of key metrics per step on rank 0."""
+    """Print a line of key metrics on rank 0 (every console_every steps)."""
+    console_every: int = 0
+    """Steps between console lines (the last step always has one); 0: every step of an RL run, about 20 lines over
+    an SFT run."""
     progress: bool = True
     """Show progress bars for long stages on rank 0."""
+    log_generations: int = 0
+    """Samples shown per training step and per validation (prompt, response, reward, the turns' tool calls): written
+    to output_dir/generations.jsonl and to the trackers as tables (tensorboard text, a wandb table, an MLflow
+    artifact); 0 shows none. Training samples come from rank 0's batch (colocated placement)."""
+    dump_rollouts: bool = False
+    """Write every sample of every step and validation, in the same rows, to output_dir/rollouts/ (one file per
+    step, split and rank; verl's rollout_data_dir)."""
     verbosity: str = "info"
     """Console logging: info (spmdrl's lines; vLLM, Triton, megatron-core and transformers warnings that need no
     action are quieted) | debug (everything, every library at its own level). The environment variable

@@ -71,6 +71,7 @@ def check_ranges(cfg) -> None:
     need(0 < r.val_top_p <= 1, "rollout.val_top_p", "in (0, 1]")
     need(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", ">= 0 (0 keeps every checkpoint)")
     need(cfg.checkpoint.save_freq >= -1, "checkpoint.save_freq", ">= -1 (-1 never saves)")
+    need(cfg.checkpoint.save_every_min >= 0, "checkpoint.save_every_min", ">= 0 (0: no time-based saves)")
     need(0 <= a.min_lr_ratio <= 1, "actor.min_lr_ratio", "in [0, 1]")
     need(a.weight_decay >= 0, "actor.weight_decay", ">= 0")
     need(c.weight_decay >= 0, "critic.weight_decay", ">= 0")
@@ -84,17 +85,24 @@ def check_ranges(cfg) -> None:
     need(all(s for s in r.stop), "rollout.stop", "non-empty strings (an empty stop string ends every response)")
     need(all(i >= 0 for i in r.stop_token_ids), "rollout.stop_token_ids", "token ids >= 0")
     need(bool(cfg.checkpoint.resume.strip()), "checkpoint.resume", "auto, off or a checkpoint path")
+    rw = cfg.reward
+    need(not (rw.custom_fn and rw.custom_fns), "reward.custom_fns", "empty when reward.custom_fn is set (put that "
+         "function in the list instead)")
+    need(not rw.weights or len(rw.weights) == len(rw.custom_fns), "reward.weights",
+         f"one weight per reward.custom_fns entry ({len(rw.custom_fns)}), or empty for weights of 1")
 
 
-def validate(cfg, world_size: int):
-    """Raise ConfigError on the first inconsistency; return the per-role layout on success."""
+def validate(cfg, world_size: int, *, trackers: bool = True):
+    """Raise ConfigError on the first inconsistency; return the per-role layout on success. trackers=False skips
+    the checks of wandb and MLflow (installed, an API key): for commands that start no run (plan, config show)."""
     from spmdrl.algos import ADV_ESTIMATORS, DISTILL_MODES, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES
     from spmdrl.dist.layout import check_megatron_roles, plan_layout, role_backends
 
     from spmdrl.trackers import check_backends
 
     check_finite(cfg)
-    check_backends(cfg.logging)
+    if trackers:
+        check_backends(cfg.logging)
     if "megatron" in [b for r, b in role_backends(cfg).items() if r != "critic" or cfg.critic.enable]:
         m = cfg.model
         for key, bad in (("model.compile", m.compile), ("model.checkpoint_every_n_layers", m.checkpoint_every_n_layers != 1),
@@ -135,7 +143,7 @@ def validate(cfg, world_size: int):
     for key in ("actor.clip_ratio_low", "actor.clip_ratio_high", "actor.grad_clip", "critic.grad_clip",
                 "actor.entropy_coeff", "actor.kl_loss_coef", "algorithm.kl_coef", "rollout.val_temperature",
                 "reward.timeout_s", "data.val_batch_size", "actor.warmup_steps", "trainer.test_freq",
-                "trainer.critic_warmup", "reward.rule_weight", "reward.model_weight", "critic.cliprange_value", "distill.coef"):
+                "trainer.critic_warmup", "trainer.total_epochs", "logging.console_every", "reward.rule_weight", "reward.model_weight", "critic.cliprange_value", "distill.coef"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, found {_get(cfg, key)}")
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length

@@ -21,6 +21,22 @@ def as_file_list(files: str | os.PathLike | list | tuple) -> list[str]:
     return paths
 
 
+def count_rows(paths: list[str]) -> int:
+    """Rows in the data files (a parquet file's from its footer, without reading the columns)."""
+    total = 0
+    for path in paths:
+        if path.lower().endswith(".parquet") and os.path.isfile(path):
+            import pyarrow.parquet as pq
+
+            try:
+                total += pq.ParquetFile(path).metadata.num_rows
+                continue
+            except (pa.ArrowException, OSError) as e:
+                raise DataError(f"file {path}: cannot be read as parquet ({_one_line(e)}); check the file") from e
+        total += read_table(path).num_rows
+    return total
+
+
 def read_table(path: str) -> pa.Table:
     """Read one data file. The table stays columnar: nothing is converted to Python objects here."""
     if not os.path.exists(path):

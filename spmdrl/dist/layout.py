@@ -69,6 +69,17 @@ def role_backends(cfg) -> dict[str, str]:
             "teacher": t.backend}
 
 
+def smallest_world(placement, backends: dict[str, str] | None = None, limit: int = 4096) -> int:
+    """The fewest ranks plan_layout accepts for `placement` (its explicit rank lists and tp x pp degrees)."""
+    for world in range(1, limit + 1):
+        try:
+            plan_layout(placement, world, backends=backends)
+            return world
+        except LayoutError:
+            continue
+    raise LayoutError(f"no world of up to {limit} ranks fits the [placement] section; check its ranks and degrees")
+
+
 def plan_layout(placement, world_size: int, *, allow_split: bool = True,
                 backends: dict[str, str] | None = None) -> dict[str, RoleLayout]:
     """Rank sets and degrees for every role; raises LayoutError naming the world size and the degrees.

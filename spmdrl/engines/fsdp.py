@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from typing import Callable, Iterator
 
 import torch
@@ -398,10 +399,12 @@ class FSDPEngine:
         return out
 
     def adapter_config(self) -> dict:
-        """The adapter_config.json PEFT writes for these adapters (base_model_name_or_path: model.path)."""
+        """The adapter_config.json PEFT writes for these adapters (base_model_name_or_path: model.path, a local
+        directory as an absolute path, so the adapter loads from any working directory)."""
         from .lora import adapter_config
 
-        return adapter_config(self.lora, self.model_path)
+        base = os.path.abspath(self.model_path) if os.path.isdir(self.model_path) else self.model_path
+        return adapter_config(self.lora, base)
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def checkpoint_access(self):

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
+
+import torch
 
 from spmdrl.checkpoint import CheckpointManager, latest_checkpoint
 from spmdrl.config import to_toml
 from spmdrl.data.sampler import DistributedPromptSampler
+from spmdrl.dist.collectives import reduce_max
 from spmdrl.errors import SpmdrlError
 from spmdrl.faults import is_bad_step
 from spmdrl.loop.memory import MemoryLifecycle
@@ -68,6 +72,20 @@ class RunCheckpointer:
         self.memory = memory
         # every rank saves and loads the same engine names, whichever of them it holds (split placement)
         self.roles = ["actor", "critic"] if cfg.critic.enable else ["actor"]
+        self.last_save = time.monotonic()  # checkpoint.save_every_min counts from the start, then from each save
+
+    def due(self, step: int, done: bool) -> bool:
+        """Whether to save after `step`: checkpoint.save_freq's steps and the end, or checkpoint.save_every_min
+        minutes since the last save (the slowest rank's clock: one max all-reduce, so every rank agrees)."""
+        ck = self.cfg.checkpoint
+        if ck.save_freq < 0:
+            return False
+        if done or (ck.save_freq > 0 and step % ck.save_freq == 0):
+            return True
+        if ck.save_every_min <= 0:
+            return False
+        (elapsed,) = reduce_max(torch.tensor([time.monotonic() - self.last_save]))
+        return elapsed >= 60 * ck.save_every_min
 
     def save(self, step: int) -> str:
         """The checkpoint after `step`; its path."""
@@ -86,6 +104,7 @@ class RunCheckpointer:
 
         if self.memory is not None:  # vLLM asleep (weights kept), configured state parked: spmdrl/loop/memory.py
             self.memory.for_checkpoint("checkpoint_save", keep_rollout_weights=True)
+        self.last_save = time.monotonic()
         return self.manager.save(step, engines=self.engines, trainer_state=state, config_toml=self.config_toml,
                                  rng=rng_state(), hf_files=hf_files, rank_tensors=in_flight, roles=self.roles)
 

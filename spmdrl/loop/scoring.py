@@ -12,7 +12,7 @@ from spmdrl.batch import Batch
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.dist.collectives import all_gather_strings, gather_tp_slices, reduce_sum, sum_over_tp
 from spmdrl.dist.meshes import RoleMesh
-from spmdrl.rewards.custom import GuardedReward, compute_rewards, extra_sums, takes_trajectory
+from spmdrl.rewards.custom import GuardedReward, WeightedRewards, compute_rewards, extra_sums, takes_trajectory
 from spmdrl.rewards.model import RewardModelScorer, combine_rewards
 from spmdrl.rewards.registry import accuracy_score_fn
 from spmdrl.rollout.trajectory import decode_infos, messages_of
@@ -25,7 +25,7 @@ class Scorer:
     def __init__(self, cfg, tokenizer, reward_fn: Callable, reward_model: RewardModelScorer | None):
         self.cfg, self.tokenizer, self.reward_fn, self.reward_model = cfg, tokenizer, reward_fn, reward_model
         # validation's accuracy: the rule scorers, even when a custom function gives the training reward
-        self.accuracy_fn = accuracy_score_fn(reward_fn) if cfg.reward.custom_fn else None
+        self.accuracy_fn = accuracy_score_fn(reward_fn) if cfg.reward.custom_fn or cfg.reward.custom_fns else None
         if self.accuracy_fn is not None:  # it hands a multi-turn `trajectory` on to the custom function
             self.accuracy_fn.takes_trajectory = takes_trajectory(reward_fn)
 
@@ -134,7 +134,7 @@ class Scorer:
     def error_metrics(self) -> dict[str, float]:
         """reward/errors and reward/timeouts since the last call, summed over ranks (reward.on_error = zero).
         Every sample is scored on exactly one rank (tp groups split the scoring), so every rank's count adds."""
-        if not isinstance(self.reward_fn, GuardedReward) or self.reward_fn.on_error != "zero":
+        if not isinstance(self.reward_fn, (GuardedReward, WeightedRewards)) or self.reward_fn.on_error != "zero":
             return {}
         errors, timeouts = self.reward_fn.take_counts()
         t = reduce_sum(torch.tensor([float(errors), float(timeouts)]))

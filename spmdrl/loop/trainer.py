@@ -25,7 +25,7 @@ import torch
 
 from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
-from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume
+from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume, resume_advice
 from spmdrl.config import Config, to_toml
 from spmdrl.config.derived import offload_kinds, on_policy, uses_ref
 from spmdrl.data.prompts import PromptDataset
@@ -41,6 +41,7 @@ from spmdrl.loop.build import (
 )
 from spmdrl.loop.collect import SampleRounds
 from spmdrl.loop.generate import Generator
+from spmdrl.loop.generations import GenerationLog
 from spmdrl.loop.learner import Learner
 from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.run_state import BadSteps, RunCheckpointer
@@ -70,6 +71,7 @@ class Trainer:
     weight_sync: WeightSync | AdapterSync  # AdapterSync: a LoRA actor, rollout.lora_sync = adapter
     stream: BatchStream | None  # split placement only
     hooks: StageHooks
+    generations: GenerationLog  # logging.log_generations / dump_rollouts
     logger: MetricsLogger
 
     def __init__(self, cfg: Config, layout: dict, rank: int, world_size: int, device: torch.device,
@@ -156,10 +158,12 @@ class Trainer:
         self.generator = generator
         self.stream = BatchStream(cfg, self.meshes, generator, sampler, self.weight_sync, self.memory) if split else None
         self.tool_names = [t.name for t in tools]  # multi-turn: the keys of the per-tool metrics
+        self.generations = GenerationLog(cfg.logging, cfg.trainer.output_dir, rank,
+                                         lambda *rows: self.logger.log_generations(*rows))
         self.validator = None
         if val_ds is not None:
             self.validator = Validator(cfg, self.rollout_mesh, val_ds, rollout, self.memory, specs, scorer, self.hooks,
-                                       pad_id, agent=agent)
+                                       pad_id, agent=agent, generations=self.generations)
         # ---- outputs and run state: config copy, metrics, checkpoints, resume
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         if rank == 0:
@@ -201,7 +205,8 @@ class Trainer:
         timer = StageTimer(self.device)  # names validation and checkpointing in failure messages
         set_collective_timeout(cfg.trainer.dist_timeout_s)
         try:
-            with named_failures(lambda: self.global_step, cfg.trainer.dist_timeout_s):
+            with named_failures(lambda: self.global_step, cfg.trainer.dist_timeout_s,
+                                lambda: resume_advice(cfg.trainer.output_dir)):
                 if self.validator is not None and cfg.trainer.val_before_train and not self.resumed_from:
                     with timer("validation"):
                         self.logger.log(0, self.validator.run(self.global_step))
@@ -213,6 +218,7 @@ class Trainer:
                     StageTimer.failed = StageTimer.last = None
                     inject_fault_if_asked(self.rank, self.global_step, self.actor)  # tests only (spmdrl/faults.py)
                     metrics = self.step(self.global_step)
+                    self.generations.flush(self.global_step, "train")
                     metrics.update(self.scorer.error_metrics())
                     bad = self.bad_steps.count(metrics)
                     done = self.global_step == cfg.trainer.total_steps
@@ -223,8 +229,7 @@ class Trainer:
                     self.logger.log(self.global_step, metrics)
                     last = metrics
                     self.bad_steps.check(self.global_step)
-                    freq = cfg.checkpoint.save_freq
-                    if not bad and freq >= 0 and (done or (freq > 0 and self.global_step % freq == 0)):
+                    if not bad and self.checkpointer.due(self.global_step, done):
                         with timer("checkpoint"):
                             self.checkpointer.save(self.global_step)
         finally:
@@ -269,6 +274,7 @@ class Trainer:
                 rounds.add(batch)
             batch, sampled = rounds.batch(step)
             metrics.update(sampled)
+            self.generations.record(step, "train", batch, self.actor_mesh)
             # ---- forward passes: old log-probs, ref log-probs, values
             memory.for_training("actor", update=False, keep_rollout_weights=not train_actor)
             if not self.on_policy:

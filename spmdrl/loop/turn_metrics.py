@@ -15,7 +15,8 @@ def trajectory_metrics(batch: Batch, tool_names: list[str], mesh: RoleMesh) -> d
     """Means per trajectory (turns, model and tool tokens, the truncated and turn-limit ratios), the largest
     turn count, and per tool the step's calls, failures by kind and summed call time, over the whole batch (the
     dp ranks of `mesh` hold disjoint samples; every rank gets the same values). The keys depend on the
-    configured tool names only, so every rank reports the same keys."""
+    configured tool names only, and a per-kind failure count appears when it is non-zero, so every rank reports
+    the same keys."""
     names = sorted(set(tool_names)) + [UNKNOWN]
     trajs = batch.meta["trajectory"]
     mask = batch["response_mask"]
@@ -54,7 +55,8 @@ def trajectory_metrics(batch: Batch, tool_names: list[str], mesh: RoleMesh) -> d
     for k in names:
         out[f"tools/seconds/{k}"] = tot[pos]
         pos += 1
-    for k, f in failures:
-        out[f"tools/failures/{k}/{f}"] = tot[pos]
+    for k, f in failures:  # per tool and kind only when it happened (the same on every rank: summed above)
+        if tot[pos]:
+            out[f"tools/failures/{k}/{f}"] = tot[pos]
         pos += 1
     return out

@@ -13,6 +13,7 @@ from spmdrl.dist.meshes import RoleMesh
 from spmdrl.hooks import StageHooks
 from spmdrl.loop.build import Specs
 from spmdrl.loop.generate import request_seeds, sample
+from spmdrl.loop.generations import GenerationLog
 from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.scoring import Scorer
 from spmdrl.rollout.multi_turn import AgentLoop
@@ -26,10 +27,13 @@ class Validator:
     rollout ranks hold the last weights (loop/split.py)."""
 
     def __init__(self, cfg, mesh: RoleMesh, dataset: PromptDataset, rollout, memory: MemoryLifecycle, specs: Specs,
-                 scorer: Scorer, hooks: StageHooks, pad_id: int, agent: AgentLoop | None = None):
-        """agent: the multi-turn loop (multi_turn.enable): validation rolls out with it too."""
+                 scorer: Scorer, hooks: StageHooks, pad_id: int, agent: AgentLoop | None = None,
+                 generations: GenerationLog | None = None):
+        """agent: the multi-turn loop (multi_turn.enable): validation rolls out with it too. generations: where
+        the scored samples go to be shown (logging.log_generations) and dumped (logging.dump_rollouts)."""
         self.cfg, self.mesh, self.dataset, self.rollout, self.memory = cfg, mesh, dataset, rollout, memory
         self.specs, self.scorer, self.hooks, self.pad_id, self.agent = specs, scorer, hooks, pad_id, agent
+        self.generations = generations
         # the same sorted list on every rank: it orders the all-reduce
         self.sources = sorted(set(dataset.batch(list(range(len(dataset)))).data_source))
 
@@ -52,6 +56,8 @@ class Validator:
             batch = sample(self.rollout, self.agent, ds, part, self.specs.val, seeds, self.pad_id)
             self.scorer.attach_meta(batch, ds, r)
             self.scorer.score(batch, r, shaping=False)
+            if self.generations is not None:
+                self.generations.record(step, "val", batch, r)
             for k, v in self.hooks("on_validation", step, batch).items():  # mean over chunks
                 hook_metrics[k] = hook_metrics.get(k, 0.0) + v * len(part) / len(rows)
             w = r.leader_weight()  # the tp group holds the same samples: count them once
@@ -70,4 +76,6 @@ class Validator:
         acc["timing/validation_s"] = time.perf_counter() - t0
         if dist.get_rank() == 0:
             log.info("validation: %s", ", ".join(f"{k}={v:.3f}" for k, v in acc.items()))
+        if self.generations is not None:
+            self.generations.flush(step, "val")
         return acc

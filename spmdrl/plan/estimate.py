@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from spmdrl.config.derived import (builds_ref, compute_dtype_name, distills, lora_settings, lora_sync_mode, offload_kinds,
+from spmdrl.config.derived import (FULL_OFFLOAD, builds_ref, compute_dtype_name, distills, lora_settings, lora_sync_mode, offload_kinds,
                                     rollout_dtype_name, uses_vllm)
 from spmdrl.engines.loading import block_index, load_hf_config, model_param_shapes
 from spmdrl.errors import ConfigError
@@ -660,6 +660,8 @@ def advice(p: dict) -> list[str]:
                        f"(memory.margin x memory.gpu_memory_gb); largest: "
                        + ", ".join(f"{k} {v:g} GiB" for k, v in parts))
             out += [f"  change {_hint(k, name)}" for k, _ in parts]
+            out.append(f"  or offload what is idle in this phase to host memory: {format_change(FULL_OFFLOAD)} (or "
+                       "ref.offload = true); `spmdrl plan --min-gpus` tries offload and TP on 1, 2, 4, ... GPUs")
         else:
             out.append(f"does not fit: phase {name} needs {ph['host_gb']:.1f} GiB of host memory per node, "
                        f"{host_cap:.1f} GiB allowed (memory.margin x memory.host_memory_gb): offload fewer kinds "
@@ -671,6 +673,13 @@ def advice(p: dict) -> list[str]:
         out.append("does not fit: the KV cache cannot hold one full sequence; raise rollout.gpu_memory_utilization "
                    "or shorten data.max_prompt_length + data.max_response_length")
     return out
+
+
+def format_change(change: dict) -> str:
+    """Config changes {"section.key": value} as command-line overrides."""
+    import json
+
+    return " ".join(f"{k}={json.dumps(v, separators=(',', ':')) if isinstance(v, list) else v}" for k, v in change.items())
 
 
 def _short(groups: list[list[int]], n: int = 4) -> str:

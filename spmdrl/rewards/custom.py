@@ -194,24 +194,76 @@ def _call_in_thread(fn: Callable, timeout_s: float, kwargs: dict):
 
 
 def build_reward_fn(reward_cfg) -> Callable:
-    """The reward function a run scores with, from its [reward] section: reward.custom_fn (a user function) in
-    a worker process under reward.timeout_s (rewards/worker.py: a timeout stops it whatever it is doing), or in
-    this process with reward.in_process = true (SIGALRM: Python code only); the rule functions registered by
-    data_source run in this process. Wrapped in GuardedReward when reward.on_error or timeout_s ask for it."""
+    """The reward function a run scores with, from its [reward] section: reward.custom_fn (a user function), or
+    reward.custom_fns weighted by reward.weights (WeightedRewards), each in a worker process under
+    reward.timeout_s (rewards/worker.py: a timeout stops it whatever it is doing), or in this process with
+    reward.in_process = true (SIGALRM: Python code only); without either, the rule functions registered by
+    data_source, in this process. Wrapped in GuardedReward when reward.on_error or timeout_s ask for it."""
     r = reward_cfg
+    if r.custom_fns:
+        weights = r.weights or [1.0] * len(r.custom_fns)
+        return WeightedRewards([_user_reward_fn(spec, r) for spec in r.custom_fns], weights, on_error=r.on_error)
     if not r.custom_fn:
         fn: Callable = default_compute_score_fn()
-    else:
-        fn = load_reward_fn(r.custom_fn)  # here too: a bad spec or module is one line before anything starts
-        if r.timeout_s > 0 and not r.in_process:
-            from spmdrl.rewards.worker import RewardWorker
+        if r.on_error != "raise" or r.timeout_s > 0:
+            return GuardedReward(fn, on_error=r.on_error, timeout_s=r.timeout_s)
+        return fn
+    return _user_reward_fn(r.custom_fn, r)
 
-            worker = RewardWorker(r.custom_fn, r.timeout_s)
-            worker.takes_trajectory = takes_trajectory(fn)  # the worker's function, as loaded here
-            return GuardedReward(worker, on_error=r.on_error, timeout_s=0.0, name=r.custom_fn)
+
+def _user_reward_fn(spec: str, r) -> Callable:
+    """One user function from its spec, in a worker process (or in this process) under reward.timeout_s and
+    reward.on_error."""
+    fn = load_reward_fn(spec)  # here too: a bad spec or module is one line before anything starts
+    if r.timeout_s > 0 and not r.in_process:
+        from spmdrl.rewards.worker import RewardWorker
+
+        worker = RewardWorker(spec, r.timeout_s)
+        worker.takes_trajectory = takes_trajectory(fn)  # the worker's function, as loaded here
+        return GuardedReward(worker, on_error=r.on_error, timeout_s=0.0, name=spec)
     if r.on_error != "raise" or r.timeout_s > 0:
         return GuardedReward(fn, on_error=r.on_error, timeout_s=r.timeout_s)
     return fn
+
+
+class WeightedRewards:
+    """Several reward functions as one (TRL's reward_funcs with reward_weights):
+
+        score = sum_i w_i * score_i
+
+    returned as {"score": score, <name_i>: score_i, "<name_i>/<key>": each extra key function i returned}, so
+    each function's mean is logged as reward/extra/<name_i> (name_i: the spec's function name, numbered when two
+    share one). A multi-turn `trajectory` goes only to the functions that declare it."""
+
+    def __init__(self, fns: list[Callable], weights: list[float], on_error: str = "raise"):
+        self.fns, self.weights, self.on_error = fns, [float(w) for w in weights], on_error
+        names = [reward_fn_name(f).rpartition(":")[2] or f"fn{i}" for i, f in enumerate(fns)]
+        self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+        self.takes = [takes_trajectory(f) for f in fns]
+        self.takes_trajectory = any(self.takes)
+        self.__spmdrl_spec__ = " + ".join(f"{w:g} * {reward_fn_name(f)}" for w, f in zip(self.weights, fns))
+
+    def __call__(self, trajectory=None, **kwargs):
+        out: dict = {"score": 0.0}
+        for fn, w, name, takes in zip(self.fns, self.weights, self.names, self.takes):
+            value = fn(**kwargs, **({"trajectory": trajectory} if takes and trajectory is not None else {}))
+            extras = {}
+            if isinstance(value, dict):
+                if "score" not in value:
+                    raise RewardError(f"reward function {reward_fn_name(fn)} returned a dict without 'score' (keys: "
+                                      f"{', '.join(map(str, value))}); add a 'score' entry")
+                extras = {f"{name}/{k}": v for k, v in value.items() if k != "score"}
+                value = value["score"]
+            score = _as_score(value, reward_fn_name(fn), 0)
+            out["score"] += w * score
+            out[name] = score
+            out.update(extras)
+        return out
+
+    def take_counts(self) -> tuple[int, int]:
+        """(errors, timeouts) of every guarded function since the last call (reward.on_error = zero)."""
+        counts = [f.take_counts() for f in self.fns if isinstance(f, GuardedReward)]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
 def default_compute_score_fn() -> Callable:

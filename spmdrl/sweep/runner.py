@@ -65,6 +65,13 @@ def check_existing(sweep: Sweep) -> None:
                                    f"{', '.join(changed)}; move it away to rerun, or change 'output_dir'")
 
 
+def check_inputs_exist(sweep: Sweep) -> None:
+    """Refuse to start while a run's data or model files are missing (`sweep plan` lists them all)."""
+    for run in sweep.runs:
+        if run.missing:
+            raise _err(sweep.path, f"run '{run.name}': {run.missing}")
+
+
 def format_plan(sweep: Sweep) -> str:
     lines = [
         f"sweep {sweep.path}: {len(sweep.runs)} runs ({sweep.mode} over {', '.join(sweep.axes)}), "
@@ -77,6 +84,12 @@ def format_plan(sweep: Sweep) -> str:
     for r in sweep.runs:
         axis_overrides = r.overrides[len(sweep.overrides):-1]
         lines.append(f"{r.index:>3}  {r.name.ljust(width)}  [{state(r)}]  {' '.join(axis_overrides)}")
+        if r.missing:
+            lines.append(f"     missing input: {r.missing}")
+    missing = sum(bool(r.missing) for r in sweep.runs)
+    if missing:
+        lines.append(f"{missing} of {len(sweep.runs)} runs miss input files; `spmdrl sweep run` refuses to start until "
+                     "they exist")
     return "\n".join(lines)
 
 
@@ -121,6 +134,8 @@ def run_local(sweep: Sweep, *, fail_fast: bool = False, dry_run: bool = False, s
         raise ValueError("run_local needs the launcher: pass launch_command=spmdrl.cli.launch_command")
 
     check_existing(sweep)
+    if not dry_run:
+        check_inputs_exist(sweep)
     failed = []
     n = len(sweep.runs)
     for run in sweep.runs:
@@ -212,6 +227,7 @@ def slurm_script(sweep: Sweep, runs: list[Run], workdir: str) -> str:
 def write_slurm(sweep: Sweep, out_dir: str = "slurm") -> tuple[str | None, list[Run]]:
     """Write slurm/sweep_<name>.sbatch for the unfinished runs; (path or None when all finished, those runs)."""
     check_existing(sweep)
+    check_inputs_exist(sweep)
     todo = [r for r in sweep.runs if not is_finished(r)]
     if not todo:
         return None, []

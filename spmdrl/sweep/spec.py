@@ -12,7 +12,7 @@ from typing import Any
 
 import tomllib
 
-from spmdrl.errors import ConfigError
+from spmdrl.errors import ConfigError, SpmdrlError
 
 SEED_KEY = "trainer.seed"
 OWNED = ("trainer.output_dir",)  # set per run by the sweep
@@ -44,6 +44,7 @@ class Run:
     output_dir: str
     total_steps: int
     cfg: Any = field(repr=False, default=None)
+    missing: str = ""  # an input file that does not exist (spmdrl.preflight.check_inputs), shown by `sweep plan`
 
     @property
     def group(self) -> str:
@@ -130,7 +131,7 @@ def _label(v: Any) -> str:
 
 
 def _name(values: dict[str, Any], keys: list[str]) -> str:
-    return ",".join(f"{_short(k, keys)}={_label(v)}" for k, v in values.items())
+    return "__".join(f"{_short(k, keys)}-{_label(v)}" for k, v in values.items())
 
 
 def expand(axes: dict[str, list], mode: str, seeds: list | None = None) -> list[dict[str, Any]]:
@@ -151,11 +152,11 @@ def _names(points: list[dict[str, Any]], labels: list[str] | None = None, seeds:
     keys = list(points[0]) if points else []
     if labels:
         per = len(seeds) if seeds else 1
-        names = [labels[i // per] + (f",seed={p[SEED_KEY]}" if seeds else "") for i, p in enumerate(points)]
+        names = [labels[i // per] + (f"__seed-{p[SEED_KEY]}" if seeds else "") for i, p in enumerate(points)]
     else:
         names = [_name(p, keys) or "base" for p in points]
     counts = {n: names.count(n) for n in names}
-    return [n if counts[n] == 1 else f"{n},{hashlib.sha1(json.dumps(p, sort_keys=True).encode()).hexdigest()[:6]}"
+    return [n if counts[n] == 1 else f"{n}__{hashlib.sha1(json.dumps(p, sort_keys=True).encode()).hexdigest()[:6]}"
             for n, p in zip(names, points)]
 
 
@@ -175,6 +176,7 @@ def load_sweep(path: str, nproc: int | None = None, slurm: bool = False) -> Swee
     """Read, expand and validate a sweep file: every run's config is loaded and validated for its world size
     (nproc ranks; nproc * slurm.nodes with slurm=True)."""
     from spmdrl.config import load_config, validate
+    from spmdrl.preflight import check_inputs, resolve_total_epochs
 
     if not os.path.isfile(path):
         raise ConfigError(f"sweep file not found: {path}; check the path")
@@ -282,7 +284,13 @@ def load_sweep(path: str, nproc: int | None = None, slurm: bool = False) -> Swee
             validate(cfg, world)
         except ConfigError as e:
             raise _err(path, f"run '{name}': {_strip_override_origin(e)}") from None
-        runs.append(Run(i, name, point, run_overrides, out, cfg.trainer.total_steps, cfg))
+        try:
+            check_inputs(cfg)
+            resolve_total_epochs(cfg)
+            missing = ""
+        except SpmdrlError as e:
+            missing = str(e)
+        runs.append(Run(i, name, point, run_overrides, out, cfg.trainer.total_steps, cfg, missing))
     all_axes = {**axes, **({SEED_KEY: seeds} if seeds else {})}
     return Sweep(path, base, output_dir, nproc, mode, overrides, all_axes, slurm_opts, runs)
 
