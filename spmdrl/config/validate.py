@@ -25,6 +25,7 @@ CHOICES = {
     "lora.init": ("default", "gaussian"),  # spmdrl.engines.lora.INITS
     "multi_turn.http_exec_api": ("sandbox_fusion", "piston"),  # spmdrl.tools.builtin.HTTP_APIS
     "logging.verbosity": ("info", "debug"),
+    "actor.router_replay": ("off", "rollout"),
 }
 MEMORY_KINDS = ("params", "grads", "optimizer")
 
@@ -217,6 +218,7 @@ def validate(cfg, world_size: int):
     validate_rollout_correction(cfg)
     validate_split(cfg)
     validate_architecture(cfg)
+    validate_router_replay(cfg)
     validate_lora_sync(cfg)
     validate_multi_turn(cfg)
     validate_tools(cfg)
@@ -537,6 +539,33 @@ def validate_architecture(cfg) -> None:
                 f"{', '.join(MEGATRON_MODEL_TYPES)} only; use trainer.backend = 'fsdp' (trainer.critic_backend for the "
                 "critic) or a model of one of those architectures"
             )
+
+
+def validate_router_replay(cfg) -> None:
+    """actor.router_replay = "rollout" needs a mixture-of-experts model (from its config.json when it is on disk), a
+    rollout engine that returns routes (vLLM; the transformers engine returns none) and the FSDP2 backend for the
+    actor and ref (the Megatron backend has no replay, and no MoE); multi-turn rollouts do not carry routes yet."""
+    from spmdrl.dist.layout import role_backends
+    from spmdrl.rollout import vllm_available
+
+    if cfg.actor.router_replay == "off":
+        return
+    key = f"actor.router_replay = {cfg.actor.router_replay!r}"
+    hf = hf_config_json(cfg.model.path)
+    if hf is not None and not (hf.get("num_experts") or hf.get("num_local_experts")):
+        raise ConfigError(f"{key}: model.path = {cfg.model.path!r} is a dense {hf.get('model_type')!r} model (no "
+                          "num_experts in config.json), which has no routing to replay; set actor.router_replay = 'off'")
+    engine = cfg.rollout.engine if cfg.rollout.engine != "auto" else ("vllm" if vllm_available() else "hf")
+    if engine != "vllm":
+        raise ConfigError(f"{key}: rollout.engine = {cfg.rollout.engine!r} resolves to the transformers engine, which "
+                          "cannot return the experts it routed each token to; use rollout.engine = 'vllm'")
+    backends = role_backends(cfg)
+    if backends["actor"] != "fsdp":
+        raise ConfigError(f"{key}: trainer.backend = {backends['actor']!r} has no routing replay (the FSDP2 backend "
+                          "replays through router hooks); use trainer.backend = 'fsdp' or actor.router_replay = 'off'")
+    if cfg.multi_turn.enable:
+        raise ConfigError(f"{key}: multi-turn rollouts do not carry the rollout's routes; set multi_turn.enable = false "
+                          "or actor.router_replay = 'off'")
 
 
 def check_architecture_known(hf: dict, source: str, *, vllm: bool) -> None:
