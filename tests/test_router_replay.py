@@ -1,0 +1,83 @@
+"""Rollout routing replay (R3) on the FSDP2 path: vLLM's routes recorded on CPU, carried in the batch, replayed in the
+trainer's forwards (spmdrl/rollout/routes.py, spmdrl/engines/router_replay.py). The Trainer-level run is
+tests/test_model_families.py's qwen3_moe GRPO test, which runs with actor.router_replay = "rollout"."""
+import json
+import os
+
+import pytest
+import torch
+
+from launching import run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_caller_keys_of_vllm_request_ids():
+    from spmdrl.rollout.routes import caller_key
+
+    assert caller_key("0_3-a025034a") == ("3", 0)
+    assert caller_key("1_12-a1532008") == ("12", 1)
+    assert caller_key("7-deadbeef") == ("7", 0)
+
+
+def test_routes_survive_batch_moves_and_every_token_layout():
+    """The batch form pads with zeros (Batch.cat, redistribute) and reads them as no route; pack_sequences puts
+    sequence b's routes where its tokens are in the padded, packed and row-packed layouts, and relayout keeps them."""
+    from spmdrl.batch import Batch
+    from spmdrl.engines.token_batch import pack_sequences, relayout
+    from spmdrl.rollout.routes import batch_routes, decode_routes
+
+    g = torch.Generator().manual_seed(0)
+    lengths, shape = [5, 9, 3], (2, 2)
+    seqs = [torch.randint(0, 4, (n - 1, *shape), generator=g).numpy() for n in lengths]  # the last token has none
+    a = Batch({"routed_experts": batch_routes(seqs[:2], lengths[:2])})
+    b = Batch({"routed_experts": batch_routes(seqs[2:], lengths[2:])})
+    both = Batch.cat([b, a])  # b is narrower: zero padded to a's width
+    order = [2, 0, 1]
+    decoded = [decode_routes(both["routed_experts"][i], lengths[k], shape) for i, k in enumerate(order)]
+    for d, k in zip(decoded, order):
+        assert torch.equal(d[:-1], torch.from_numpy(seqs[k]).long()) and (d[-1] == -1).all()
+    prompts = [torch.arange(2), torch.arange(4), torch.arange(1)]
+    resps = [torch.arange(n - len(p)) + 10 for n, p in zip(lengths, prompts)]
+    routes = [decode_routes(batch_routes([s], [n])[0], n, shape) for s, n in zip(seqs, lengths)]
+    for kw in (dict(), dict(packed=True), dict(packed=True, row_len=10)):
+        tb = pack_sequences(prompts, resps, 0, routes=routes, **kw)
+        ids, placed = tb.input_ids, tb.routes
+        for i, (p, r) in enumerate(zip(prompts, resps)):
+            seq = torch.cat([p, r])
+            hits = [(row, col) for row in range(ids.shape[0]) for col in range(ids.shape[1] - len(seq) + 1)
+                    if torch.equal(ids[row, col: col + len(seq)], seq)]
+            row, col = hits[0]
+            assert torch.equal(placed[row, col: col + len(seq)], routes[i]), kw
+        assert int((placed >= 0).all(-1).all(-1).sum()) == sum(n - 1 for n in lengths), kw  # nothing else
+    moved = relayout(pack_sequences(prompts, resps, 0, routes=routes, packed=True), packed=False)
+    for i, n in enumerate(lengths):
+        assert torch.equal(moved.routes[i, :n], routes[i])
+
+
+@pytest.mark.dist
+def test_replay_makes_the_trainers_routing_vllms(tmp_path):
+    """2 ranks, vLLM at rollout TP = 2 recording routes, the FSDP2 actor at dp = 2, packed and padded passes:
+    - vLLM's routes cover every position it computed (prompt + response - 1 per sample, x layers x top_k);
+    - the trainer's own router agrees with them on every (token, layer, k) choice, and its log-probs are vLLM's
+      within 1e-5, with and without replay;
+    - a trainer router perturbed to pick other experts disagrees (agreement < 0.5, gap > 1e-2) without replay; with
+      replay the routing it computes with is vLLM's (route agreement 1.0) and the gap is back under 1e-5 while its
+      own router still disagrees."""
+    from spmdrl.tiny import build_tiny
+
+    model = build_tiny(str(tmp_path / "qwen3_moe"), seed=0, arch="qwen3_moe", num_layers=2)
+    run([os.path.join(HERE, "dist_scripts", "router_replay.py"), model, str(tmp_path)], nproc=2, timeout=600)
+    res = json.load(open(tmp_path / "rank0.json"))
+    assert res == json.load(open(tmp_path / "rank1.json"))  # summed over the dp ranks: the same on both
+    for name, c in res["cases"].items():
+        assert c["routed"] == res["routed_expected"] > 0, name
+        if not name.startswith("perturbed"):
+            assert c["agree_own"] == c["agree_used"] == c["routed"], name
+            assert c["gap"] < 1e-5, name
+        elif "replay=False" in name:
+            assert c["agree_own"] == c["agree_used"] < 0.5 * c["routed"], name
+            assert c["gap"] > 1e-2, name
+        else:
+            assert c["agree_used"] == c["routed"] and c["agree_own"] < 0.5 * c["routed"], name
+            assert c["gap"] < 1e-5, name
