@@ -57,7 +57,8 @@ def test_routes_survive_batch_moves_and_every_token_layout():
 
 @pytest.mark.dist
 def test_replay_makes_the_trainers_routing_vllms(tmp_path):
-    """2 ranks, vLLM at rollout TP = 2 recording routes, the FSDP2 actor at dp = 2, packed and padded passes:
+    """Tiny Qwen3-MoE and Mixtral, 2 ranks, vLLM at rollout TP = 2 recording routes, the FSDP2 actor at dp = 2,
+    packed and padded passes:
     - vLLM's routes cover every position it computed (prompt + response - 1 per sample, x layers x top_k);
     - the trainer's own router agrees with them on every (token, layer, k) choice, and its log-probs are vLLM's
       within 1e-5, with and without replay;
@@ -66,18 +67,25 @@ def test_replay_makes_the_trainers_routing_vllms(tmp_path):
       own router still disagrees."""
     from spmdrl.tiny import build_tiny
 
-    model = build_tiny(str(tmp_path / "qwen3_moe"), seed=0, arch="qwen3_moe", num_layers=2)
-    run([os.path.join(HERE, "dist_scripts", "router_replay.py"), model, str(tmp_path)], nproc=2, timeout=600)
-    res = json.load(open(tmp_path / "rank0.json"))
-    assert res == json.load(open(tmp_path / "rank1.json"))  # summed over the dp ranks: the same on both
+    archs = ["qwen3_moe", "mixtral"]
+    models = [build_tiny(str(tmp_path / arch), seed=0, arch=arch, num_layers=2) for arch in archs]
+    run([os.path.join(HERE, "dist_scripts", "router_replay.py"), str(tmp_path), *models], nproc=2, timeout=600)
+    for arch in archs:
+        res = json.load(open(tmp_path / f"{arch}.rank0.json"))
+        assert res == json.load(open(tmp_path / f"{arch}.rank1.json"))  # summed over the dp ranks: the same on both
+        check_cases(arch, res)
+
+
+def check_cases(arch: str, res: dict) -> None:
     for name, c in res["cases"].items():
-        assert c["routed"] == res["routed_expected"] > 0, name
+        label = (arch, name, c)
+        assert c["routed"] == res["routed_expected"] > 0, label
         if not name.startswith("perturbed"):
-            assert c["agree_own"] == c["agree_used"] == c["routed"], name
-            assert c["gap"] < 1e-5, name
+            assert c["agree_own"] == c["agree_used"] == c["routed"], label
+            assert c["gap"] < 1e-5, label
         elif "replay=False" in name:
-            assert c["agree_own"] == c["agree_used"] < 0.5 * c["routed"], name
-            assert c["gap"] > 1e-2, name
+            assert c["agree_own"] == c["agree_used"] < 0.5 * c["routed"], label
+            assert c["gap"] > 1e-2, label
         else:
-            assert c["agree_used"] == c["routed"] and c["agree_own"] < 0.5 * c["routed"], name
-            assert c["gap"] < 1e-5, name
+            assert c["agree_used"] == c["routed"] and c["agree_own"] < 0.5 * c["routed"], label
+            assert c["gap"] < 1e-5, label

@@ -17,8 +17,8 @@ positions, so an engine that records routes is built without it (`VLLMEngine(cap
 vLLM names a request `<id>-<8 random chars>` and the samples of an n > 1 request `<k>_<id>-<random>`; `take`
 maps them back to (the caller's request id, sample index).
 
-On CUDA the engine asks vLLM for the routes (`enable_return_routed_experts`, a completion's `routed_experts`):
-that path has never run here.
+On CUDA the engine asks vLLM for the routes instead (`enable_return_routed_experts`, a completion's
+`routed_experts`); docs/architecture.md's GPU table says what has run.
 """
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ class VLLMEngine:
             self._adapter_home = tempfile.mkdtemp(prefix=f"spmdrl-lora-r{rank}-", dir=adapter_root(lora.adapter_dir))
 
         self.capture_routes = bool(capture_routes)
-        if self.capture_routes and not self.on_cpu:  # vLLM's own route return (Model Runner V2): never run here
+        if self.capture_routes and not self.on_cpu:  # vLLM's own route return (Model Runner V2)
             kwargs["enable_return_routed_experts"] = True
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         t0 = time.perf_counter()

@@ -1,11 +1,11 @@
-"""Rollout routing replay on a tiny Qwen3-MoE, 2 ranks: real vLLM at rollout TP = 2 records the experts it routes each
+"""Rollout routing replay on tiny MoE models (one after another in one process group), 2 ranks: real vLLM at rollout TP = 2 records the experts it routes each
 token to; the batch goes the real way (rollout_to_batch, redistribute to the actor's dp = 2); the FSDP2 actor's
 log-prob passes (forward_all, packed and padded) run without and with replay. Then every trainer router is
 perturbed (a hook ahead of the replay hook shifts its top-k choice to other experts) and both passes run again.
-Writes OUT/rank{r}.json with, per case, the router counts summed over the dp ranks and the largest |actor - vLLM|
+Writes OUT/<model dir name>.rank{r}.json with, per case, the router counts summed over the dp ranks and the largest |actor - vLLM|
 log-prob gap.
 
-torchrun --nproc-per-node 2 router_replay.py MODEL_DIR OUT
+torchrun --nproc-per-node 2 router_replay.py OUT MODEL_DIR [MODEL_DIR ...]
 """
 import json
 import os
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 
-def main(path: str, out: str) -> int:
+def one_model(path: str, out: str) -> None:
     from spmdrl.config.schema import PlacementConfig
     from spmdrl.dist.collectives import reduce_max, reduce_sum, redistribute
     from spmdrl.dist.layout import plan_layout
@@ -27,7 +27,6 @@ def main(path: str, out: str) -> int:
     from spmdrl.rollout import SamplingSpec, build_engine
     from spmdrl.rollout.routes import route_shape
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     layout = plan_layout(PlacementConfig(rollout_tp=2), 2)
     meshes = RoleMeshes(layout, rank, "cpu")
@@ -68,11 +67,19 @@ def main(path: str, out: str) -> int:
     for replay in (False, True):
         for packed in (True, False):
             result["cases"][f"perturbed,replay={replay},packed={packed}"] = case(replay, packed)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"{os.path.basename(path)}.rank{rank}.json"), "w") as f:
         json.dump(result, f)
     rollout.close()
+    del actor
+
+
+def main(out: str, *paths: str) -> int:
+    dist.init_process_group("gloo")
+    for path in paths:
+        one_model(path, out)
+        dist.barrier()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1], sys.argv[2]))
+    raise SystemExit(main(*sys.argv[1:]))
