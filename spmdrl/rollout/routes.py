@@ -33,7 +33,7 @@ class RouteRecorder:
 
     def __init__(self, num_layers: int, top_k: int):
         self.num_layers, self.top_k = num_layers, top_k
-        self.by_request: dict[str, dict[int, np.ndarray]] = {}  # request id -> position -> [layers, top_k]
+        self.by_request: dict[str, list[tuple[int, np.ndarray]]] = {}  # request id -> (first position, routes)
         self._step: tuple | None = None  # (request ids, query start offsets, first positions) of this forward
         self._layers: dict[int, torch.Tensor] = {}
 
@@ -52,19 +52,17 @@ class RouteRecorder:
         for layer, ids in self._layers.items():
             routes[:, layer] = ids[:n].numpy()
         for i, rid in enumerate(req_ids):
-            rows = self.by_request.setdefault(rid, {})
-            for j in range(int(qs[i + 1] - qs[i])):
-                rows[int(first[i]) + j] = routes[int(qs[i]) + j]
+            self.by_request.setdefault(rid, []).append((int(first[i]), routes[int(qs[i]): int(qs[i + 1])]))
         self._step = None
 
     def take(self) -> dict[tuple[str, int], np.ndarray]:
         """{(request id as the caller gave it, sample index): [positions, layers, top_k] int16} of every request
         since the last take, positions 0.. up to the last computed one (NO_ROUTE where a position is missing)."""
         out = {}
-        for rid, rows in self.by_request.items():
-            routes = np.full((max(rows) + 1, self.num_layers, self.top_k), NO_ROUTE, dtype=np.int16)
-            for pos, r in rows.items():
-                routes[pos] = r
+        for rid, chunks in self.by_request.items():
+            routes = np.full((max(p + len(r) for p, r in chunks), self.num_layers, self.top_k), NO_ROUTE, dtype=np.int16)
+            for pos, r in chunks:  # in step order: a position computed again (a preempted request) keeps the last
+                routes[pos: pos + len(r)] = r
             out[caller_key(rid)] = routes
         self.by_request = {}
         return out
