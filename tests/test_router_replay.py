@@ -89,3 +89,55 @@ def check_cases(arch: str, res: dict) -> None:
         else:
             assert c["agree_used"] == c["routed"] and c["agree_own"] < 0.5 * c["routed"], label
             assert c["gap"] < 1e-5, label
+
+
+def test_router_losses_equal_a_float64_reference_in_value_and_gradient(tmp_path):
+    """The FSDP2 engine's load-balancing and z-loss of a packed batch (summed over the MoE layers), and the router
+    weights' gradient of 0.5 * aux + 2 * z, against the same formulas in float64 on transformers' own router logits
+    (output_router_logits) of an unsharded float64 copy, computed over the real tokens of a padded batch."""
+    from transformers import AutoModelForCausalLM
+
+    from launching import world_of_one
+    from spmdrl.config import load_config
+    from spmdrl.dist.layout import plan_layout
+    from spmdrl.dist.meshes import RoleMeshes
+    from spmdrl.engines.fsdp import FSDPEngine
+    from spmdrl.engines.router_replay import moe_routers
+    from spmdrl.engines.token_batch import pack_sequences
+    from spmdrl.tiny import build_tiny
+
+    model = build_tiny(str(tmp_path / "qwen3_moe"), seed=0, arch="qwen3_moe", num_layers=2)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 300, (n,), generator=g) for n in (7, 12, 4)]
+    with world_of_one():
+        mesh = RoleMeshes(plan_layout(load_config(None, [f"model.path={model}"]).placement, 1), 0, "cpu")["actor"]
+        engine = FSDPEngine(model, mesh, torch.device("cpu"), trainable=True, router_losses=True)
+        engine.module.train()
+        tb = pack_sequences([s[:2] for s in seqs], [s[2:] for s in seqs], 0, packed=True)
+        engine.logprobs(tb)
+        aux_t, z_t = engine.moe_losses()
+        (0.5 * aux_t + 2 * z_t).backward()
+        aux, z = float(aux_t.detach()), float(z_t.detach())
+        grads = [gate.weight.grad.full_tensor().double() for _, gate in moe_routers(engine.hf)]
+
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64, experts_implementation="eager")
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    out = ref(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    real = mask.reshape(-1).bool()
+    E, k = ref.config.num_experts, ref.config.num_experts_per_tok
+    ref_aux = ref_z = 0.0
+    for logits in out.router_logits:
+        lg = logits[real]
+        p = torch.softmax(lg, dim=-1)
+        f = torch.nn.functional.one_hot(p.topk(k, dim=-1).indices, E).sum((0, 1)).double() / (lg.shape[0] * k)
+        ref_aux = ref_aux + E * (f * p.mean(0)).sum()
+        ref_z = ref_z + torch.logsumexp(lg, dim=-1).square().mean()
+    (0.5 * ref_aux + 2 * ref_z).backward()
+    ref_aux, ref_z = ref_aux.detach(), ref_z.detach()
+    assert abs(aux - float(ref_aux)) < 1e-5 * float(ref_aux) and abs(z - float(ref_z)) < 1e-5 * float(ref_z)
+    for got, (_, gate) in zip(grads, moe_routers(ref)):
+        assert torch.allclose(got, gate.weight.grad, rtol=1e-4, atol=1e-7), float((got - gate.weight.grad).abs().max())

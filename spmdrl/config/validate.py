@@ -74,6 +74,8 @@ def check_ranges(cfg) -> None:
     need(cfg.checkpoint.save_freq >= -1, "checkpoint.save_freq", ">= -1 (-1 never saves)")
     need(0 <= a.min_lr_ratio <= 1, "actor.min_lr_ratio", "in [0, 1]")
     need(a.weight_decay >= 0, "actor.weight_decay", ">= 0")
+    need(a.moe_aux_loss_coef >= 0, "actor.moe_aux_loss_coef", ">= 0 (0: off)")
+    need(a.moe_z_loss_coef >= 0, "actor.moe_z_loss_coef", ">= 0 (0: off)")
     need(c.weight_decay >= 0, "critic.weight_decay", ">= 0")
     need(c.warmup_steps >= 0, "critic.warmup_steps", ">= 0")
     need(alg.kl_target > 0, "algorithm.kl_target", "> 0")
@@ -218,7 +220,7 @@ def validate(cfg, world_size: int):
     validate_rollout_correction(cfg)
     validate_split(cfg)
     validate_architecture(cfg)
-    validate_router_replay(cfg)
+    validate_moe_options(cfg)
     validate_lora_sync(cfg)
     validate_multi_turn(cfg)
     validate_tools(cfg)
@@ -541,28 +543,35 @@ def validate_architecture(cfg) -> None:
             )
 
 
-def validate_router_replay(cfg) -> None:
-    """actor.router_replay = "rollout" needs a mixture-of-experts model (from its config.json when it is on disk), a
-    rollout engine that returns routes (vLLM; the transformers engine returns none) and the FSDP2 backend for the
-    actor and ref (the Megatron backend has no replay, and no MoE); multi-turn rollouts do not carry routes yet."""
+def validate_moe_options(cfg) -> None:
+    """actor.router_replay = "rollout" and the router loss coefficients (actor.moe_aux_loss_coef, moe_z_loss_coef)
+    need a mixture-of-experts model (from its config.json when it is on disk) and the FSDP2 backend for the actor
+    (the Megatron backend has neither, and no MoE); replay also needs a rollout engine that returns routes (vLLM;
+    the transformers engine returns none) and single-turn rollouts (multi-turn batches carry no routes yet)."""
     from spmdrl.dist.layout import role_backends
     from spmdrl.rollout import vllm_available
 
-    if cfg.actor.router_replay == "off":
+    a = cfg.actor
+    asked = [k for k, on in (("router_replay", a.router_replay != "off"), ("moe_aux_loss_coef", a.moe_aux_loss_coef),
+                             ("moe_z_loss_coef", a.moe_z_loss_coef)) if on]
+    if not asked:
         return
-    key = f"actor.router_replay = {cfg.actor.router_replay!r}"
+    key = f"actor.{asked[0]} = {getattr(a, asked[0])!r}"
     hf = hf_config_json(cfg.model.path)
     if hf is not None and not (hf.get("num_experts") or hf.get("num_local_experts")):
         raise ConfigError(f"{key}: model.path = {cfg.model.path!r} is a dense {hf.get('model_type')!r} model (no "
-                          "num_experts in config.json), which has no routing to replay; set actor.router_replay = 'off'")
+                          f"num_experts in config.json), which has no router; reset actor.{asked[0]}")
+    backends = role_backends(cfg)
+    if backends["actor"] != "fsdp":
+        raise ConfigError(f"{key}: trainer.backend = {backends['actor']!r} has no MoE router options (the FSDP2 "
+                          f"backend has them, through router hooks); use trainer.backend = 'fsdp' or reset actor.{asked[0]}")
+    if a.router_replay == "off":
+        return
+    key = f"actor.router_replay = {a.router_replay!r}"
     engine = cfg.rollout.engine if cfg.rollout.engine != "auto" else ("vllm" if vllm_available() else "hf")
     if engine != "vllm":
         raise ConfigError(f"{key}: rollout.engine = {cfg.rollout.engine!r} resolves to the transformers engine, which "
                           "cannot return the experts it routed each token to; use rollout.engine = 'vllm'")
-    backends = role_backends(cfg)
-    if backends["actor"] != "fsdp":
-        raise ConfigError(f"{key}: trainer.backend = {backends['actor']!r} has no routing replay (the FSDP2 backend "
-                          "replays through router hooks); use trainer.backend = 'fsdp' or actor.router_replay = 'off'")
     if cfg.multi_turn.enable:
         raise ConfigError(f"{key}: multi-turn rollouts do not carry the rollout's routes; set multi_turn.enable = false "
                           "or actor.router_replay = 'off'")

@@ -156,9 +156,11 @@ class FSDPEngine:
         checkpoint_offload: bool = False,
         attn_implementation: str = "auto",
         router_replay: bool = False,
+        router_losses: bool = False,
     ):
         """router_replay: a mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes
-        name (engines/router_replay.py); without it they only measure the agreement."""
+        name (engines/router_replay.py); without it they only measure the agreement. router_losses: its forwards
+        under autograd keep the load-balancing and z-loss terms (moe_losses)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         self.device = device
         self.mesh = mesh
@@ -199,7 +201,7 @@ class FSDPEngine:
                 plan = lora_tp_plan(plan, self.lora.target_modules)
             parallelize_module(backbone, mesh.submesh("tp"), plan)
         self.module = _ValueHead(hf) if value_head else _LogprobHead(hf)
-        self.router = RouterReplay(hf, replay=router_replay) if moe_routers(hf) else None  # MoE only
+        self.router = RouterReplay(hf, replay=router_replay, aux=router_losses) if moe_routers(hf) else None  # MoE only
         self.host_offload_policy = offload and cuda
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype != torch.float32 else MixedPrecisionPolicy()
         kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp)
@@ -264,6 +266,11 @@ class FSDPEngine:
     def _route(self, b: TokenBatch) -> None:
         if self.router is not None:
             self.router.set_batch(b.routes, b.mask)
+
+    def moe_losses(self):
+        """(load-balancing loss, z-loss) of the last forward, summed over the MoE layers (engines/router_replay.py);
+        None for a dense model, without router_losses or outside autograd."""
+        return self.router.moe_losses() if self.router is not None else None
 
     def moe_counts(self) -> dict[str, torch.Tensor]:
         """The routers' counts since the last call (engines/router_replay.py; {} for a dense model)."""

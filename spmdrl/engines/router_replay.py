@@ -13,6 +13,15 @@ route is sent to exactly those experts, weighted by the trainer's own router pro
 so the gradient still reaches the router through p. A token without a route (padding, the last token of a
 sequence, which the rollout engine never computed) keeps the router's own choice.
 
+With `aux` (the actor's load-balancing or z-loss coefficient is set) a forward under autograd also keeps, per
+MoE layer, over its real tokens (T of them, top-k choices each, E experts), the load-balancing loss of Switch
+Transformer as megatron-core writes it and the router z-loss of ST-MoE:
+
+    aux = E * sum_e f_e * P_e,   f_e = (choices routed to e) / (T * k),   P_e = mean over tokens of p_e
+    z   = mean over tokens of logsumexp(logits)^2
+
+summed over the layers (`moe_losses`; f_e counts the choices the forward computed with, replayed or not).
+
 In every forward it also counts, on the device, for the tokens that have a route: how many of the rollout's
 (token, layer, k) choices the trainer's own top-k contains (`router_agreement`, measured with or without replay)
 and how many the routing actually used contains (`route_agreement`: 1.0 under replay); and per layer the tokens
@@ -41,8 +50,10 @@ def moe_routers(hf: nn.Module) -> list[tuple[int, nn.Module]]:
 class RouterReplay:
     """Hooks on every router of `hf` (moe_routers); `replay` switches the routes applied; `take_counts` the stats."""
 
-    def __init__(self, hf: nn.Module, *, replay: bool):
+    def __init__(self, hf: nn.Module, *, replay: bool, aux: bool = False):
         self.replay = replay  # False: routes only measure agreement, the router routes by itself
+        self.aux = aux  # keep the differentiable load-balancing and z-loss terms of each forward
+        self.losses: list[tuple[torch.Tensor, torch.Tensor]] = []  # per MoE layer of the last forward
         self.routers = moe_routers(hf)
         self.num_layers = int(hf.config.num_hidden_layers)
         self.num_experts = int(getattr(self.routers[0][1], "num_experts")) if self.routers else 0
@@ -57,6 +68,14 @@ class RouterReplay:
         set for its backward (activation recompute runs the routers again)."""
         self.routes = None if routes is None else routes.reshape(-1, *routes.shape[2:])
         self.tokens = None if mask is None or mask.dim() != 2 else mask.reshape(-1).bool()
+        self.losses = []
+
+    def moe_losses(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(load-balancing loss, z-loss) of the last forward, each summed over the MoE layers; None without `aux`
+        or outside autograd."""
+        if not self.losses:
+            return None
+        return torch.stack([a for a, _ in self.losses]).sum(), torch.stack([z for _, z in self.losses]).sum()
 
     def take_counts(self) -> dict[str, torch.Tensor]:
         """Sums since the last call: agree_own, agree_used, routed (rollout choices compared), load [layers, E]."""
@@ -88,6 +107,8 @@ class RouterReplay:
                     self._add("agree_own", (r[:, :, None] == own[has][:, None, :]).any(-1).sum().double())
                     self._add("agree_used", (r[:, :, None] == used[has][:, None, :]).any(-1).sum().double())
                     self._add("routed", torch.tensor(float(r.numel()), device=own.device, dtype=torch.float64))
+            if self.aux and torch.is_grad_enabled():
+                self.losses.append(_aux_terms(logits, used, real, self.num_experts))
             if used is own:
                 return output
             probs = torch.softmax(logits.float(), dim=-1)
@@ -97,6 +118,15 @@ class RouterReplay:
             return logits, new_weights.to(weights.dtype), used
 
         return hook
+
+
+def _aux_terms(logits: torch.Tensor, used: torch.Tensor, real: torch.Tensor, experts: int):
+    """(load-balancing loss, z-loss) of one layer over its real tokens (see the module docstring)."""
+    lg = logits.float()[real]
+    chosen = used[real]
+    f = torch.bincount(chosen.reshape(-1), minlength=experts).to(lg.dtype) / max(chosen.numel(), 1)
+    p = torch.softmax(lg, dim=-1).mean(0)
+    return experts * (f * p).sum(), torch.logsumexp(lg, dim=-1).square().mean()
 
 
 def router_metrics(counts: dict[str, torch.Tensor]) -> dict[str, float]:

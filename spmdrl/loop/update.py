@@ -217,6 +217,11 @@ class ActorObjective:
                 loss = loss - a.entropy_coeff * entropy
             terms["actor/entropy"] = entropy.detach()
         stats.update({"actor/clipfrac": pg_m["pg_clipfrac"], "actor/ppo_kl": pg_m["ppo_kl"]})
+        router = engine.moe_losses() if a.moe_aux_loss_coef or a.moe_z_loss_coef else None
+        if router is not None:  # a mixture of experts' load-balancing and z-loss, summed over its MoE layers
+            aux, z = router[0].to(dev), router[1].to(dev)
+            loss = loss + a.moe_aux_loss_coef * aux + a.moe_z_loss_coef * z
+            terms.update({"actor/moe_aux_loss": aux.detach(), "actor/moe_z_loss": z.detach()})
         if a.use_kl_loss:
             kl = self.agg(kl_penalty(logp, mb["ref_log_probs"][:, :R].to(dev), a.kl_loss_type), mask)
             loss = loss + a.kl_loss_coef * kl
