@@ -169,3 +169,18 @@ def test_plan_that_does_not_fit_names_the_phase_and_what_to_change():
     assert "optimizer" in tail[0] and tail[1].strip().startswith("change ") and "placement." in tail[1]
     fits = CliRunner().invoke(app, ["plan", "--config", os.path.join(REPO, "configs", "ppo_70b.toml")])
     assert "fits: true" in fits.output and "does not fit" not in fits.output
+
+
+def test_moe_plan_counts_total_and_active_parameters():
+    """configs/qwen3_30b_a3b.toml: the plan counts Qwen3-30B-A3B's parameters (30.5B published) and those active per
+    token (8 of 128 experts; 3.3B published), each from the config's shape fields by hand here; the sync is planned
+    at its lower bound with routing replay on."""
+    p = plan_json(os.path.join(REPO, "configs/qwen3_30b_a3b.toml"))
+    H, F, E, k, layers, V = 2048, 768, 128, 8, 48, 151936
+    attn = H * 32 * 128 * 2 + H * 4 * 128 * 2 + 2 * 128  # q, o; k, v; q/k norms
+    dense = layers * (attn + E * H + 2 * H) + 2 * V * H + H  # + router, 2 layer norms; embeddings, head, final norm
+    experts = layers * E * 3 * H * F
+    assert p["model"]["params"] == dense + experts
+    assert p["model"]["active_params"] == dense + experts * k // E
+    assert (p["model"]["experts"], p["model"]["experts_per_token"]) == (E, k)
+    assert p["weight_sync"]["bytes_recv_max"] == p["weight_sync"]["bytes_lower_bound"]
