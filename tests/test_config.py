@@ -411,7 +411,8 @@ def test_router_replay_needs_a_moe_a_vllm_rollout_and_single_turn(model_dirs):
     assert msg.startswith("actor.router_replay = 'rollout': model.path") and "dense 'qwen3' model" in msg
     msg = validate_error(2, f"model.path={model_dirs['mixtral']}", replay, "rollout.engine=hf")
     assert "cannot return the experts" in msg and "rollout.engine = 'vllm'" in msg
-    msg = validate_error(2, f"model.path={model_dirs['mixtral']}", replay, "rollout.engine=vllm", "multi_turn.enable=true")
+    msg = validate_error(2, f"model.path={model_dirs['mixtral']}", replay, "rollout.engine=vllm",
+                         "multi_turn.enable=true")
     assert msg.startswith("actor.router_replay = 'rollout': multi-turn"), msg
     msg = validate_error(2, f"model.path={model_dirs['qwen3']}", "actor.moe_z_loss_coef=0.001")
     assert msg.startswith("actor.moe_z_loss_coef = 0.001: model.path") and "no router" in msg

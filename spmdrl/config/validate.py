@@ -564,7 +564,8 @@ def validate_moe_options(cfg) -> None:
     backends = role_backends(cfg)
     if backends["actor"] != "fsdp":
         raise ConfigError(f"{key}: trainer.backend = {backends['actor']!r} has no MoE router options (the FSDP2 "
-                          f"backend has them, through router hooks); use trainer.backend = 'fsdp' or reset actor.{asked[0]}")
+                          "backend has them, through router hooks); use trainer.backend = 'fsdp' or reset "
+                          f"actor.{asked[0]}")
     if a.router_replay == "off":
         return
     key = f"actor.router_replay = {a.router_replay!r}"
@@ -573,8 +574,8 @@ def validate_moe_options(cfg) -> None:
         raise ConfigError(f"{key}: rollout.engine = {cfg.rollout.engine!r} resolves to the transformers engine, which "
                           "cannot return the experts it routed each token to; use rollout.engine = 'vllm'")
     if cfg.multi_turn.enable:
-        raise ConfigError(f"{key}: multi-turn rollouts do not carry the rollout's routes; set multi_turn.enable = false "
-                          "or actor.router_replay = 'off'")
+        raise ConfigError(f"{key}: multi-turn rollouts do not carry the rollout's routes; set "
+                          "multi_turn.enable = false or actor.router_replay = 'off'")
 
 
 def check_architecture_known(hf: dict, source: str, *, vllm: bool) -> None:

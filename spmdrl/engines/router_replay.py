@@ -88,7 +88,7 @@ class RouterReplay:
     def _hook(self, layer: int, renormalise: bool):
         def hook(module, args, output):
             logits, weights, own = output
-            used, new_weights = own, weights
+            used = own
             with torch.no_grad():
                 routed = None
                 if self.routes is not None:
@@ -98,7 +98,8 @@ class RouterReplay:
                         has &= self.tokens.to(own.device)
                     if self.replay:
                         used = torch.where(has[:, None], routed, own)
-                real = self.tokens.to(own.device) if self.tokens is not None else torch.ones_like(own[:, 0], dtype=torch.bool)
+                real = (self.tokens.to(own.device) if self.tokens is not None
+                        else torch.ones_like(own[:, 0], dtype=torch.bool))
                 load = torch.zeros(self.num_layers, self.num_experts, device=own.device, dtype=torch.float64)
                 load[layer] = torch.bincount(used[real].reshape(-1), minlength=self.num_experts).double()
                 self._add("load", load)

@@ -49,7 +49,8 @@ MULTI_TURN_KEYS = {"trajectory": (torch.long, True)}
 """What a multi-turn rollout batch carries besides: each sample's turns (rollout/trajectory.py)."""
 
 ROUTE_KEYS = {"routed_experts": (torch.int16, True)}
-"""What a rollout batch carries besides with actor.router_replay = "rollout": the experts vLLM chose (rollout/routes.py)."""
+"""What a rollout batch carries besides with actor.router_replay = "rollout": the experts vLLM chose
+(rollout/routes.py)."""
 
 
 def rollout_keys(multi_turn: bool, routes: bool = False) -> dict[str, tuple[torch.dtype, bool]]:
@@ -98,7 +99,8 @@ class BatchStream:
             batch["weight_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
             if set(batch.tensors) != set(self.keys):  # the training ranks unpack by this list
                 raise SpmdrlError(f"a rollout batch has tensors {sorted(batch.tensors)} but spmdrl.loop.split.ROLLOUT_KEYS "
-                                  f"(and MULTI_TURN_KEYS, ROUTE_KEYS) list {sorted(self.keys)}: add new rollout tensors there")
+                                  f"(and MULTI_TURN_KEYS, ROUTE_KEYS) list {sorted(self.keys)}: add new rollout "
+                                  "tensors there")
             with timer("post_batch"):
                 self.sent.append(post_batch(batch, self.rollout_mesh, self.actor_mesh, self.meshes.batch_group, tag=s))
             self.next_batch += 1

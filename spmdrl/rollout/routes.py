@@ -60,7 +60,8 @@ class RouteRecorder:
         since the last take, positions 0.. up to the last computed one (NO_ROUTE where a position is missing)."""
         out = {}
         for rid, chunks in self.by_request.items():
-            routes = np.full((max(p + len(r) for p, r in chunks), self.num_layers, self.top_k), NO_ROUTE, dtype=np.int16)
+            length = max(p + len(r) for p, r in chunks)
+            routes = np.full((length, self.num_layers, self.top_k), NO_ROUTE, dtype=np.int16)
             for pos, r in chunks:  # in step order: a position computed again (a preempted request) keeps the last
                 routes[pos: pos + len(r)] = r
             out[caller_key(rid)] = routes

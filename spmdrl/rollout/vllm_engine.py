@@ -116,8 +116,8 @@ class VLLMEngine:
         lora: LoRASpec | None = None,
         capture_routes: bool = False,
     ):
-        """capture_routes: return the experts each token was routed to (`RolloutOutput.routed_experts`; a MoE model
-        only; rollout/routes.py). tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
+        """capture_routes: return the experts each token was routed to (`RolloutOutput.routed_experts`; a MoE
+        model only; rollout/routes.py). tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
         checked against it after the build. world_ranks: build on the first `world_ranks` ranks of the world
         only (split placement: the other ranks do not call this); None means every rank (colocated)."""
         from vllm import LLM
@@ -252,7 +252,8 @@ class VLLMEngine:
             outs = self.llm.generate(prompts, params, use_tqdm=False, **self._lora_kwargs())
         completions = [(out.request_id, c) for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
         recorded = self._take_routes()
-        routed = [self._routes_of(recorded, request_id, c) for request_id, c in completions] if self.capture_routes else None
+        routed = ([self._routes_of(recorded, request_id, c) for request_id, c in completions] if self.capture_routes
+                  else None)
 
         response_ids, logprobs, finish_reason = [], [], []
         for request_id, c in completions:  # prompt-major, sample-minor

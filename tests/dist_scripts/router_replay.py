@@ -1,9 +1,9 @@
-"""Rollout routing replay on tiny MoE models (one after another in one process group), 2 ranks: real vLLM at rollout TP = 2 records the experts it routes each
-token to; the batch goes the real way (rollout_to_batch, redistribute to the actor's dp = 2); the FSDP2 actor's
-log-prob passes (forward_all, packed and padded) run without and with replay. Then every trainer router is
-perturbed (a hook ahead of the replay hook shifts its top-k choice to other experts) and both passes run again.
-Writes OUT/<model dir name>.rank{r}.json with, per case, the router counts summed over the dp ranks and the largest |actor - vLLM|
-log-prob gap.
+"""Rollout routing replay on tiny MoE models (one after another in one process group), 2 ranks: real vLLM at
+rollout TP = 2 records the experts it routes each token to; the batch goes the real way (rollout_to_batch,
+redistribute to the actor's dp = 2); the FSDP2 actor's log-prob passes (forward_all, packed and padded) run without
+and with replay. Then every trainer router is perturbed (a hook ahead of the replay hook shifts its top-k choice to
+other experts) and both passes run again. Writes OUT/<model dir name>.rank{r}.json with, per case, the router
+counts summed over the dp ranks and the largest |actor - vLLM| log-prob gap.
 
 torchrun --nproc-per-node 2 router_replay.py OUT MODEL_DIR [MODEL_DIR ...]
 """
@@ -70,7 +70,6 @@ def one_model(path: str, out: str) -> None:
     with open(os.path.join(out, f"{os.path.basename(path)}.rank{rank}.json"), "w") as f:
         json.dump(result, f)
     rollout.close()
-    del actor
 
 
 def main(out: str, *paths: str) -> int:
