@@ -402,6 +402,27 @@ def test_moe_layouts_the_experts_do_not_fit_are_refused(model_dirs):
     assert msg.startswith("placement.actor_tp = 2:") and "mixture of experts" in msg
 
 
+def test_router_replay_needs_a_moe_a_vllm_rollout_and_single_turn(model_dirs):
+    """actor.router_replay = "rollout": refused on a dense model, with the transformers rollout engine (it returns
+    no routes) and with multi-turn rollouts (they carry none), one line each; a MoE with vLLM passes. The router
+    loss coefficients: refused on a dense model and below 0."""
+    replay = "actor.router_replay=rollout"
+    msg = validate_error(2, f"model.path={model_dirs['qwen3']}", replay, "rollout.engine=vllm")
+    assert msg.startswith("actor.router_replay = 'rollout': model.path") and "dense 'qwen3' model" in msg
+    msg = validate_error(2, f"model.path={model_dirs['mixtral']}", replay, "rollout.engine=hf")
+    assert "cannot return the experts" in msg and "rollout.engine = 'vllm'" in msg
+    msg = validate_error(2, f"model.path={model_dirs['mixtral']}", replay, "rollout.engine=vllm",
+                         "multi_turn.enable=true")
+    assert msg.startswith("actor.router_replay = 'rollout': multi-turn"), msg
+    msg = validate_error(2, f"model.path={model_dirs['qwen3']}", "actor.moe_z_loss_coef=0.001")
+    assert msg.startswith("actor.moe_z_loss_coef = 0.001: model.path") and "no router" in msg
+    msg = validate_error(2, f"model.path={model_dirs['mixtral']}", "actor.moe_aux_loss_coef=-1")
+    assert "actor.moe_aux_loss_coef" in msg and ">= 0" in msg
+    msg = validate_error(2, f"model.path={model_dirs['mixtral']}", "actor.router_replay=on")
+    assert msg.startswith("actor.router_replay = 'on' is not one of off, rollout")
+    validate(valid(f"model.path={model_dirs['mixtral']}", replay, "rollout.engine=vllm"), 2)
+
+
 def test_megatron_backend_refuses_other_architectures_at_validation(model_dirs):
     # rollout.engine = hf: these config.json files name no architectures, which vLLM's check refuses first
     msg = validate_error(2, f"model.path={model_dirs['mistral']}", "trainer.backend=megatron", "rollout.engine=hf")

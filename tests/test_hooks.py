@@ -392,7 +392,7 @@ def test_validation_accuracy_stays_the_rule_score_beside_a_custom_reward(hooked_
 def test_docs_batch_key_table_is_generated_from_batch_keys():
     """docs/hooks.md's "What the batch holds" is spmdrl.batch.BATCH_KEYS rendered, and the table's after_rollout
     tensors are what a rollout batch carries (spmdrl.loop.split.ROLLOUT_KEYS; weight_version is split-only,
-    baseline_rewards ReMax-only)."""
+    baseline_rewards ReMax-only, routed_experts with routing replay only)."""
     from spmdrl.batch import BATCH_KEYS, batch_key_table
     from spmdrl.loop.split import ROLLOUT_KEYS
 
@@ -400,4 +400,4 @@ def test_docs_batch_key_table_is_generated_from_batch_keys():
     assert batch_key_table() in docs, ("docs/hooks.md's batch table is stale; paste spmdrl.batch.batch_key_table() "
                                        "under its generated-from comment")
     rollout = {name for name, _, stage, _ in BATCH_KEYS if stage == "after_rollout"}
-    assert rollout - {"baseline_rewards"} == set(ROLLOUT_KEYS) - {"weight_version"}
+    assert rollout - {"baseline_rewards", "routed_experts"} == set(ROLLOUT_KEYS) - {"weight_version"}

@@ -122,13 +122,22 @@ def family_run(root, arch, model, **extra) -> list[dict]:
 def test_grpo_per_family_matches_vllm_after_a_sync(family_models, tmp_path, arch):
     """Step 2 samples with the weights synced after step 1's two optimizer steps: vLLM's log-probs of its samples
     are the actor's within 1e-5. Planned families receive the lower bound; falcon's logged bytes (the whole-tensor
-    route) are what `spmdrl plan` predicts for the same config."""
-    rows = [r for r in family_run(tmp_path, arch, family_models[arch]) if r["step"] >= 1]
+    route) are what `spmdrl plan` predicts for the same config. qwen3_moe runs with routing replay: the actor's
+    forwards route every token vLLM computed as vLLM did (route agreement 1.0), its own router agrees as well
+    (the same weights in float32), and every layer reports its expert load; its objective carries the router's
+    load-balancing and z-loss terms."""
+    extra = {"actor.router_replay": "rollout", "actor.moe_aux_loss_coef": 0.01, "actor.moe_z_loss_coef": 0.001} \
+        if arch == "qwen3_moe" else {}
+    rows = [r for r in family_run(tmp_path, arch, family_models[arch], **extra) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-5, (arch, r["rollout/logprob_diff_max"])
         assert r["actor/grad_norm"] > 0
         assert r["weight_sync/bytes_recv_max"] == r["weight_sync/bytes_lower_bound"]
+        if extra:
+            assert r["moe/route_agreement"] == r["moe/router_agreement"] == 1.0, r
+            assert all(r[f"moe/expert_load_max_over_mean/layer_{i}"] >= 1.0 for i in range(2)), r
+            assert r["actor/moe_aux_loss"] > 0 and r["actor/moe_z_loss"] > 0, r
     if arch == "falcon":
         from spmdrl.config import load_config
         from spmdrl.plan.estimate import build_plan

@@ -1,5 +1,6 @@
 """`spmdrl plan`: the planner and the running transport agree, and the shipped GPU configs fit by the plan."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -194,3 +195,21 @@ def test_plan_header_world_size_no_tracker_check_and_min_gpus(tmp_path):
     r = CliRunner().invoke(app, [*args, "--min-gpus", "--gpu-gb", "1", "--gpus-per-node", "2", "--max-gpus", "2"], env=env)
     assert r.exit_code == 2 and r.stderr.splitlines()[-1].startswith("error: no layout of up to 2 GPUs fits this config")
     assert "# tried 2 GPU(s) memory.actor_offload=" in r.stderr
+
+
+def test_moe_plan_counts_total_and_active_parameters():
+    """The plan's parameter counts of Qwen3-30B-A3B (the model of configs/qwen3_30b_a3b.toml; 30.5B published) and of
+    those active per token (8 of 128 experts; 3.3B published), each from the config's shape fields by hand here.
+    (The whole plan of that config takes ~30 s here, most of it learning vLLM's reads of 128 experts at TP = 8.)"""
+    from spmdrl.engines.loading import load_hf_config, model_param_shapes
+    from spmdrl.plan.estimate import moe_params
+
+    hf = load_hf_config("Qwen/Qwen3-30B-A3B")
+    shapes = model_param_shapes(hf)
+    H, F, E, k, layers, V = 2048, 768, 128, 8, 48, 151936
+    attn = H * 32 * 128 * 2 + H * 4 * 128 * 2 + 2 * 128  # q, o; k, v; q/k norms
+    dense = layers * (attn + E * H + 2 * H) + 2 * V * H + H  # + router, 2 layer norms; embeddings, head, final norm
+    experts = layers * E * 3 * H * F
+    assert sum(math.prod(sh) for _, sh in shapes) == dense + experts
+    assert moe_params(hf, shapes) == {"experts": E, "experts_per_token": k, "active_params": dense + experts * k // E}
+    assert moe_params(load_hf_config("Qwen/Qwen2.5-7B-Instruct"), []) == {}

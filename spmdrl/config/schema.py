@@ -171,6 +171,15 @@ class ActorConfig:
     """KL-Cov: fraction of valid tokens (largest covariance) that get the KL penalty (2e-3: the authors' Qwen2.5-7B recipe; their 32B recipe and verl use 2e-4)."""
     kl_cov_coef: float = 1.0
     """KL-Cov: coefficient of the |logp - logp_old| penalty on those tokens (1: the authors' recipes; verl's default is 0.1)."""
+    moe_aux_loss_coef: float = 0.0
+    """Mixture of experts: coefficient of the load-balancing loss E * sum_e f_e * P_e, summed over the MoE layers
+    (0: off, as in the peers' RL recipes; FSDP2 backend; docs/moe.md)."""
+    moe_z_loss_coef: float = 0.0
+    """Mixture of experts: coefficient of the router z-loss mean(logsumexp(router logits)^2), summed over the MoE
+    layers (0: off; FSDP2 backend)."""
+    router_replay: str = "off"
+    """Mixture-of-experts routing replay: off | rollout (the old, ref and actor forwards send each token to the
+    experts the rollout engine chose for it; vLLM rollout, FSDP2 backend, docs/moe.md)."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ CHOICES = {
     "lora.init": ("default", "gaussian"),  # spmdrl.engines.lora.INITS
     "multi_turn.http_exec_api": ("sandbox_fusion", "piston"),  # spmdrl.tools.builtin.HTTP_APIS
     "logging.verbosity": ("info", "debug"),
+    "actor.router_replay": ("off", "rollout"),
 }
 MEMORY_KINDS = ("params", "grads", "optimizer")
 
@@ -74,6 +75,8 @@ def check_ranges(cfg) -> None:
     need(cfg.checkpoint.save_every_min >= 0, "checkpoint.save_every_min", ">= 0 (0: no time-based saves)")
     need(0 <= a.min_lr_ratio <= 1, "actor.min_lr_ratio", "in [0, 1]")
     need(a.weight_decay >= 0, "actor.weight_decay", ">= 0")
+    need(a.moe_aux_loss_coef >= 0, "actor.moe_aux_loss_coef", ">= 0 (0: off)")
+    need(a.moe_z_loss_coef >= 0, "actor.moe_z_loss_coef", ">= 0 (0: off)")
     need(c.weight_decay >= 0, "critic.weight_decay", ">= 0")
     need(c.warmup_steps >= 0, "critic.warmup_steps", ">= 0")
     need(alg.kl_target > 0, "algorithm.kl_target", "> 0")
@@ -228,6 +231,7 @@ def validate(cfg, world_size: int, *, trackers: bool = True):
     validate_rollout_correction(cfg)
     validate_split(cfg)
     validate_architecture(cfg)
+    validate_moe_options(cfg)
     validate_lora_sync(cfg)
     validate_multi_turn(cfg)
     validate_tools(cfg)
@@ -567,6 +571,41 @@ def validate_architecture(cfg) -> None:
                 f"{', '.join(MEGATRON_MODEL_TYPES)} only; use trainer.backend = 'fsdp' (trainer.critic_backend for the "
                 "critic) or a model of one of those architectures"
             )
+
+
+def validate_moe_options(cfg) -> None:
+    """actor.router_replay = "rollout" and the router loss coefficients (actor.moe_aux_loss_coef, moe_z_loss_coef)
+    need a mixture-of-experts model (from its config.json when it is on disk) and the FSDP2 backend for the actor
+    (the Megatron backend has neither, and no MoE); replay also needs a rollout engine that returns routes (vLLM;
+    the transformers engine returns none) and single-turn rollouts (multi-turn batches carry no routes yet)."""
+    from spmdrl.dist.layout import role_backends
+    from spmdrl.rollout import vllm_available
+
+    a = cfg.actor
+    asked = [k for k, on in (("router_replay", a.router_replay != "off"), ("moe_aux_loss_coef", a.moe_aux_loss_coef),
+                             ("moe_z_loss_coef", a.moe_z_loss_coef)) if on]
+    if not asked:
+        return
+    key = f"actor.{asked[0]} = {getattr(a, asked[0])!r}"
+    hf = hf_config_json(cfg.model.path)
+    if hf is not None and not (hf.get("num_experts") or hf.get("num_local_experts")):
+        raise ConfigError(f"{key}: model.path = {cfg.model.path!r} is a dense {hf.get('model_type')!r} model (no "
+                          f"num_experts in config.json), which has no router; reset actor.{asked[0]}")
+    backends = role_backends(cfg)
+    if backends["actor"] != "fsdp":
+        raise ConfigError(f"{key}: trainer.backend = {backends['actor']!r} has no MoE router options (the FSDP2 "
+                          "backend has them, through router hooks); use trainer.backend = 'fsdp' or reset "
+                          f"actor.{asked[0]}")
+    if a.router_replay == "off":
+        return
+    key = f"actor.router_replay = {a.router_replay!r}"
+    engine = cfg.rollout.engine if cfg.rollout.engine != "auto" else ("vllm" if vllm_available() else "hf")
+    if engine != "vllm":
+        raise ConfigError(f"{key}: rollout.engine = {cfg.rollout.engine!r} resolves to the transformers engine, which "
+                          "cannot return the experts it routed each token to; use rollout.engine = 'vllm'")
+    if cfg.multi_turn.enable:
+        raise ConfigError(f"{key}: multi-turn rollouts do not carry the rollout's routes; set "
+                          "multi_turn.enable = false or actor.router_replay = 'off'")
 
 
 def check_architecture_known(hf: dict, source: str, *, vllm: bool) -> None:

@@ -55,6 +55,15 @@ class TrainEngine(Protocol):
     def eval(self) -> None:
         """Switch to inference mode (dropout off) before forward-only passes."""
 
+    def moe_losses(self):
+        """A mixture-of-experts model's (load-balancing loss, z-loss) of the last forward under autograd, summed over
+        its MoE layers, differentiable; None for a dense model or an engine built without them."""
+
+    def moe_counts(self) -> dict[str, torch.Tensor]:
+        """A mixture-of-experts model's router counts summed over the forwards since the last call, for
+        engines/router_replay.router_metrics (agreement with the rollout's routes, tokens per expert); {} for a
+        dense model or a backend that does not count."""
+
     # ---- update -------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list, loss_fn: Callable) -> dict[str, float]:
         """One optimizer step; loss_fn(micro, engine) -> (loss, metrics). See the module docstring for how the

@@ -21,6 +21,7 @@ from spmdrl.config.derived import resolve_dtype
 from spmdrl.engines.base import accumulate, clipped_step, device_bytes, forward_each, lr_lambda, step_metrics
 from spmdrl.engines.loading import build_meta_model, decoder_blocks, materialise
 from spmdrl.engines.response_index import ResponseIndex
+from spmdrl.engines.router_replay import RouterReplay, moe_routers
 from spmdrl.engines.token_batch import TokenBatch, dense_rows
 from spmdrl.reshard.plan import TP_MODULES, Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
@@ -155,7 +156,12 @@ class FSDPEngine:
         checkpoint_every_n_layers: int = 1,
         checkpoint_offload: bool = False,
         attn_implementation: str = "auto",
+        router_replay: bool = False,
+        router_losses: bool = False,
     ):
+        """router_replay: a mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes
+        name (engines/router_replay.py); without it they only measure the agreement. router_losses: its forwards
+        under autograd keep the load-balancing and z-loss terms (moe_losses)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         self.device = device
         self.mesh = mesh
@@ -196,6 +202,7 @@ class FSDPEngine:
                 plan = lora_tp_plan(plan, self.lora.target_modules)
             parallelize_module(backbone, mesh.submesh("tp"), plan)
         self.module = _ValueHead(hf) if value_head else _LogprobHead(hf)
+        self.router = RouterReplay(hf, replay=router_replay, aux=router_losses) if moe_routers(hf) else None  # MoE only
         self.host_offload_policy = offload and cuda
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype != torch.float32 else MixedPrecisionPolicy()
         kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp)
@@ -240,6 +247,7 @@ class FSDPEngine:
     def logprobs(self, b: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024,
                  top_k: int = -1, top_p: float = 1.0):
         index = ResponseIndex.of(b, batch_first=True).to(self.device)  # from the host batch, before it moves
+        self._route(b)
         return self.module(b.to(self.device), temperature, with_entropy, chunk_size, top_k, top_p, index)
 
     def adapters_disabled(self):
@@ -253,7 +261,21 @@ class FSDPEngine:
 
     def values(self, b: TokenBatch) -> torch.Tensor:
         """Critic values [B, R] at response positions (zero on padding)."""
+        self._route(b)
         return self.module(b.to(self.device))[0]
+
+    def _route(self, b: TokenBatch) -> None:
+        if self.router is not None:
+            self.router.set_batch(b.routes, b.mask)
+
+    def moe_losses(self):
+        """(load-balancing loss, z-loss) of the last forward, summed over the MoE layers (engines/router_replay.py);
+        None for a dense model, without router_losses or outside autograd."""
+        return self.router.moe_losses() if self.router is not None else None
+
+    def moe_counts(self) -> dict[str, torch.Tensor]:
+        """The routers' counts since the last call (engines/router_replay.py; {} for a dense model)."""
+        return self.router.take_counts() if self.router is not None else {}
 
     def forward_micro_batches(self, tbs: list, head: str, **head_kw) -> list[torch.Tensor]:
         """See TrainEngine.forward_micro_batches: one forward per token batch."""

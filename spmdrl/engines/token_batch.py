@@ -18,7 +18,9 @@ class TokenBatch:
     [N, 1, L, L] bool, block-diagonal causal, several sequences per row): see packing.pack_rows.
     resp_row [B] = the row holding sequence b (None: row b); resp_pos [B, R] = index in the row of the hidden
     state that predicts response token j of sequence b (its start + prompt_len - 1 + j); resp_ids [B, R];
-    resp_mask [B, R].
+    resp_mask [B, R]. routes (rollout routing replay): int64 [N, L, layers, top_k], the experts the rollout engine
+    routed each token of input_ids to, -1 where it routed none (padding, a sequence's last token); None without
+    replay.
     """
 
     input_ids: torch.Tensor
@@ -30,6 +32,7 @@ class TokenBatch:
     resp_row: torch.Tensor | None = None  # None: row b holds sequence b
     cu_seqlens: torch.Tensor | None = None  # packed: int32 [n + 1]
     max_seqlen: int = 0  # packed: the longest sequence
+    routes: torch.Tensor | None = None  # replay: [N, L, layers, top_k], -1 = none
 
     def to(self, device) -> "TokenBatch":
         return TokenBatch(*(
@@ -57,11 +60,31 @@ class TokenBatch:
 
 def pack_sequences(
     prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int, *, packed: bool = False, row_len: int = 0,
+    routes: list[torch.Tensor] | None = None,
 ) -> TokenBatch:
     """Build a TokenBatch from ragged prompt and response token tensors (1-D int64 each): one right-padded
     sequence per row; with `packed`, all sequences in one row with cu_seqlens (packing.pack_varlen), or with
     `packed` and row_len > 0 the row-packed reference layout, whole sequences first-fit into rows of row_len
-    tokens with a block-diagonal causal mask (packing.pack_rows)."""
+    tokens with a block-diagonal causal mask (packing.pack_rows). routes: per sequence, the rollout's routes
+    [len(prompt) + len(response), layers, top_k] (-1 = none), laid out like input_ids in TokenBatch.routes."""
+    tb = _pack(prompts, responses, pad_id, packed, row_len)
+    if routes is not None:
+        tb.routes = _place(tb, [len(p) for p in prompts], routes)
+    return tb
+
+
+def _place(tb: TokenBatch, prompt_lens: list[int], routes: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence tensors [len_i, ...] laid out like tb.input_ids ([N, L, ...], -1 elsewhere): sequence b starts
+    in row rows()[b] at column resp_pos[b, 0] + 1 - prompt_len[b], in every layout."""
+    starts = (tb.resp_pos[:, 0] + 1 - torch.tensor(prompt_lens, dtype=torch.long)).tolist()
+    out = torch.full((*tb.input_ids.shape, *routes[0].shape[1:]), -1, dtype=torch.long)
+    for row, start, seq in zip(tb.rows()[:, 0].tolist(), starts, routes):
+        out[row, start: start + len(seq)] = seq
+    return out
+
+
+def _pack(prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int, packed: bool,
+          row_len: int) -> TokenBatch:
     B = len(prompts)
     plen = torch.tensor([len(p) for p in prompts])
     rlen = torch.tensor([len(r) for r in responses])
@@ -103,7 +126,8 @@ def relayout(b: TokenBatch, *, packed: bool, row_len: int = 0) -> TokenBatch:
     start = (b.resp_pos[:, 0].cpu() + 1).tolist()  # first response token of each sequence
     prompts = [ids[a: s] for a, s in zip(cu, start)]
     resps = [ids[s: e] for s, e in zip(start, cu[1:])]
-    out = pack_sequences(prompts, resps, 0, packed=packed, row_len=row_len)
+    routes = None if b.routes is None else [b.routes[0, a: e].cpu() for a, e in zip(cu, cu[1:])]
+    out = pack_sequences(prompts, resps, 0, packed=packed, row_len=row_len, routes=routes)
     out.resp_ids, out.resp_mask = b.resp_ids, b.resp_mask
     return out.to(b.input_ids.device)
 

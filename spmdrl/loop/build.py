@@ -53,18 +53,24 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
     def attn(role: str) -> dict:  # the FSDP2 backend's attention; the Megatron backend has its own
         return {"attn_implementation": cfg.model.attn_implementation} if backend[role] == "fsdp" else {}
 
+    def replay(role: str) -> dict:  # the FSDP2 backend's routing replay and router losses (refused elsewhere)
+        out = {"router_replay": True} if a.router_replay == "rollout" and backend[role] == "fsdp" else {}
+        if role == "actor" and (a.moe_aux_loss_coef or a.moe_z_loss_coef):
+            out["router_losses"] = True
+        return out
+
     actor = build_train_engine(
         backend["actor"], cfg.model.path, meshes["actor"], device, trainable=True,
         optim=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
                    lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip),
         **recompute, defer_grad_sync=cfg.memory.defer_grad_sync,
-        total_steps=cfg.trainer.total_steps * updates_per_step, **common, **lora, **attn("actor"),
+        total_steps=cfg.trainer.total_steps * updates_per_step, **common, **lora, **attn("actor"), **replay("actor"),
     )
     on_built("actor", actor)
     ref = None
     if builds_ref(cfg):
         ref = build_train_engine(backend["ref"], cfg.model.path, meshes["ref"], device, trainable=False,
-                                 offload=cfg.ref.offload, **common, **attn("ref"))
+                                 offload=cfg.ref.offload, **common, **attn("ref"), **replay("ref"))
         on_built("ref", ref)
     critic = None
     if c.enable:
@@ -111,7 +117,7 @@ def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokeniz
         enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs, per_request_seed=r.per_request_seed,
         max_num_batched_tokens=max(r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length),
         kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code, load_format=load_format,
-        **sub_world,
+        capture_routes=cfg.actor.router_replay == "rollout", **sub_world,
     )
 
 

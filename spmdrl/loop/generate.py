@@ -16,6 +16,7 @@ from spmdrl.dist.meshes import RoleMesh
 from spmdrl.loop.build import Specs
 from spmdrl.loop.scoring import Scorer
 from spmdrl.rollout.multi_turn import AgentLoop
+from spmdrl.rollout.routes import batch_routes
 from spmdrl.rollout.trajectory import Trajectory, encode_infos
 
 
@@ -42,11 +43,14 @@ def rollout_to_batch(prompts: list[list[int]], prompt_idx: list[int], out, n: in
         lp_t[i, : len(resp)] = torch.tensor(out.logprobs[i], dtype=torch.float32)
         plen[i], rlen[i] = len(p), len(resp)
     idx = torch.tensor(prompt_idx, dtype=torch.long).repeat_interleave(n)
-    return Batch({
+    batch = Batch({
         "prompts": prompt_t, "prompt_len": plen, "responses": resp_t, "response_len": rlen,
         "response_mask": (torch.arange(R)[None] < rlen[:, None]).float(), "rollout_log_probs": lp_t,
         "index": idx, "truncated": torch.tensor([f == "length" for f in out.finish_reason], dtype=torch.float32),
     })
+    if getattr(out, "routed_experts", None) is not None:  # routing replay: the experts vLLM chose (rollout/routes.py)
+        batch["routed_experts"] = batch_routes(out.routed_experts, (plen + rlen).tolist())
+    return batch
 
 
 def trajectories_to_batch(trajs: list[Trajectory], prompt_idx: list[int], n: int, pad_id: int) -> Batch:

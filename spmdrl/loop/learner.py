@@ -11,8 +11,10 @@ from spmdrl.batch import Batch
 from spmdrl.dist.collectives import redistribute, reduce_max, reduce_sum
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine
+from spmdrl.engines.router_replay import router_metrics
 from spmdrl.config.derived import sampler_truncates
 from spmdrl.loop.correction import correct_rollout, logprob_diff
+from spmdrl.rollout.routes import route_shape
 from spmdrl.loop.update import ActorObjective, CriticObjective, forward_all, micro_batch_limits, run_updates
 
 
@@ -29,6 +31,12 @@ class Learner:
         self.adv_fn = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
         self.loss_fn = POLICY_LOSSES.get(cfg.actor.policy_loss)
         self.longest = cfg.data.max_prompt_length + cfg.data.max_response_length  # a sequence's bound, in tokens
+        # routing replay: the forwards of actor and ref send each token to the experts of batch["routed_experts"]
+        hf = actor.hf_config() if actor is not None else None
+        self.moe_shape = route_shape(hf) if hf is not None else None  # (layers, top_k) of a MoE, else None
+        self.num_experts = int(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0)) if hf else 0
+        self.route_shape = self.moe_shape if cfg.actor.router_replay == "rollout" else None
+        self.router_counts: dict = {}  # the actor's first forward pass of the step (engines/router_replay.py)
 
     def dp_sum(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum over the actor's data-parallel ranks (one rank per TP group: TP peers hold the same samples)."""
@@ -39,15 +47,44 @@ class Learner:
         return reduce_max(stats, group=self.meshes["actor"].group("dp"))
 
     # ---- forward passes --------------------------------------------------------------------------------
-    def logprobs(self, engine: TrainEngine, batch: Batch, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    def logprobs(self, engine: TrainEngine, batch: Batch, top_k: int = -1, top_p: float = 1.0, *,
+                 ref: bool = False) -> torch.Tensor:
         """Log-probs of the sampled tokens at the rollout temperature; with top_k / top_p, of the truncated
         sampling distribution (what the rollout engine's processed log-probs are)."""
         a = self.cfg.actor
         size, budget = micro_batch_limits(a, self.longest, forward=True)
-        return forward_all(
+        out = forward_all(
             engine, batch, size, self.pad_id, "logprobs", max_tokens=budget, packed=a.use_packing,
             temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size, top_k=top_k, top_p=top_p,
+            route_shape=self.route_shape,
         )
+        if ref:
+            engine.moe_counts()  # the base model's routing: not the policy's
+        else:
+            self._note_routing(engine)
+        return out
+
+    def _note_routing(self, engine: TrainEngine) -> None:
+        """Keep the router counts of the actor's first forward pass of the step (the weights vLLM sampled with)."""
+        counts = engine.moe_counts()
+        if engine is self.actor and counts and not self.router_counts:
+            self.router_counts = counts
+
+    def router_metrics(self) -> dict[str, float]:
+        """moe/* (engines/router_replay.router_metrics) of the actor's first forward pass of the step, summed over
+        the dp ranks; {} for a dense model."""
+        if self.moe_shape is None:
+            return {}
+        self._note_routing(self.actor)
+        counts, self.router_counts = self.router_counts, {}
+        keys = ("agree_own", "agree_used", "routed")
+        load = counts.get("load", torch.zeros(self.moe_shape[0], self.num_experts, dtype=torch.float64)).cpu()
+        flat = torch.cat([torch.stack([counts.get(k, torch.zeros((), dtype=torch.float64)).cpu() for k in keys]),
+                          load.reshape(-1)])
+        flat = self.dp_sum(flat).cpu()  # every rank of a MoE actor takes part, counts or not
+        summed = dict(zip(keys, flat[:3]))
+        summed["load"] = flat[3:].view_as(load)
+        return router_metrics(summed)
 
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
         """The reference policy's log-probs: the ref engine's, or with LoRA (no ref engine) the actor's with its
@@ -55,7 +92,9 @@ class Learner:
         if self.ref is not None:
             return self.logprobs(self.ref, batch)
         with self.actor.adapters_disabled():
-            return self.logprobs(self.actor, batch)
+            self._note_routing(self.actor)  # the actor's own passes so far, before the base model's
+            out = self.logprobs(self.actor, batch, ref=True)
+        return out
 
     def teacher_logprobs(self, batch: Batch) -> torch.Tensor:
         """The distillation teacher's log-probs of the sampled tokens (at the rollout temperature, as the
@@ -138,6 +177,7 @@ class Learner:
         objective = ActorObjective(self.cfg, self.loss_fn, r.temperature, keep_logprobs=actor_lp is None,
                                    distill_fn=self.distill_fn)
         metrics.update(self._update(self.actor, batch, objective, "actor"))
+        metrics.update(self.router_metrics())
         pieces = objective.own_logprobs if actor_lp is None else [
             (actor_lp, sampled["rollout_log_probs"], sampled["response_mask"])]
         metrics.update(logprob_diff(pieces, self.dp_sum, self.dp_max))
@@ -152,7 +192,7 @@ class Learner:
         return run_updates(
             engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=size, pad_id=self.pad_id,
             dp_size=mesh.dp_size, dp_group=mesh.group("dp"), objective=objective, prefix=role, max_tokens=budget,
-            packed=sec.use_packing,
+            packed=sec.use_packing, route_shape=self.route_shape if role == "actor" else None,
         )
 
     # ---- metrics ---------------------------------------------------------------------------------------

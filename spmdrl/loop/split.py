@@ -48,14 +48,17 @@ ROLLOUT_KEYS = {
 MULTI_TURN_KEYS = {"trajectory": (torch.long, True)}
 """What a multi-turn rollout batch carries besides: each sample's turns (rollout/trajectory.py)."""
 
+ROUTE_KEYS = {"routed_experts": (torch.int16, True)}
+"""What a rollout batch carries besides with actor.router_replay = "rollout": the experts vLLM chose
+(rollout/routes.py)."""
 
-def rollout_keys(multi_turn: bool) -> dict[str, tuple[torch.dtype, bool]]:
-    return {**ROLLOUT_KEYS, **MULTI_TURN_KEYS} if multi_turn else ROLLOUT_KEYS
+
+def rollout_keys(multi_turn: bool, routes: bool = False) -> dict[str, tuple[torch.dtype, bool]]:
+    return {**ROLLOUT_KEYS, **(MULTI_TURN_KEYS if multi_turn else {}), **(ROUTE_KEYS if routes else {})}
 
 
-def empty_rollout_batch(multi_turn: bool = False) -> Batch:
-    return Batch({k: torch.zeros((0, 1) if two_d else (0,), dtype=dt)
-                  for k, (dt, two_d) in rollout_keys(multi_turn).items()})
+def empty_rollout_batch(keys: dict[str, tuple[torch.dtype, bool]] = ROLLOUT_KEYS) -> Batch:
+    return Batch({k: torch.zeros((0, 1) if two_d else (0,), dtype=dt) for k, (dt, two_d) in keys.items()})
 
 
 class BatchStream:
@@ -73,7 +76,7 @@ class BatchStream:
         self.samples_per_step = cfg.data.train_batch_size * cfg.rollout.n
         self.meshes, self.generator, self.sampler, self.weight_sync = meshes, generator, sampler, weight_sync
         self.memory = memory
-        self.keys = rollout_keys(cfg.multi_turn.enable)
+        self.keys = rollout_keys(cfg.multi_turn.enable, cfg.actor.router_replay == "rollout")
         self.loop_metrics: dict[str, float] = {}  # rollout ranks: the multi-turn loop's time split this step
         self.rollout_mesh, self.actor_mesh = meshes["rollout"], meshes["actor"]
         self.next_batch = 1  # rollout ranks: the next step whose batch is generated
@@ -96,7 +99,8 @@ class BatchStream:
             batch["weight_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
             if set(batch.tensors) != set(self.keys):  # the training ranks unpack by this list
                 raise SpmdrlError(f"a rollout batch has tensors {sorted(batch.tensors)} but spmdrl.loop.split.ROLLOUT_KEYS "
-                                  f"(and MULTI_TURN_KEYS) list {sorted(self.keys)}: add new rollout tensors there")
+                                  f"(and MULTI_TURN_KEYS, ROUTE_KEYS) list {sorted(self.keys)}: add new rollout "
+                                  "tensors there")
             with timer("post_batch"):
                 self.sent.append(post_batch(batch, self.rollout_mesh, self.actor_mesh, self.meshes.batch_group, tag=s))
             self.next_batch += 1
@@ -135,7 +139,7 @@ class BatchStream:
         """Receive batch `step` from the rollout ranks: (this rank's share, bytes received)."""
         per_src = self.rollout_mesh.dp_share(self.samples_per_step, "rollout samples")
         next(self.sampler)  # count the draw the rollout ranks made for it: the sampler state a checkpoint saves
-        return recv_batch(empty_rollout_batch(self.keys is not ROLLOUT_KEYS), self.rollout_mesh, self.actor_mesh, per_src,
+        return recv_batch(empty_rollout_batch(self.keys), self.rollout_mesh, self.actor_mesh, per_src,
                           self.meshes.batch_group, tag=step)
 
     def take_in(self, step: int) -> None:

@@ -26,6 +26,7 @@ from spmdrl.batch import Batch
 from spmdrl.dist.collectives import reduce_max, reduce_sum
 from spmdrl.engines import TokenBatch, TrainEngine, pack_sequences
 from spmdrl.engines.packing import balanced_partition, micro_batch_count
+from spmdrl.rollout.routes import decode_routes
 
 
 AUTO_BUDGET = -1
@@ -55,6 +56,7 @@ def micro_batch_limits(sec, longest: int, *, forward: bool = False) -> tuple[int
 
 def micro_batches(
     batch: Batch, size: int, pad_id: int, *, max_tokens: int = 0, packed: bool = False, group=None,
+    route_shape: tuple[int, int] | None = None,
 ) -> list[tuple[Batch, TokenBatch]]:
     """(samples, TokenBatch) pairs covering `batch` once.
 
@@ -64,6 +66,8 @@ def micro_batches(
     all-reduce) because every rank must run as many forwards as the others under FSDP. `packed` packs each
     micro-batch's sequences into rows (spmdrl.engines.packing) instead of padding them. The split never
     changes the objective: run_updates weights each micro-batch by its share of the mini-batch's tokens.
+    route_shape: (layers, top_k) of the batch's `routed_experts` when the forwards replay them (TokenBatch.routes);
+    None ignores them.
     """
     if max_tokens > 0:
         lengths = (batch["prompt_len"] + batch["response_len"]).tolist()
@@ -77,14 +81,18 @@ def micro_batches(
     for mb in parts:
         prompts = [mb["prompts"][i, : int(mb["prompt_len"][i])] for i in range(len(mb))]
         resps = [mb["responses"][i, : int(mb["response_len"][i])] for i in range(len(mb))]
-        out.append((mb, pack_sequences(prompts, resps, pad_id, packed=packed)))
+        routes = None
+        if route_shape is not None and "routed_experts" in mb:
+            routes = [decode_routes(mb["routed_experts"][i], len(p) + len(r), route_shape)
+                      for i, (p, r) in enumerate(zip(prompts, resps))]
+        out.append((mb, pack_sequences(prompts, resps, pad_id, packed=packed, routes=routes)))
     return out
 
 
 def run_updates(
     engine: TrainEngine, batch: Batch, *, epochs: int, mini_size: int, micro_size: int, pad_id: int,
     dp_size: int, dp_group, objective: "ActorObjective | CriticObjective", prefix: str, max_tokens: int = 0,
-    packed: bool = False,
+    packed: bool = False, route_shape: tuple[int, int] | None = None,
 ) -> dict[str, float]:
     """Optimizer steps over `batch`.
 
@@ -117,7 +125,8 @@ def run_updates(
     for _ in range(epochs):
         for i, mini in enumerate(minis):
             unit_total, token_total = all_totals[i].tolist()
-            mbs = micro_batches(mini, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=dp_group)
+            mbs = micro_batches(mini, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=dp_group,
+                                route_shape=route_shape)
             # each micro-batch's share of the mini-batch's units and tokens, from the host-side masks
             shares = torch.stack([torch.stack([agg_units(mb["response_mask"], mode),
                                                agg_units(mb["response_mask"], "token-mean")]) for mb, _ in mbs])
@@ -213,6 +222,11 @@ class ActorObjective:
                 loss = loss - a.entropy_coeff * entropy
             terms["actor/entropy"] = entropy.detach()
         stats.update({"actor/clipfrac": pg_m["pg_clipfrac"], "actor/ppo_kl": pg_m["ppo_kl"]})
+        router = engine.moe_losses() if a.moe_aux_loss_coef or a.moe_z_loss_coef else None
+        if router is not None:  # a mixture of experts' load-balancing and z-loss, summed over its MoE layers
+            aux, z = router[0].to(dev), router[1].to(dev)
+            loss = loss + a.moe_aux_loss_coef * aux + a.moe_z_loss_coef * z
+            terms.update({"actor/moe_aux_loss": aux.detach(), "actor/moe_z_loss": z.detach()})
         if a.use_kl_loss:
             kl = self.agg(kl_penalty(logp, mb["ref_log_probs"][:, :R].to(dev), a.kl_loss_type), mask)
             loss = loss + a.kl_loss_coef * kl
@@ -254,7 +268,7 @@ class CriticObjective:
 @torch.no_grad()
 def forward_all(
     engine: TrainEngine, batch: Batch, micro_size: int, pad_id: int, head: str, *, max_tokens: int = 0,
-    packed: bool = False, **head_kw,
+    packed: bool = False, route_shape: tuple[int, int] | None = None, **head_kw,
 ) -> torch.Tensor:
     """engine.forward_micro_batches(micro-batches, head, **head_kw) (head "logprobs" or "values") over `batch`,
     assembled into a [B, R] CPU float tensor in batch order. The engine runs every micro-batch of the pass in one
@@ -265,7 +279,8 @@ def forward_all(
     engine.eval()
     batch = Batch({**batch.tensors, "_row": torch.arange(len(batch))})  # where each sample goes back to
     group = engine.mesh.group("dp") if max_tokens > 0 else None
-    mbs = micro_batches(batch, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=group)
+    mbs = micro_batches(batch, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=group,
+                        route_shape=route_shape)
     results = engine.forward_micro_batches([tb for _, tb in mbs], head, **head_kw)
     if not results:
         return torch.zeros(len(batch), batch["responses"].shape[1])

@@ -493,7 +493,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         "hardware": {"gpu_memory_gb": m.gpu_memory_gb, "gpus_per_node": m.gpus_per_node,
                      "host_memory_gb": m.host_memory_gb, "margin": m.margin, "nodes": -(-world // m.gpus_per_node),
                      "units": "GiB (2^30 bytes)"},
-        "model": {"path": cfg.model.path, "params": state["actor"]["stats"]["total"],
+        "model": {"path": cfg.model.path, "params": state["actor"]["stats"]["total"], **moe_params(hf, actor_params),
                   **({"lora_rank": int(lora.rank), "adapter_params": state["actor"]["stats"]["adapters"]} if lora else {}),
                   **({"critic_params": state["critic"]["stats"]["total"]} if "critic" in state else {})},
         "roles": {k: {**v, "backend": backends.get(k, "vllm" if k == "rollout" else "fsdp"),
@@ -579,10 +579,26 @@ def _kv_per_token(c, tp: int) -> int:
 # ------------------------------------------------------------------------------------------------ printing
 
 
+def moe_params(hf, shapes: list[tuple[str, tuple[int, ...]]]) -> dict:
+    """A mixture of experts' expert count, experts per token and parameters active per token (every parameter
+    outside the experts plus top_k / E of the experts'); {} for a dense model."""
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+    top_k = getattr(hf, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        return {}
+    total = sum(math.prod(sh) for _, sh in shapes)
+    expert = sum(math.prod(sh) for name, sh in shapes if ".experts." in name)
+    return {"experts": int(experts), "experts_per_token": int(top_k),
+            "active_params": total - expert + expert * int(top_k) // int(experts)}
+
+
 def render(p: dict) -> str:
     """The plan as a readable table."""
     hw = p["hardware"]
-    lines = [f"model {p['model']['path']}: {p['model']['params'] / 1e9:.2f}B parameters; world {p['world_size']} ranks "
+    mp = p["model"]
+    active = (f" ({mp['active_params'] / 1e9:.2f}B active per token: {mp['experts_per_token']} of {mp['experts']} "
+              "experts)") if "active_params" in mp else ""
+    lines = [f"model {mp['path']}: {mp['params'] / 1e9:.2f}B parameters{active}; world {p['world_size']} ranks "
              f"({hw['nodes']} node(s) x {hw['gpus_per_node']} GPUs of {hw['gpu_memory_gb']} GiB, "
              f"{hw['host_memory_gb']} GiB host per node; fits means <= {hw['margin']:g} x each)", "", "roles:"]
     for role, r in p["roles"].items():

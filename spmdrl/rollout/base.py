@@ -66,6 +66,9 @@ class RolloutOutput:
     empty lists when the spec asked for none."""
     finish_reason: list[str]
     """'stop' (EOS, stop token or stop string) or 'length' (max_tokens reached), per sample."""
+    routed_experts: list | None = None
+    """With route capture (VLLMEngine(capture_routes=True)): per sample, the experts each computed position of
+    prompt + response was routed to, int [positions, layers, top_k] (rollout/routes.py); None otherwise."""
 
     def __len__(self) -> int:
         return len(self.response_ids)

@@ -114,8 +114,10 @@ class VLLMEngine:
         load_format: str = "auto",
         world_ranks: int | None = None,
         lora: LoRASpec | None = None,
+        capture_routes: bool = False,
     ):
-        """tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
+        """capture_routes: return the experts each token was routed to (`RolloutOutput.routed_experts`; a MoE
+        model only; rollout/routes.py). tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
         checked against it after the build. world_ranks: build on the first `world_ranks` ranks of the world
         only (split placement: the other ranks do not call this); None means every rank (colocated)."""
         from vllm import LLM
@@ -159,6 +161,9 @@ class VLLMEngine:
             kwargs.update(enable_lora=True, max_lora_rank=lora.max_lora_rank(), max_loras=int(lora.max_loras))
             self._adapter_home = tempfile.mkdtemp(prefix=f"spmdrl-lora-r{rank}-", dir=adapter_root(lora.adapter_dir))
 
+        self.capture_routes = bool(capture_routes)
+        if self.capture_routes and not self.on_cpu:  # vLLM's own route return (Model Runner V2)
+            kwargs["enable_return_routed_experts"] = True
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         t0 = time.perf_counter()
         try:
@@ -177,7 +182,8 @@ class VLLMEngine:
                     max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens,
                     trust_remote_code=trust_remote_code,
-                    enable_prefix_caching=True,
+                    # the CPU route recorder needs every position computed by the request itself (rollout/routes.py)
+                    enable_prefix_caching=not (self.capture_routes and self.on_cpu),
                     disable_log_stats=True,
                     load_format=load_format,  # "dummy": random weights, a weight sync follows (spmdrl/loop/build.py)
                     # the log-prob of the distribution each token was drawn from (after temperature, top-k, top-p):
@@ -201,6 +207,12 @@ class VLLMEngine:
         self._checkpoint_views = checkpoint_views(self.llm.llm_engine.model_config.hf_config)
         _make_shutdown_keep_world(self.llm)
         self._check_tp_group()
+        if self.capture_routes and self.on_cpu:
+            from spmdrl.rollout import routes
+
+            if self.llm.collective_rpc(routes.install)[0] == (0, 0):
+                raise ConfigError(f"{model_path}: capture_routes needs a mixture-of-experts model whose vLLM layers "
+                                  "route through a router (qwen3_moe, mixtral); this model has none")
         self.build_seconds = time.perf_counter() - t0
         self.max_model_len = max_model_len
         self._reloading = False
@@ -239,6 +251,9 @@ class VLLMEngine:
             torch.manual_seed(call_seed(seeds))  # same on every TP rank: their draws must agree
             outs = self.llm.generate(prompts, params, use_tqdm=False, **self._lora_kwargs())
         completions = [(out.request_id, c) for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
+        recorded = self._take_routes()
+        routed = ([self._routes_of(recorded, request_id, c) for request_id, c in completions] if self.capture_routes
+                  else None)
 
         response_ids, logprobs, finish_reason = [], [], []
         for request_id, c in completions:  # prompt-major, sample-minor
@@ -248,7 +263,21 @@ class VLLMEngine:
             response_ids.append(ids)
             finish_reason.append(c.finish_reason)
             logprobs.append([float(c.logprobs[k][t].logprob) for k, t in enumerate(ids)] if spec.logprobs else [])
-        return RolloutOutput(response_ids, logprobs, finish_reason)
+        return RolloutOutput(response_ids, logprobs, finish_reason, routed)
+
+    def _take_routes(self) -> dict:
+        """The routes the CPU recorder filed since the last call (every call drains it), {} when not recording."""
+        if not (self.capture_routes and self.on_cpu):
+            return {}
+        from spmdrl.rollout import routes
+
+        return self.llm.collective_rpc(routes.take)[0]
+
+    def _routes_of(self, recorded: dict, request_id: str, c):
+        """One completion's routes [positions, layers, top_k]: the CPU recorder's, or on CUDA vLLM's own."""
+        if not self.on_cpu:
+            return getattr(c, "routed_experts", None)
+        return recorded.get((str(request_id), int(c.index)))
 
     def compute_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """Raw log-probs of response tokens given their prompts (vLLM prompt_logprobs), one list per pair."""
@@ -264,6 +293,7 @@ class VLLMEngine:
         with preserved_rng_state():
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False,
                                      **self._lora_kwargs())
+        self._take_routes()  # not a rollout: nothing to keep
         result = []
         for out, p, r in zip(outs, prompt_ids, response_ids):
             lps = out.prompt_logprobs  # position k holds log p(token k | tokens < k); position 0 is None

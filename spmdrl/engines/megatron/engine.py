@@ -140,6 +140,13 @@ class MegatronEngine:
     def eval(self) -> None:
         self.stage.eval()
 
+    def moe_counts(self) -> dict:
+        """Dense models only on this backend (config validation refuses MoE): nothing to count."""
+        return {}
+
+    def moe_losses(self):
+        return None
+
     def _stage(self, tb: TokenBatch) -> "_Staged":
         """One micro-batch's device inputs, built from the host TokenBatch before the schedule runs: every
         data-dependent size (the response positions, ResponseIndex) is computed here on the host, so nothing in
