@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from spmdrl.engines.sequence_parallel import check_heads
+from spmdrl.dist.layout import sp_head_problem as check_heads
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,9 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = True,
         if n % (tp * pp * sp):
             raise LayoutError(
                 f"placement: {role} has {n} ranks (world size {world_size}) but tp*pp*sp = {tp}*{pp}*{sp} = "
-                f"{tp * pp * sp} does not divide it; choose {role}_tp, {role}_pp and {role}_sp whose product divides {n}"
+                f"{tp * pp * sp} does not divide it; choose "
+                + (f"{role}_tp, {role}_pp and {role}_sp whose product divides {n}" if role in TRAINED_ROLES else
+                   f"a {role}_tp that divides {n}")
             )
         out[role] = RoleLayout(role, ranks[role], n // (tp * pp * sp), pp, tp, sp)
     want = trainers if split else everyone
@@ -210,3 +212,14 @@ def contiguous_share(n: int, parts: int, i: int) -> range:
 
 def splits_evenly(n: int, parts: int) -> bool:
     return parts > 0 and n % parts == 0
+
+
+def sp_head_problem(heads: int, kv_heads: int, sp: int) -> str | None:
+    """Why sequence parallelism over sp ranks cannot split these attention heads, else None (config validation, the FSDP2 engine)."""
+    if sp <= 1:
+        return None
+    if heads % sp:
+        return f"{heads} attention heads are not divisible by sp = {sp}"
+    if kv_heads % sp and sp % kv_heads:
+        return f"{kv_heads} key/value heads are neither divisible by sp = {sp} nor a divisor of it (to repeat them)"
+    return None

@@ -487,7 +487,7 @@ class FSDPEngine:
 def _check_sequence_parallel(config, mesh: RoleMesh, model_path: str) -> None:
     """Sequence parallelism runs inside spmdrl's attention function and splits whole heads over the sp ranks."""
     from spmdrl.engines.attention import HF_IMPLEMENTATION
-    from spmdrl.engines.sequence_parallel import check_heads
+    from spmdrl.dist.layout import sp_head_problem as check_heads
 
     key = f"placement.{mesh.layout.role}_sp = {mesh.sp_size}"
     if config._attn_implementation != HF_IMPLEMENTATION:

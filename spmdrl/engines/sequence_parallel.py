@@ -143,13 +143,3 @@ class SequenceShard:
                               f"by sp and the key/value heads ({hkv}) a multiple or a divisor of it; choose such an sp")
         return k.repeat_interleave(self.size // hkv, dim=1)
 
-
-def check_heads(heads: int, kv_heads: int, sp: int) -> str | None:
-    """Why sequence parallelism over sp ranks cannot split these attention heads, else None (config validation)."""
-    if sp <= 1:
-        return None
-    if heads % sp:
-        return f"{heads} attention heads are not divisible by sp = {sp}"
-    if kv_heads % sp and sp % kv_heads:
-        return f"{kv_heads} key/value heads are neither divisible by sp = {sp} nor a divisor of it (to repeat them)"
-    return None
