@@ -436,7 +436,7 @@ def test_sequence_parallel_and_long_response_bad_input_one_line(model_dirs):
          "placement.actor_sp = 2 on the megatron backend", "transformer-engine"),
         ((2, llama, "data.max_prompt_length=512", "data.max_response_length=4000", "rollout.engine=hf"),
          "data.max_prompt_length + data.max_response_length = 4512 exceeds", "max_response_length to at most"),
-        ((2, llama, "rollout.kv_cache_gb=0.0001", "rollout.engine=hf"), "rollout.kv_cache_gb = 0.0001 holds",
+        ((2, llama, "rollout.kv_cache_gb=0.0001", "trainer.device=cpu", "rollout.engine=hf"), "rollout.kv_cache_gb = 0.0001 holds",
          "raise it to at least"),
     ]
     for (world, *args), start, words in cases:

@@ -253,7 +253,8 @@ def validate_sequence_parallel(cfg) -> None:
 
 def validate_rollout_length(cfg) -> None:
     """The rollout engine must hold one sequence of max_prompt_length + max_response_length: within the model's
-    positions (vLLM refuses a longer max_model_len at engine build) and, on CPU, within rollout.kv_cache_gb."""
+    positions (vLLM refuses a longer max_model_len at engine build) and, with trainer.device = 'cpu', within
+    rollout.kv_cache_gb."""
     hf = hf_config_json(cfg.model.path)
     if hf is None:
         return
@@ -264,10 +265,8 @@ def validate_rollout_length(cfg) -> None:
             f"data.max_prompt_length + data.max_response_length = {longest} exceeds the {limit} positions of "
             f"model.path = {cfg.model.path!r} (config.json max_position_embeddings), the longest sequence vLLM "
             f"builds; lower data.max_response_length to at most {limit - cfg.data.max_prompt_length}")
-    import torch
-
-    if torch.cuda.is_available():
-        return
+    if cfg.trainer.device != "cpu":
+        return  # on a GPU vLLM sizes its KV cache from gpu_memory_utilization (`spmdrl plan` checks it)
     heads = hf.get("num_attention_heads")
     kv, layers = hf.get("num_key_value_heads") or heads, hf.get("num_hidden_layers")
     head_dim = hf.get("head_dim") or (hf.get("hidden_size", 0) // heads if heads else 0)
