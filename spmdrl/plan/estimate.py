@@ -530,7 +530,7 @@ def longest_sequences(cfg, hf, roles: dict, layout: dict, backends: dict, offloa
     heads; tp = 1): its training phase holds what the plan's phase holds beside the role (the other roles'
     residents, vLLM asleep, NCCL), the role's state, and activations that grow linearly with the tokens per sp
     rank; the sequence is the largest that keeps the phase within memory.margin of the GPU. An estimate from
-    the same model as the phases, never measured on a GPU."""
+    the same model as the phases."""
     import dataclasses
 
     from spmdrl.dist.layout import plan_layout, sp_head_problem
