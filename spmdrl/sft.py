@@ -37,6 +37,9 @@ def validate_sft(cfg: SFTConfig, world_size: int):
             raise ConfigError(f"sft.{key} must be > 0, found {getattr(s, key)}")
     if s.lr <= 0:
         raise ConfigError(f"sft.lr must be > 0, found {s.lr}")
+    if cfg.placement.actor_sp != 1:
+        raise ConfigError(f"placement.actor_sp = {cfg.placement.actor_sp}: spmdrl sft trains without sequence "
+                          "parallelism; set placement.actor_sp = 1")
     layout = plan_layout(cfg.placement, world_size)
     dp = layout["actor"].dp
     if s.batch_size % dp or (s.batch_size // dp) % s.micro_batch_size:

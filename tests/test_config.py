@@ -303,7 +303,7 @@ def test_tp_must_divide_world_size(key):
     with pytest.raises(LayoutError):
         validate(valid(f"placement.{key}=4", "critic.enable=true"), 6)
     msg = validate_error(6, f"placement.{key}=4", "critic.enable=true")
-    assert "world size 6" in msg and "4*1 = 4" in msg
+    assert "world size 6" in msg and "4*1*1 = 4" in msg
 
 
 @pytest.mark.parametrize("override", ["actor.lr=0", "actor.lr=-1e-6", "critic.lr=0"])
@@ -440,6 +440,29 @@ def test_fsdp_tensor_parallel_needs_whole_heads_per_rank(model_dirs):
     validate(valid(f"model.path={model_dirs['llama']}", "placement.actor_tp=2", "rollout.engine=hf"), 4)
     msg = validate_error(4, f"model.path={model_dirs['llama']}", "placement.actor_tp=4", "rollout.engine=hf")
     assert msg.startswith("placement.actor_tp = 4: model.path = ") and "4 attention heads and 2 key/value heads" in msg
+
+
+def test_sequence_parallel_and_long_response_bad_input_one_line(model_dirs):
+    """sp must split the 4 heads / 2 key/value heads, runs on the FSDP2 backend's own attention only, and the
+    Megatron backend's context parallelism is refused naming TransformerEngine; the rollout must hold one
+    longest sequence (positions, CPU KV cache)."""
+    llama = f"model.path={model_dirs['llama']}"
+    validate(valid(llama, "placement.actor_sp=4", "rollout.engine=hf"), 4)  # kv heads repeated to 4
+    cases = [
+        ((8, llama, "placement.actor_sp=8", "rollout.engine=hf"), "placement.actor_sp = 8: model.path = ",
+         "4 attention heads are not divisible by sp = 8"),
+        ((2, llama, "placement.actor_sp=2", "model.attn_implementation=sdpa", "rollout.engine=hf"),
+         "placement.actor_sp = 2: sequence parallelism", "model.attn_implementation = 'auto'"),
+        ((2, llama, "placement.actor_sp=2", "trainer.backend=megatron", "rollout.engine=hf"),
+         "placement.actor_sp = 2 on the megatron backend", "transformer-engine"),
+        ((2, llama, "data.max_prompt_length=512", "data.max_response_length=4000", "rollout.engine=hf"),
+         "data.max_prompt_length + data.max_response_length = 4512 exceeds", "max_response_length to at most"),
+        ((2, llama, "rollout.kv_cache_gb=0.0001", "trainer.device=cpu", "rollout.engine=hf"), "rollout.kv_cache_gb = 0.0001 holds",
+         "raise it to at least"),
+    ]
+    for (world, *args), start, words in cases:
+        msg = validate_error(world, *args)
+        assert msg.startswith(start) and words in msg and "\n" not in msg, msg
 
 
 def test_model_type_is_read_from_bundled_configs_and_skipped_when_absent():

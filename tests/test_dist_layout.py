@@ -17,6 +17,20 @@ def test_colocated_layout_degrees_and_coords():
     assert lay["actor"].coords(5) == (2, 0, 1)
 
 
+def test_sequence_parallel_layout_coords_groups_and_shard_rows():
+    """(dp, pp, sp, tp) with tp fastest: at sp=2 x dp=2 on 4 ranks the sp groups are adjacent ranks, the data
+    replicas {0, 1} and {2, 3}, and every rank is its own FSDP2 shard row (dp-major, then sp)."""
+    lay = plan_layout(PlacementConfig(actor_sp=2), 4)["actor"]
+    assert (lay.dp, lay.sp, lay.tp) == (2, 2, 1)
+    assert [lay.coords4(r) for r in range(4)] == [(0, 0, 0, 0), (0, 0, 1, 0), (1, 0, 0, 0), (1, 0, 1, 0)]
+    assert lay.coords(3) == (1, 0, 0)
+    assert lay.mesh_ranks() == [[[0]], [[1]], [[2]], [[3]]]
+    assert lay.replica_ranks(1) == [2, 3]
+    g = lay.groups()
+    assert g["sp_groups"] == [[0, 1], [2, 3]] and g["dp_groups"] == [[0, 2], [1, 3]]
+    assert plan_layout(PlacementConfig(actor_sp=2), 4)["rollout"].sp == 1
+
+
 def test_split_layout_puts_training_roles_after_the_rollout_prefix():
     lay = plan_layout(PlacementConfig(mode="split", rollout_ranks=[0, 1], rollout_tp=2), 4)
     assert lay["rollout"].ranks == (0, 1) and (lay["rollout"].dp, lay["rollout"].tp) == (1, 2)
@@ -43,8 +57,10 @@ def test_bad_split_layouts_are_rejected(kw, words):
 
 
 @pytest.mark.parametrize("kw,world,words", [
-    ({"rollout_tp": 3}, 8, ["world size 8", "3*1 = 3", "rollout_tp"]),
-    ({"actor_tp": 4}, 2, ["world size 2", "4*1 = 4"]),
+    ({"rollout_tp": 3}, 8, ["world size 8", "3*1*1 = 3", "rollout_tp"]),
+    ({"actor_tp": 4}, 2, ["world size 2", "4*1*1 = 4"]),
+    ({"actor_sp": 3}, 4, ["world size 4", "1*1*3 = 3", "actor_sp"]),
+    ({"critic_sp": 2, "critic_tp": 2}, 4, ["critic_sp = 2", "critic_tp = 1"]),
     ({"actor_ranks": [0, 9]}, 4, ["actor_ranks", "outside the world of 4"]),
     ({"actor_ranks": [1, 1]}, 4, ["twice"]),
     ({"actor_tp": 0}, 4, ["actor_tp must be >= 1"]),
@@ -72,7 +88,7 @@ def test_megatron_roles_take_pipeline_parallelism():
     assert a.coords(6) == (1, 1, 0)
     assert a.groups()["pp_groups"][:2] == [[0, 2], [1, 3]] and a.groups()["dp_groups"][0] == [0, 4]
     assert (lay["ref"].dp, lay["ref"].pp, lay["ref"].tp) == (2, 4, 1)
-    with pytest.raises(LayoutError, match=r"tp\*pp = 2\*3 = 6 does not divide"):
+    with pytest.raises(LayoutError, match=r"tp\*pp\*sp = 2\*3\*1 = 6 does not divide"):
         plan_layout(PlacementConfig(actor_tp=2, actor_pp=3), 8, backends=megatron)
     with pytest.raises(LayoutError, match="ref_pp = 2 needs pipeline"):  # a role left on fsdp keeps pp = 1
         plan_layout(PlacementConfig(ref_pp=2), 8, backends={"actor": "megatron"})
@@ -95,10 +111,10 @@ def test_detect_env_torchrun_slurm_and_single():
     assert (one.rank, one.world_size, one.launcher) == (0, 1, "single") and one.master_port > 0
 
 
-def _layout(role, ranks, dp, tp):
+def _layout(role, ranks, dp, tp, sp=1):
     from spmdrl.dist.layout import RoleLayout
 
-    return RoleLayout(role, tuple(ranks), dp, 1, tp)
+    return RoleLayout(role, tuple(ranks), dp, 1, tp, sp)
 
 
 @pytest.mark.parametrize("src,dst", [
@@ -107,6 +123,8 @@ def _layout(role, ranks, dp, tp):
     ((range(4), 2, 2), (range(4), 1, 4)),   # everything to one tp group of 4
     ((range(2), 2, 1), (range(2, 4), 2, 1)),  # split placement: disjoint rank sets
     ((range(2), 1, 2), (range(2, 6), 4, 1)),  # 2 rollout ranks (one tp group) -> 4 disjoint actor ranks
+    ((range(4), 4, 1), (range(4), 2, 1, 2)),  # rollout dp=4 -> actor sp=2: the sp ranks of a replica share samples
+    ((range(2), 2, 1), (range(2, 6), 1, 1, 4)),  # split placement, one actor replica of sp=4
 ])
 def test_batch_move_plan_gives_each_rank_exactly_its_samples(src, dst):
     """Independent reference: the global sample order is src dp-rank major; dst dp rank j needs its contiguous

@@ -213,3 +213,27 @@ def test_moe_plan_counts_total_and_active_parameters():
     assert sum(math.prod(sh) for _, sh in shapes) == dense + experts
     assert moe_params(hf, shapes) == {"experts": E, "experts_per_token": k, "active_params": dense + experts * k // E}
     assert moe_params(load_hf_config("Qwen/Qwen2.5-7B-Instruct"), []) == {}
+
+
+def test_long_sequence_plan_divides_activations_by_sp_and_shows_the_longest_sequence():
+    """configs/grpo_long.toml (Llama-3.1-8B, prompt + response = 65536 tokens, 8 x 80 GB, actor and ref sp = 2):
+    it fits; the actor's activations per rank are those of sp = 1 halved (but the log-prob chunk's logits; the
+    all-to-all buffers apart); FSDP2
+    still shards over all 8 ranks; the longest trainable sequence grows with sp and covers 64k at sp = 2; the
+    sp groups are counted among the communicators."""
+    from spmdrl.plan.estimate import build_plan
+
+    path = os.path.join(REPO, "configs", "grpo_long.toml")
+    p2 = build_plan(load_config(path))
+    p1 = build_plan(load_config(path, ["placement.actor_sp=1", "placement.ref_sp=1"]))
+    assert p2["fits"] is True and p2["model"]["params"] == 8_030_261_248
+    t1, t2 = p1["memory"]["train_actor"]["gpu"], p2["memory"]["train_actor"]["gpu"]
+    assert t2["actor_params"] == t1["actor_params"] and t2["actor_optimizer"] == t1["actor_optimizer"]
+    head = 1024 * 128256 * 4 * 3 / 2**30  # the fp32 logits of one log-prob chunk: not per token
+    assert t2["actor_activations"] - head == pytest.approx((t1["actor_activations"] - head) / 2, rel=1e-3)
+    assert t2["actor_sp_all_to_all"] > 0 and "actor_sp_all_to_all" not in t1
+    longest = p2["longest_sequence"]["actor"]["tokens_by_sp"]
+    assert list(longest) == [1, 2, 4, 8] and longest[2] >= 65536 and longest[8] > longest[4] > longest[2] > longest[1]
+    assert p2["roles"]["actor"]["sp_groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # each rank gains its sp group, a dp group that no longer spans the world, and FSDP2's dp x sp group
+    assert p2["nccl"]["communicators"]["role_meshes"] == p1["nccl"]["communicators"]["role_meshes"] + 3

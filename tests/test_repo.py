@@ -35,8 +35,8 @@ def test_top_level_layout():
 
 # Rank arithmetic belongs in spmdrl/dist/ (RoleMesh, layout); elsewhere code asks its mesh.
 RANK_ARITHMETIC = [
-    r"\brank\s*[%]", r"\brank\s*//", r"[%]\s*[\w.]*(tp|dp|pp)_size\b", r"//\s*[\w.]*(tp|dp|pp)_size\b",
-    r"\b(tp|dp|pp)_rank\s*[*+]", r"[*+]\s*[\w.]*\b(tp|dp|pp)_rank\b", r"device_count\(\)", r"\btp_rank\s*==\s*0",
+    r"\brank\s*[%]", r"\brank\s*//", r"[%]\s*[\w.]*(tp|dp|pp|sp)_size\b", r"//\s*[\w.]*(tp|dp|pp|sp)_size\b",
+    r"\b(tp|dp|pp|sp)_rank\s*[*+]", r"[*+]\s*[\w.]*\b(tp|dp|pp|sp)_rank\b", r"device_count\(\)", r"\btp_rank\s*==\s*0",
     r"environ(\.get)?\(\s*['\"]LOCAL_RANK", r"mesh\.mesh\b", r"get_rank\(\)\s*[%/]",
 ]
 FSDP_INTERNALS = [r"\bfully_shard\b", r"engines\.fsdp import", r"torch\.distributed\.fsdp", r"\.hf\.", r"\.module\b\.(parameters|eval|train)"]

@@ -394,7 +394,7 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class PlacementConfig:
-    """Which ranks each role uses and its parallel degrees; data parallel is derived (ranks / (tp * pp))."""
+    """Which ranks each role uses and its parallel degrees; data parallel is derived (ranks / (tp * pp * sp))."""
 
     mode: str = "colocate"
     """colocate: every role on all ranks. split: rollout_ranks (the first ranks of the world) run vLLM only, the other ranks run the training roles; batches and weights move between them point to point."""
@@ -404,18 +404,24 @@ class PlacementConfig:
     """Actor tensor-parallel degree (DTensor TP inside each FSDP2 group)."""
     actor_pp: int = 1
     """Actor pipeline-parallel degree (Megatron backend only; must be 1 with FSDP2)."""
+    actor_sp: int = 1
+    """Actor sequence-parallel degree (FSDP2 backend, Ulysses): each sequence's tokens split over this many ranks, attention heads exchanged by all-to-all; needs actor_tp = 1 and the attention heads divisible by it."""
     ref_ranks: list[int] = field(default_factory=list)
     """Ranks of the ref model; empty means the actor's ranks."""
     ref_tp: int = 1
     """Ref tensor-parallel degree."""
     ref_pp: int = 1
     """Ref pipeline-parallel degree (Megatron backend only)."""
+    ref_sp: int = 1
+    """Ref sequence-parallel degree (FSDP2 backend, Ulysses): each sequence's tokens split over this many ranks, attention heads exchanged by all-to-all; needs ref_tp = 1 and the attention heads divisible by it."""
     critic_ranks: list[int] = field(default_factory=list)
     """Ranks of the critic; empty means the actor's ranks."""
     critic_tp: int = 1
     """Critic tensor-parallel degree."""
     critic_pp: int = 1
     """Critic pipeline-parallel degree (Megatron backend only)."""
+    critic_sp: int = 1
+    """Critic sequence-parallel degree (FSDP2 backend, Ulysses): each sequence's tokens split over this many ranks, attention heads exchanged by all-to-all; needs critic_tp = 1 and the attention heads divisible by it."""
     rollout_ranks: list[int] = field(default_factory=list)
     """Ranks running vLLM; empty means all ranks (colocate). Split placement: required, the first R ranks [0, ..., R-1]."""
     rollout_tp: int = 1

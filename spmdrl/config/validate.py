@@ -186,6 +186,7 @@ def validate(cfg, world_size: int, *, trackers: bool = True):
         raise ConfigError("trainer.critic_warmup > 0 needs critic.enable = true")
 
     validate_memory(cfg)
+    validate_sequence_parallel(cfg)
     layout = plan_layout(cfg.placement, world_size, backends=role_backends(cfg))
     validate_lora(cfg, layout)
     built = ["actor"] + (["ref"] if builds_ref(cfg) else []) + (
@@ -232,6 +233,7 @@ def validate(cfg, world_size: int, *, trackers: bool = True):
     validate_split(cfg)
     validate_architecture(cfg)
     validate_moe_options(cfg)
+    validate_rollout_length(cfg)
     validate_lora_sync(cfg)
     validate_multi_turn(cfg)
     validate_tools(cfg)
@@ -250,6 +252,71 @@ def validate_distill(cfg) -> None:
         return
     if d.coef <= 0:
         raise ConfigError(f"distill.coef must be > 0 with a teacher (distill.teacher_path), found {d.coef}")
+
+
+def validate_sequence_parallel(cfg) -> None:
+    """placement.<role>_sp > 1 is Ulysses on the FSDP2 backend, inside spmdrl's attention (model.attn_implementation =
+    'auto'). On the Megatron backend it would be megatron's context parallelism, which needs TransformerEngine and
+    which spmdrl does not run: refused either way, naming what to do."""
+    from spmdrl.dist.layout import role_backends
+
+    backends = role_backends(cfg)
+    built = ["actor"] + (["ref"] if builds_ref(cfg) else []) + (["critic"] if cfg.critic.enable else [])
+    for role in built:
+        sp = getattr(cfg.placement, f"{role}_sp")
+        if sp <= 1:
+            continue
+        key = f"placement.{role}_sp = {sp}"
+        if backends[role] == "megatron":
+            import importlib.util
+
+            why = ("spmdrl does not run it yet" if importlib.util.find_spec("transformer_engine") else
+                   "needs TransformerEngine (pip install transformer-engine[pytorch], CUDA only), not installed here")
+            raise ConfigError(f"{key} on the megatron backend is megatron's context parallelism, which {why}; use "
+                              f"{'trainer.critic_backend' if role == 'critic' else 'trainer.backend'} = 'fsdp' "
+                              f"(Ulysses sequence parallelism) or {role}_sp = 1")
+        if cfg.model.attn_implementation != "auto":
+            raise ConfigError(f"{key}: sequence parallelism runs inside spmdrl's attention; set "
+                              f"model.attn_implementation = 'auto' (found {cfg.model.attn_implementation!r})")
+        a = cfg.actor
+        if a.router_replay != "off" or a.moe_aux_loss_coef or a.moe_z_loss_coef:
+            raise ConfigError(f"{key}: the MoE router options (actor.router_replay, moe_aux_loss_coef, "
+                              "moe_z_loss_coef) see whole sequences and do not run with sequence parallelism yet; "
+                              f"reset them or use {role}_sp = 1")
+        if cfg.distill.teacher_path:
+            raise ConfigError(f"{key}: on-policy distillation (distill.teacher_path) does not run with sequence "
+                              f"parallelism yet; use {role}_sp = 1")
+
+
+def validate_rollout_length(cfg) -> None:
+    """The rollout engine must hold one sequence of max_prompt_length + max_response_length: within the model's
+    positions (vLLM refuses a longer max_model_len at engine build) and, with trainer.device = 'cpu', within
+    rollout.kv_cache_gb."""
+    hf = hf_config_json(cfg.model.path)
+    if hf is None:
+        return
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    limit = hf.get("max_position_embeddings")
+    if isinstance(limit, int) and longest > limit and not hf.get("rope_scaling"):
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length = {longest} exceeds the {limit} positions of "
+            f"model.path = {cfg.model.path!r} (config.json max_position_embeddings), the longest sequence vLLM "
+            f"builds; lower data.max_response_length to at most {limit - cfg.data.max_prompt_length}")
+    if cfg.trainer.device != "cpu":
+        return  # on a GPU vLLM sizes its KV cache from gpu_memory_utilization (`spmdrl plan` checks it)
+    heads = hf.get("num_attention_heads")
+    kv, layers = hf.get("num_key_value_heads") or heads, hf.get("num_hidden_layers")
+    head_dim = hf.get("head_dim") or (hf.get("hidden_size", 0) // heads if heads else 0)
+    if not all(isinstance(x, int) and x > 0 for x in (kv, layers, head_dim)):
+        return
+    tp = max(1, cfg.placement.rollout_tp)
+    per_token = 2 * layers * -(-kv // tp) * head_dim * 4  # key and value, float32 on CPU, this rank's heads
+    need = longest * per_token
+    if need > cfg.rollout.kv_cache_gb * 2**30:
+        raise ConfigError(
+            f"rollout.kv_cache_gb = {cfg.rollout.kv_cache_gb} holds {int(cfg.rollout.kv_cache_gb * 2**30 // per_token)} "
+            f"tokens of this model's KV cache per rollout rank, fewer than one sequence of data.max_prompt_length + "
+            f"data.max_response_length = {longest}; raise it to at least {need / 2**30:.2f}")
 
 
 def validate_multi_turn(cfg) -> None:
@@ -674,6 +741,14 @@ def _check_fsdp_tp_heads(cfg, source: str, hf: dict, roles=("actor", "ref", "cri
     if not isinstance(heads, int) or not isinstance(kv, int):
         return
     p = cfg.placement
+    from spmdrl.dist.layout import sp_head_problem
+
+    for role in ("actor", "ref", "critic"):
+        sp = getattr(p, f"{role}_sp")
+        why = sp_head_problem(heads, kv, sp) if backends.get(role) == "fsdp" else None
+        if why:
+            raise ConfigError(f"placement.{role}_sp = {sp}: {source} has {why}; choose an sp that divides "
+                              f"{heads} (and a multiple or divisor of {kv})")
     for role in roles:
         tp = getattr(p, f"{role}_tp")
         if backends.get(role) == "fsdp" and tp > 1 and (heads % tp or kv % tp):

@@ -35,7 +35,7 @@ def batch_move_plan(src: RoleLayout, dst: RoleLayout, per_src: int) -> BatchMove
     each missing range from one replica of the src dp rank holding it (round-robin over the replicas)."""
     total = per_src * src.dp
     plan = BatchMovePlan()
-    holders = [[r for pp in src.mesh_ranks()[i] for r in pp] for i in range(src.dp)]
+    holders = [src.replica_ranks(i) for i in range(src.dp)]
     for k, rank in enumerate(dst.ranks):
         j = dst.coords(rank)[0]
         lo, hi = j * total // dst.dp, (j + 1) * total // dst.dp

@@ -1,7 +1,8 @@
 """Placement -> per-role rank sets and parallel degrees. Pure arithmetic: runs before init.
 
-A role owns a list of global ranks, laid out as (dp, pp, tp) with tp fastest, so the ranks of one
-tensor-parallel group are adjacent (on one node). Colocated placement gives every role all ranks; split
+A role owns a list of global ranks, laid out as (dp, pp, sp, tp) with tp fastest, so the ranks of one
+tensor-parallel group are adjacent (on one node), and the sequence-parallel ranks of one data-parallel replica
+next to them. Colocated placement gives every role all ranks; split
 placement gives roles disjoint lists; the arithmetic is the same.
 """
 from __future__ import annotations
@@ -20,29 +21,49 @@ class RoleLayout:
     dp: int
     pp: int
     tp: int
+    sp: int = 1  # sequence parallel: the sp ranks of a replica split each sequence's tokens (FSDP2 Ulysses)
 
     def coords(self, rank: int) -> tuple[int, int, int] | None:
         """(dp_rank, pp_rank, tp_rank) of a global rank in this role, or None if it is not in the role."""
+        c = self.coords4(rank)
+        return None if c is None else (c[0], c[1], c[3])
+
+    def coords4(self, rank: int) -> tuple[int, int, int, int] | None:
+        """(dp_rank, pp_rank, sp_rank, tp_rank) of a global rank in this role, or None if it is not in the role."""
         if rank not in self.ranks:
             return None
         i = self.ranks.index(rank)
-        return i // (self.pp * self.tp), (i // self.tp) % self.pp, i % self.tp
+        return i // (self.pp * self.sp * self.tp), (i // (self.sp * self.tp)) % self.pp, (i // self.tp) % self.sp, i % self.tp
+
+    def grid4(self) -> list[list[list[list[int]]]]:
+        """Ranks as a [dp][pp][sp][tp] nested list (the DeviceMesh layout)."""
+        r, tp, sp, pp = list(self.ranks), self.tp, self.sp, self.pp
+        return [[[r[((d * pp + p) * sp + s) * tp: ((d * pp + p) * sp + s + 1) * tp] for s in range(sp)]
+                 for p in range(pp)] for d in range(self.dp)]
 
     def mesh_ranks(self) -> list[list[list[int]]]:
-        """Ranks as a [dp][pp][tp] nested list (the DeviceMesh layout)."""
-        r = list(self.ranks)
-        per_dp = self.pp * self.tp
-        return [[r[d * per_dp + p * self.tp: d * per_dp + (p + 1) * self.tp] for p in range(self.pp)] for d in range(self.dp)]
+        """Ranks as a [dp * sp][pp][tp] nested list: one row per FSDP2 shard index (dp-major, then sp), which is
+        the (dp, pp, tp) mesh when sp = 1. What holds which weights (the reshard planners) and the tp groups."""
+        g = self.grid4()
+        return [[g[d][p][s] for p in range(self.pp)] for d in range(self.dp) for s in range(self.sp)]
 
+    def replica_ranks(self, d: int) -> list[int]:
+        """Every rank of data-parallel replica d (they hold the same samples): its pp stages, sp and tp ranks."""
+        per = self.pp * self.sp * self.tp
+        return list(self.ranks[d * per: (d + 1) * per])
 
     def groups(self) -> dict[str, list[list[int]]]:
-        """Global ranks of every tp, dp and pp group of the role (what `spmdrl plan` prints)."""
-        g = self.mesh_ranks()
-        return {
-            "tp_groups": [tp for pp in g for tp in pp],
-            "dp_groups": [[g[d][p][t] for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)],
-            "pp_groups": [[g[d][p][t] for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)],
+        """Global ranks of every tp, dp, pp (and sp) group of the role (what `spmdrl plan` prints)."""
+        g = self.grid4()
+        dims = [(d, p, s, t) for d in range(self.dp) for p in range(self.pp) for s in range(self.sp) for t in range(self.tp)]
+        out = {
+            "tp_groups": [g[d][p][s] for d in range(self.dp) for p in range(self.pp) for s in range(self.sp)],
+            "dp_groups": [[g[d][p][s][t] for d in range(self.dp)] for (_, p, s, t) in dims if _ == 0],
+            "pp_groups": [[g[d][p][s][t] for p in range(self.pp)] for (d, _, s, t) in dims if _ == 0],
         }
+        if self.sp > 1:
+            out["sp_groups"] = [[g[d][p][s][t] for s in range(self.sp)] for (d, p, _, t) in dims if _ == 0]
+        return out
 
 
 def _ranks(spec: list[int], default: tuple[int, ...], world_size: int, key: str) -> tuple[int, ...]:
@@ -114,27 +135,29 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = True,
         "reward": _ranks(placement.reward_ranks, actor, world_size, "reward_ranks"),
         "rollout": rollout,
     }
-    degrees = {
-        "actor": (placement.actor_tp, placement.actor_pp),
-        "ref": (placement.ref_tp, placement.ref_pp),
-        "critic": (placement.critic_tp, placement.critic_pp),
-        "teacher": (placement.teacher_tp, placement.teacher_pp),
-        "reward": (placement.reward_tp, 1),
-        "rollout": (placement.rollout_tp, 1),
+    degrees = {  # (tp, pp, sp)
+        "actor": (placement.actor_tp, placement.actor_pp, placement.actor_sp),
+        "ref": (placement.ref_tp, placement.ref_pp, placement.ref_sp),
+        "critic": (placement.critic_tp, placement.critic_pp, placement.critic_sp),
+        "teacher": (placement.teacher_tp, placement.teacher_pp, 1),
+        "reward": (placement.reward_tp, 1, 1),
+        "rollout": (placement.rollout_tp, 1, 1),
     }
     out = {}
     for role in ROLES:
-        tp, pp = degrees[role]
+        tp, pp, sp = degrees[role]
         n = len(ranks[role])
-        for name, v in (("tp", tp), ("pp", pp)):
+        for name, v in (("tp", tp), ("pp", pp), ("sp", sp)):
             if v < 1:
                 raise LayoutError(f"placement.{role}_{name} must be >= 1, found {v}")
-        if n % (tp * pp):
+        if n % (tp * pp * sp):
             raise LayoutError(
-                f"placement: {role} has {n} ranks (world size {world_size}) but tp*pp = {tp}*{pp} = {tp * pp} "
-                f"does not divide it; choose {role}_tp (and pp) whose product divides {n}"
+                f"placement: {role} has {n} ranks (world size {world_size}) but tp*pp*sp = {tp}*{pp}*{sp} = "
+                f"{tp * pp * sp} does not divide it; choose "
+                + (f"{role}_tp, {role}_pp and {role}_sp whose product divides {n}" if role in TRAINED_ROLES else
+                   f"a {role}_tp that divides {n}")
             )
-        out[role] = RoleLayout(role, ranks[role], n // (tp * pp), pp, tp)
+        out[role] = RoleLayout(role, ranks[role], n // (tp * pp * sp), pp, tp, sp)
     want = trainers if split else everyone
     for role in ROLES[:-1] if split else ROLES:
         if out[role].ranks != want:
@@ -151,6 +174,13 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = True,
                 f"placement.{role}_pp = {out[role].pp} needs pipeline parallelism, which the {backend} backend does "
                 f"not have; set {'trainer.critic_backend' if role == 'critic' else 'trainer.backend'} = \"megatron\" "
                 f"or {role}_pp = 1"
+            )
+    for role in TRAINED_ROLES:
+        lay = out[role]
+        if lay.sp > 1 and lay.tp > 1:
+            raise LayoutError(
+                f"placement.{role}_sp = {lay.sp} with {role}_tp = {lay.tp}: the FSDP2 backend splits sequences "
+                f"(Ulysses) without tensor parallelism; set {role}_tp = 1 (FSDP2 then shards over dp x sp ranks)"
             )
     return out
 
@@ -197,3 +227,14 @@ def contiguous_share(n: int, parts: int, i: int) -> range:
 
 def splits_evenly(n: int, parts: int) -> bool:
     return parts > 0 and n % parts == 0
+
+
+def sp_head_problem(heads: int, kv_heads: int, sp: int) -> str | None:
+    """Why sequence parallelism over sp ranks cannot split these attention heads, else None (config validation, the FSDP2 engine)."""
+    if sp <= 1:
+        return None
+    if heads % sp:
+        return f"{heads} attention heads are not divisible by sp = {sp}"
+    if kv_heads % sp and sp % kv_heads:
+        return f"{kv_heads} key/value heads are neither divisible by sp = {sp} nor a divisor of it (to repeat them)"
+    return None

@@ -1,4 +1,4 @@
-"""Role meshes: one (dp, pp, tp) torch DeviceMesh per role, built once and passed to the components.
+"""Role meshes: one (dp, pp, sp, tp) torch DeviceMesh per role, built once and passed to the components.
 
 This is the one place that turns ranks into coordinates, groups, offsets and shares. Components ask their
 `RoleMesh` (`mesh.group("tp")`, `mesh.dp_rank`, `mesh.dp_share(n)`, `mesh.tp_groups()`, ...) and never
@@ -20,13 +20,13 @@ from .layout import ROLES, RoleLayout, is_split
 
 log = logging.getLogger("spmdrl")
 
-DIMS = ("dp", "pp", "tp")
+DIMS = ("dp", "pp", "sp", "tp")
 
 
 @dataclass
 class RoleMesh:
     layout: RoleLayout
-    mesh: DeviceMesh  # dims ("dp", "pp", "tp")
+    mesh: DeviceMesh  # dims ("dp", "pp", "sp", "tp")
     rank: int
 
     # ---- where this rank is ---------------------------------------------------------------------------
@@ -54,6 +54,17 @@ class RoleMesh:
         return self.coords()[2]
 
     @property
+    def sp_rank(self) -> int:
+        c = self.layout.coords4(self.rank)
+        if c is None:
+            raise LayoutError(f"rank {self.rank} is not in the {self.layout.role} role (ranks {list(self.layout.ranks)})")
+        return c[2]
+
+    @property
+    def sp_size(self) -> int:
+        return self.layout.sp
+
+    @property
     def dp_size(self) -> int:
         return self.layout.dp
 
@@ -67,31 +78,48 @@ class RoleMesh:
 
     @property
     def is_tp_leader(self) -> bool:
-        """Rank 0 of its tp group: the one that counts a sample the tp group holds in copies."""
-        return self.tp_rank == 0
+        """Rank 0 of its tp group and of its sp group: the one that counts a sample the tp and sp ranks of a
+        replica hold in copies."""
+        return self.tp_rank == 0 and self.sp_rank == 0
 
     def leader_weight(self) -> float:
-        """1.0 on tp leaders, else 0.0: weights a mean over ranks so tp copies count once."""
+        """1.0 on tp (and sp) leaders, else 0.0: weights a mean over ranks so tp and sp copies count once."""
         return 1.0 if self.is_tp_leader else 0.0
 
     # ---- groups -----------------------------------------------------------------------------------------
     def group(self, dim: str):
-        """The process group of this rank along one mesh dimension ("dp", "pp" or "tp")."""
+        """The process group of this rank along one mesh dimension ("dp", "pp", "sp" or "tp")."""
         return self.mesh.get_group(dim)
 
     def submesh(self, dim: str) -> DeviceMesh:
         return self.mesh[dim]
+
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh FSDP2 shards over: "dp", or with sequence parallelism "dp" and "sp" flattened (dp-major),
+        so the sp ranks of a replica hold different shards (the rows of layout.mesh_ranks())."""
+        if self.sp_size == 1:
+            return self.mesh["dp"]
+        return self.mesh["dp", "sp"]._flatten("dp_sp")
+
+    def sp_range(self, n: int) -> range:
+        """This sp rank's contiguous part of n token positions (n a multiple of sp: see sp_padded)."""
+        per = n // self.sp_size
+        return range(self.sp_rank * per, (self.sp_rank + 1) * per)
+
+    def sp_padded(self, n: int) -> int:
+        """n token positions rounded up to a multiple of sp (each sp rank then holds the same count)."""
+        return -(-n // self.sp_size) * self.sp_size
 
     def tp_groups(self) -> list[list[int]]:
         """Every tp group of the role as global ranks in tp order, dp-major then pp."""
         return [tp for pp in self.layout.mesh_ranks() for tp in pp]
 
     def my_tp_group(self) -> list[int]:
-        d, p, _ = self.coords()
-        return self.layout.mesh_ranks()[d][p]
+        d, p, s, _ = self.layout.coords4(self.rank)
+        return self.layout.grid4()[d][p][s]
 
     def grid(self) -> list[list[list[int]]]:
-        """Ranks as [dp][pp][tp]."""
+        """Ranks as [dp * sp][pp][tp] (layout.mesh_ranks: one row per FSDP2 shard index)."""
         return self.layout.mesh_ranks()
 
     # ---- sharing work --------------------------------------------------------------------------------------
@@ -129,7 +157,8 @@ class RoleMesh:
         if c is None:
             return f"{self.layout.role}: -"
         pp = f" pp {c[1]}/{self.layout.pp}" if self.layout.pp > 1 else ""
-        return f"{self.layout.role}: dp {c[0]}/{self.layout.dp}{pp} tp {c[2]}/{self.layout.tp}"
+        sp = f" sp {self.sp_rank}/{self.layout.sp}" if self.layout.sp > 1 else ""
+        return f"{self.layout.role}: dp {c[0]}/{self.layout.dp}{pp}{sp} tp {c[2]}/{self.layout.tp}"
 
 
 def connected_group(ranks: list[int] | None = None):
@@ -160,9 +189,9 @@ class RoleMeshes:
         cache: dict[tuple, DeviceMesh] = {}
         for role in ROLES:
             lay = layouts[role]
-            key = (lay.ranks, lay.dp, lay.pp, lay.tp)
+            key = (lay.ranks, lay.dp, lay.pp, lay.sp, lay.tp)
             if key not in cache:
-                ranks = torch.tensor(lay.ranks, dtype=torch.int64).view(lay.dp, lay.pp, lay.tp)
+                ranks = torch.tensor(lay.ranks, dtype=torch.int64).view(lay.dp, lay.pp, lay.sp, lay.tp)
                 cache[key] = DeviceMesh(device_type, ranks, mesh_dim_names=DIMS)
             self.roles[role] = RoleMesh(lay, cache[key], rank)
         # split placement: batches (rollout -> training) and weights (training -> rollout) move point to point on

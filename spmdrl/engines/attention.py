@@ -157,14 +157,24 @@ def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
 
 def hf_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                  dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
-                 cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None, **kwargs):
+                 cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None, sp=None, **kwargs):
     """transformers' attention-function interface: query [B, Hq, L, D], key/value [B, Hkv, L, D] (the heads of
     this tensor-parallel rank) -> ([B, L, Hq, D], None).
+
+    sp (a SequenceShard, engines/sequence_parallel.py): L is this rank's part of the tokens; the heads are
+    exchanged for the tokens of the sp group (all-to-all), attention runs as below over the whole width with the
+    shard's full-row boundaries, and the output goes back to the local tokens.
 
     cu_seq_lens_q given: one row of packed sequences (B = 1), varlen_attention. A 4-D attention_mask given (a
     caller's explicit mask): SDPA with that mask. Neither: right-padded rows, padded_causal_attention.
     sliding_window (a windowed layer, e.g. Gemma 3's local layers): the window applies in every form but the
     caller's explicit mask, which already holds it."""
+    if sp is not None:
+        q = sp.heads_to_tokens(query)
+        k, v = (sp.heads_to_tokens(sp.spread_kv(t, query.shape[1])) for t in (key, value))
+        packed = {} if sp.cu_seqlens is None else dict(cu_seq_lens_q=sp.cu_seqlens, max_length_q=sp.max_seqlen)
+        out, _ = hf_attention(module, q, k, v, attention_mask, dropout, scaling, sliding_window, **packed, **kwargs)
+        return sp.tokens_to_heads(out), None
     if kwargs.get("softcap") is not None:
         raise ValueError(f"attention implementation {HF_IMPLEMENTATION!r} has no attention-logit soft-capping: "
                          "set model.attn_implementation = 'sdpa'")

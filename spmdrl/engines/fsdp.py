@@ -22,6 +22,7 @@ from spmdrl.engines.base import accumulate, clipped_step, device_bytes, forward_
 from spmdrl.engines.loading import build_meta_model, decoder_blocks, materialise
 from spmdrl.engines.response_index import ResponseIndex
 from spmdrl.engines.router_replay import RouterReplay, moe_routers
+from spmdrl.engines.sequence_parallel import SequenceShard
 from spmdrl.engines.token_batch import TokenBatch, dense_rows
 from spmdrl.reshard.plan import TP_MODULES, Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
@@ -30,19 +31,26 @@ from spmdrl.errors import ConfigError
 log = logging.getLogger("spmdrl")
 
 
-def _backbone_hidden(hf: nn.Module, b: TokenBatch) -> tuple[torch.Tensor, TokenBatch]:
+def _backbone_hidden(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = None) -> tuple[torch.Tensor, TokenBatch]:
     """Last hidden states [N, L, H] and the batch they belong to.
 
     Under spmdrl's attention (engines/attention.py, model.attn_implementation = "auto") a packed batch goes in
     as it is, its boundaries as the cu_seq_lens / max_length keyword arguments every attention layer receives,
     and a padded batch without its mask (right padding: causal attention is exact for every real token); no
     mask tensor is built. Under transformers' SDPA ("sdpa") a padded batch's [B, L] mask goes in as it is and a
-    packed batch is first laid out in rows with the dense block-diagonal mask (dense_rows)."""
+    packed batch is first laid out in rows with the dense block-diagonal mask (dense_rows).
+
+    shard (sequence parallelism, engines/sequence_parallel.py): only this rank's tokens go in, the hidden states
+    come out as [N, hi - lo, H], and every attention layer gets the shard (it exchanges heads over the sp group)."""
     from spmdrl.engines.attention import HF_IMPLEMENTATION
 
     backbone = getattr(hf, hf.base_model_prefix)
     kw = {}
-    if hf.config._attn_implementation == HF_IMPLEMENTATION:
+    ids, pos = b.input_ids, b.position_ids
+    if shard is not None:
+        mask, kw = None, dict(sp=shard)
+        ids, pos = shard.local(ids), shard.local(pos)
+    elif hf.config._attn_implementation == HF_IMPLEMENTATION:
         mask = b.mask if b.mask is not None and b.mask.dim() == 4 else None
         if b.cu_seqlens is not None:
             kw = dict(cu_seq_lens_q=b.cu_seqlens, cu_seq_lens_k=b.cu_seqlens, max_length_q=b.max_seqlen,
@@ -50,9 +58,8 @@ def _backbone_hidden(hf: nn.Module, b: TokenBatch) -> tuple[torch.Tensor, TokenB
     else:
         if b.cu_seqlens is not None:
             b = dense_rows(b)
-        mask = b.mask
-    hidden = backbone(input_ids=b.input_ids, attention_mask=mask, position_ids=b.position_ids, use_cache=False,
-                      **kw).last_hidden_state
+        ids, pos, mask = b.input_ids, b.position_ids, b.mask
+    hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **kw).last_hidden_state
     return hidden, b
 
 
@@ -65,10 +72,11 @@ class _LogprobHead(nn.Module):
         self.hf = hf_model
 
     def forward(self, b: TokenBatch, temperature: float, with_entropy: bool, chunk_size: int, top_k: int = -1,
-                top_p: float = 1.0, index: ResponseIndex | None = None):
-        """index: b's response positions computed on the host (FSDPEngine.logprobs); None (or a batch the backbone
-        laid out anew, model.attn_implementation = "sdpa" with packing) computes them here."""
-        hidden, laid_out = _backbone_hidden(self.hf, b)
+                top_p: float = 1.0, index: ResponseIndex | None = None, shard: SequenceShard | None = None):
+        """index: b's response positions computed on the host (FSDPEngine.logprobs; with a shard, those on this
+        rank's tokens); None (or a batch the backbone laid out anew, model.attn_implementation = "sdpa" with
+        packing) computes them here. shard: sequence parallelism (this rank's tokens; results summed over sp)."""
+        hidden, laid_out = _backbone_hidden(self.hf, b, shard)
         if index is None or laid_out is not b:
             index = ResponseIndex.of(laid_out, batch_first=True).to(hidden.device)
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index.hidden)  # [n, H]: no host read of a count
@@ -81,7 +89,10 @@ class _LogprobHead(nn.Module):
             with_entropy=bool(with_entropy), entropy_grad=with_entropy != "detached", top_k=top_k, top_p=top_p,
             softcap=getattr(self.hf.config, "final_logit_softcapping", None),
         )
-        return index.scatter(logp_flat), (index.scatter(ent_flat) if with_entropy else None)
+        logp, ent = index.scatter(logp_flat), (index.scatter(ent_flat) if with_entropy else None)
+        if shard is not None:
+            logp, ent = shard.gather(logp), (shard.gather(ent) if with_entropy else None)
+        return logp, ent
 
 
 class _ValueHead(nn.Module):
@@ -92,11 +103,16 @@ class _ValueHead(nn.Module):
         super().__init__()
         self.hf = hf_model
 
-    def forward(self, b: TokenBatch, *_):
-        hidden, b = _backbone_hidden(self.hf, b)
-        h = hidden[b.rows(), b.resp_pos]
+    def forward(self, b: TokenBatch, index: ResponseIndex | None = None, shard: SequenceShard | None = None):
+        """index and shard: as _LogprobHead's (sequence parallelism: the values of this rank's response tokens,
+        summed over the sp group)."""
+        hidden, b = _backbone_hidden(self.hf, b, shard)
         head = self.hf.score if hasattr(self.hf, "score") else self.hf.classifier
-        return head(h).squeeze(-1).float() * b.resp_mask, None
+        if shard is None:
+            h = hidden[b.rows(), b.resp_pos]
+            return head(h).squeeze(-1).float() * b.resp_mask, None
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index.hidden)
+        return shard.gather(index.scatter(head(h).squeeze(-1).float())), None
 
 
 TP_PARTIAL_NORMS = ("q_norm", "k_norm")  # applied per head, inside the TP-sharded attention
@@ -175,6 +191,8 @@ class FSDPEngine:
         hf = build_meta_model(model_path, value_head=value_head, trust_remote_code=trust_remote_code, dtype=store_dtype,
                               attn_implementation=model_attention(attn_implementation))
         hf.config.use_cache = False
+        if mesh.sp_size > 1:
+            _check_sequence_parallel(hf.config, mesh, model_path)
         if gradient_checkpointing and trainable:
             from .recompute import enable as enable_recompute
 
@@ -205,7 +223,7 @@ class FSDPEngine:
         self.router = RouterReplay(hf, replay=router_replay, aux=router_losses) if moe_routers(hf) else None  # MoE only
         self.host_offload_policy = offload and cuda
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype != torch.float32 else MixedPrecisionPolicy()
-        kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp)
+        kw = dict(mesh=mesh.shard_mesh(), mp_policy=mp)  # "dp", or dp x sp with sequence parallelism
         if self.host_offload_policy:
             kw["offload_policy"] = CPUOffloadPolicy()
         blocks = decoder_blocks(getattr(hf, hf.base_model_prefix))
@@ -246,9 +264,18 @@ class FSDPEngine:
     # ---- forward ------------------------------------------------------------------------------------
     def logprobs(self, b: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024,
                  top_k: int = -1, top_p: float = 1.0):
-        index = ResponseIndex.of(b, batch_first=True).to(self.device)  # from the host batch, before it moves
+        index, shard = self._index(b)
         self._route(b)
-        return self.module(b.to(self.device), temperature, with_entropy, chunk_size, top_k, top_p, index)
+        return self.module(b.to(self.device), temperature, with_entropy, chunk_size, top_k, top_p, index, shard)
+
+    def _index(self, b: TokenBatch) -> tuple[ResponseIndex, SequenceShard | None]:
+        """b's response positions, from the host batch before it moves; with sequence parallelism the shard of b
+        on this rank and the positions on its tokens."""
+        index = ResponseIndex.of(b, batch_first=True)
+        if self.mesh.sp_size == 1:
+            return index.to(self.device), None
+        shard = SequenceShard.of(b, self.mesh)
+        return shard.local_index(index, b.input_ids.shape[1]).to(self.device), shard.to(self.device)
 
     def adapters_disabled(self):
         """A context in which the forward heads compute the base model alone: with LoRA, the reference policy
@@ -261,8 +288,9 @@ class FSDPEngine:
 
     def values(self, b: TokenBatch) -> torch.Tensor:
         """Critic values [B, R] at response positions (zero on padding)."""
+        index, shard = self._index(b)
         self._route(b)
-        return self.module(b.to(self.device))[0]
+        return self.module(b.to(self.device), index, shard)[0]
 
     def _route(self, b: TokenBatch) -> None:
         if self.router is not None:
@@ -296,7 +324,9 @@ class FSDPEngine:
         for i, mb in enumerate(micro_batches):
             self.module.set_requires_gradient_sync(not self.defer_grad_sync or i == len(micro_batches) - 1)
             loss, metrics = loss_fn(mb, self)
-            loss.backward()
+            # sequence parallelism: FSDP2 averages over the dp x sp ranks, and each sp rank's backward holds the
+            # gradient of its own tokens only (their sum is the replica's): scale by sp
+            (loss * self.mesh.sp_size if self.mesh.sp_size > 1 else loss).backward()
             accumulate(sums, metrics)  # stays on the device: no host sync per micro-batch
         if self._tp_partial:
             self._sum_tp_partial_grads()
@@ -487,6 +517,21 @@ class FSDPEngine:
         if "optimizer" in kinds and self.optimizer is not None:
             _move_optimizer_state(self.optimizer, self.device)
         torch.cuda.synchronize(self.device)
+
+
+def _check_sequence_parallel(config, mesh: RoleMesh, model_path: str) -> None:
+    """Sequence parallelism runs inside spmdrl's attention function and splits whole heads over the sp ranks."""
+    from spmdrl.engines.attention import HF_IMPLEMENTATION
+    from spmdrl.dist.layout import sp_head_problem as check_heads
+
+    key = f"placement.{mesh.layout.role}_sp = {mesh.sp_size}"
+    if config._attn_implementation != HF_IMPLEMENTATION:
+        raise ConfigError(f"{key}: sequence parallelism runs in spmdrl's attention (model.attn_implementation = "
+                          f"'auto'), which {model_path!r} does not take; set {mesh.layout.role}_sp = 1")
+    heads = config.num_attention_heads
+    why = check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, mesh.sp_size)
+    if why:
+        raise ConfigError(f"{key}: {model_path!r} has {why}; choose an sp that divides its heads")
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -63,6 +63,16 @@ def layer_activation_bytes(c, tp: int) -> int:
     return 12 * h + 2 * h + 2 * (2 * q + 2 * kv) // tp + 2 * 4 * c.intermediate_size // tp
 
 
+def sp_exchange_bytes(c, sp: int, eb: int) -> int:
+    """Bytes per local token of one layer's Ulysses all-to-alls (engines/sequence_parallel.py), in flight at once:
+    q, k, v (key/value heads repeated up to sp) and the attention output, each as the contiguous input and the
+    received copy."""
+    heads = c.num_attention_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv = max(getattr(c, "num_key_value_heads", None) or heads, sp)
+    return 2 * (2 * heads + 2 * kv) * d * eb
+
+
 # ------------------------------------------------------------------------------------------------ roles
 
 
@@ -70,7 +80,7 @@ def role_table(layout: dict) -> dict:
     """Which global ranks form which dp/pp/tp groups, per role."""
     out = {}
     for role, lay in layout.items():
-        out[role] = {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "ranks": list(lay.ranks), **lay.groups()}
+        out[role] = {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "sp": lay.sp, "ranks": list(lay.ranks), **lay.groups()}
     return out
 
 
@@ -79,19 +89,20 @@ def shard_stats(params, lay) -> dict:
     whole model, the root's (non-layer) parameters and the largest TP-local decoder layer."""
     from spmdrl.reshard.plan import fsdp_block, fsdp_tp_style, numel
 
-    per_rank: dict[tuple[int, int], int] = {}  # by (dp, tp) coordinate
+    shards = lay.dp * lay.sp  # FSDP2 shards over dp x sp (RoleMesh.shard_mesh)
+    per_rank: dict[tuple[int, int], int] = {}  # by (shard row, tp) coordinate
     for name, shape in params:
         style = fsdp_tp_style(name)
-        for d in range(lay.dp):
+        for d in range(shards):
             for t in range(lay.tp):
-                per_rank[d, t] = per_rank.get((d, t), 0) + numel(fsdp_block(shape, style, lay.dp, lay.tp, d, t))
+                per_rank[d, t] = per_rank.get((d, t), 0) + numel(fsdp_block(shape, style, shards, lay.tp, d, t))
     tp_local = sum(numel(fsdp_block(s, fsdp_tp_style(n), 1, lay.tp, 0, 0)) for n, s in params)
     root = sum(math.prod(s) for n, s in params if block_index(n) is None)
     layers: dict[int, int] = {}
     for n, s in params:
         if (key := block_index(n)) is not None:
             layers[key] = layers.get(key, 0) + numel(fsdp_block(s, fsdp_tp_style(n), 1, lay.tp, 0, 0))
-    largest = max(numel(fsdp_block(s, fsdp_tp_style(n), lay.dp, lay.tp, 0, 0)) for n, s in params)
+    largest = max(numel(fsdp_block(s, fsdp_tp_style(n), shards, lay.tp, 0, 0)) for n, s in params)
     return {"shard": max(per_rank.values()), "tp_local": tp_local, "root": root, "largest": largest,
             "layer": max(layers.values(), default=0), "total": sum(math.prod(s) for _, s in params)}
 
@@ -101,7 +112,7 @@ def load_bytes_per_rank(params, lay, store_eb: int, ckpt_eb: int) -> int:
     block in flight (read in the checkpoint dtype, then cast)."""
     from spmdrl.reshard.plan import fsdp_block, fsdp_tp_style, numel
 
-    largest = max(numel(fsdp_block(s, fsdp_tp_style(n), lay.dp, lay.tp, 0, 0)) for n, s in params)
+    largest = max(numel(fsdp_block(s, fsdp_tp_style(n), lay.dp * lay.sp, lay.tp, 0, 0)) for n, s in params)
     return shard_stats(params, lay)["shard"] * store_eb + largest * (ckpt_eb + store_eb)
 
 
@@ -163,9 +174,10 @@ def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, mast
     if r["trainable"]:
         kinds["optimizer"] = trained["shard"] * 8  # AdamW exp_avg + exp_avg_sq, float32
     host_always = role_ref and cfg.ref.offload  # FSDP2 CPUOffloadPolicy: weights live on the host
-    tokens = r["micro"] * seq
+    tokens = -(-r["micro"] * seq // lay.sp)  # sequence parallelism: each sp rank holds 1/sp of the tokens
     tp = lay.tp
     act_layer = tokens * layer_activation_bytes(c, tp)
+    exchange = {"sp_all_to_all": tokens * sp_exchange_bytes(c, lay.sp, compute_eb)} if lay.sp > 1 else {}
     # FSDP2 all-gather buffers in the compute dtype: the root (embeddings, final norm, head: not TP-sharded)
     # stays gathered through a forward, decoder layers one at a time plus one prefetched
     gathered = (st["root"] + 2 * st["layer"]) * compute_eb
@@ -185,10 +197,10 @@ def _fsdp_memory(cfg, r: dict, st: dict, c, lay, seq: int, compute_eb: int, mast
         train = {
             "params": kinds["params"], "grads": trained["shard"] * master_eb, "optimizer": kinds["optimizer"],
             "gathered_params": gathered, "unsharded_grads": unsharded_grads,
-            "activations": saved + (act_layer if ckpt else 0) + head + tokens * c.hidden_size * 4,
+            "activations": saved + (act_layer if ckpt else 0) + head + tokens * c.hidden_size * 4, **exchange,
         }
     forward = {"params": 0 if host_always else kinds["params"], "gathered_params": gathered,
-               "activations": act_layer + head + tokens * c.hidden_size * 4}
+               "activations": act_layer + head + tokens * c.hidden_size * 4, **exchange}
     return kinds, train, forward, host_always
 
 
@@ -482,6 +494,7 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         for name, (gpu, host) in phases.items():
             if name.startswith("train_") or name.endswith("_forward"):
                 phases[name] = (gpu, {**host, "vllm_weights_pinned": vllm_w})
+    longest = longest_sequences(cfg, hf, roles, layout, backends, offload, state, phases, compute_eb, on_gpu, world)
     memory, fits = _memory_table(phases, m, gpus_node)
     memory["build"]["vllm_start"] = vllm_start
     fits &= vllm_start["ok"]
@@ -511,8 +524,46 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         "nccl": {"communicators": worst_comms, "comm_gb": _gib(NCCL_COMM_BYTES),
                  "p2p_peer_gb": {"nvlink": _gib(NCCL_NVLINK_PEER_BYTES), "network": _gib(NCCL_NET_PEER_BYTES)}},
         "memory": memory,
+        "longest_sequence": longest,
         "fits": bool(fits),
     }
+
+
+def longest_sequences(cfg, hf, roles: dict, layout: dict, backends: dict, offload: dict, state: dict, phases: dict,
+                      compute_eb: int, on_gpu: bool, world: int) -> dict:
+    """The longest sequence (prompt + response tokens) each trained FSDP2 role can train with one sequence per
+    micro-batch, per sequence-parallel degree sp its ranks allow (a divisor of the role's ranks that splits the
+    heads; tp = 1): its training phase holds what the plan's phase holds beside the role (the other roles'
+    residents, vLLM asleep, NCCL), the role's state, and activations that grow linearly with the tokens per sp
+    rank; the sequence is the largest that keeps the phase within memory.margin of the GPU. An estimate from
+    the same model as the phases."""
+    import dataclasses
+
+    from spmdrl.dist.layout import plan_layout, sp_head_problem
+
+    m = cfg.memory
+    budget = m.margin * m.gpu_memory_gb * GIB - CUDA_CONTEXT_GIB * GIB
+    out = {}
+    for role in ("actor", "critic"):
+        if role not in roles or backends.get(role) != "fsdp" or f"train_{role}" not in phases:
+            continue
+        c = roles[role].get("hf", hf)
+        lay = layout[role]
+        beside = sum(phases[f"train_{role}"][0].values()) - sum(state[role]["train"].values())
+        kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        rows = {}
+        for sp in range(1, len(lay.ranks) + 1):
+            if len(lay.ranks) % (sp * lay.tp) or (sp > 1 and (lay.tp > 1 or sp_head_problem(c.num_attention_heads, kv, sp))):
+                continue
+            variant = plan_layout(dataclasses.replace(cfg.placement, **{f"{role}_sp": sp}), world, backends=backends)
+            one = dict(roles[role], micro=1)
+            a, b = (sum(_role_state(cfg, one, hf, variant, backends, offload[role], n, compute_eb, on_gpu)["train"].values())
+                    for n in (sp * 1024, sp * 2048))
+            per_token = (b - a) / (sp * 1024)
+            fixed = a - per_token * sp * 1024
+            rows[sp] = max(0, int((budget - beside - fixed) // per_token)) if per_token > 0 else 0
+        out[role] = {"tokens_by_sp": rows, "max_position_embeddings": getattr(c, "max_position_embeddings", None)}
+    return out
 
 
 def adapter_sync_figures(adapter, layout: dict, elem_bytes: int, bucket: int, split: bool):
@@ -603,8 +654,10 @@ def render(p: dict) -> str:
              f"{hw['host_memory_gb']} GiB host per node; fits means <= {hw['margin']:g} x each)", "", "roles:"]
     for role, r in p["roles"].items():
         pp = f"  pp groups {_short(r['pp_groups'])}" if r["pp"] > 1 else ""
-        lines.append(f"  {role:8s} {r['backend']:8s} dp={r['dp']} pp={r['pp']} tp={r['tp']}  tp groups {_short(r['tp_groups'])}  "
-                     f"dp groups {_short(r['dp_groups'])}{pp}")
+        sp = f" sp={r['sp']}" if r.get("sp", 1) > 1 else ""
+        sp_groups = f"  sp groups {_short(r['sp_groups'])}" if sp else ""
+        lines.append(f"  {role:8s} {r['backend']:8s} dp={r['dp']} pp={r['pp']} tp={r['tp']}{sp}  tp groups {_short(r['tp_groups'])}  "
+                     f"dp groups {_short(r['dp_groups'])}{pp}{sp_groups}")
     w, pl = p["weight_sync"], p["placement"]
     if pl["mode"] == "split":
         lines += ["", f"split placement: rollout ranks {_short([pl['rollout_ranks']])}, training ranks "
@@ -625,7 +678,12 @@ def render(p: dict) -> str:
               f"sent max {w['bytes_sent_max'] / GIB:.3f} GiB  collectives {w['collectives']}  (every rank gathering every parameter in fp32: "
               f"{w['full_gather_bytes_per_rank'] / GIB:.1f} GiB)",
               f"  vLLM weights {p['rollout']['vllm_weights_gb']} GiB, KV cache {p['rollout']['kv_cache_gb']} GiB per GPU",
-              "", f"memory per phase (GiB): {'phase':14s} {'GPU/rank':>9s} {'host/node':>10s}  fits  breakdown (GPU)"]
+              ""]
+    for role, row in p.get("longest_sequence", {}).items():
+        seqs = ", ".join(f"sp={sp}: {n:,}" for sp, n in row["tokens_by_sp"].items())
+        lines.append(f"longest {role} sequence it can train (tokens, one sequence per micro-batch, estimate): {seqs}"
+                     f"  (the model has {row['max_position_embeddings']} positions)")
+    lines += ["", f"memory per phase (GiB): {'phase':14s} {'GPU/rank':>9s} {'host/node':>10s}  fits  breakdown (GPU)"]
     for name, ph in p["memory"].items():
         parts = ", ".join(f"{k} {v:g}" for k, v in ph["gpu"].items())
         after = f" ({ph['after']})" if "after" in ph else ""

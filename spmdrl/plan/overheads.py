@@ -71,8 +71,9 @@ def megatron_groups(tp: int, pp: int, dp: int) -> dict[str, int]:
 def communicators(layout: dict, backends: dict, world: int, split: bool, rollout_shards: bool) -> dict[int, dict]:
     """Per global rank: how many NCCL communicators of two or more ranks it creates, by who creates them.
       world        init_process_group
-      role_meshes  one DeviceMesh per distinct (ranks, dp, pp, tp) of every role (spmdrl/dist/meshes.py), a group
-                   per dimension; a dimension spanning the whole world reuses the world group (torch's DeviceMesh)
+      role_meshes  one DeviceMesh per distinct (ranks, dp, pp, sp, tp) of every role (spmdrl/dist/meshes.py), a
+                   group per dimension; a dimension spanning the whole world reuses the world group (torch's
+                   DeviceMesh); with sp > 1 also FSDP2's flattened dp x sp group
       split_groups split placement: batch and weight groups (whole world), the training ranks' group
       megatron     megatron's parallel state (`megatron_groups`), when a role runs on the Megatron backend
       vllm         vLLM's world group over the rollout ranks, and per TP group a torch device group plus
@@ -83,7 +84,7 @@ def communicators(layout: dict, backends: dict, world: int, split: bool, rollout
            for r in range(world)}
     seen = set()
     for lay in layout.values():
-        key = (lay.ranks, lay.dp, lay.pp, lay.tp)
+        key = (lay.ranks, lay.dp, lay.pp, lay.sp, lay.tp)
         if key in seen:
             continue
         seen.add(key)
@@ -92,6 +93,9 @@ def communicators(layout: dict, backends: dict, world: int, split: bool, rollout
                 if 1 < len(g) < world:
                     for r in g:
                         out[r]["role_meshes"] += 1
+        if lay.sp > 1:  # FSDP2's flattened dp x sp group (RoleMesh.shard_mesh), a new group even over the world
+            for r in lay.ranks:
+                out[r]["role_meshes"] += 1
     if split:
         for r in range(world):
             out[r]["split_groups"] = 2 + int(r in layout["actor"].ranks and len(layout["actor"].ranks) > 1)
