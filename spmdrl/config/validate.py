@@ -289,19 +289,12 @@ def validate_sequence_parallel(cfg) -> None:
 
 
 def validate_rollout_length(cfg) -> None:
-    """The rollout engine must hold one sequence of max_prompt_length + max_response_length: within the model's
-    positions (vLLM refuses a longer max_model_len at engine build) and, with trainer.device = 'cpu', within
-    rollout.kv_cache_gb."""
+    """With trainer.device = 'cpu', rollout.kv_cache_gb must hold one sequence of max_prompt_length +
+    max_response_length (the model's positions are checked before launch: spmdrl.preflight.check_models)."""
     hf = hf_config_json(cfg.model.path)
     if hf is None:
         return
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    limit = hf.get("max_position_embeddings")
-    if isinstance(limit, int) and longest > limit and not hf.get("rope_scaling"):
-        raise ConfigError(
-            f"data.max_prompt_length + data.max_response_length = {longest} exceeds the {limit} positions of "
-            f"model.path = {cfg.model.path!r} (config.json max_position_embeddings), the longest sequence vLLM "
-            f"builds; lower data.max_response_length to at most {limit - cfg.data.max_prompt_length}")
     if cfg.trainer.device != "cpu":
         return  # on a GPU vLLM sizes its KV cache from gpu_memory_utilization (`spmdrl plan` checks it)
     heads = hf.get("num_attention_heads")
