@@ -444,8 +444,8 @@ def test_fsdp_tensor_parallel_needs_whole_heads_per_rank(model_dirs):
 
 def test_sequence_parallel_and_long_response_bad_input_one_line(model_dirs):
     """sp must split the 4 heads / 2 key/value heads, runs on the FSDP2 backend's own attention only, and the
-    Megatron backend's context parallelism is refused naming TransformerEngine; the rollout must hold one
-    longest sequence (positions, CPU KV cache)."""
+    Megatron backend's context parallelism is refused naming TransformerEngine, as are sp with the MoE router
+    options or distillation; the rollout must hold one longest sequence in its CPU KV cache (the model's positions: tests/test_cli.py, before launch)."""
     llama = f"model.path={model_dirs['llama']}"
     validate(valid(llama, "placement.actor_sp=4", "rollout.engine=hf"), 4)  # kv heads repeated to 4
     cases = [
@@ -455,8 +455,8 @@ def test_sequence_parallel_and_long_response_bad_input_one_line(model_dirs):
          "placement.actor_sp = 2: sequence parallelism", "model.attn_implementation = 'auto'"),
         ((2, llama, "placement.actor_sp=2", "trainer.backend=megatron", "rollout.engine=hf"),
          "placement.actor_sp = 2 on the megatron backend", "transformer-engine"),
-        ((2, llama, "data.max_prompt_length=512", "data.max_response_length=4000", "rollout.engine=hf"),
-         "data.max_prompt_length + data.max_response_length = 4512 exceeds", "max_response_length to at most"),
+        ((2, llama, "placement.actor_sp=2", f"distill.teacher_path={model_dirs['llama']}", "rollout.engine=hf"),
+         "placement.actor_sp = 2: on-policy distillation", "actor_sp = 1"),
         ((2, llama, "rollout.kv_cache_gb=0.0001", "trainer.device=cpu", "rollout.engine=hf"), "rollout.kv_cache_gb = 0.0001 holds",
          "raise it to at least"),
     ]
