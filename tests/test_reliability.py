@@ -330,7 +330,7 @@ def test_a_string_for_a_list_key_in_a_file_says_how_to_write_it(tmp_path):
 
 def test_offload_kinds_the_reference_model_does_not_have_are_refused():
     cfg = load_config(None, ["model.path=m", 'data.train_files=["t.parquet"]', 'memory.ref_offload=["params", "optimizer"]'])
-    with pytest.raises(ConfigError, match=r"^memory\.ref_offload has \['optimizer'\]: the reference model has no "
+    with pytest.raises(ConfigError, match=r"^memory\.ref_offload has \['optimizer'\]: the ref model has no "
                                           r"gradients or optimizer state, only 'params' applies"):
         validate(cfg, world_size=1)
 
