@@ -359,7 +359,7 @@ def test_real_sweep_run_skip_report(tmp_path):
 
     proc = spmdrl("run")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for name in ("adv_estimator=grpo", "adv_estimator=rloo"):
+    for name in ("adv_estimator-grpo", "adv_estimator-rloo"):
         assert f"{name}: finished in" in proc.stdout
         rows = [json.loads(line) for line in open(tmp_path / "out" / name / "metrics.jsonl")]
         assert rows[-1]["step"] == 2 and "train/reward_mean" in rows[-1]
@@ -372,7 +372,7 @@ def test_real_sweep_run_skip_report(tmp_path):
     proc = spmdrl("report")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    for name in ("adv_estimator=grpo", "adv_estimator=rloo"):
+    for name in ("adv_estimator-grpo", "adv_estimator-rloo"):
         assert next(line for line in lines if line.startswith(name + " ")).split()[1:3] == ["done", "2"]
     for png in ("reward.png", "val_accuracy.png"):
         assert (tmp_path / "out" / "report" / png).read_bytes().startswith(PNG)
