@@ -316,7 +316,8 @@ def test_offload_round_trip_frees_state_and_is_exact(runs, layout):
 def test_host_stash_keeps_every_view_and_pins_nothing_extra():
     """HostStash on plain CPU tensors: views of one buffer count once, values come back bitwise, a kind parked twice
     is skipped, grads-style storages come back as zeros, and the host copies add up to exactly the storage."""
-    from spmdrl.engines.megatron.offload import HostStash, pieces, unique_storages
+    from spmdrl.engines.base import unique_storages
+    from spmdrl.engines.megatron.offload import HostStash, pieces
 
     buf = torch.randn(70_001)  # 280,004 bytes: a 256 KiB piece and a 17,860-byte tail
     views = [buf[:10].view(2, 5), buf[100:70_001]]

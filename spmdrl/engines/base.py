@@ -133,22 +133,33 @@ class AdapterEngine(TrainEngine, Protocol):
         """The adapter_config.json PEFT writes for these adapters."""
 
 
-def device_bytes(tensors, device: torch.device, exclude: set[int] = frozenset()) -> tuple[int, set[int]]:
-    """(bytes of the distinct storages behind `tensors` that live on `device`'s type, their data pointers):
-    views of one buffer count once, storages whose pointer is in `exclude` (counted under another kind) not at
-    all. DTensors count their local shard."""
-    seen, total = set(), 0
+def unique_storages(tensors) -> list[torch.UntypedStorage]:
+    """The distinct non-empty storages behind `tensors` (views of one buffer count once; DTensors by their local
+    shard; None skipped), in first-seen order."""
+    seen, out = set(), []
     for t in tensors:
         if t is None:
             continue
-        t = t.to_local() if hasattr(t, "to_local") else t
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if t.device.type != device.type or not st.nbytes() or ptr in seen or ptr in exclude:
-            continue
-        seen.add(ptr)
-        total += st.nbytes()
-    return total, seen
+        st = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            out.append(st)
+    return out
+
+
+def state_storages(params, grads, optimizer) -> dict[str, list[torch.UntypedStorage]]:
+    """An engine's state by offload kind, each storage once: a gradient or optimizer storage that is a
+    parameter's (torch AdamW updates the parameters themselves) belongs to "params"."""
+    out = {"params": unique_storages(params)}
+    taken = {st.data_ptr() for st in out["params"]}
+    for kind, tensors in (("grads", grads), ("optimizer", optimizer)):
+        out[kind] = [st for st in unique_storages(tensors) if st.data_ptr() not in taken]
+    return out
+
+
+def resident(storages: dict[str, list[torch.UntypedStorage]], device: torch.device) -> dict[str, int]:
+    """{kind: bytes of its storages on `device`'s type} (TrainEngine.resident_bytes)."""
+    return {kind: sum(st.nbytes() for st in sts if st.device.type == device.type) for kind, sts in storages.items()}
 
 
 def forward_each(engine: TrainEngine, tbs: list, head: str, **head_kw) -> list[torch.Tensor]:

@@ -18,13 +18,13 @@ from torch.distributed.tensor import DTensor
 
 from spmdrl.algos.token_stats import logprobs_from_hidden
 from spmdrl.config.derived import resolve_dtype
-from spmdrl.engines.base import accumulate, clipped_step, device_bytes, forward_each, lr_lambda, step_metrics
+from spmdrl.engines.base import accumulate, clipped_step, forward_each, lr_lambda, resident, state_storages, step_metrics
 from spmdrl.engines.loading import build_meta_model, decoder_blocks, materialise
 from spmdrl.engines.response_index import ResponseIndex
 from spmdrl.engines.router_replay import RouterReplay, moe_routers
 from spmdrl.engines.sequence_parallel import SequenceShard
 from spmdrl.engines.token_batch import TokenBatch, dense_rows
-from spmdrl.reshard.plan import TP_MODULES, Block, fsdp_blocks, numel
+from spmdrl.reshard.plan import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import ConfigError
 
@@ -501,12 +501,9 @@ class FSDPEngine:
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of this rank's parameter shards, gradient shards and AdamW moments on the device now."""
         params = list(self.module.parameters())
-        p, taken = device_bytes(params, self.device)
-        g, _ = device_bytes((q.grad for q in params), self.device, taken)
-        state = [v for st in (self.optimizer.state.values() if self.optimizer is not None else ())
-                 for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
-        o, _ = device_bytes(state, self.device, taken)
-        return {"params": p, "grads": g, "optimizer": o}
+        moments = [v for st in (self.optimizer.state.values() if self.optimizer is not None else ())
+                   for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+        return resident(state_storages(params, (q.grad for q in params), moments), self.device)
 
     def onload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
         """Bring offloaded kinds back to the device (see offload)."""

@@ -93,8 +93,7 @@ class Learner:
             return self.logprobs(self.ref, batch)
         with self.actor.adapters_disabled():
             self._note_routing(self.actor)  # the actor's own passes so far, before the base model's
-            out = self.logprobs(self.actor, batch, ref=True)
-        return out
+            return self.logprobs(self.actor, batch, ref=True)
 
     def teacher_logprobs(self, batch: Batch) -> torch.Tensor:
         """The distillation teacher's log-probs of the sampled tokens (at the rollout temperature, as the

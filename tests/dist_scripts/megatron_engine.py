@@ -83,7 +83,7 @@ def state_tensors(e) -> tuple[list, list, list]:
 
 def state_bytes(e) -> tuple[int, int, int]:
     """Bytes now held by the storages of state_tensors."""
-    from spmdrl.engines.megatron.offload import unique_storages
+    from spmdrl.engines.base import unique_storages
 
     return tuple(sum(st.nbytes() for st in unique_storages(ts)) for ts in state_tensors(e))
 

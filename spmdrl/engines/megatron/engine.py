@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.dist.meshes import RoleMesh
-from spmdrl.engines.base import accumulate, clipped_step, device_bytes, step_metrics
+from spmdrl.engines.base import accumulate, clipped_step, resident, state_storages, step_metrics
 from spmdrl.config.derived import resolve_dtype
 from spmdrl.engines.base import lr_lambda
 from spmdrl.engines.token_batch import TokenBatch, relayout
@@ -390,33 +390,27 @@ class MegatronEngine:
     def resident_bytes(self) -> dict[str, int]:
         """Bytes on the device now of the storages offload would park, kind by kind (see offload): parked
         storages are resized to 0 and count nothing."""
+        return resident(self._state_storages(), self.device)
+
+    def _state_storages(self) -> dict:
+        """What each offload kind parks: the model parameters, the optimizer's own tensors, megatron DDP's grad
+        buffers (_ParamAndGradBuffers), each storage once (engines.base.state_storages)."""
         from .offload import optimizer_tensors
 
-        p, taken = device_bytes(self.stage.parameters(), self.device)
-        o = g = 0
-        if self.optimizer is not None:
-            o, _ = device_bytes(optimizer_tensors(self.optimizer), self.device, taken)
-        if self.trainable:
-            bufs = self.model.buffers + self.model.expert_parallel_buffers
-            g, _ = device_bytes((b.grad_data for b in bufs), self.device, taken)
-        return {"params": p, "grads": g, "optimizer": o}
+        bufs = self.model.buffers + self.model.expert_parallel_buffers if self.trainable else []
+        opt = optimizer_tensors(self.optimizer) if self.optimizer is not None else []
+        return state_storages(self.stage.parameters(), (b.grad_data for b in bufs), opt)
 
     def _park(self, kinds) -> None:
-        from .offload import HostStash, optimizer_tensors, unique_storages
+        from .offload import HostStash
 
         if getattr(self, "_stash", None) is None:
             self._stash = HostStash(pin=self.device.type == "cuda")
-        params = unique_storages(self.stage.parameters())
-        taken = {st.data_ptr() for st in params}  # optimizer / grad storages that are model params stay with params
-        if "params" in kinds:
-            self._stash.park("params", params)
-        if "optimizer" in kinds and self.optimizer is not None:
-            own = [st for st in unique_storages(optimizer_tensors(self.optimizer)) if st.data_ptr() not in taken]
-            self._stash.park("optimizer", own)
-        if "grads" in kinds and self.trainable:
-            bufs = self.model.buffers + self.model.expert_parallel_buffers  # megatron DDP's _ParamAndGradBuffers
-            grads = [st for st in unique_storages(b.grad_data for b in bufs) if st.data_ptr() not in taken]
-            self._stash.park("grads", grads, keep_values=False)
+        held = {"params": True, "optimizer": self.optimizer is not None, "grads": self.trainable}
+        storages = self._state_storages()
+        for kind in ("params", "optimizer", "grads"):
+            if kind in kinds and held[kind]:
+                self._stash.park(kind, storages[kind], keep_values=kind != "grads")  # grads come back as zeros
 
     def _unpark(self, kinds) -> None:
         if getattr(self, "_stash", None) is not None:

@@ -17,8 +17,6 @@ buffer would pin 16 GiB; cut this way nothing is rounded up except the tail (< 6
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 
 
@@ -39,17 +37,6 @@ def pieces(n: int) -> list[tuple[int, int]]:
             off += 1 << bit
     if n > off:
         out.append((off, n - off))
-    return out
-
-
-def unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
-    """The distinct non-empty storages behind `tensors` (views of one buffer count once), in first-seen order."""
-    seen, out = set(), []
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.nbytes() and st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            out.append(st)
     return out
 
 
