@@ -19,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
 from megatron_engine import MODES, SPLIT, TRUNC, fixed_batch  # noqa: E402
 from test_objective_layout import _reference as _reference_uncached  # noqa: E402
+from hf_files import read_safetensors
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.dist
@@ -216,20 +217,10 @@ def test_weight_shards_match_source_blocks(runs, layout):
     assert all(res["blocks_ok"] for res in runs[layout][2])
 
 
-def _safetensors(d):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(os.listdir(d)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(d, f)))
-    return out
-
-
 @pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS])
 def test_hf_megatron_hf_round_trip_is_exact(runs, layout):
     model, d, _ = runs[layout]
-    orig, back = _safetensors(model), _safetensors(d / "export")
+    orig, back = read_safetensors(model), read_safetensors(d / "export")
     assert orig.keys() == back.keys() and len(orig) > 10
     for k in orig:
         assert torch.equal(orig[k], back[k]), k
@@ -247,8 +238,8 @@ def test_resume_is_bitwise_and_spmdrl_export_reads_the_checkpoint(runs, layout, 
     assert max(res["moved"] for res in ranks) > 1e-4  # the steps really changed the weights
     ckpt = [os.path.join(d, "ckpt", x) for x in os.listdir(d / "ckpt") if x.startswith("step_")]
     out = export_hf(ckpt[0], str(tmp_path / "exported"), dtype="float32")
-    got, want = _safetensors(out), _safetensors(d / "export_step1")
-    assert got.keys() == want.keys() == _safetensors(model).keys()
+    got, want = read_safetensors(out), read_safetensors(d / "export_step1")
+    assert got.keys() == want.keys() == read_safetensors(model).keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
 

@@ -18,6 +18,7 @@ import torch
 
 from devices import gpu_only
 from launching import run
+from hf_files import read_safetensors
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(TESTS, "dist_scripts", "megatron_gpu_resume.py")
@@ -55,16 +56,6 @@ def test_flat_ranges_as_hf_blocks():
     assert [(pc.block, off, shape) for pc, off, shape in rects] == [(((2,), (4,)), 0, (4,))]
 
 
-def _safetensors(d):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(os.listdir(d)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(d, f)))
-    return out
-
-
 @gpu_only
 def test_gpu_resume_is_bitwise_and_export_reads_it(tmp_path, record_property):
     from spmdrl.export import export_hf
@@ -92,8 +83,8 @@ def test_gpu_resume_is_bitwise_and_export_reads_it(tmp_path, record_property):
     assert res["metrics_a"]["actor/grad_norm"] > 0
 
     out = export_hf(res["path"], str(tmp_path / "exported"), dtype="bfloat16")
-    got, want = _safetensors(out), _safetensors(tmp_path / "export_step2")
-    assert got.keys() == want.keys() == _safetensors(model).keys()
+    got, want = read_safetensors(out), read_safetensors(tmp_path / "export_step2")
+    assert got.keys() == want.keys() == read_safetensors(model).keys()
     for k in want:
         assert got[k].dtype == want[k].dtype == torch.bfloat16, k
         assert torch.equal(got[k], want[k]), k
