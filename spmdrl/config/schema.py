@@ -406,6 +406,8 @@ class PlacementConfig:
     """Actor pipeline-parallel degree (Megatron backend only; must be 1 with FSDP2)."""
     actor_sp: int = 1
     """Actor sequence-parallel degree (FSDP2 backend, Ulysses): each sequence's tokens split over this many ranks, attention heads exchanged by all-to-all; needs actor_tp = 1 and the attention heads divisible by it."""
+    actor_ep: int = 1
+    """Actor expert-parallel degree (Megatron backend, mixture-of-experts models): each expert layer's experts split over this many of the actor's data-parallel ranks (tokens reach them by all-to-all); must divide the actor's data-parallel size and the expert count."""
     ref_ranks: list[int] = field(default_factory=list)
     """Ranks of the ref model; empty means the actor's ranks."""
     ref_tp: int = 1
@@ -414,6 +416,8 @@ class PlacementConfig:
     """Ref pipeline-parallel degree (Megatron backend only)."""
     ref_sp: int = 1
     """Ref sequence-parallel degree (FSDP2 backend, Ulysses): each sequence's tokens split over this many ranks, attention heads exchanged by all-to-all; needs ref_tp = 1 and the attention heads divisible by it."""
+    ref_ep: int = 1
+    """Ref expert-parallel degree (Megatron backend, mixture-of-experts models): each expert layer's experts split over this many of the ref's data-parallel ranks (tokens reach them by all-to-all); must divide the ref's data-parallel size and the expert count."""
     critic_ranks: list[int] = field(default_factory=list)
     """Ranks of the critic; empty means the actor's ranks."""
     critic_tp: int = 1
@@ -422,6 +426,8 @@ class PlacementConfig:
     """Critic pipeline-parallel degree (Megatron backend only)."""
     critic_sp: int = 1
     """Critic sequence-parallel degree (FSDP2 backend, Ulysses): each sequence's tokens split over this many ranks, attention heads exchanged by all-to-all; needs critic_tp = 1 and the attention heads divisible by it."""
+    critic_ep: int = 1
+    """Critic expert-parallel degree (Megatron backend, mixture-of-experts models): each expert layer's experts split over this many of the critic's data-parallel ranks (tokens reach them by all-to-all); must divide the critic's data-parallel size and the expert count."""
     rollout_ranks: list[int] = field(default_factory=list)
     """Ranks running vLLM; empty means all ranks (colocate). Split placement: required, the first R ranks [0, ..., R-1]."""
     rollout_tp: int = 1
@@ -432,6 +438,8 @@ class PlacementConfig:
     """Teacher tensor-parallel degree (a teacher larger than the student shards over more ranks)."""
     teacher_pp: int = 1
     """Teacher pipeline-parallel degree (Megatron backend only)."""
+    teacher_ep: int = 1
+    """Teacher expert-parallel degree (Megatron backend, mixture-of-experts models): each expert layer's experts split over this many of the teacher's data-parallel ranks (tokens reach them by all-to-all); must divide the teacher's data-parallel size and the expert count."""
     reward_ranks: list[int] = field(default_factory=list)
     """Ranks of the reward model; empty means the actor's ranks."""
     reward_tp: int = 1

@@ -22,6 +22,14 @@ class RoleLayout:
     pp: int
     tp: int
     sp: int = 1  # sequence parallel: the sp ranks of a replica split each sequence's tokens (FSDP2 Ulysses)
+    ep: int = 1  # expert parallel (Megatron, pp = 1): expert layers split their experts over ep of the dp replicas
+
+    def ep_coords(self, rank: int) -> tuple[int, int] | None:
+        """(expert-parallel rank, expert-data-parallel rank) of a global rank, or None if it is not in the role.
+        megatron-core's order tp-cp-ep-pp-dp with pp = 1 and the expert tensor-parallel size = tp: the expert layers
+        see the dp replicas as ep (fastest) x edp, so ep_rank = dp_rank % ep and edp_rank = dp_rank // ep."""
+        c = self.coords4(rank)
+        return None if c is None else (c[0] % self.ep, c[0] // self.ep)
 
     def coords(self, rank: int) -> tuple[int, int, int] | None:
         """(dp_rank, pp_rank, tp_rank) of a global rank in this role, or None if it is not in the role."""
@@ -63,6 +71,12 @@ class RoleLayout:
         }
         if self.sp > 1:
             out["sp_groups"] = [[g[d][p][s][t] for s in range(self.sp)] for (d, p, _, t) in dims if _ == 0]
+        if self.ep > 1:  # the dp index d = edp * ep + e
+            edp = self.dp // self.ep
+            out["ep_groups"] = [[g[x * self.ep + e][p][s][t] for e in range(self.ep)]
+                                for x in range(edp) for p in range(self.pp) for s in range(self.sp) for t in range(self.tp)]
+            out["edp_groups"] = [[g[x * self.ep + e][p][s][t] for x in range(edp)]
+                                 for e in range(self.ep) for p in range(self.pp) for s in range(self.sp) for t in range(self.tp)]
         return out
 
 
@@ -135,19 +149,19 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = True,
         "reward": _ranks(placement.reward_ranks, actor, world_size, "reward_ranks"),
         "rollout": rollout,
     }
-    degrees = {  # (tp, pp, sp)
-        "actor": (placement.actor_tp, placement.actor_pp, placement.actor_sp),
-        "ref": (placement.ref_tp, placement.ref_pp, placement.ref_sp),
-        "critic": (placement.critic_tp, placement.critic_pp, placement.critic_sp),
-        "teacher": (placement.teacher_tp, placement.teacher_pp, 1),
-        "reward": (placement.reward_tp, 1, 1),
-        "rollout": (placement.rollout_tp, 1, 1),
+    degrees = {  # (tp, pp, sp, ep)
+        "actor": (placement.actor_tp, placement.actor_pp, placement.actor_sp, placement.actor_ep),
+        "ref": (placement.ref_tp, placement.ref_pp, placement.ref_sp, placement.ref_ep),
+        "critic": (placement.critic_tp, placement.critic_pp, placement.critic_sp, placement.critic_ep),
+        "teacher": (placement.teacher_tp, placement.teacher_pp, 1, placement.teacher_ep),
+        "reward": (placement.reward_tp, 1, 1, 1),
+        "rollout": (placement.rollout_tp, 1, 1, 1),
     }
     out = {}
     for role in ROLES:
-        tp, pp, sp = degrees[role]
+        tp, pp, sp, ep = degrees[role]
         n = len(ranks[role])
-        for name, v in (("tp", tp), ("pp", pp), ("sp", sp)):
+        for name, v in (("tp", tp), ("pp", pp), ("sp", sp), ("ep", ep)):
             if v < 1:
                 raise LayoutError(f"placement.{role}_{name} must be >= 1, found {v}")
         if n % (tp * pp * sp):
@@ -157,7 +171,14 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = True,
                 + (f"{role}_tp, {role}_pp and {role}_sp whose product divides {n}" if role in TRAINED_ROLES else
                    f"a {role}_tp that divides {n}")
             )
-        out[role] = RoleLayout(role, ranks[role], n // (tp * pp * sp), pp, tp, sp)
+        dp = n // (tp * pp * sp)
+        if dp % ep:
+            raise LayoutError(
+                f"placement.{role}_ep = {ep} must divide the {role}'s data-parallel size {dp} (its {n} ranks / "
+                f"(tp*pp*sp = {tp * pp * sp})): expert parallelism splits the experts over data-parallel ranks; "
+                f"choose a {role}_ep that divides {dp}"
+            )
+        out[role] = RoleLayout(role, ranks[role], dp, pp, tp, sp, ep)
     want = trainers if split else everyone
     for role in ROLES[:-1] if split else ROLES:
         if out[role].ranks != want:
@@ -174,6 +195,20 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = True,
                 f"placement.{role}_pp = {out[role].pp} needs pipeline parallelism, which the {backend} backend does "
                 f"not have; set {'trainer.critic_backend' if role == 'critic' else 'trainer.backend'} = \"megatron\" "
                 f"or {role}_pp = 1"
+            )
+    for role in TRAINED_ROLES:
+        lay, backend = out[role], backends.get(role, "fsdp")
+        if lay.ep > 1 and backend not in PIPELINE_BACKENDS:
+            raise LayoutError(
+                f"placement.{role}_ep = {lay.ep} needs expert parallelism, which the {backend} backend does not have "
+                f"(its experts train whole on each FSDP2 shard); set "
+                f"{'trainer.critic_backend' if role == 'critic' else 'trainer.backend'} = \"megatron\" or {role}_ep = 1"
+            )
+        if lay.ep > 1 and lay.pp > 1:
+            raise LayoutError(
+                f"placement.{role}_ep = {lay.ep} with {role}_pp = {lay.pp}: megatron-core lays expert-parallel ranks "
+                f"out with the pipeline stages outermost, which spmdrl's rank layout (pipeline inside data parallel) "
+                f"is not; set {role}_pp = 1 (expert parallelism with tensor and data parallelism)"
             )
     for role in TRAINED_ROLES:
         lay = out[role]
@@ -201,11 +236,11 @@ def check_megatron_roles(layout: dict[str, RoleLayout], backends: dict[str, str]
     roles = [r for r in built if backends.get(r) == "megatron"]
     for role in roles[1:]:
         a, b = layout[roles[0]], layout[role]
-        if (a.ranks, a.tp, a.pp) != (b.ranks, b.tp, b.pp):
+        if (a.ranks, a.tp, a.pp, a.ep) != (b.ranks, b.tp, b.pp, b.ep):
             raise LayoutError(
-                f"placement: the Megatron roles {roles[0]} (tp={a.tp}, pp={a.pp}) and {role} (tp={b.tp}, pp={b.pp}) "
-                f"differ, but megatron-core has one parallel layout per process; set {role}_tp = {a.tp} and "
-                f"{role}_pp = {a.pp}"
+                f"placement: the Megatron roles {roles[0]} (tp={a.tp}, pp={a.pp}, ep={a.ep}) and {role} (tp={b.tp}, "
+                f"pp={b.pp}, ep={b.ep}) differ, but megatron-core has one parallel layout per process; set "
+                f"{role}_tp = {a.tp}, {role}_pp = {a.pp} and {role}_ep = {a.ep}"
             )
 
 
