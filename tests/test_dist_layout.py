@@ -164,5 +164,5 @@ def test_megatron_roles_must_share_one_layout():
             "critic.micro_batch_size=1", "rollout.n=2"]
     validate(load_config(None, base), 8)  # the ref (tp=1) is not built without a KL term
     bad = load_config(None, base + ["critic.enable=true", "algorithm.adv_estimator=gae", "placement.critic_tp=2"])
-    with pytest.raises(LayoutError, match="critic .tp=2, pp=1. differ.*critic_pp = 2"):
+    with pytest.raises(LayoutError, match="critic .tp=2, pp=1, ep=1. differ.*critic_pp = 2"):
         validate(bad, 8)
