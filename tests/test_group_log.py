@@ -225,7 +225,7 @@ def weight_sync_first_uses(name: str, directory: str):
     from spmdrl.engines.loading import load_hf_config
     from spmdrl.loop.build import build_weight_sync
     from spmdrl.reshard.plan import full_block
-    from spmdrl.reshard.transport import bucket_calls, execute
+    from spmdrl.reshard.transport import bucket_calls, execute, held_shards
     from spmdrl.tiny import build_model
 
     config, overrides, world, lora = LAYOUTS[name]
@@ -245,11 +245,11 @@ def weight_sync_first_uses(name: str, directory: str):
                                      actor_grid=layouts["actor"].mesh_ranks(), hf_config=hf, split=True)
             assert type(sync).__name__ == ("AdapterSync" if lora else "WeightSync")
             if lora:  # the source actor rank holds the whole adapter
-                shards = {n: (torch.empty(s, device="meta"), full_block(s)) for n, s in sync.params} if (
+                shards = {n: {full_block(s): torch.empty(s, device="meta")} for n, s in sync.params} if (
                     rank == min(layouts["actor"].ranks)) else {}
             else:
-                shards = {n: (torch.empty(b[1], device="meta"), b) for n, bs in sync.plan.sources.items()
-                          for r, b in bs if r == rank}
+                shards = held_shards((n, torch.empty(b[1], device="meta"), b) for n, bs in sync.plan.sources.items()
+                                     for r, b in bs if r == rank)
             execute(sync.plan, shards, rank, dtype=sync.dtype, comm_device=torch.device("meta"),
                     bucket_bytes=sync.bucket_bytes, deliver=lambda out: None, group=sync.group)
             calls = bucket_calls(sync.plan, sync.bucket_bytes, torch.empty((), dtype=sync.dtype).element_size())

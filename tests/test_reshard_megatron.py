@@ -1,5 +1,7 @@
 """Megatron-core (tp x pp x dp) as the source of the weight sync: the pure layout against megatron-core's own
 stage arithmetic and against a reference fused/sharded Megatron tensor, and plans simulated without processes."""
+import os
+
 import pytest
 import torch
 
@@ -7,8 +9,11 @@ from spmdrl.errors import LayoutError
 from spmdrl.reshard.plan import (
     ModelDims, megatron_blocks, megatron_padded_vocab, megatron_tp_block, numel, plan_sync, pp_stage_layers,
 )
+from spmdrl.reshard.transport import held_shards
 
 from vllm_targets import vllm_blocks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # a GQA model: 8 heads in 4 query groups of head_dim 4, hidden 16, MLP 24, 4 layers, vocab 100
 H, NH, NG, HD, FFN, V, L = 16, 8, 4, 4, 24, 100, 4
@@ -318,12 +323,202 @@ def test_sync_refuses_shards_that_disagree_with_the_plan():
     grid = grid_of(1, 2, 2)
     plan = plan_sync(ps, megatron_blocks(ps, grid, num_layers=2), vllm_blocks(ps, [[0, 1], [2, 3]], DIMS), 2)
     rank = 1  # stage 0, tp 1: embedding shard and layer 0
-    shards = {n: (torch.zeros(b[1]), b) for n, bs in plan.sources.items() for r, b in bs if r == rank}
+    shards = held_shards((n, torch.zeros(b[1]), b) for n, bs in plan.sources.items() for r, b in bs if r == rank)
     check_shards(plan, shards, rank)
     q = "model.layers.0.self_attn.q_proj.weight"
     wrong = dict(shards)
-    wrong[q] = (torch.zeros(16, H), ((0, 0), (16, H)))  # tp rank 0's rows
+    wrong[q] = {((0, 0), (16, H)): torch.zeros(16, H)}  # tp rank 0's rows
     with pytest.raises(RuntimeError, match="q_proj.*expects"):
         check_shards(plan, wrong, rank)
     with pytest.raises(RuntimeError, match="layers.1"):  # a layer of the other stage
-        check_shards(plan, {**shards, "model.layers.1.input_layernorm.weight": (torch.zeros(H), ((0,), (H,)))}, rank)
+        check_shards(plan, {**shards, "model.layers.1.input_layernorm.weight": {((0,), (H,)): torch.zeros(H)}}, rank)
+
+
+# ---- mixtures of experts: expert parallelism over the dp replicas -------------------------------------------------
+
+def moe_config(experts=4, ffn=32, layers=2):
+    """A tiny Qwen3-MoE config (no weights): 4 experts of FFN width 32, hidden 64, 4 heads of 32 in 2 kv groups."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=ffn,
+                          num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=32, tie_word_embeddings=False, use_sliding_window=False, max_position_embeddings=256,
+                          architectures=["Qwen3MoeForCausalLM"])
+
+
+def megatron_local_experts(gate_up: torch.Tensor, down: torch.Tensor, tp: int, ep: int):
+    """Reference: megatron's SequentialMLP weights of every (expert-parallel rank e, tp rank t), built from HF's
+    fused tensors the way megatron holds them: local expert j of rank e is global expert e * E / ep + j; its
+    linear_fc1 is [gate_t; up_t] (the GLU halves of this tp rank's columns), its linear_fc2 the tp rank's
+    columns of down_proj."""
+    E, F = gate_up.shape[0], gate_up.shape[1] // 2
+    out = {}
+    for e in range(ep):
+        for t in range(tp):
+            fc1, fc2 = [], []
+            for j in range(E // ep):
+                g = e * E // ep + j
+                gate, up = gate_up[g, :F].chunk(tp)[t], gate_up[g, F:].chunk(tp)[t]
+                fc1.append(torch.cat([gate, up]))
+                fc2.append(down[g].chunk(tp, dim=1)[t])
+            out[e, t] = (fc1, fc2)
+    return out
+
+
+@pytest.mark.parametrize("dp,tp,ep", [(2, 1, 2), (2, 2, 2), (4, 1, 4), (4, 2, 2), (4, 1, 2)])
+def test_expert_blocks_are_what_megatron_expert_shards_hold(dp, tp, ep):
+    """Every rank's blocks of the fused expert tensors, cut from random HF tensors, are exactly the weights of its
+    megatron local experts (the reference above); the rank's expert-parallel rank is dist.layout's; the router is
+    whole everywhere; and each expert-data-parallel replica's distinct blocks partition each expert tensor once."""
+    from spmdrl.dist.layout import RoleLayout
+    from spmdrl.engines.loading import model_param_shapes
+
+    ps = model_param_shapes(moe_config())
+    shapes = dict(ps)
+    gu, dn, router = "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj", "model.layers.1.mlp.gate.weight"
+    assert shapes[gu] == (4, 64, 64) and shapes[dn] == (4, 64, 32) and shapes[router] == (4, 64)
+    torch.manual_seed(0)
+    hf = {gu: torch.randn(shapes[gu]), dn: torch.randn(shapes[dn])}
+    ref = megatron_local_experts(hf[gu], hf[dn], tp, ep)
+    grid = grid_of(dp, 1, tp)
+    lay = RoleLayout("actor", tuple(range(dp * tp)), dp, 1, tp, ep=ep)
+    blocks = megatron_blocks(ps, grid, num_layers=2, dims=ModelDims.from_hf_config(moe_config()), ep=ep)
+
+    def cut(name, rank):
+        return [hf[name][tuple(slice(o, o + n) for o, n in zip(*b))] for r, b in blocks[name] if r == rank]
+
+    for d in range(dp):
+        for t in range(tp):
+            rank = grid[d][0][t]
+            e = lay.ep_coords(rank)[0]
+            fc1, fc2 = ref[e, t]
+            pieces = cut(gu, rank)
+            assert len(pieces) == (2 if tp > 1 else 1)  # gate rows and up rows: two blocks when tp splits each half
+            if tp > 1:
+                gate, up = pieces
+            else:
+                gate, up = pieces[0].chunk(2, dim=1)
+            assert torch.equal(torch.cat([gate, up], dim=1), torch.stack(fc1)), (d, t)
+            (down,) = cut(dn, rank)
+            assert torch.equal(down, torch.stack(fc2)), (d, t)
+            assert [b for r, b in blocks[router] if r == rank] == [((0, 0), (4, 64))]
+    for name in (gu, dn):
+        for x in range(dp // ep):  # replicas d with d // ep == x hold every expert once
+            painted = torch.zeros(shapes[name], dtype=torch.int32)
+            for d in range(x * ep, (x + 1) * ep):
+                for b in {b for r, b in blocks[name] if r in grid[d][0]}:
+                    painted[tuple(slice(o, o + n) for o, n in zip(*b))] += 1
+            assert bool((painted == 1).all()), (name, x)
+
+
+def test_expert_layouts_that_do_not_split_are_layout_errors():
+    from spmdrl.engines.loading import model_param_shapes
+
+    ps = model_param_shapes(moe_config(experts=6))
+    with pytest.raises(LayoutError, match="6 experts do not split over expert parallelism ep = 4"):
+        megatron_blocks(ps, grid_of(4, 1, 1), num_layers=2, ep=4)
+    ps = model_param_shapes(moe_config(ffn=36))
+    with pytest.raises(LayoutError, match="FFN width 36 does not split over Megatron tp = 8"):
+        megatron_blocks(ps, grid_of(1, 1, 8), num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def moe_rollout_tp2():
+    """The tiny Qwen3-MoE's parameters and what vLLM's own loaders read of them at rollout TP = 2 (one probe)."""
+    pytest.importorskip("vllm")
+    from spmdrl.engines.loading import model_param_shapes
+    from spmdrl.reshard.vllm_reads import probe_vllm_reads
+
+    cfg = moe_config()
+    ps = model_param_shapes(cfg)
+    return cfg, ps, probe_vllm_reads(cfg, ps, 2)
+
+
+@pytest.mark.parametrize("dp,tp,ep", [(2, 1, 2), (2, 2, 2)], ids=["ep2", "ep2xtp2"])
+def test_moe_plan_from_expert_parallel_megatron_at_the_lower_bound(moe_rollout_tp2, dp, tp, ep):
+    """Megatron EP = 2 (dp 2) and EP = 2 x TP = 2 (4 ranks) into vLLM TP = 2, targets learnt from vLLM's Qwen3-MoE
+    loaders: every element a rollout rank's loaders read is handed to it exactly once, by a rank that holds it, and
+    nothing else; each rank receives exactly the lower bound; and of the expert tensors each rollout rank receives
+    exactly the slices its vLLM shard reads that its own Megatron blocks lack (painted by hand from the layout)."""
+    from spmdrl.dist.layout import RoleLayout
+    from spmdrl.reshard.vllm_reads import vllm_targets
+
+    cfg, ps, reads = moe_rollout_tp2
+    assert not reads.whole, reads.whole
+    world = dp * tp
+    grid = grid_of(dp, 1, tp)
+    lay = RoleLayout("actor", tuple(range(world)), dp, 1, tp, ep=ep)
+    groups = [list(range(k * 2, k * 2 + 2)) for k in range(world // 2)]
+    sources = megatron_blocks(ps, grid, num_layers=2, dims=ModelDims.from_hf_config(cfg), ep=ep)
+    targets = vllm_targets(ps, groups, reads)
+    plan = plan_sync(ps, sources, targets, elem_bytes=2)
+    experts = [n for n, _ in ps if ".mlp.experts." in n]
+    assert len(experts) == 4
+    E, F = 4, 32
+    for name, shape in ps:
+        held: dict[int, list] = {}
+        for r, b in sources[name]:
+            held.setdefault(r, []).append(b)
+        for dst in sorted({r for r, _ in targets[name]}):
+            painted = torch.zeros(shape, dtype=torch.int32)
+            for t in plan.transfers[name] + plan.local[name]:
+                if t.dst != dst:
+                    continue
+                assert any(all(ho <= o and o + n <= ho + hn for ho, hn, o, n in zip(h[0], h[1], *t.block))
+                           for h in held[t.src]), (name, t)
+                painted[tuple(slice(o, o + n) for o, n in zip(*t.block))] += 1
+            want = torch.zeros(shape, dtype=torch.int32)
+            for r, need in targets[name]:
+                if r == dst:
+                    want[tuple(slice(o, o + n) for o, n in zip(*need))] = 1
+            assert torch.equal(painted, want), (name, dst)
+            if name in experts:
+                # what this rank's Megatron blocks hold, by hand: experts of its ep rank, its tp share of the FFN
+                d, _, t = lay.coords(dst)
+                e = lay.ep_coords(dst)[0]
+                mine = torch.zeros(shape, dtype=torch.bool)
+                xs, f = slice(e * E // ep, (e + 1) * E // ep), slice(t * F // tp, (t + 1) * F // tp)
+                if name.endswith("gate_up_proj"):
+                    mine[xs, f] = True
+                    mine[xs, F + f.start: F + f.stop] = True
+                else:
+                    mine[xs, :, f] = True
+                got = sum(numel(x.block) for x in plan.transfers[name] if x.dst == dst)
+                assert got == int((want.bool() & ~mine).sum()) > 0, (name, dst)
+                assert sum(numel(x.block) for x in plan.local[name] if x.dst == dst) == int((want.bool() & mine).sum())
+    recv, lb = plan.bytes_recv(), plan.lower_bound()
+    assert {r: recv.get(r, 0) for r in lb} == lb and max(lb.values()) > 0
+    if tp == 2:  # gate_up_proj: tp rank t holds two blocks (its gate rows, its up rows) and sends from both
+        gu = "model.layers.0.mlp.experts.gate_up_proj"
+        assert len([b for r, b in sources[gu] if r == 0]) == 2
+        assert {x.block[1][1] for x in plan.transfers[gu] if x.src == 2} == {F // 2}
+        assert len({x.block for x in plan.transfers[gu] if x.src == 2}) == 2
+
+
+@pytest.mark.dist
+def test_transport_sends_from_several_blocks_of_one_parameter(moe_rollout_tp2, tmp_path):
+    """4 gloo processes, Megatron EP = 2 x TP = 2 -> vLLM TP = 2 x DP = 2 (targets learnt from vLLM's loaders): a
+    rank holds its gate rows and its up rows of every gate_up_proj as two blocks; the transport cuts each transfer
+    from the block that holds it. Every rollout rank assembles exactly the reference values in every block its
+    loaders read (NaN elsewhere), receiving the plan's bytes; verify's whole-tensor gather and the HF export from
+    the same blocks give back every reference tensor."""
+    import json
+
+    from launching import run
+    from spmdrl.reshard.vllm_reads import vllm_targets
+
+    _, ps, reads = moe_rollout_tp2
+    targets = vllm_targets(ps, [[0, 1], [2, 3]], reads)
+    spec = {"params": ps, "targets": targets, "dp": 2, "tp": 2, "ep": 2, "layers": 2}
+    (tmp_path / "plan.json").write_text(json.dumps(spec))
+    run([os.path.join(HERE, "dist_scripts", "moe_reshard.py"), "--plan", str(tmp_path / "plan.json"),
+         "--out", str(tmp_path)], nproc=4, timeout=300)
+    res = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
+    names = sorted(n for n, _ in ps)
+    for r in res:
+        assert r["blocks_per_name"]["model.layers.0.mlp.experts.gate_up_proj"] == 2
+        assert r["delivered"] == names and not r["bad"] and not r["outside_not_nan"], r
+        assert r["bytes_recv"] == r["plan_recv"] > 0
+        assert r["whole_equal"] == names
+    assert res[0]["export_equal"] == names

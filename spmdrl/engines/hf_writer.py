@@ -14,7 +14,7 @@ import os
 import torch
 
 from spmdrl.reshard.plan import full_block, plan_sync
-from spmdrl.reshard.transport import execute
+from spmdrl.reshard.transport import execute, held_shards
 
 
 class ShardWriter:
@@ -50,7 +50,7 @@ def write_hf_weights(engine, out_dir: str, writer_rank: int, rank: int, *, dtype
     plan = plan_sync(params, engine.source_blocks(), {n: [(writer_rank, full_block(s))] for n, s in params},
                      torch.empty((), dtype=dtype).element_size())
     writer = ShardWriter(out_dir, len(plan.buckets(bucket_bytes))) if rank == writer_rank else None
-    shards = {name: (t, block) for name, t, block in engine.weight_shards()}
+    shards = held_shards(engine.weight_shards())
     execute(plan, shards, rank, dtype=dtype, comm_device=comm_device, bucket_bytes=bucket_bytes,
             deliver=writer.write if writer else (lambda bucket: None))
     if writer:

@@ -194,7 +194,7 @@ class AdapterSync:
             return {"weight_sync/bytes_recv_max": recv_max, "weight_sync/bytes_lower_bound": float(self.lower_bound),
                     "weight_sync/collectives": 0.0, "weight_sync/buckets": 1.0, "timing/weight_sync_load_s": seconds}
         got: list[tuple[str, torch.Tensor]] = []
-        shards = {n: (t, full_block(tuple(t.shape))) for n, t in tensors.items()}
+        shards = {n: {full_block(tuple(t.shape)): t} for n, t in tensors.items()}
         stats = execute(self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=comm_device(self.group),
                         bucket_bytes=self.bucket_bytes, deliver=got.extend, group=self.group)
         out = {"weight_sync/bytes_recv": float(stats.bytes_recv), "weight_sync/bytes_sent": float(stats.bytes_sent),

@@ -109,19 +109,27 @@ def fsdp_blocks(params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[
 #     [t * Vp / tp, (t + 1) * Vp / tp) cut to HF's V rows (the padding rows do not exist in HF);
 #   * norms (Qwen3's per-head q_norm / k_norm [head_dim] too: megatron's q_layernorm / k_layernorm hold one
 #     weight for all heads), the value head and row-parallel biases are whole on every TP rank.
+#   * a mixture of experts (expert parallelism over ep of the dp replicas; megatron's expert tensor parallelism
+#     = tp): the fused HF expert tensors gate_up_proj [E, 2F, H] (gate rows [0, F), up rows [F, 2F)) and down_proj
+#     [E, H, F] are cut by expert and by the FFN width. Expert-parallel rank e holds experts [e E / ep, (e + 1) E / ep);
+#     tp rank t holds rows chunk(F, tp, t) of each of them in the gate half and the same rows in the up half (two
+#     disjoint blocks of gate_up_proj when tp > 1, one when tp = 1) and columns chunk(F, tp, t) of down_proj. The
+#     router (mlp.gate.weight [E, H]) is whole on every rank.
 # A decoder layer lives on the one pipeline stage that builds it; embeddings on the first stage, final norm,
 # output layer and value head on the last; tied embeddings with pp > 1 are also copied on the last stage
 # (megatron's LanguageModule.setup_embeddings_and_output_layer). DP replicas hold identical copies (the
-# distributed optimizer shards only optimizer state and fp32 main weights, which the sync does not read).
+# distributed optimizer shards only optimizer state and fp32 main weights, which the sync does not read); with
+# expert parallelism the replicas of an expert block are the dp ranks of the same expert-parallel rank.
 
 # what spmdrl/engines/megatron converts (its engine refuses others at build)
-MEGATRON_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+MEGATRON_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 MEGATRON_COL = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 MEGATRON_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 MEGATRON_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 VALUE_HEAD = re.compile(r"^(score|v_head|value_head)\.")
 MEGATRON_LAST = re.compile(r"^(model\.norm\.|lm_head\.|score\.|v_head\.|value_head\.)")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")  # transformers 5's fused expert tensors
 
 
 def megatron_padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -153,7 +161,8 @@ def megatron_stages(name: str, pp: int, stage_of_layer: dict[int, int], tied: bo
         return sorted({0, pp - 1}) if tied else [0]
     if MEGATRON_LAST.match(name):
         return [pp - 1]
-    raise ValueError(f"{name}: no Megatron pipeline stage is known for this parameter (Llama / Qwen2 / Qwen3 only)")
+    raise ValueError(f"{name}: no Megatron pipeline stage is known for this parameter "
+                     f"({', '.join(MEGATRON_MODEL_TYPES)} only)")
 
 
 def megatron_tp_block(name: str, shape: tuple[int, ...], tp: int, t: int, padded_vocab: int) -> Block:
@@ -176,18 +185,44 @@ def megatron_tp_block(name: str, shape: tuple[int, ...], tp: int, t: int, padded
     return tuple(offs), tuple(size)
 
 
+def megatron_expert_blocks(name: str, shape: tuple[int, ...], tp: int, t: int, ep: int, e: int) -> list[Block]:
+    """The blocks (HF coordinates) of a fused expert tensor that expert-parallel rank e of ep and TP rank t of tp
+    hold: its experts' gate and up rows of the TP slice (gate_up_proj: one block, or two when tp > 1 splits
+    each half), or their down_proj columns."""
+    experts = shape[0]
+    if experts % ep:
+        raise LayoutError(f"{name}: {experts} experts do not split over expert parallelism ep = {ep}; choose an "
+                          f"expert-parallel degree that divides {experts}")
+    per = experts // ep
+    gate_up = name.endswith("gate_up_proj")
+    ffn = shape[1] // 2 if gate_up else shape[2]
+    if ffn % tp:
+        raise LayoutError(f"{name}: the experts' FFN width {ffn} does not split over Megatron tp = {tp}; choose a "
+                          f"tensor-parallel degree that divides {ffn}")
+    lo, n = chunk(ffn, tp, t)
+    if not gate_up:
+        return [((e * per, 0, lo), (per, shape[1], n))]
+    if tp == 1:
+        return [((e * per, 0, 0), (per, shape[1], shape[2]))]
+    return [((e * per, lo, 0), (per, n, shape[2])), ((e * per, ffn + lo, 0), (per, n, shape[2]))]
+
+
 def megatron_blocks(
     params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[int]]], *, num_layers: int,
     dims: ModelDims | None = None, padded_vocab: int | None = None, vp: int = 1, tied: bool | None = None,
-    tied_copy: bool = True,
+    tied_copy: bool = True, ep: int = 1,
 ) -> dict[str, list[tuple[int, Block]]]:
     """Source blocks of a Megatron-core role. grid is the role's ranks as [dp][pp][tp] (megatron's tp-pp-dp
     rank order); padded_vocab is the rows of megatron's embedding (default megatron_padded_vocab(V, tp));
     dims, when given, is checked the way megatron checks it (whole heads and query groups per TP rank).
     tied (default: params has neither lm_head.weight nor a value head, as HF lists a tied head once) with
     pp > 1 puts megatron's copy of the embeddings on the last stage, listed as a source unless not tied_copy
-    (an engine that does not yield that copy from weight_shards)."""
+    (an engine that does not yield that copy from weight_shards). ep: expert parallelism over the dp replicas,
+    dp replica d being expert-parallel rank d % ep (dist.layout.RoleLayout.ep_coords); a rank may hold several
+    blocks of one fused expert tensor."""
     dp, pp, tp = len(grid), len(grid[0]), len(grid[0][0])
+    if dp % ep:
+        raise LayoutError(f"expert parallelism ep = {ep} must divide the data-parallel size {dp}")
     if dims is not None and (dims.num_heads % tp or dims.num_kv_heads % tp):
         raise LayoutError(
             f"Megatron tp = {tp} must divide the model's {dims.num_heads} attention heads and {dims.num_kv_heads} "
@@ -206,9 +241,14 @@ def megatron_blocks(
                 raise ValueError(f"{name}: padded vocabulary {pv} must be >= {shape[0]} and divide by tp = {tp}")
         else:
             pv = 0
+        stages = megatron_stages(name, pp, stage_of, tied)
+        if EXPERTS.search(name):
+            held = {(e, t): megatron_expert_blocks(name, shape, tp, t, ep, e) for e in range(ep) for t in range(tp)}
+            out[name] = [(grid[d][p][t], b) for p in stages for d in range(dp) for t in range(tp)
+                         for b in held[d % ep, t]]
+            continue
         blocks = [megatron_tp_block(name, shape, tp, t, pv) for t in range(tp)]
-        out[name] = [(grid[d][p][t], blocks[t]) for p in megatron_stages(name, pp, stage_of, tied)
-                     for d in range(dp) for t in range(tp)]
+        out[name] = [(grid[d][p][t], blocks[t]) for p in stages for d in range(dp) for t in range(tp)]
     return out
 
 

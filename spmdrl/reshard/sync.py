@@ -17,7 +17,7 @@ from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import LayoutError
 
 from .plan import SyncPlan, fsdp_blocks, plan_sync
-from .transport import execute
+from .transport import Shards, execute, held_shards
 from .verify import verify_sync
 from .vllm_reads import rollout_targets, route_summary
 
@@ -35,15 +35,16 @@ def log_routes(params, reads, elem_bytes: int) -> None:
                        f["tensors"], f["bytes_per_rank"] / 2**20, f["why"])
 
 
-def check_shards(plan: SyncPlan, shards: dict, rank: int) -> None:
-    """What the engine's weight_shards yields on this rank is exactly what the plan's sources say it holds
-    (the plan decides who sends which slice; a disagreement would send wrong bytes silently)."""
+def check_shards(plan: SyncPlan, shards: Shards, rank: int) -> None:
+    """What the engine's weight_shards yields on this rank is exactly what the plan's sources say it holds, block
+    for block (the plan decides who sends which slice; a disagreement would send wrong bytes silently)."""
     mine = {name: {b for r, b in bs if r == rank} for name, bs in plan.sources.items()}
     for name, want in mine.items():
-        got = shards.get(name)
-        if want and (got is None or got[1] not in want or tuple(got[0].shape) != got[1][1]):
-            raise RuntimeError(f"weight sync: rank {rank} holds {name} as {got[1] if got else None} "
-                               f"(shape {tuple(got[0].shape) if got else None}), the plan expects one of {sorted(want)}")
+        got = shards.get(name, {})
+        shapes = {b: tuple(t.shape) for b, t in got.items()}
+        if want and (set(got) != want or any(s != b[1] for b, s in shapes.items())):
+            raise RuntimeError(f"weight sync: rank {rank} holds {name} as {sorted(got) or None} (shapes "
+                               f"{list(shapes.values()) or None}), the plan expects {sorted(want)}")
     extra = sorted(set(shards) - {n for n, w in mine.items() if w})
     if extra:
         raise RuntimeError(f"weight sync: rank {rank} yields {extra[:3]} that the plan does not list as its sources")
@@ -96,7 +97,7 @@ class WeightSync:
             self.memory.for_sync()  # training state out, empty_cache, vLLM weights (not KV) awake: spmdrl/loop/memory.py
         elif self.rollout is not None:
             self.rollout.wake_up()
-        shards = {name: (t, block) for name, t, block in self.actor.weight_shards()} if self.actor is not None else {}
+        shards = held_shards(self.actor.weight_shards()) if self.actor is not None else {}
         if not self.checked:
             check_shards(self.plan, shards, dist.get_rank())
             self.checked = True

@@ -25,10 +25,35 @@ import torch.distributed as dist
 from .plan import Block, SyncPlan, numel
 
 
+Shards = dict[str, dict[Block, torch.Tensor]]  # what a rank holds: name -> {its block: local tensor}
+
+
+def held_shards(weight_shards) -> Shards:
+    """An engine's weight_shards() ((name, tensor, block) triples) as name -> {block: tensor}. A rank may hold
+    several disjoint blocks of one name (a Megatron rank's gate rows and up rows of a fused expert tensor)."""
+    out: Shards = {}
+    for name, t, block in weight_shards:
+        out.setdefault(name, {})[block] = t
+    return out
+
+
+def contains(outer: Block, inner: Block) -> bool:
+    return all(o <= i and i + m <= o + n for o, n, i, m in zip(outer[0], outer[1], inner[0], inner[1]))
+
+
 def _slice(t: torch.Tensor, held: Block, want: Block) -> torch.Tensor:
     """The part `want` (full-tensor coordinates) of a local tensor that holds block `held`."""
     idx = tuple(slice(w - h, w - h + n) for h, w, n in zip(held[0], want[0], want[1]))
     return t[idx]
+
+
+def cut(shards: Shards, name: str, want: Block) -> torch.Tensor:
+    """The part `want` of parameter `name` from the one block this rank holds that contains it (the plan cuts
+    every transfer out of a single source block)."""
+    for held, t in shards[name].items():
+        if contains(held, want):
+            return _slice(t, held, want)
+    raise RuntimeError(f"weight sync: {name}: no block this rank holds ({sorted(shards[name])}) contains {want}")
 
 
 def _paste(full: torch.Tensor, want: Block, values: torch.Tensor) -> None:
@@ -77,7 +102,7 @@ class SyncStats:
 
 def execute(
     plan: SyncPlan,
-    shards: dict[str, tuple[torch.Tensor, Block]],
+    shards: Shards,
     rank: int,
     *,
     dtype: torch.dtype,
@@ -87,7 +112,7 @@ def execute(
     group=None,
     fill: float | None = None,
 ) -> SyncStats:
-    """Run `plan` on this rank. shards: name -> (local tensor, its block) for what this rank holds.
+    """Run `plan` on this rank. shards: what this rank holds, name -> {block: local tensor} (held_shards).
     deliver(list of (name, full-shaped tensor)) is called once per bucket on ranks that receive weights.
     Every bucket's exchange is complete before the next one starts, on senders too (on CUDA the host waits for
     the bucket's stream): one bucket's buffers are alive at a time, and nothing is left posted when this returns.
@@ -99,7 +124,7 @@ def execute(
     for index, names in enumerate(plan.buckets(bucket_bytes, full_elem_bytes=esize)):
         stats.buckets += 1
         sends, recv_layout = bucket_transfers(plan, names, rank)
-        send = {peer: [_slice(*shards[name], block).to(comm_device, dtype).reshape(-1) for name, block in parts]
+        send = {peer: [cut(shards, name, block).to(comm_device, dtype).reshape(-1) for name, block in parts]
                 for peer, parts in sends.items()}
         # the bucket's index as the tag: every rank counts buckets alike, and the group log (dist/group_log.py)
         # can tell which bucket a rank's first call on the group was
@@ -128,8 +153,7 @@ def execute(
                 full.fill_(fill)
             for t in plan.local[name]:
                 if t.dst == rank:
-                    local, held = shards[name]
-                    _paste(full, t.block, _slice(local, held, t.block).to(comm_device, dtype))
+                    _paste(full, t.block, cut(shards, name, t.block).to(comm_device, dtype))
             out.append((name, full))
         fulls = dict(out)
         for peer, layout in recv_layout.items():

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .plan import Block, SyncPlan, numel
+from .transport import Shards
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class SyncMismatch(RuntimeError):
     """The rollout engine's weights after a sync differ from the actor's (rollout.verify_sync)."""
 
 
-def gather_whole(plan: SyncPlan, names: list[str], shards: dict, *, dtype: torch.dtype, device: torch.device,
+def gather_whole(plan: SyncPlan, names: list[str], shards: Shards, *, dtype: torch.dtype, device: torch.device,
                  group=None) -> list[tuple[str, torch.Tensor]]:
     """Parameters `names` whole, in `dtype`, on every rollout rank (the ranks the plan has targets on; other ranks
     get []). Each distinct block of the actor's sources (what the actor engine's ranks hold, checked against the
@@ -58,7 +59,7 @@ def gather_whole(plan: SyncPlan, names: list[str], shards: dict, *, dtype: torch
         for block, src in holders.items():
             where = tuple(slice(o, o + n) for o, n in zip(*block))
             if src == rank:
-                mine = shards[name][0].to(device, dtype).contiguous()
+                mine = shards[name][block].to(device, dtype).contiguous()
                 ops += [dist.P2POp(dist.isend, mine, dst, group=group) for dst in dsts if dst != rank]
                 if full is not None:
                     full[where], covered[where] = mine, True
@@ -96,7 +97,7 @@ def differences(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor])
     return out
 
 
-def verify_sync(plan: SyncPlan, shards: dict, rollout, *, dtype: torch.dtype, device: torch.device,
+def verify_sync(plan: SyncPlan, shards: Shards, rollout, *, dtype: torch.dtype, device: torch.device,
                 bucket_bytes: int, group=None, agree: bool = True) -> None:
     """Run the check after a sync, on every rank of the sync (the actor's ranks send, the rollout ranks check).
     agree (colocated): the ranks then agree, and every rank raises SyncMismatch naming the first rollout rank that
