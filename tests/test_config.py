@@ -359,6 +359,7 @@ def model_dirs(tmp_path_factory):
     out = {}
     for model_type, kw in (("llama", small), ("qwen2", small), ("qwen3", small), ("mistral", small), ("gemma", small),
                            ("mixtral", dict(small, num_local_experts=4, num_experts_per_tok=2)),
+                           ("qwen3_moe", dict(small, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=33)),
                            ("gpt2", dict(vocab_size=320, n_embd=64, n_layer=2, n_head=4))):
         AutoConfig.for_model(model_type, **kw).save_pretrained(root / model_type)
         out[model_type] = str(root / model_type)
@@ -402,6 +403,33 @@ def test_moe_layouts_the_experts_do_not_fit_are_refused(model_dirs):
     assert msg.startswith("placement.actor_tp = 2:") and "mixture of experts" in msg
 
 
+def test_megatron_expert_layouts_are_checked_against_the_model(model_dirs):
+    """The Megatron backend takes a mixture of experts with expert and tensor parallelism (and, unlike FSDP2, tp
+    on its experts) and the router options; one line before launch for ep on a dense model, an ep that does not
+    split the experts (6 here), and a tp that does not split the experts' FFN width (33 here)."""
+    mega, hf_rollout = "trainer.backend=megatron", "rollout.engine=hf"
+    mixtral, qwen3_moe = f"model.path={model_dirs['mixtral']}", f"model.path={model_dirs['qwen3_moe']}"
+    validate(valid(mixtral, mega, hf_rollout, "placement.actor_ep=2", "placement.ref_ep=2"), 2)
+    validate(valid(mixtral, mega, hf_rollout, "placement.actor_tp=2", "placement.ref_tp=2"), 2)
+    validate(valid(mixtral, mega, "rollout.engine=vllm", "actor.router_replay=rollout", "actor.moe_aux_loss_coef=0.001",
+                   "actor.moe_z_loss_coef=0.001", "placement.actor_ep=2", "placement.ref_ep=2"), 2)
+    msg = validate_error(2, f"model.path={model_dirs['llama']}", mega, hf_rollout, "placement.actor_ep=2",
+                         "placement.ref_ep=2")
+    assert msg.startswith("placement.actor_ep = 2: model.path") and "dense 'llama' model" in msg
+    msg = validate_error(2, f"model.path={model_dirs['llama']}", mega, "rollout.engine=vllm", "actor.router_replay=rollout")
+    assert msg.startswith("actor.router_replay = 'rollout': model.path") and "dense 'llama' model" in msg
+    msg = validate_error(2, mixtral, mega, hf_rollout, "actor.router_replay=rollout")
+    assert "cannot return the experts" in msg
+    msg = validate_error(4, qwen3_moe, mega, hf_rollout, "placement.actor_ep=4", "placement.ref_ep=4")
+    assert msg.startswith("placement.actor_ep = 4: model.path") and "6 experts" in msg and "divides 6" in msg
+    msg = validate_error(2, qwen3_moe, mega, hf_rollout, "placement.actor_tp=2", "placement.ref_tp=2")
+    assert msg.startswith("placement.actor_tp = 2: model.path") and "FFN width of 33" in msg
+    validate(valid(qwen3_moe, mega, hf_rollout, "placement.actor_ep=2", "placement.ref_ep=2"), 2)
+    # the FSDP2 backend keeps its refusal of tp on a mixture of experts, naming the Megatron backend
+    msg = validate_error(2, mixtral, "placement.actor_tp=2", hf_rollout)
+    assert msg.startswith("placement.actor_tp = 2:") and "trainer.backend = 'megatron'" in msg
+
+
 def test_router_replay_needs_a_moe_a_vllm_rollout_and_single_turn(model_dirs):
     """actor.router_replay = "rollout": refused on a dense model, with the transformers rollout engine (it returns
     no routes) and with multi-turn rollouts (they carry none), one line each; a MoE with vLLM passes. The router
@@ -426,8 +454,8 @@ def test_router_replay_needs_a_moe_a_vllm_rollout_and_single_turn(model_dirs):
 def test_megatron_backend_refuses_other_architectures_at_validation(model_dirs):
     # rollout.engine = hf: these config.json files name no architectures, which vLLM's check refuses first
     msg = validate_error(2, f"model.path={model_dirs['mistral']}", "trainer.backend=megatron", "rollout.engine=hf")
-    assert "'mistral' model" in msg and "Megatron backend converts llama, qwen2, qwen3 only" in msg
-    for ok in ("llama", "qwen3"):
+    assert "'mistral' model" in msg and "Megatron backend converts llama, qwen2, qwen3, qwen3_moe, mixtral only" in msg
+    for ok in ("llama", "qwen3", "mixtral"):
         validate(valid(f"model.path={model_dirs[ok]}", "trainer.backend=megatron", "rollout.engine=hf"), 2)
     msg = validate_error(2, f"model.path={model_dirs['llama']}", "critic.enable=true", "trainer.critic_backend=megatron",
                          f"critic.path={model_dirs['gemma']}", "rollout.engine=hf")

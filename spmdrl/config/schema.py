@@ -173,13 +173,13 @@ class ActorConfig:
     """KL-Cov: coefficient of the |logp - logp_old| penalty on those tokens (1: the authors' recipes; verl's default is 0.1)."""
     moe_aux_loss_coef: float = 0.0
     """Mixture of experts: coefficient of the load-balancing loss E * sum_e f_e * P_e, summed over the MoE layers
-    (0: off, as in the peers' RL recipes; FSDP2 backend; docs/moe.md)."""
+    (0: off, as in the peers' RL recipes; docs/moe.md)."""
     moe_z_loss_coef: float = 0.0
     """Mixture of experts: coefficient of the router z-loss mean(logsumexp(router logits)^2), summed over the MoE
-    layers (0: off; FSDP2 backend)."""
+    layers (0: off)."""
     router_replay: str = "off"
     """Mixture-of-experts routing replay: off | rollout (the old, ref and actor forwards send each token to the
-    experts the rollout engine chose for it; vLLM rollout, FSDP2 backend, docs/moe.md)."""
+    experts the rollout engine chose for it; vLLM rollout, docs/moe.md)."""
 
 
 @dataclass

@@ -607,21 +607,28 @@ def validate_architecture(cfg) -> None:
 
     backends = role_backends(cfg)
     vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and vllm_available())
-    checks = [("model.path", cfg.model.path, vllm, backends["actor"] == "megatron")]  # actor, ref, rollout
+    # (key, path, vLLM loads it, built by the Megatron backend, the roles built from it)
+    checks = [("model.path", cfg.model.path, vllm, backends["actor"] == "megatron",
+               ("actor", "ref") if builds_ref(cfg) else ("actor",))]  # and the rollout
     if cfg.critic.enable and backends["critic"] == "megatron":
-        checks.append(("critic.path" if cfg.critic.path else "model.path", cfg.critic.path or cfg.model.path, False, True))
+        checks.append(("critic.path" if cfg.critic.path else "model.path", cfg.critic.path or cfg.model.path, False, True,
+                       ("critic",)))
     if distills(cfg):  # the teacher: a training backend builds it, vLLM never loads it
-        checks.append(("distill.teacher_path", cfg.distill.teacher_path, False, backends["teacher"] == "megatron"))
-    for key, path, vllm_loads, megatron in checks:
+        checks.append(("distill.teacher_path", cfg.distill.teacher_path, False, backends["teacher"] == "megatron",
+                       ("teacher",)))
+    for key, path, vllm_loads, megatron, roles in checks:
         hf = hf_config_json(path)
         if hf is None:
             continue
         source = f"{key} = {path!r}"
         check_architecture_known(hf, source, vllm=vllm_loads)
         model_type = hf["model_type"]
+        if megatron:
+            _check_megatron_experts(cfg, source, hf, roles)
+        if key == "model.path":
+            _check_moe_layout(cfg, source, hf, fsdp=not megatron)
         if not megatron and key == "model.path":
             _check_fsdp_tp_heads(cfg, source, hf)
-            _check_moe_layout(cfg, source, hf)
             _check_fsdp_tp_modules(cfg, source, path)
         if not megatron and key == "distill.teacher_path":
             _check_fsdp_tp_heads(cfg, source, hf, roles=("teacher",))
@@ -635,10 +642,9 @@ def validate_architecture(cfg) -> None:
 
 def validate_moe_options(cfg) -> None:
     """actor.router_replay = "rollout" and the router loss coefficients (actor.moe_aux_loss_coef, moe_z_loss_coef)
-    need a mixture-of-experts model (from its config.json when it is on disk) and the FSDP2 backend for the actor
-    (the Megatron backend has neither, and no MoE); replay also needs a rollout engine that returns routes (vLLM;
-    the transformers engine returns none) and single-turn rollouts (multi-turn batches carry no routes yet)."""
-    from spmdrl.dist.layout import role_backends
+    need a mixture-of-experts model (from its config.json when it is on disk); both training backends run them.
+    Replay also needs a rollout engine that returns routes (vLLM; the transformers engine returns none) and
+    single-turn rollouts (multi-turn batches carry no routes yet)."""
     from spmdrl.rollout import vllm_available
 
     a = cfg.actor
@@ -651,11 +657,6 @@ def validate_moe_options(cfg) -> None:
     if hf is not None and not (hf.get("num_experts") or hf.get("num_local_experts")):
         raise ConfigError(f"{key}: model.path = {cfg.model.path!r} is a dense {hf.get('model_type')!r} model (no "
                           f"num_experts in config.json), which has no router; reset actor.{asked[0]}")
-    backends = role_backends(cfg)
-    if backends["actor"] != "fsdp":
-        raise ConfigError(f"{key}: trainer.backend = {backends['actor']!r} has no MoE router options (the FSDP2 "
-                          "backend has them, through router hooks); use trainer.backend = 'fsdp' or reset "
-                          f"actor.{asked[0]}")
     if a.router_replay == "off":
         return
     key = f"actor.router_replay = {a.router_replay!r}"
@@ -708,16 +709,44 @@ def _check_fsdp_tp_modules(cfg, source: str, path: str) -> None:
                           "shards by name; set placement.actor_tp = 1 (FSDP2 alone) for this model")
 
 
-def _check_moe_layout(cfg, source: str, hf: dict) -> None:
-    """A mixture of experts trains with its experts whole on each FSDP2 shard (no expert parallelism): DTensor TP
-    does not shard its fused expert tensors, and vLLM's TP must split the expert count evenly."""
+def hf_experts(hf: dict) -> tuple[int, int]:
+    """(experts, expert FFN width) of a config.json: num_experts (Qwen-MoE) or num_local_experts (Mixtral), and
+    moe_intermediate_size where the experts have their own width (else intermediate_size); (0, 0) when dense."""
     experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    return (experts, hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0) if experts else (0, 0)
+
+
+def _check_megatron_experts(cfg, source: str, hf: dict, roles: tuple[str, ...]) -> None:
+    """A Megatron role's expert layout against its model (dist.layout.plan_layout has checked ep against dp and
+    pp): expert parallelism needs experts, and an expert count it divides; megatron's expert tensor parallelism
+    (= tp) splits each expert's FFN width, which tp must divide."""
+    experts, ffn = hf_experts(hf)
+    p = cfg.placement
+    for role in roles:
+        ep, tp = getattr(p, f"{role}_ep"), getattr(p, f"{role}_tp")
+        if ep > 1 and not experts:
+            raise ConfigError(f"placement.{role}_ep = {ep}: {source} is a dense {hf.get('model_type')!r} model (no "
+                              f"num_experts in config.json), which has no experts to split; set {role}_ep = 1")
+        if experts and experts % ep:
+            raise ConfigError(f"placement.{role}_ep = {ep}: {source} has {experts} experts, which {ep} expert-parallel "
+                              f"ranks cannot split evenly; choose a {role}_ep that divides {experts}")
+        if experts and ffn % tp:
+            raise ConfigError(f"placement.{role}_tp = {tp}: {source}'s experts have an FFN width of {ffn}, which the "
+                              f"Megatron backend's expert tensor parallelism cannot split over {tp} ranks; choose a "
+                              f"{role}_tp that divides {ffn}")
+
+
+def _check_moe_layout(cfg, source: str, hf: dict, fsdp: bool) -> None:
+    """On the FSDP2 backend a mixture of experts trains with its experts whole on each shard (DTensor TP does not
+    shard its fused expert tensors); on either backend vLLM's TP must leave every rank an expert."""
+    experts, _ = hf_experts(hf)
     if not experts:
         return
-    if cfg.placement.actor_tp > 1:
+    if fsdp and cfg.placement.actor_tp > 1:
         raise ConfigError(f"placement.actor_tp = {cfg.placement.actor_tp}: {source} is a mixture of experts "
                           f"({experts} experts), whose fused expert tensors FSDP2 + DTensor TP does not shard; "
-                          "set placement.actor_tp = 1 (experts train whole on each FSDP2 shard)")
+                          "set placement.actor_tp = 1 (experts train whole on each FSDP2 shard) or trainer.backend = "
+                          "'megatron' (expert and tensor parallelism)")
     rollout_tp = cfg.placement.rollout_tp
     if rollout_tp > experts:
         raise ConfigError(f"placement.rollout_tp = {rollout_tp}: {source} has {experts} experts, fewer than the "
