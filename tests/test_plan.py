@@ -237,3 +237,34 @@ def test_long_sequence_plan_divides_activations_by_sp_and_shows_the_longest_sequ
     assert p2["roles"]["actor"]["sp_groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     # each rank gains its sp group, a dp group that no longer spans the world, and FSDP2's dp x sp group
     assert p2["nccl"]["communicators"]["role_meshes"] == p1["nccl"]["communicators"]["role_meshes"] + 3
+
+
+def test_megatron_expert_parallel_state_by_hand():
+    """configs/qwen3_30b_a3b.toml's actor layout (Megatron tp 4 x ep 2 on 8 ranks) planned from Qwen3-30B-A3B's
+    shapes: a rank holds the dense parameters / tp (router and norms whole, the vocabulary padded) plus the expert
+    parameters / (tp x ep); gradients alike in float32; the distributed optimizer's 12 bytes a parameter shard over
+    dp = 2 for the dense ones and over edp = dp / ep = 1 for the experts; an MoE layer's activations count the
+    all-to-all dispatch of each token's hidden state to its top_k experts and back. Each figure by hand here."""
+    from spmdrl.dist.layout import RoleLayout
+    from spmdrl.engines.loading import load_hf_config, model_param_shapes
+    from spmdrl.plan.estimate import layer_activation_bytes
+    from spmdrl.plan.megatron import megatron_memory, megatron_stats
+
+    hf = load_hf_config("Qwen/Qwen3-30B-A3B")
+    shapes = model_param_shapes(hf)
+    H, F, E, k, layers, V, tp, ep, dp = 2048, 768, 128, 8, 48, 151936, 4, 2, 2
+    padded = -(-V // (128 * tp)) * 128 * tp
+    attn = (H * 32 * 128 * 2 + H * 4 * 128 * 2) // tp + 2 * 128  # q, o; k, v over tp; q/k norms whole
+    dense = layers * (attn + E * H + 2 * H) + 2 * padded // tp * H + H  # + router, 2 norms; embedding, head, norm
+    experts = layers * E // ep * 3 * H * F // tp
+    for ep_ in (1, ep):
+        lay = RoleLayout("actor", tuple(range(8)), dp, 1, tp, ep=ep_)
+        st = megatron_stats(shapes, lay, hf)
+        assert st["stage_experts"] == [experts * ep // ep_] and st["stage"] == [dense + experts * ep // ep_]
+    mem = megatron_memory(st, c=hf, lay=lay, trainable=True, micro=1, seq=1536, lm_head=True, compute_eb=2, ckpt=True,
+                          on_gpu=True, in_flight=1, layer_bytes=layer_activation_bytes, chunk=1024)
+    n = dense + experts
+    assert mem["kinds"] == {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * dense // dp + 12 * experts // (dp // ep)}
+    q, kv = 32 * 128, 4 * 128
+    moe_mlp = 4 * E + k * (2 * 2 * H + 2 * 4 * F // tp)  # router logits; dispatch + combine; each expert's MLP
+    assert layer_activation_bytes(hf, tp) == 14 * H + 2 * (2 * q + 2 * kv) // tp + moe_mlp

@@ -52,15 +52,33 @@ from .sync_memory import sync_peak
 
 # ------------------------------------------------------------------------------------------------ the model
 
+def moe_dims(c) -> tuple[int, int, int] | None:
+    """(experts, experts per token, expert FFN width) of a mixture of experts' HF config, None for a dense model."""
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    top_k = getattr(c, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        return None
+    return int(experts), int(top_k), int(getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
+
+
 def layer_activation_bytes(c, tp: int) -> int:
     """Bytes saved for backward per token in one decoder layer (bf16, RMSNorm inputs kept in fp32):
     two norms (fp32 input + bf16 output: 6h each), attention input and q/k/v/output (2 bytes each, TP-local),
-    MLP gate/up/act/product (4 x I / tp, 2 bytes each)."""
+    MLP gate/up/act/product (4 x I / tp, 2 bytes each). A mixture of experts (every layer sparse) instead: its
+    router's logits (E, fp32), the token's hidden state dispatched to each of its top_k experts and their outputs
+    combined back (2 x top_k x h, bf16; after megatron's all-gather over its expert-TP group, not divided by tp),
+    and each of those experts' gate/up/act/product (4 x F / tp, bf16), with routing assumed balanced."""
     h, heads = c.hidden_size, c.num_attention_heads
     d = getattr(c, "head_dim", None) or h // heads
     kv = (getattr(c, "num_key_value_heads", None) or heads) * d
     q = heads * d
-    return 12 * h + 2 * h + 2 * (2 * q + 2 * kv) // tp + 2 * 4 * c.intermediate_size // tp
+    moe = moe_dims(c)
+    if moe is None:
+        mlp = 2 * 4 * c.intermediate_size // tp
+    else:
+        experts, top_k, ffn = moe
+        mlp = 4 * experts + top_k * (2 * 2 * h + 2 * 4 * ffn // tp)
+    return 12 * h + 2 * h + 2 * (2 * q + 2 * kv) // tp + mlp
 
 
 def sp_exchange_bytes(c, sp: int, eb: int) -> int:
@@ -80,7 +98,8 @@ def role_table(layout: dict) -> dict:
     """Which global ranks form which dp/pp/tp groups, per role."""
     out = {}
     for role, lay in layout.items():
-        out[role] = {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "sp": lay.sp, "ranks": list(lay.ranks), **lay.groups()}
+        out[role] = {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "sp": lay.sp, "ep": lay.ep, "ranks": list(lay.ranks),
+                     **lay.groups()}
     return out
 
 
@@ -130,7 +149,8 @@ def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int, back
     targets, reads = rollout_targets(params, groups, hf_config, loads_tp_shards=uses_vllm(cfg))
     grid = layout["actor"].mesh_ranks()
     if backend == "megatron":
-        sources = megatron_blocks(params, grid, num_layers=hf_config.num_hidden_layers, dims=dims)
+        sources = megatron_blocks(params, grid, num_layers=hf_config.num_hidden_layers, dims=dims,
+                                  ep=layout["actor"].ep)
     else:
         sources = fsdp_blocks(params, grid)
     plan = plan_sync(params, sources, targets, elem_bytes)
@@ -633,10 +653,10 @@ def _kv_per_token(c, tp: int) -> int:
 def moe_params(hf, shapes: list[tuple[str, tuple[int, ...]]]) -> dict:
     """A mixture of experts' expert count, experts per token and parameters active per token (every parameter
     outside the experts plus top_k / E of the experts'); {} for a dense model."""
-    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
-    top_k = getattr(hf, "num_experts_per_tok", None)
-    if not experts or not top_k:
+    moe = moe_dims(hf)
+    if moe is None:
         return {}
+    experts, top_k, _ = moe
     total = sum(math.prod(sh) for _, sh in shapes)
     expert = sum(math.prod(sh) for name, sh in shapes if ".experts." in name)
     return {"experts": int(experts), "experts_per_token": int(top_k),
@@ -656,8 +676,10 @@ def render(p: dict) -> str:
         pp = f"  pp groups {_short(r['pp_groups'])}" if r["pp"] > 1 else ""
         sp = f" sp={r['sp']}" if r.get("sp", 1) > 1 else ""
         sp_groups = f"  sp groups {_short(r['sp_groups'])}" if sp else ""
-        lines.append(f"  {role:8s} {r['backend']:8s} dp={r['dp']} pp={r['pp']} tp={r['tp']}{sp}  tp groups {_short(r['tp_groups'])}  "
-                     f"dp groups {_short(r['dp_groups'])}{pp}{sp_groups}")
+        ep = f" ep={r['ep']}" if r.get("ep", 1) > 1 else ""
+        ep_groups = f"  ep groups {_short(r['ep_groups'])}" if ep else ""
+        lines.append(f"  {role:8s} {r['backend']:8s} dp={r['dp']} pp={r['pp']} tp={r['tp']}{sp}{ep}  tp groups {_short(r['tp_groups'])}  "
+                     f"dp groups {_short(r['dp_groups'])}{pp}{sp_groups}{ep_groups}")
     w, pl = p["weight_sync"], p["placement"]
     if pl["mode"] == "split":
         lines += ["", f"split placement: rollout ranks {_short([pl['rollout_ranks']])}, training ranks "

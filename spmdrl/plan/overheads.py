@@ -60,12 +60,13 @@ VLLM_SYMM_MEM_BYTES = 64 * MIB
 
 # ------------------------------------------------------------------------------------------------ NCCL
 
-def megatron_groups(tp: int, pp: int, dp: int) -> dict[str, int]:
-    """Sizes of the NCCL groups megatron-core 0.16.1's `initialize_model_parallel` gives each rank (cp = ep = 1,
-    expert tp = tp, one distributed-optimizer instance; parallel_state.py, in creation order)."""
+def megatron_groups(tp: int, pp: int, dp: int, ep: int = 1) -> dict[str, int]:
+    """Sizes of the NCCL groups megatron-core 0.16.1's `initialize_model_parallel` gives each rank (cp = 1, expert
+    tp = tp, one distributed-optimizer instance; parallel_state.py, in creation order). The expert groups come
+    from its second rank generator over tp x ep x pp x (dp / ep)."""
     return {"dp-cp": dp, "dp": dp, "cp": 1, "tp-pp": tp * pp, "tp": tp, "pp": pp, "embedding": 2 if pp > 1 else 1,
-            "position-embedding": 1, "tp-dp-cp": tp * dp, "tp-dp": tp * dp, "tp-cp": tp, "ep": 1, "expert-tp": tp,
-            "tp-ep": tp, "tp-ep-pp": tp * pp, "expert-dp": dp, "intra-dist-opt": tp * pp * dp}
+            "position-embedding": 1, "tp-dp-cp": tp * dp, "tp-dp": tp * dp, "tp-cp": tp, "ep": ep, "expert-tp": tp,
+            "tp-ep": tp * ep, "tp-ep-pp": tp * ep * pp, "expert-dp": dp // ep, "intra-dist-opt": tp * pp * dp}
 
 
 def communicators(layout: dict, backends: dict, world: int, split: bool, rollout_shards: bool) -> dict[int, dict]:
@@ -88,7 +89,9 @@ def communicators(layout: dict, backends: dict, world: int, split: bool, rollout
         if key in seen:
             continue
         seen.add(key)
-        for groups in lay.groups().values():
+        for kind, groups in lay.groups().items():
+            if kind in ("ep_groups", "edp_groups"):  # megatron's own groups (below), not a DeviceMesh dimension
+                continue
             for g in groups:
                 if 1 < len(g) < world:
                     for r in g:
@@ -102,7 +105,7 @@ def communicators(layout: dict, backends: dict, world: int, split: bool, rollout
     mega = [role for role in TRAINED_ROLES if backends.get(role) == "megatron"]
     if mega:
         a = layout[mega[0]]
-        n = sum(1 for size in megatron_groups(a.tp, a.pp, a.dp).values() if size > 1)
+        n = sum(1 for size in megatron_groups(a.tp, a.pp, a.dp, a.ep).values() if size > 1)
         for r in a.ranks:
             out[r]["megatron"] = n
     if rollout_shards:  # vLLM (the transformers fallback creates no groups)
