@@ -113,17 +113,18 @@ def stop_signals() -> Iterator[None]:
 
 STOP_GRACE_S = 5.0
 _deferred = {"depth": 0}  # DeferredStop blocks active in this process (a save: it agrees on the stop itself)
-_wakeup: dict = {}
 
 
-def watch_stop_signals(on_stuck: Callable[[int], None], grace_s: float = STOP_GRACE_S) -> threading.Thread | None:
+def watch_stop_signals(on_stuck: Callable[[int], None], grace_s: float = STOP_GRACE_S) -> Callable[[], None] | None:
     """Leave when a stop signal cannot be acted on: the signal handlers (installed by stop_signals and
     named_failures) run only when the main thread returns to Python, and a rank blocked in C++ (a process-group
     rendezvous or a store wait for a peer that died) would otherwise sit there until the launcher's SIGKILL. The
     C-level handler writes each signal to a wakeup socket (signal.set_wakeup_fd) that a thread watches; a stop
     signal not followed by the process's exit within `grace_s` calls on_stuck(signum) (one line, unless the
     loop already printed its own) and os._exit(128 + signum). Inside a checkpoint save (DeferredStop) the save
-    agrees on the stop itself and is left alone. Main thread only; returns the thread."""
+    agrees on the stop itself and is left alone. Main thread only; returns `unwatch`, which ends the thread and
+    hands the wakeup fd back (the entry point calls it on its way out, so a process that goes on after it, a test
+    calling the entry point, keeps no watcher that would end it at its next signal)."""
     import socket
 
     if threading.current_thread() is not threading.main_thread():
@@ -131,20 +132,23 @@ def watch_stop_signals(on_stuck: Callable[[int], None], grace_s: float = STOP_GR
     r, w = socket.socketpair()
     w.setblocking(False)
     try:
-        signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        previous = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
     except (ValueError, OSError):
+        r.close()
+        w.close()
         return None
-
-    _wakeup["sockets"] = (r, w)  # kept open for the life of the process (the C handler writes to w's fd)
+    closing = threading.Event()
 
     def watch():
         deadline, pending = None, 0
-        while True:
+        while not closing.is_set():
             r.settimeout(None if deadline is None else max(deadline - time.monotonic(), 0.01))
             try:
                 data = r.recv(64)
             except socket.timeout:
                 data = b""
+            if closing.is_set():
+                break
             for b in data:
                 if b in STOP_SIGNALS and deadline is None:
                     deadline, pending = time.monotonic() + grace_s, b
@@ -157,10 +161,23 @@ def watch_stop_signals(on_stuck: Callable[[int], None], grace_s: float = STOP_GR
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(128 + pending)
+        r.close()  # the thread holds both sockets (the C handler writes to w's fd while it runs)
+        w.close()
 
     t = threading.Thread(target=watch, daemon=True, name="spmdrl-stop-watch")
     t.start()
-    return t
+
+    def unwatch() -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(previous)
+        closing.set()
+        try:
+            w.send(b"\0")  # wake the thread (0 is no signal number)
+        except OSError:
+            pass
+        t.join(timeout=1.0)
+
+    return unwatch
 
 
 class DeferredStop:

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Callable
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _FIRST_MARKER = "spmdrl_first_error"
@@ -43,25 +44,33 @@ def drop_cwd_from_path() -> None:
     sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != cwd] or sys.path
 
 
-def watch_parent(grace_s: float = 20.0, poll_s: float = 0.5) -> threading.Thread | None:
+def watch_parent(grace_s: float = 20.0, poll_s: float = 0.5) -> Callable[[], None] | None:
     """Stop this rank when its launcher (parent process) dies, even by SIGKILL: SIGTERM to itself (the
     loop's handler ends the run with a named error), then os._exit after `grace_s` if the main thread is
-    stuck in C code that never returns."""
+    stuck in C code that never returns. Returns `unwatch`, which ends the watching thread (the entry point calls
+    it on its way out)."""
     parent = os.getppid()
     if parent <= 1:
         return None
+    closing = threading.Event()
 
     def watch():
         while os.getppid() == parent:
-            time.sleep(poll_s)
+            if closing.wait(poll_s):
+                return
         print(f"[spmdrl] launcher (pid {parent}) is gone; stopping rank pid {os.getpid()}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
-        os._exit(143)
+        if not closing.wait(grace_s):
+            os._exit(143)
 
     t = threading.Thread(target=watch, daemon=True, name="spmdrl-parent-watch")
     t.start()
-    return t
+
+    def unwatch() -> None:
+        closing.set()
+        t.join(timeout=1.0)
+
+    return unwatch
 
 
 def _first_to_fail() -> bool:

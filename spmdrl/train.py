@@ -72,49 +72,53 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
 
     env = detect_env()
     setup_logging(env.rank)
-    watch_parent()
-    watch_stop_signals(lambda signum: report_error(
+    watchers = [watch_parent(), watch_stop_signals(lambda signum: report_error(
         f"stopped by {signal.Signals(signum).name}; the rank was blocked in a call that does not return to Python "
         f"(waiting for a peer that died?) and left after {STOP_GRACE_S:g}s; relaunch the same command to resume from "
-        "the last complete checkpoint, if one was saved", env.rank))
-    with stop_signals():
-        try:
-            slow_start_if_injected(env.rank)
-            cfg = load_config(args.config, args.overrides, root_cls=root_cls)
-            _absolute_output_dir(cfg)
-            apply_verbosity(cfg.logging.verbosity)
-            layout = validate_fn(cfg, env.world_size)
-            plan = preflight_fn(cfg, env.rank, env.world_size) if preflight_fn else None
-        except SpmdrlError as e:  # every rank finds it; the first to get here says it (the others may be stopped)
-            report_error(e, env.rank)
-            return 2
-        except Terminated as e:
-            stop_handled()
-            report_error(_stopped(e, "before start-up"), env.rank)
-            return 128 + e.signum
-        if plan is False:  # nothing to do (said so)
-            return 0
-        try:
-            env, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s, split=is_split(layout))
-            logging.getLogger("spmdrl").info("%s: %d rank(s) via %s on %s; output %s", prog, env.world_size,
-                                             env.launcher, device.type, cfg.trainer.output_dir)
-            run_fn(cfg, layout, env, device)
-        except SpmdrlError as e:  # a stop (Stopped) is not a user error: 128 + the signal, as a shell reports it
-            report_error(e, env.rank)
-            code = 128 + e.signum if isinstance(e, Stopped) else 2
-            _exit_now_if_stopped(code)
-            return code
-        except Terminated as e:
-            stop_handled()
-            report_error(_stopped(e, "while starting (loading models, building engines)"), env.rank)
-            _exit_now_if_stopped(128 + e.signum)
-            return 128 + e.signum
-        except BaseException as e:
-            record_bug(e)
-            raise
-        finally:
-            destroy_distributed()
-    return 0
+        "the last complete checkpoint, if one was saved", env.rank))]
+    try:
+        with stop_signals():
+            try:
+                slow_start_if_injected(env.rank)
+                cfg = load_config(args.config, args.overrides, root_cls=root_cls)
+                _absolute_output_dir(cfg)
+                apply_verbosity(cfg.logging.verbosity)
+                layout = validate_fn(cfg, env.world_size)
+                plan = preflight_fn(cfg, env.rank, env.world_size) if preflight_fn else None
+            except SpmdrlError as e:  # every rank finds it; the first to get here says it (the others may be stopped)
+                report_error(e, env.rank)
+                return 2
+            except Terminated as e:
+                stop_handled()
+                report_error(_stopped(e, "before start-up"), env.rank)
+                return 128 + e.signum
+            if plan is False:  # nothing to do (said so)
+                return 0
+            try:
+                env, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s, split=is_split(layout))
+                logging.getLogger("spmdrl").info("%s: %d rank(s) via %s on %s; output %s", prog, env.world_size,
+                                                 env.launcher, device.type, cfg.trainer.output_dir)
+                run_fn(cfg, layout, env, device)
+            except SpmdrlError as e:  # a stop (Stopped) is not a user error: 128 + the signal, as a shell reports it
+                report_error(e, env.rank)
+                code = 128 + e.signum if isinstance(e, Stopped) else 2
+                _exit_now_if_stopped(code)
+                return code
+            except Terminated as e:
+                stop_handled()
+                report_error(_stopped(e, "while starting (loading models, building engines)"), env.rank)
+                _exit_now_if_stopped(128 + e.signum)
+                return 128 + e.signum
+            except BaseException as e:
+                record_bug(e)
+                raise
+            finally:
+                destroy_distributed()
+        return 0
+    finally:  # the process may go on (a test calling the entry point): leave no watcher behind
+        for unwatch in watchers:
+            if unwatch is not None:
+                unwatch()
 
 
 def _absolute_output_dir(cfg) -> None:

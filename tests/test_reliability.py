@@ -672,6 +672,21 @@ def test_output_dir_is_absolute_from_the_start(tmp_path, monkeypatch):
     code = run_entry(["trainer.output_dir=runs/a"], prog="t", description="", root_cls=Config,
                      validate_fn=validate_fn, run_fn=None)
     assert code == 2 and seen["out"] == str(tmp_path / "runs" / "a")
+    check_no_watcher_left()
+
+
+def check_no_watcher_left():
+    """The entry point returned, in a process that goes on: its stop-signal watcher left the process's signal wakeup
+    fd set and its thread running, so the test process's next SIGTERM (an in-process signal test, handled) ended the
+    whole test run 5 s later with os._exit(143)."""
+    import signal
+    import threading
+
+    left = [t.name for t in threading.enumerate() if t.name in ("spmdrl-stop-watch", "spmdrl-parent-watch")]
+    assert not left, left
+    fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    assert fd == -1, "run_entry left a signal wakeup fd set"
 
 
 def test_a_tool_file_that_exits_or_interrupts_at_import_is_one_line(tmp_path):
