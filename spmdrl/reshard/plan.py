@@ -115,7 +115,7 @@ def fsdp_blocks(params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[
 # distributed optimizer shards only optimizer state and fp32 main weights, which the sync does not read).
 
 # what spmdrl/engines/megatron converts (its engine refuses others at build)
-MEGATRON_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+MEGATRON_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 MEGATRON_COL = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 MEGATRON_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 MEGATRON_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")

@@ -34,6 +34,16 @@ megatron-core assumes CUDA in a few hard-coded places. Each patch below names wh
    and PP > 1, LanguageModule.setup_embeddings_and_output_layer moves the shared weight with `.cuda()` before
    all-reducing it over the embedding group.
 
+4. Expert parallelism's all-to-all token dispatcher (transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher):
+   - its __init__ creates a class-wide `torch.cuda.Stream()` for device-to-host copies of the split sizes unless
+     one exists: a placeholder is set on the class first (nothing is ever run on it on CPU);
+   - `_maybe_dtoh_and_synchronize` copies the all-to-all split sizes to the host as numpy arrays on that stream and
+     waits on a CUDA event; torch.distributed.all_to_all_single (gloo) takes the sizes as Python lists. On CPU
+     the sizes are already host tensors: the replacement turns input_splits / output_splits into lists (what
+     megatron's all_to_all passes to all_to_all_single and sums for the output size) and leaves the tensors
+     it reads with .tolist() / as tensors later (output_splits_tp, tokens_per_expert, the per-expert counts).
+   The module is also in MODULES (its scratch tensors on `torch.cuda.current_device()`).
+
 Nothing here changes numerics: every patch only redirects where a tensor is allocated or skips CUDA state.
 """
 from __future__ import annotations
@@ -57,6 +67,7 @@ MODULES = (
     "megatron.core.transformer.transformer_layer",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.transformer.moe.token_dispatcher",
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
 _CPU = torch.device("cpu")
@@ -150,7 +161,21 @@ def apply() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()  # patch 4: never a CUDA stream on CPU
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_split_sizes
     _applied = True
+
+
+def _host_split_sizes(self, point: str, tokens_per_expert=None):
+    """Patch 4: MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize on CPU: the all-to-all split sizes as lists."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits"):
+            sizes = getattr(self, name, None)
+            if torch.is_tensor(sizes):
+                setattr(self, name, sizes.tolist())
+    return tokens_per_expert
 
 
 @contextlib.contextmanager
