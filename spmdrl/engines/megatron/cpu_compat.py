@@ -43,6 +43,13 @@ megatron-core assumes CUDA in a few hard-coded places. Each patch below names wh
      megatron's all_to_all passes to all_to_all_single and sums for the output size) and leaves the tensors
      it reads with .tolist() / as tensors later (output_splits_tp, tokens_per_expert, the per-expert counts).
    The module is also in MODULES (its scratch tensors on `torch.cuda.current_device()`).
+5. Uneven gathers over tp (tensor_parallel.mappings `_gather_along_first_dim` / `_reduce_scatter_along_first_dim`
+   with split sizes): with expert tensor parallelism the dispatcher all-gathers each tp rank's received tokens (a
+   different count per rank) and reduce-scatters their outputs back. megatron calls torch.distributed.all_gather /
+   reduce_scatter with tensors of different sizes, which gloo refuses (all_gather) or lacks (reduce_scatter). On
+   CPU the split-size form runs as an all_gather of the parts padded to the longest, cut back to the sizes, and as an
+   all_reduce of the whole input of which each rank keeps its own part (the same sums). The equal-size form (dense
+   sequence parallelism) is megatron's own.
 
 Nothing here changes numerics: every patch only redirects where a tensor is allocated or skips CUDA state.
 """
@@ -165,7 +172,43 @@ def apply() -> None:
 
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()  # patch 4: never a CUDA stream on CPU
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_split_sizes
+    from megatron.core.tensor_parallel import mappings
+
+    mappings._gather_along_first_dim = _uneven_gather(mappings._gather_along_first_dim)  # patch 5
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
     _applied = True
+
+
+def _uneven_gather(megatron_gather):
+    """Patch 5: all-gather along dim 0 with per-rank sizes through equal-size all_gather of padded parts."""
+    import torch.distributed as dist
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return megatron_gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    return gather
+
+
+def _uneven_reduce_scatter(megatron_reduce_scatter):
+    """Patch 5: reduce-scatter along dim 0 with per-rank sizes as an all_reduce, each rank keeping its part."""
+    import torch.distributed as dist
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return megatron_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return list(torch.split(total, [int(n) for n in input_split_sizes], dim=0))[group.rank()].clone()
+
+    return reduce_scatter
 
 
 def _host_split_sizes(self, point: str, tokens_per_expert=None):
