@@ -206,12 +206,22 @@ def test_moe_routing_replay(runs, layout):
 def test_moe_checkpoint_resume_is_bitwise_and_export_round_trips(runs, layout):
     """A checkpoint (experts saved once by their first expert-data-parallel holder, broadcast over edp after the
     load) restores parameters and AdamW moments bitwise, and the next step equals the running engine's; export_hf
-    of the loaded engine writes the original safetensors bitwise (per-expert tensors)."""
+    writes transformers' in-memory (fused expert) tensors, which load into the original model bitwise."""
     for arch, (model, d, ranks) in runs[layout].items():
         if "resume_equal" in ranks[0]:
             assert all(res["load_equal"] and res["resume_equal"] for res in ranks)
             assert max(res["moved"] for res in ranks) > 1e-4
-        orig, back = read_safetensors(model), read_safetensors(d / f"{arch}.export")
-        assert orig.keys() == back.keys() and any(".experts.3." in k for k in orig)
+        export = d / f"{os.path.basename(model)}.export"
+        if not export.exists():  # tp > 1: see the script's docstring
+            continue
+        assert read_safetensors(model).keys() != read_safetensors(export).keys()  # per-expert -> fused tensors
+        orig, back = (_hf(str(x)).state_dict() if x == model else _load(str(x)) for x in (model, export))
+        assert orig.keys() == back.keys() and any(".experts.gate_up_proj" in k for k in orig)
         for k in orig:
             assert torch.equal(orig[k], back[k]), (arch, k)
+
+
+def _load(path: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").state_dict()
