@@ -115,6 +115,7 @@ def main():
         eng.clip_grad_norm = capture
         res["metrics"] = eng.train_step(items, loss_fn)
         res["grads"] = grads
+        eng.moe_counts()  # the update's routing: not compared
 
         # ---- routing replay ----------------------------------------------------------------------------------
         if args.replay and model == args.models[0]:
@@ -123,7 +124,7 @@ def main():
             rep = engine(router_replay=True)
             res["replay"] = {}
             res["replay"]["own"] = {"logprobs": rep.logprobs(tb)[0].clone(), "counts": rep.moe_counts()}
-            off = engine()
+            off = eng  # replay off; its lr-0 step left the weights as loaded
             for e in (rep, off):
                 with torch.no_grad():
                     for n, prm in e.stage.named_parameters():
