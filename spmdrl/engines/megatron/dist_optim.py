@@ -85,7 +85,7 @@ def check_checkpointable(engine) -> None:
                           "implemented")
     if engine.dims.experts:  # expert pieces are 3-d blocks and the experts' grad buffers are a second chained optimizer
         raise ConfigError("megatron backend on GPU: checkpoints of a mixture of experts' distributed optimizer state "
-                          "are not implemented (never run on a GPU); train MoE models with trainer.backend = 'fsdp'")
+                          "are not implemented; train MoE models with trainer.backend = 'fsdp'")
     gpt = engine.stage.gpt
     if engine.mesh.pp_size > 1 and gpt.share_embeddings_and_output_weights:
         raise ConfigError("megatron backend on GPU: checkpoints with pipeline parallelism and tied embeddings "
