@@ -66,7 +66,8 @@ CHECKPOINTED = ("params", "optimizer")  # the offload kinds a checkpoint holds (
 
 
 class MegatronEngine:
-    """One HF Llama / Qwen2 / Qwen3 model as a megatron-core GPTModel sharded over a role mesh."""
+    """One HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral model as a megatron-core GPTModel sharded over a role mesh
+    (a mixture of experts' experts also over the layout's ep ranks)."""
 
     lora = None  # megatron-core 0.16.1 has no LoRA; config validation refuses lora.enable with this backend
 
