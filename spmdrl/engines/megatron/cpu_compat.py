@@ -42,7 +42,6 @@ megatron-core assumes CUDA in a few hard-coded places. Each patch below names wh
      the sizes are already host tensors: the replacement turns input_splits / output_splits into lists (what
      megatron's all_to_all passes to all_to_all_single and sums for the output size) and leaves the tensors
      it reads with .tolist() / as tensors later (output_splits_tp, tokens_per_expert, the per-expert counts).
-   The module is also in MODULES (its scratch tensors on `torch.cuda.current_device()`).
 5. Uneven gathers over tp (tensor_parallel.mappings `_gather_along_first_dim` / `_reduce_scatter_along_first_dim`
    with split sizes): with expert tensor parallelism the dispatcher all-gathers each tp rank's received tokens (a
    different count per rank) and reduce-scatters their outputs back. megatron calls torch.distributed.all_gather /
@@ -50,6 +49,8 @@ megatron-core assumes CUDA in a few hard-coded places. Each patch below names wh
    CPU the split-size form runs as an all_gather of the parts padded to the longest, cut back to the sizes, and as an
    all_reduce of the whole input of which each rank keeps its own part (the same sums). The equal-size form (dense
    sequence parallelism) is megatron's own.
+megatron's router gating (which moves a CPU weight with `torch.cuda.current_device()` and calls TE's GEMM under a
+name left undefined without TransformerEngine) needs no patch: spmdrl's Router has its own gating (routing.py).
 
 Nothing here changes numerics: every patch only redirects where a tensor is allocated or skips CUDA state.
 """
@@ -74,7 +75,6 @@ MODULES = (
     "megatron.core.transformer.transformer_layer",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
-    "megatron.core.transformer.moe.token_dispatcher",
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
 _CPU = torch.device("cpu")
