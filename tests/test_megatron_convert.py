@@ -144,3 +144,61 @@ def test_config_accepts_megatron_and_rejects_unknown_backends():
     cfg.trainer.critic_backend = "deepspeed"
     with pytest.raises(ConfigError, match="trainer.critic_backend = 'deepspeed'"):
         validate(cfg, 1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_shapes_and_expert_blocks_follow_the_contract(arch):
+    """A mixture of experts in HF coordinates is transformers' in-memory model (model_param_shapes, the FSDP2
+    backend's): same names, shapes and order. At dp 4 x tp 2 with ep 2, rank (d, t) holds experts
+    [e*E/ep, (e+1)*E/ep) with e = d % ep: gate rows t*F/tp + [0, F/tp) and up rows F + t*F/tp + [0, F/tp) of
+    gate_up_proj (two blocks; one block at tp 1) and columns t*F/tp + [0, F/tp) of down_proj; the router whole.
+    Each expert-data-parallel replica (the dp ranks d // ep = x) tiles every parameter exactly once."""
+    from spmdrl.dist.layout import RoleLayout
+    from spmdrl.engines.loading import model_param_shapes
+    from spmdrl.tiny import build_model
+
+    cfg = build_model(arch=arch, num_layers=2).config
+    E, H = 4, cfg.hidden_size
+    F = cfg.moe_intermediate_size if arch == "qwen3_moe" else cfg.intermediate_size
+    for dp, tp, ep in ((2, 1, 2), (4, 2, 2)):
+        dims = dims_from_hf(cfg, tp=tp)
+        assert hf_param_shapes(dims) == model_param_shapes(cfg)
+        grid, layout = _grid(dp, 1, tp), RoleLayout("actor", tuple(range(dp * tp)), dp, 1, tp, 1, ep)
+        blocks = source_blocks(dims, grid, ep, {r: layout.ep_coords(r)[0] for r in layout.ranks})
+        n, f = E // ep, F // tp
+        for d, t in itertools.product(range(dp), range(tp)):
+            rank, e = grid[d][0][t], d % ep
+            held = {name: sorted(b for r, b in bs if r == rank) for name, bs in blocks.items()}
+            gate, up = ((e * n, t * f, 0), (n, f, H)), ((e * n, F + t * f, 0), (n, f, H))
+            want_gate_up = [gate, up] if tp > 1 else [((e * n, 0, 0), (n, 2 * F, H))]
+            for layer in range(2):
+                p = f"model.layers.{layer}.mlp."
+                assert held[p + "experts.gate_up_proj"] == want_gate_up
+                assert held[p + "experts.down_proj"] == [((e * n, 0, t * f), (n, H, f))]
+                assert held[p + "gate.weight"] == [((0, 0), (E, H))]
+        for x in range(dp // ep):  # one expert-data-parallel replica: its ranks tile every parameter once
+            ranks = {grid[d][0][t] for d in range(x * ep, (x + 1) * ep) for t in range(tp)}
+            for name, shape in hf_param_shapes(dims):
+                cover = torch.zeros(shape, dtype=torch.int32)
+                for offs, size in {b for r, b in blocks[name] if r in ranks}:
+                    cover[tuple(slice(o, o + s) for o, s in zip(offs, size))] += 1
+                assert bool((cover == 1).all()), (name, dp, tp)
+
+
+def test_moe_layouts_megatron_cannot_build_are_refused():
+    from spmdrl.tiny import build_model
+
+    cfg = build_model(arch="qwen3_moe", num_layers=2).config
+    with pytest.raises(ConfigError, match="moe_intermediate_size = 128 is not divisible by tp = 3"):
+        dims_from_hf(_moe(cfg, num_key_value_heads=3, num_attention_heads=3), tp=3)  # heads split, experts' F not
+    with pytest.raises(ConfigError, match="dense MLP layers"):
+        dims_from_hf(_moe(cfg, mlp_only_layers=[1]), tp=1)
+
+
+def _moe(cfg, **kw):
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg

@@ -67,8 +67,11 @@ def hf_blocks(engine, of):
         src = of(p)
         if src is None:
             continue
-        for name, (block, pcs) in merged_blocks(pieces).items():
-            t = torch.cat([src[pc.rows[0]: pc.rows[1]] for pc in pcs])
+        for name, block, pcs in merged_blocks(pieces):
+            t = torch.empty(block[1], dtype=src.dtype)
+            for pc in pcs:  # each piece where its HF block lies in the merged block
+                at = tuple(slice(o - b, o - b + n) for o, n, b in zip(pc.block[0], pc.block[1], block[0]))
+                t[at] = src[pc.rows[0]: pc.rows[1]].reshape(pc.block[1])
             out.setdefault(name, []).append((block, t.detach().clone()))
     return out
 

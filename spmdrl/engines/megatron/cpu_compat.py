@@ -34,6 +34,24 @@ megatron-core assumes CUDA in a few hard-coded places. Each patch below names wh
    and PP > 1, LanguageModule.setup_embeddings_and_output_layer moves the shared weight with `.cuda()` before
    all-reducing it over the embedding group.
 
+4. Expert parallelism's all-to-all token dispatcher (transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher):
+   - its __init__ creates a class-wide `torch.cuda.Stream()` for device-to-host copies of the split sizes unless
+     one exists: a placeholder is set on the class first (nothing is ever run on it on CPU);
+   - `_maybe_dtoh_and_synchronize` copies the all-to-all split sizes to the host as numpy arrays on that stream and
+     waits on a CUDA event; torch.distributed.all_to_all_single (gloo) takes the sizes as Python lists. On CPU
+     the sizes are already host tensors: the replacement turns input_splits / output_splits into lists (what
+     megatron's all_to_all passes to all_to_all_single and sums for the output size) and leaves the tensors
+     it reads with .tolist() / as tensors later (output_splits_tp, tokens_per_expert, the per-expert counts).
+5. Uneven gathers over tp (tensor_parallel.mappings `_gather_along_first_dim` / `_reduce_scatter_along_first_dim`
+   with split sizes): with expert tensor parallelism the dispatcher all-gathers each tp rank's received tokens (a
+   different count per rank) and reduce-scatters their outputs back. megatron calls torch.distributed.all_gather /
+   reduce_scatter with tensors of different sizes, which gloo refuses (all_gather) or lacks (reduce_scatter). On
+   CPU the split-size form runs as an all_gather of the parts padded to the longest, cut back to the sizes, and as an
+   all_reduce of the whole input of which each rank keeps its own part (the same sums). The equal-size form (dense
+   sequence parallelism) is megatron's own.
+megatron's router gating (which moves a CPU weight with `torch.cuda.current_device()` and calls TE's GEMM under a
+name left undefined without TransformerEngine) needs no patch: spmdrl's Router has its own gating (routing.py).
+
 Nothing here changes numerics: every patch only redirects where a tensor is allocated or skips CUDA state.
 """
 from __future__ import annotations
@@ -150,7 +168,57 @@ def apply() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()  # patch 4: never a CUDA stream on CPU
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_split_sizes
+    from megatron.core.tensor_parallel import mappings
+
+    mappings._gather_along_first_dim = _uneven_gather(mappings._gather_along_first_dim)  # patch 5
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
     _applied = True
+
+
+def _uneven_gather(megatron_gather):
+    """Patch 5: all-gather along dim 0 with per-rank sizes through equal-size all_gather of padded parts."""
+    import torch.distributed as dist
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return megatron_gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    return gather
+
+
+def _uneven_reduce_scatter(megatron_reduce_scatter):
+    """Patch 5: reduce-scatter along dim 0 with per-rank sizes as an all_reduce, each rank keeping its part."""
+    import torch.distributed as dist
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return megatron_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return list(torch.split(total, [int(n) for n in input_split_sizes], dim=0))[group.rank()].clone()
+
+    return reduce_scatter
+
+
+def _host_split_sizes(self, point: str, tokens_per_expert=None):
+    """Patch 4: MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize on CPU: the all-to-all split sizes as lists."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits"):
+            sizes = getattr(self, name, None)
+            if torch.is_tensor(sizes):
+                setattr(self, name, sizes.tolist())
+    return tokens_per_expert
 
 
 @contextlib.contextmanager

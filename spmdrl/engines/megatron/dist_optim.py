@@ -26,7 +26,8 @@ exp_avg_sq, step per parameter) for every install, the one these checkpoints are
 GPU. The cost is torch's multi-tensor (foreach) Adam instead of a fused kernel, once per optimizer step.
 
 Not supported (refused at engine build by `check_checkpointable`, before any training): megatron's
-precision-aware optimizer, more than one chained optimizer (MoE), and PP > 1 with tied embeddings (the last
+precision-aware optimizer, more than one chained optimizer (a mixture of experts, refused whatever its expert
+parallelism: its expert buffers and 3-d expert blocks are not laid out here), and PP > 1 with tied embeddings (the last
 stage's copy of the embedding has its own dp-sharded main param and moments, with ranges that differ from the
 first stage's).
 """
@@ -82,6 +83,9 @@ def check_checkpointable(engine) -> None:
     if getattr(dopt.config, "use_precision_aware_optimizer", False):
         raise ConfigError("megatron backend: checkpoints of the precision-aware distributed optimizer are not "
                           "implemented")
+    if engine.dims.experts:  # expert pieces are 3-d blocks and the experts' grad buffers are a second chained optimizer
+        raise ConfigError("megatron backend on GPU: checkpoints of a mixture of experts' distributed optimizer state "
+                          "are not implemented; train MoE models with trainer.backend = 'fsdp'")
     gpt = engine.stage.gpt
     if engine.mesh.pp_size > 1 and gpt.share_embeddings_and_output_weights:
         raise ConfigError("megatron backend on GPU: checkpoints with pipeline parallelism and tied embeddings "

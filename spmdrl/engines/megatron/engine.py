@@ -25,7 +25,15 @@ Optimizer: on CPU, torch.optim.AdamW over the megatron parameters, fed megatron 
 buffers (megatron's distributed optimizer rejects CPU tensors); on GPU, megatron's distributed optimizer
 (get_megatron_optimizer, fp32 master weights, its own clipping). The CPU grad norm counts a tensor-parallel
 duplicate (norms, value head) once (tp rank 0) and the last stage's copy of a tied embedding not at all, then
-sums squares over the tp and pp groups (grads are equal over dp after the all-reduce) - megatron's rule.
+sums squares over the tp and pp groups (grads are equal over dp after the all-reduce) - megatron's rule. With expert
+parallelism the experts' squares (params megatron marks allreduce = False) are first summed over the ep group too:
+each ep rank holds other experts, while a dense gradient is the same on every ep rank and counts once.
+
+Mixtures of experts (Qwen3-MoE, Mixtral; model.py, routing.py): megatron DDP keeps the experts' gradients in its
+expert_parallel_buffers, all-reduced over the expert-data-parallel group with the same 1/dp scaling as the dense
+ones (average_in_collective off): an expert's gradient on an ep rank already sums the tokens that the all-to-all
+brought from the whole ep group, so the sum over edp covers all dp ranks' tokens once and 1/dp is the contract's
+average. Routing replay and the router losses: router_replay / router_losses, moe_counts, moe_losses.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.engines.base import accumulate, clipped_step, resident, state_storages, step_metrics
@@ -57,7 +66,8 @@ CHECKPOINTED = ("params", "optimizer")  # the offload kinds a checkpoint holds (
 
 
 class MegatronEngine:
-    """One HF Llama / Qwen2 / Qwen3 model as a megatron-core GPTModel sharded over a role mesh."""
+    """One HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral model as a megatron-core GPTModel sharded over a role mesh
+    (a mixture of experts' experts also over the layout's ep ranks)."""
 
     lora = None  # megatron-core 0.16.1 has no LoRA; config validation refuses lora.enable with this backend
 
@@ -65,7 +75,11 @@ class MegatronEngine:
                  value_head: bool = False, optim: dict | None = None, total_steps: int = 1,
                  trust_remote_code: bool = False, seed: int = 0, make_vocab_size_divisible_by: int = 128,
                  use_te: bool | None = None, gradient_checkpointing: bool = False, offload: bool = False,
-                 defer_grad_sync: bool = False, attention: str = "sdpa", checkpoint_policy: str = "full"):
+                 defer_grad_sync: bool = False, attention: str = "sdpa", checkpoint_policy: str = "full",
+                 router_replay: bool = False, router_losses: bool = False):
+        """router_replay: a mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes
+        name (routing.py); without it they only measure the agreement. router_losses: its forwards under autograd
+        keep the load-balancing and z-loss terms (moe_losses)."""
         from transformers import AutoConfig
 
         self.device, self.mesh, self.trainable, self.model_path, self.seed = device, mesh, trainable, model_path, seed
@@ -93,6 +107,10 @@ class MegatronEngine:
                                    trainable=trainable)
         self.stage = StageModel(gpt, rope_inv_freq(self.config), value_head, self.dtype).to(device)
         self.first_layer = stage_layers(self.dims.layers, mesh.pp_size, mesh.pp_rank).start
+        self.ep = mesh.layout.ep
+        self.ep_rank = mesh.layout.ep_coords(mesh.rank)[0]
+        self.routing = self._routing(router_replay, router_losses,
+                                     gradient_checkpointing and trainable and checkpoint_policy == "full")
         self.is_last = mesh.pp_rank == mesh.pp_size - 1
         self.load_stats = hfstate.load_hf(self, model_path)
         self.defer_grad_sync = defer_grad_sync
@@ -140,12 +158,49 @@ class MegatronEngine:
     def eval(self) -> None:
         self.stage.eval()
 
+    def _routing(self, replay: bool, losses: bool, full_recompute: bool):
+        """A mixture of experts' Routing (routing.py), shared by the stage's routers; None for a dense model."""
+        if not self.dims.experts:
+            return None
+        if (replay or losses) and self.mesh.pp_size > 1:
+            raise ConfigError(f"megatron backend: routing replay and the router losses run at pp = 1 (placement "
+                              f"{self.mesh.layout.role}_pp = {self.mesh.pp_size}); set it to 1 or turn them off")
+        if losses and full_recompute:  # the first forward runs under no_grad and the recompute after the loss
+            raise ConfigError("megatron backend: actor.moe_aux_loss_coef / moe_z_loss_coef need the routers' forward "
+                              "under autograd, which full activation recompute defers; set model.checkpoint_policy = "
+                              "'selective' or model.gradient_checkpointing = false")
+        from megatron.core import parallel_state as ps
+
+        from .routing import Router, Routing
+
+        routing = Routing(self.dims.layers, self.dims.experts, self.dims.top_k, self.dims.norm_topk_prob,
+                          replay=replay, aux=losses, tp_group=ps.get_tensor_model_parallel_group())
+        for m in self.stage.modules():
+            if isinstance(m, Router):
+                m.routing_state = routing
+        return routing
+
     def moe_counts(self) -> dict:
-        """Dense models only on this backend (config validation refuses MoE): nothing to count."""
-        return {}
+        """The routers' counts since the last call (routing.py; {} for a dense model), summed over this replica's tp
+        ranks (each routes its share of the sequence) and pp stages (each its layers): one all-reduce. Every rank of
+        the mesh calls it after the same forwards."""
+        if self.routing is None:
+            return {}
+        counts = self.routing.take_counts()
+        if not counts or self.mesh.tp_size * self.mesh.pp_size == 1:
+            return counts
+        keys = sorted(counts)
+        flat = torch.cat([counts[k].reshape(-1) for k in keys])
+        for dim in ("tp", "pp"):
+            if getattr(self.mesh, f"{dim}_size") > 1:
+                dist.all_reduce(flat, group=self.mesh.group(dim))
+        parts = flat.split([counts[k].numel() for k in keys])
+        return {k: part.view_as(counts[k]) for k, part in zip(keys, parts)}
 
     def moe_losses(self):
-        return None
+        """(load-balancing loss, z-loss) of the last forward, summed over the MoE layers (routing.py); None for a
+        dense model, without router_losses or outside autograd."""
+        return self.routing.moe_losses() if self.routing is not None else None
 
     def _stage(self, tb: TokenBatch) -> "_Staged":
         """One micro-batch's device inputs, built from the host TokenBatch before the schedule runs: every
@@ -173,10 +228,30 @@ class MegatronEngine:
         # padded rows: causal attention is exact for every real token (right padding), and lets SDPA use its
         # causal kernels; packed sequences go through the variable-length attention over their boundaries
         dev = self.device
+        routes, real = self._route_inputs(tb, ids.shape[1]) if self.routing is not None else (None, None)
         return _Staged(ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True),
                        megatron_mask(mask).to(dev, non_blocking=True) if rows else None,
                        fw.ResponseIndex.of(tb).to(dev),
-                       varlen_params(cu.to(dev, non_blocking=True), longest, cu.diff().tolist()) if varlen else None)
+                       varlen_params(cu.to(dev, non_blocking=True), longest, cu.diff().tolist()) if varlen else None,
+                       None if routes is None else routes.to(dev, non_blocking=True), real.to(dev, non_blocking=True)
+                       if real is not None else None)
+
+    def _route_inputs(self, tb: TokenBatch, width: int):
+        """This rank's routes [T, layers, top_k] (-1 = none; None without routes) and real-token mask [T] in the
+        order megatron's router sees its tokens: the [N, width] token grid (width: the staged, tp-padded sequence
+        length) sequence-major, and under sequence parallelism only this tp rank's share of the positions. Real
+        tokens: the padded layout's mask; in packed layouts every token up to the sequence-parallel padding."""
+        N, L = tb.input_ids.shape
+        real = tb.mask.bool() if tb.mask is not None and tb.mask.dim() == 2 else torch.ones(N, L, dtype=torch.bool)
+        real = F.pad(real, (0, width - L))
+        routes = None
+        if tb.routes is not None:
+            routes = F.pad(tb.routes.long(), (0, 0, 0, 0, 0, width - L), value=-1)
+        span = self.mesh.tp_range(width) if self.tcfg.sequence_parallel else range(width)
+        real = real.t()[span.start: span.stop].reshape(-1)
+        if routes is not None:
+            routes = routes.transpose(0, 1)[span.start: span.stop].reshape(-1, *routes.shape[2:])
+        return routes, real
 
     def _schedule(self, items: list, staged: list["_Staged"], step_fn: Callable, forward_only: bool) -> list:
         """One megatron pipeline schedule over len(items) micro-batches; step_fn pulls (item, staged) pairs."""
@@ -188,6 +263,8 @@ class MegatronEngine:
                   micro_batch_size=max(st.ids.shape[0] for st in staged), forward_only=forward_only)
 
     def _run_stage(self, st: "_Staged"):
+        if self.routing is not None:
+            self.routing.set_batch(st.routes, st.real)
         return self.model(st.ids, st.pos, st.mask, st.varlen)
 
     def _lm_head(self, hidden, st: "_Staged", temperature: float, with_entropy, chunk_size: int, top_k: int = -1,
@@ -350,18 +427,23 @@ class MegatronEngine:
 
     def clip_grad_norm(self) -> float:
         """Global grad norm (megatron's rule, see the module docstring), then clip to grad_clip."""
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
         params = [p for p in self.optimizer.param_groups[0]["params"] if p.grad is not None]
-        counted = [p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in counted:
-            sq += g.detach().double().pow(2).sum()
+        sq = torch.zeros(2, dtype=torch.float64, device=self.device)  # [dense, expert] squares
+        for p in params:
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                sq[int(not getattr(p, "allreduce", True))] += p.grad.detach().double().pow(2).sum()
+        if self.ep > 1:  # an expert's gradient differs over the ep ranks; a dense one is the same (counted once)
+            expert = sq[1:].clone()
+            dist.all_reduce(expert, group=ps.get_expert_model_parallel_group())
+            sq[1:] = expert
         for dim in ("tp", "pp"):
             if getattr(self.mesh, f"{dim}_size") > 1:
                 dist.all_reduce(sq, group=self.mesh.group(dim))
-        total = math.sqrt(float(sq))
+        total = math.sqrt(float(sq.sum()))
         if self.grad_clip > 0 and math.isfinite(total) and total > self.grad_clip:
             scale = self.grad_clip / (total + 1e-6)
             for p in params:
@@ -426,8 +508,8 @@ class MegatronEngine:
             copy = gpt.post_process and not gpt.pre_process and gpt.share_embeddings_and_output_weights
             for name, p in self.stage.named_parameters():
                 mname = name.removeprefix("gpt.")
-                pcs = hf_pieces(mname, self.dims, self.mesh.tp_size, self.mesh.tp_rank, self.first_layer,
-                                last_stage_copy=copy and mname == "output_layer.weight")
+                pcs = hf_pieces(mname, self.dims, self.mesh.tp_size, self.mesh.tp_rank, self.first_layer, ep=self.ep,
+                                ep_rank=self.ep_rank, last_stage_copy=copy and mname == "output_layer.weight")
                 out.append((mname, p, pcs))
             self._pieces_cache = out
         return self._pieces_cache
@@ -483,6 +565,8 @@ class _Staged:
     mask: torch.Tensor | None  # megatron's [N, 1, L, L] bool (True = not allowed) for row-packed rows; None = causal
     index: fw.ResponseIndex
     varlen: object = None  # PackedSeqParams with the boundaries of packed sequences in one row (varlen_params)
+    routes: torch.Tensor | None = None  # a MoE's routes of this rank's tokens in router order (engine._route_inputs)
+    real: torch.Tensor | None = None  # a MoE's real-token mask of this rank's tokens, router order
 
 
 class _Recorder:

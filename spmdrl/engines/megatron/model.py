@@ -1,9 +1,17 @@
-"""Build a megatron-core GPTModel for one role from an HF Llama / Qwen2 / Qwen3 config, on the role's mesh.
+"""Build a megatron-core GPTModel for one role from an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral config, on the
+role's mesh.
 
-parallel_state is initialised with order "tp-pp-dp" (tp fastest, then pp, then dp: megatron's RankGenerator
-reads the order string fastest first), which is the layout of spmdrl's RoleLayout; the engine then asserts
-that megatron's tp / pp / dp groups contain exactly the ranks of the role mesh's groups (no rank arithmetic
+parallel_state is initialised with order "tp-cp-ep-pp-dp" (tp fastest, then pp, then dp: megatron's RankGenerator
+reads the order string fastest first; cp = 1), which is the layout of spmdrl's RoleLayout; the engine then asserts
+that megatron's tp / pp / dp groups contain exactly the ranks of the role mesh's groups, and with expert parallelism
+that its expert-parallel and expert-data-parallel groups are the layout's ep / edp groups (no rank arithmetic
 here). megatron's parallel state is one per process, so every Megatron role of a run must share one layout.
+
+Mixtures of experts (Qwen3-MoE, Mixtral): every layer's MLP is megatron's MoELayer with the all-to-all token
+dispatcher over the expert-parallel group, SequentialMLP experts (one megatron MLP per local expert; TE's grouped
+GEMM on the TE spec), expert tensor parallelism = tp, and spmdrl's Router (routing.py) in place of megatron's
+TopKRouter. Megatron adds no load-balancing or z-loss and drops no tokens (no capacity factor); spmdrl's own router
+losses are routing.py's.
 
 Rotary embeddings: the engine computes the rotary angles itself from each token's position id with HF's own
 inverse frequencies (`transformers.modeling_rope_utils`, so rope_theta and rope scaling follow the HF config
@@ -49,10 +57,11 @@ def init_parallel_state(mesh, device: torch.device, seed: int) -> None:
         from . import cpu_compat
 
         cpu_compat.apply()
+    ep = mesh.layout.ep
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=mesh.tp_size, pipeline_model_parallel_size=mesh.pp_size,
-            order="tp-cp-ep-pp-dp", create_gloo_process_groups=device.type == "cuda",
+            expert_model_parallel_size=ep, order="tp-cp-ep-pp-dp", create_gloo_process_groups=device.type == "cuda",
         )
         if device.type == "cuda":
             from megatron.core import tensor_parallel
@@ -66,6 +75,16 @@ def init_parallel_state(mesh, device: torch.device, seed: int) -> None:
             raise ConfigError(
                 f"megatron backend: megatron's {dim} group {ranks(mgroup)} differs from the {mesh.layout.role} mesh's "
                 f"{ours}; every Megatron role must use the same tp/pp/dp layout"
+            )
+    groups = mesh.layout.groups() if ep > 1 else {}
+    for dim, mgroup in (("ep", ps.get_expert_model_parallel_group()), ("edp", ps.get_expert_data_parallel_group())):
+        if not groups:
+            break
+        ours = next(g for g in groups[f"{dim}_groups"] if mesh.rank in g)
+        if ranks(mgroup) != ours:
+            raise ConfigError(
+                f"megatron backend: megatron's expert {dim} group {ranks(mgroup)} differs from the {mesh.layout.role} "
+                f"layout's {ours}; every Megatron role must use the same ep layout"
             )
 
 
@@ -145,7 +164,7 @@ def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype:
         raise ConfigError(f"megatron backend: recompute {recompute!r} is not one of full, selective")
     return TransformerConfig(
         num_layers=dims.layers, hidden_size=dims.hidden, num_attention_heads=dims.heads,
-        num_query_groups=dims.groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn,
+        num_query_groups=dims.groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.moe_ffn or dims.ffn,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=dims.qkv_bias, qk_layernorm=dims.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
@@ -157,8 +176,25 @@ def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype:
         recompute_granularity=mode, recompute_method="uniform" if mode == "full" else None,
         recompute_num_layers=1 if mode == "full" else None,
         variable_seq_lengths=True, batch_p2p_sync=False, moe_token_dispatcher_type="alltoall",
-        deallocate_pipeline_outputs=False,
+        deallocate_pipeline_outputs=False, **moe_fields(dims, mesh, use_te),
     )
+
+
+def moe_fields(dims: Dims, mesh, use_te: bool) -> dict:
+    """TransformerConfig's mixture-of-experts fields ({} for a dense model): E experts, top-k, one expert's F, expert
+    parallelism over the layout's ep ranks with expert tensor parallelism = tp; megatron's own load balancing, aux
+    loss, z-loss, capacity and expert bias off (spmdrl's Router routes, routing.py). The score function fields
+    describe HF's routing (softmax over all experts, then top-k, renormalised unless norm_topk_prob is off) for
+    anything of megatron's that reads them; spmdrl's Router computes the weights itself. Grouped GEMM only on the TE
+    spec (its grouped experts), never on CPU."""
+    if not dims.experts:
+        return {}
+    return dict(num_moe_experts=dims.experts, moe_router_topk=dims.top_k, moe_ffn_hidden_size=dims.moe_ffn,
+                moe_router_score_function="softmax", moe_router_pre_softmax=not dims.norm_topk_prob,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+                moe_expert_capacity_factor=None, moe_router_enable_expert_bias=False, moe_grouped_gemm=use_te,
+                expert_model_parallel_size=mesh.layout.ep, expert_tensor_parallel_size=mesh.tp_size,
+                moe_permute_fusion=False)
 
 
 def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, use_te: bool, recompute: bool | str = False,
@@ -202,15 +238,26 @@ def block_spec(cfg, use_te: bool, attention: str, num_layers: int):
     supports sequence parallelism; megatron's own torch norm (WrappedTorchNorm) refuses it. Qwen3's q / k norms
     (`qk_layernorm`) are `RMSNorm` too: each tp rank normalises the heads it holds with the one replicated
     weight, so that gradient is a partial sum as well; finalize_model_grads all-reduces every q_layernorm /
-    k_layernorm gradient over tp when qk_layernorm is set."""
+    k_layernorm gradient over tp when qk_layernorm is set. A mixture of experts gets megatron's MoE layer spec
+    (get_gpt_layer_local_spec(num_experts=...)) with spmdrl's Router (routing.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
+    from .routing import Router
+
+    experts = cfg.num_moe_experts
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
+        layer = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=bool(experts),
+                                                           qk_layernorm=cfg.qk_layernorm)
+        if experts:
+            layer.submodules.mlp.submodules.router = Router
+        return layer
+    layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                     qk_layernorm=cfg.qk_layernorm)
+    if experts:  # SequentialMLP experts (megatron MLPs over ColumnParallel / RowParallel linears), spmdrl's router
+        layer.submodules.mlp.submodules.router = Router
     if attention == "sdpa":
         layer.submodules.self_attention.submodules.core_attention = SdpaAttention
     elif attention != "local":

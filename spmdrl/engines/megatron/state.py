@@ -5,9 +5,10 @@ HF parameter.
 
 Checkpoints are in HF names and full HF shapes, whatever the layout: every HF parameter (and its AdamW
 exp_avg / exp_avg_sq) is a ShardedTensor whose shards are the pieces, each a view of the megatron tensor's
-rows, so DCP writes each rank's pieces from where they live and loads them in place. A block held by several
+rows (shaped as its HF block: an expert's piece is a [1, rows, cols] block of a fused expert tensor), so DCP writes each rank's pieces from where they live and loads them in place. A block held by several
 ranks (dp replicas, tp-replicated norms) is saved by its first holder in [dp][pp][tp] order (its "owner"); after
-a load the owners' values are broadcast to the replicas (over dp, then over tp for the replicated parameters,
+a load the owners' values are broadcast to the replicas (over dp - an expert's over its expert-data-parallel group,
+as the other ep ranks hold other experts - then over tp for the replicated parameters,
 and to the last stage's copy of a tied embedding). `spmdrl export` reads such a checkpoint exactly as an FSDP2
 one (same keys, same full shapes). The CPU optimizer (torch AdamW over the whole local parameters) saves its
 moments the same way; the GPU's megatron distributed optimizer saves its dp shards of the fp32 master weights
@@ -32,15 +33,15 @@ from .convert import Piece, hf_param_shapes, hf_pieces, merged_blocks
 
 
 def load_hf(engine, model_path: str) -> dict[str, int]:
-    """Fill this rank's parameters from the HF safetensors slices they hold (nothing else is read)."""
-    from safetensors import safe_open
-
-    from spmdrl.engines.loading import checkpoint_index
+    """Fill this rank's parameters from the HF safetensors slices they hold (nothing else is read). A mixture of
+    experts' fused in-memory tensors are read from the checkpoint's per-expert tensors (loading.CheckpointReader)."""
+    from spmdrl.engines.loading import CheckpointReader, checkpoint_index
 
     index = checkpoint_index(model_path)
+    shapes = dict(hf_param_shapes(engine.dims))
     bytes_read = 0
     with ExitStack() as stack, torch.no_grad():
-        files: dict[str, object] = {}
+        reader = CheckpointReader(index, engine.config, stack)
         for mname, p, pieces in engine._local_params():
             if not pieces and mname == "output_layer.weight":  # the last stage's copy of a tied embedding
                 pieces = hf_pieces("embedding.word_embeddings.weight", engine.dims, engine.mesh.tp_size,
@@ -48,8 +49,7 @@ def load_hf(engine, model_path: str) -> dict[str, int]:
             p.data.zero_()  # vocabulary padding rows stay zero
             for pc in pieces:
                 view = p.data[pc.rows[0]: pc.rows[1]]
-                file = index.get(pc.hf_name)
-                if file is None:
+                if not reader.has(pc.hf_name):
                     if not pc.hf_name.startswith("score."):
                         raise ConfigError(f"model.path = {model_path!r}: the checkpoint has no parameter {pc.hf_name!r}")
                     # a fresh value head, like HF's _init_weights, from a generator seeded with the engine's seed:
@@ -59,19 +59,29 @@ def load_hf(engine, model_path: str) -> dict[str, int]:
                     full = torch.zeros(1) if pc.hf_name.endswith("bias") else torch.empty(1, engine.dims.hidden).normal_(0.0, std, generator=gen)
                     view.copy_(full)
                     continue
-                if file not in files:
-                    files[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-                sl = files[file].get_slice(pc.hf_name)
-                block = sl[tuple(slice(o, o + s) for o, s in zip(*pc.block))] if math.prod(pc.block[1]) else torch.empty(pc.block[1])
+                offs, size = pc.block
+                block = reader.read(pc.hf_name, shapes[pc.hf_name], offs, size) if math.prod(size) else torch.empty(size)
                 bytes_read += block.numel() * block.element_size()
                 view.copy_(block.reshape(view.shape).to(view.dtype))
     return {"bytes_read": bytes_read}
 
 
 # ---- weights out (engines/base.py) ---------------------------------------------------------------------
+def ep_ranks(engine) -> dict[int, int]:
+    """Global rank -> expert-parallel rank of every rank of the mesh (RoleLayout.ep_coords)."""
+    layout = engine.mesh.layout
+    return {r: layout.ep_coords(r)[0] for r in layout.ranks}
+
+
 def source_blocks(engine) -> dict[str, list[tuple[int, Block]]]:
-    # the reshard planner's Megatron layout; tests/test_reshard_megatron.py checks it equals convert.source_blocks
+    # the reshard planner's Megatron layout; tests/test_reshard_megatron.py checks it equals convert.source_blocks.
+    # A mixture of experts: convert.source_blocks (the planner's expert layout comes with its ep argument)
     from spmdrl.reshard.plan import megatron_blocks
+
+    if engine.dims.experts:
+        from .convert import source_blocks as blocks_of
+
+        return blocks_of(engine.dims, engine.mesh.grid(), engine.ep, ep_ranks(engine))
 
     return megatron_blocks(engine.param_shapes(), engine.mesh.grid(), num_layers=engine.dims.layers,
                            padded_vocab=engine.dims.vocab_padded, tied=engine.dims.tie and not engine.dims.value_head,
@@ -81,12 +91,25 @@ def source_blocks(engine) -> dict[str, list[tuple[int, Block]]]:
 def weight_shards(engine, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor, Block]]:
     """(HF name, tensor, block) of every HF parameter this rank's stage holds: q/k/v and gate/up un-fused
     from linear_qkv / linear_fc1 (the q rows of this rank's query groups concatenated), vocabulary padding
-    trimmed. No communication; the blocks are exactly source_blocks()[name][this rank]."""
-    for _, p, pieces in engine._local_params():
-        for name, (block, pcs) in merged_blocks(pieces).items():
-            parts = [p.detach()[pc.rows[0]: pc.rows[1]] for pc in pcs]
-            t = parts[0] if len(parts) == 1 else torch.cat(parts)
-            yield name, (t if dtype is None else t.to(dtype)), block
+    trimmed; a mixture of experts' local experts merged where their blocks touch (convert.merged_blocks: several
+    blocks of one name when they do not). No communication; the blocks are exactly source_blocks()[name][this
+    rank]."""
+    pieces = [(pc, p) for _, p, pcs in engine._local_params() for pc in pcs]
+    of = {id(pc): p for pc, p in pieces}
+    for name, block, pcs in merged_blocks([pc for pc, _ in pieces]):
+        if len(pcs) == 1:
+            t = piece_view(of[id(pcs[0])].detach(), pcs[0])
+        else:
+            t = torch.empty(block[1], dtype=of[id(pcs[0])].dtype, device=engine.device)
+            for pc in pcs:
+                t[tuple(slice(o - b, o - b + n) for o, b, n in zip(pc.block[0], block[0], pc.block[1]))] = \
+                    piece_view(of[id(pc)].detach(), pc)
+        yield name, (t if dtype is None else t.to(dtype)), block
+
+
+def piece_view(src: torch.Tensor, pc: Piece) -> torch.Tensor:
+    """Piece pc of a megatron tensor (or a tensor shaped like it) as a view with its HF block's shape."""
+    return src[pc.rows[0]: pc.rows[1]].view(pc.block[1])
 
 
 def export_hf(engine, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None) -> None:
@@ -113,19 +136,21 @@ def param_manifest(engine) -> list:
 
 
 def block_owners(engine) -> dict[tuple[str, Block], int]:
-    """(HF name, piece block) -> the global rank that saves it (its first holder in grid order)."""
+    """(HF name, piece block) -> the global rank that saves it (its first holder in grid order: an expert's block
+    is held by the ep rank's expert-data-parallel replicas only, and saved by the first of them)."""
     if getattr(engine, "_owner_cache", None) is None:
         owners: dict = {}
         grid = engine.mesh.grid()
         pp, tp = len(grid[0]), len(grid[0][0])
         from .convert import stage_layers, stage_megatron_names
 
+        e_of = ep_ranks(engine)
         for d_ranks in grid:
             for p, tp_ranks in enumerate(d_ranks):
                 first = stage_layers(engine.dims.layers, pp, p).start
                 for t, rank in enumerate(tp_ranks):
-                    for m in stage_megatron_names(engine.dims, pp, p, te=engine.use_te):
-                        for pc in hf_pieces(m, engine.dims, tp, t, first):
+                    for m in stage_megatron_names(engine.dims, pp, p, te=engine.use_te, ep=engine.ep):
+                        for pc in hf_pieces(m, engine.dims, tp, t, first, ep=engine.ep, ep_rank=e_of[rank]):
                             owners.setdefault((pc.hf_name, pc.block), rank)
         engine._owner_cache = owners
     return engine._owner_cache
@@ -161,7 +186,7 @@ def piece_views(engine, of=lambda p: p.data) -> dict[str, list[tuple[Piece, torc
     for _, p, pieces in engine._local_params():
         src = of(p)
         for pc in pieces:
-            out.setdefault(pc.hf_name, []).append((pc, src[pc.rows[0]: pc.rows[1]]))
+            out.setdefault(pc.hf_name, []).append((pc, piece_view(src, pc)))
     return out
 
 
@@ -239,19 +264,21 @@ def load_checkpoint_state(engine, tensors: dict, meta: dict) -> None:
 
 
 def sync_replicas(engine, params, kinds) -> None:
+    """Copy the owners' values to the replicas: a dense parameter's over dp, an expert's (megatron's allreduce =
+    False) over its expert-data-parallel group (the dp ranks of its ep rank), then tp-replicated ones over tp."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate  # noqa: F401
 
     with torch.no_grad():
         for p in params:
+            expert = not getattr(p, "allreduce", True)
+            g = ps.get_expert_data_parallel_group() if expert else engine.mesh.group("dp")
             for of in kinds:
                 t = of(p)
-                if engine.mesh.dp_size > 1:
-                    g = engine.mesh.group("dp")
+                if dist.get_world_size(g) > 1:
                     dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
                 if engine.mesh.tp_size > 1 and not getattr(p, "tensor_model_parallel", False):
-                    g = engine.mesh.group("tp")
-                    dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
+                    tp = engine.mesh.group("tp")
+                    dist.broadcast(t, src=dist.get_global_rank(tp, 0), group=tp)
         gpt = engine.stage.gpt
         if engine.mesh.pp_size > 1 and gpt.share_embeddings_and_output_weights and (gpt.pre_process or gpt.post_process):
             w = gpt.shared_embedding_or_output_weight()
