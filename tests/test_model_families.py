@@ -118,17 +118,19 @@ def family_run(root, arch, model, **extra) -> list[dict]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe", "falcon"])
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe", "qwen3_moe-megatron-ep2", "falcon"])
 def test_grpo_per_family_matches_vllm_after_a_sync(family_models, tmp_path, arch):
     """Step 2 samples with the weights synced after step 1's two optimizer steps: vLLM's log-probs of its samples
     are the actor's within 1e-5. Planned families receive the lower bound; falcon's logged bytes (the whole-tensor
     route) are what `spmdrl plan` predicts for the same config. qwen3_moe runs with routing replay: the actor's
     forwards route every token vLLM computed as vLLM did (route agreement 1.0), its own router agrees as well
     (the same weights in float32), and every layer reports its expert load; its objective carries the router's
-    load-balancing and z-loss terms."""
+    load-balancing and z-loss terms; the same on the Megatron backend with expert parallelism 2."""
     extra = {"actor.router_replay": "rollout", "actor.moe_aux_loss_coef": 0.01, "actor.moe_z_loss_coef": 0.001} \
-        if arch == "qwen3_moe" else {}
-    rows = [r for r in family_run(tmp_path, arch, family_models[arch], **extra) if r["step"] >= 1]
+        if arch.startswith("qwen3_moe") else {}
+    if arch.endswith("megatron-ep2"):  # the Megatron backend, experts split over the 2 ranks (all-to-all dispatch)
+        extra.update({"trainer.backend": "megatron", "placement.actor_ep": 2, "placement.ref_ep": 2})
+    rows = [r for r in family_run(tmp_path, arch, family_models[arch.split("-")[0]], **extra) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-5, (arch, r["rollout/logprob_diff_max"])

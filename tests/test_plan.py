@@ -240,7 +240,7 @@ def test_long_sequence_plan_divides_activations_by_sp_and_shows_the_longest_sequ
 
 
 def test_megatron_expert_parallel_state_by_hand():
-    """configs/qwen3_30b_a3b.toml's actor layout (Megatron tp 4 x ep 2 on 8 ranks) planned from Qwen3-30B-A3B's
+    """The actor layout of configs/qwen3_30b_a3b.toml (Megatron tp 4 x ep 2), here on one node of 8 ranks, planned from Qwen3-30B-A3B's
     shapes: a rank holds the dense parameters / tp (router and norms whole, the vocabulary padded) plus the expert
     parameters / (tp x ep); gradients alike in float32; the distributed optimizer's 12 bytes a parameter shard over
     dp = 2 for the dense ones and over edp = dp / ep = 1 for the experts; an MoE layer's activations count the

@@ -412,6 +412,28 @@ def test_expert_blocks_are_what_megatron_expert_shards_hold(dp, tp, ep):
             assert bool((painted == 1).all()), (name, x)
 
 
+@pytest.mark.parametrize("dp,tp,ep", [(2, 1, 2), (2, 2, 2), (4, 2, 2), (4, 1, 4)])
+def test_engine_expert_pieces_agree_with_megatron_blocks(dp, tp, ep):
+    """The Megatron engine's piece arithmetic for a mixture of experts (convert.source_blocks: what its weight_shards
+    yields from its local experts) holds exactly the blocks the planner's megatron_blocks says, rank by rank, with the
+    ranks' expert-parallel ranks from dist.layout (the engine's weight sync plans with megatron_blocks)."""
+    from spmdrl.dist.layout import RoleLayout
+    from spmdrl.engines.megatron.convert import dims_from_hf, hf_param_shapes
+    from spmdrl.engines.megatron.convert import source_blocks as engine_blocks
+
+    cfg = moe_config()
+    dims = dims_from_hf(cfg, tp=tp, divisible_by=8)
+    grid = grid_of(dp, 1, tp)
+    lay = RoleLayout("actor", tuple(range(dp * tp)), dp, 1, tp, ep=ep)
+    mine = megatron_blocks(hf_param_shapes(dims), grid, num_layers=2, padded_vocab=dims.vocab_padded,
+                           dims=ModelDims.from_hf_config(cfg), tied=False, tied_copy=False, ep=ep)
+    theirs = engine_blocks(dims, grid, ep, {r: lay.ep_coords(r)[0] for r in lay.ranks})
+    assert set(mine) == set(theirs)
+    assert any("experts" in n for n in mine)
+    for name in mine:
+        assert sorted(mine[name]) == sorted(theirs[name]), name
+
+
 def test_expert_layouts_that_do_not_split_are_layout_errors():
     from spmdrl.engines.loading import model_param_shapes
 

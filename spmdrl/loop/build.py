@@ -53,8 +53,8 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
     def attn(role: str) -> dict:  # the FSDP2 backend's attention; the Megatron backend has its own
         return {"attn_implementation": cfg.model.attn_implementation} if backend[role] == "fsdp" else {}
 
-    def replay(role: str) -> dict:  # the FSDP2 backend's routing replay and router losses (refused elsewhere)
-        out = {"router_replay": True} if a.router_replay == "rollout" and backend[role] == "fsdp" else {}
+    def replay(role: str) -> dict:  # routing replay and router losses (both training backends)
+        out = {"router_replay": True} if a.router_replay == "rollout" else {}
         if role == "actor" and (a.moe_aux_loss_coef or a.moe_z_loss_coef):
             out["router_losses"] = True
         return out

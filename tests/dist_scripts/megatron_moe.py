@@ -13,8 +13,8 @@ in one torchrun run. Writes <out>/<name>.rank<r>.pt per model (name = the model 
   resume_equal / load_equal / moved (--resume, first model only): a step, a checkpoint (spmdrl.checkpoint), a fresh engine loaded from
       it: its parameters and AdamW moments equal the saved ones bitwise, and one more step on both engines gives
       bitwise equal parameters and metrics;
-and <out>/<name>.export (export_hf of the untouched engine; tp 1 only: at tp > 1 a rank holds two blocks of each
-gate_up_proj, and spmdrl/reshard/transport.py takes one block per name and rank).
+and <out>/<name>.export (export_hf of the untouched engine; at tp > 1 a rank holds two blocks of each gate_up_proj,
+which the export's transport sends from both).
 
 Objective of the train_step (dp ranks split SEQS in halves, --micro micro-batches each, padded layout):
     L = sum_{b, j} c_bj * logp_bj / C + sum over (rank, micro-batch) of (A * aux + Z * z) / (dp * M)
@@ -88,8 +88,7 @@ def main():
         for n, bs in eng.source_blocks().items():
             want[n] = [(b, tuple(b[1])) for r, b in bs if r == env.rank]
         res["blocks_ok"] = {n: sorted(v) for n, v in shards.items()} == {n: sorted(v) for n, v in want.items() if v}
-        if args.tp == 1:  # tp > 1: gate and up rows are two blocks per rank, which the weight transport takes one of
-            eng.export_hf(os.path.join(args.out, f"{name}.export"))
+        eng.export_hf(os.path.join(args.out, f"{name}.export"))
 
         # ---- one train_step: gradients in HF coordinates, the router loss terms --------------------------------
         items = [(ids, pack_sequences([prompts[i] for i in ids], [resps[i] for i in ids], 0)) for ids in micros]

@@ -74,18 +74,13 @@ def ep_ranks(engine) -> dict[int, int]:
 
 
 def source_blocks(engine) -> dict[str, list[tuple[int, Block]]]:
-    # the reshard planner's Megatron layout; tests/test_reshard_megatron.py checks it equals convert.source_blocks.
-    # A mixture of experts: convert.source_blocks (the planner's expert layout comes with its ep argument)
+    # the reshard planner's Megatron layout (experts by its ep argument); tests/test_reshard_megatron.py checks it
+    # equals convert.source_blocks, dense and expert-parallel
     from spmdrl.reshard.plan import megatron_blocks
-
-    if engine.dims.experts:
-        from .convert import source_blocks as blocks_of
-
-        return blocks_of(engine.dims, engine.mesh.grid(), engine.ep, ep_ranks(engine))
 
     return megatron_blocks(engine.param_shapes(), engine.mesh.grid(), num_layers=engine.dims.layers,
                            padded_vocab=engine.dims.vocab_padded, tied=engine.dims.tie and not engine.dims.value_head,
-                           tied_copy=False)
+                           tied_copy=False, ep=engine.mesh.layout.ep)
 
 
 def weight_shards(engine, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor, Block]]:
