@@ -99,7 +99,7 @@ def test_dtensor_tp_actor_per_family(family_models, tmp_path):
             assert r["logprob_max_diff"] < 1e-5 and r["plan_recv"] == r["plan_lower_bound"] == 0, (arch, r)
 
 
-def family_run(root, arch, model, **extra) -> list[dict]:
+def family_run(root, arch, model, nproc: int = 2, **extra) -> list[dict]:
     from spmdrl.data.synthetic import make_arith
     from spmdrl.metrics import read_jsonl
 
@@ -113,24 +113,28 @@ def family_run(root, arch, model, **extra) -> list[dict]:
         "placement.rollout_tp": 2, "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
     }
     o.update(extra)
-    run(["spmdrl.train", *[f"{k}={v}" for k, v in o.items()]], nproc=2, module=True)
+    run(["spmdrl.train", *[f"{k}={v}" for k, v in o.items()]], nproc=nproc, module=True)
     return read_jsonl(str(out / "metrics.jsonl"))
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe", "qwen3_moe-megatron-ep2", "falcon"])
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe", "qwen3_moe-megatron-ep2-tp2", "falcon"])
 def test_grpo_per_family_matches_vllm_after_a_sync(family_models, tmp_path, arch):
     """Step 2 samples with the weights synced after step 1's two optimizer steps: vLLM's log-probs of its samples
     are the actor's within 1e-5. Planned families receive the lower bound; falcon's logged bytes (the whole-tensor
     route) are what `spmdrl plan` predicts for the same config. qwen3_moe runs with routing replay: the actor's
     forwards route every token vLLM computed as vLLM did (route agreement 1.0), its own router agrees as well
     (the same weights in float32), and every layer reports its expert load; its objective carries the router's
-    load-balancing and z-loss terms; the same on the Megatron backend with expert parallelism 2."""
+    load-balancing and z-loss terms; the same on the Megatron backend at tp 2 x ep 2 on 4 ranks."""
     extra = {"actor.router_replay": "rollout", "actor.moe_aux_loss_coef": 0.01, "actor.moe_z_loss_coef": 0.001} \
         if arch.startswith("qwen3_moe") else {}
-    if arch.endswith("megatron-ep2"):  # the Megatron backend, experts split over the 2 ranks (all-to-all dispatch)
-        extra.update({"trainer.backend": "megatron", "placement.actor_ep": 2, "placement.ref_ep": 2})
-    rows = [r for r in family_run(tmp_path, arch, family_models[arch.split("-")[0]], **extra) if r["step"] >= 1]
+    nproc = 2
+    if arch.endswith("megatron-ep2-tp2"):  # the Megatron backend on 4 ranks: tp 2 x dp 2, the experts split over the
+        # 2 data-parallel replicas (all-to-all dispatch) and each expert's FFN width over tp
+        extra.update({"trainer.backend": "megatron", "placement.actor_tp": 2, "placement.actor_ep": 2,
+                      "placement.ref_tp": 2, "placement.ref_ep": 2})
+        nproc = 4
+    rows = [r for r in family_run(tmp_path, arch, family_models[arch.split("-")[0]], nproc, **extra) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-5, (arch, r["rollout/logprob_diff_max"])
