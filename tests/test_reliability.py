@@ -758,25 +758,25 @@ def test_a_save_is_due_by_steps_at_the_end_and_by_minutes():
     """checkpoint.save_every_min bounds what a stop loses when save_freq saves only at the end (the default)."""
     import time
 
-    from launching import world_of_one
     from spmdrl.config import load_config
     from spmdrl.loop.run_state import RunCheckpointer
 
     def checkpointer(*overrides):
         return RunCheckpointer(load_config(None, list(overrides)), None, {}, None, None, None, None, None, None, 0, "")
 
-    with world_of_one():
-        default = checkpointer()
-        assert default.cfg.checkpoint.save_every_min == 30.0
-        assert not default.due(1, done=False) and default.due(2, done=True)
-        assert [s for s in range(1, 7) if checkpointer("checkpoint.save_freq=3").due(s, False)] == [3, 6]
-        timed = checkpointer("checkpoint.save_every_min=0.002")  # 0.12 s
-        assert not timed.due(1, False)
-        time.sleep(0.15)
-        assert timed.due(2, False)
-        timed.last_save = time.monotonic()  # what a save does
-        assert not timed.due(3, False)
-        assert not checkpointer("checkpoint.save_freq=-1", "checkpoint.save_every_min=0.001").due(5, True)
+    default = checkpointer()
+    assert default.cfg.checkpoint.save_every_min == 30.0
+    assert not default.due(1, False, default.since_save()) and default.due(2, True, default.since_save())
+    every3 = checkpointer("checkpoint.save_freq=3")
+    assert [s for s in range(1, 7) if every3.due(s, False, every3.since_save())] == [3, 6]
+    timed = checkpointer("checkpoint.save_every_min=0.002")  # 0.12 s
+    assert not timed.due(1, False, timed.since_save())
+    time.sleep(0.15)
+    assert timed.due(2, False, timed.since_save())
+    assert not timed.due(2, False, 0.1)  # the ranks' agreed clock decides, not this rank's own
+    timed.last_save = time.monotonic()  # what a save does
+    assert not timed.due(3, False, timed.since_save())
+    assert not checkpointer("checkpoint.save_freq=-1", "checkpoint.save_every_min=0.001").due(5, True, 1e9)
 
 
 def test_a_lora_export_names_the_base_model_as_the_run_gave_it(tmp_path):

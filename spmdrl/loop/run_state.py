@@ -6,12 +6,10 @@ import copy
 import logging
 import time
 
-import torch
 
 from spmdrl.checkpoint import CheckpointManager, latest_checkpoint
 from spmdrl.config import to_toml
 from spmdrl.data.sampler import DistributedPromptSampler
-from spmdrl.dist.collectives import reduce_max
 from spmdrl.errors import SpmdrlError
 from spmdrl.faults import is_bad_step
 from spmdrl.loop.memory import MemoryLifecycle
@@ -74,18 +72,20 @@ class RunCheckpointer:
         self.roles = ["actor", "critic"] if cfg.critic.enable else ["actor"]
         self.last_save = time.monotonic()  # checkpoint.save_every_min counts from the start, then from each save
 
-    def due(self, step: int, done: bool) -> bool:
+    def since_save(self) -> float:
+        """Seconds since the last save (or the start) on this rank's clock."""
+        return time.monotonic() - self.last_save
+
+    def due(self, step: int, done: bool, since_save_s: float) -> bool:
         """Whether to save after `step`: checkpoint.save_freq's steps and the end, or checkpoint.save_every_min
-        minutes since the last save (the slowest rank's clock: one max all-reduce, so every rank agrees)."""
+        minutes since the last save. since_save_s: `since_save()` as the step's metric reduction agreed on it (the
+        ranks' mean, the same number on every rank), so every rank decides alike without a collective of its own."""
         ck = self.cfg.checkpoint
         if ck.save_freq < 0:
             return False
         if done or (ck.save_freq > 0 and step % ck.save_freq == 0):
             return True
-        if ck.save_every_min <= 0:
-            return False
-        (elapsed,) = reduce_max(torch.tensor([time.monotonic() - self.last_save]))
-        return elapsed >= 60 * ck.save_every_min
+        return ck.save_every_min > 0 and since_save_s >= 60 * ck.save_every_min
 
     def save(self, step: int) -> str:
         """The checkpoint after `step`; its path."""

@@ -218,6 +218,7 @@ class Trainer:
                     StageTimer.failed = StageTimer.last = None
                     inject_fault_if_asked(self.rank, self.global_step, self.actor)  # tests only (spmdrl/faults.py)
                     metrics = self.step(self.global_step)
+                    since_save_s = metrics.pop("_since_save_s")
                     self.generations.flush(self.global_step, "train")
                     metrics.update(self.scorer.error_metrics())
                     bad = self.bad_steps.count(metrics)
@@ -229,7 +230,7 @@ class Trainer:
                     self.logger.log(self.global_step, metrics)
                     last = metrics
                     self.bad_steps.check(self.global_step)
-                    if not bad and self.checkpointer.due(self.global_step, done):
+                    if not bad and self.checkpointer.due(self.global_step, done, since_save_s):
                         with timer("checkpoint"):
                             self.checkpointer.save(self.global_step)
         finally:
@@ -342,6 +343,7 @@ class Trainer:
             metrics["_seq_tokens"] = float(batch["response_len"].sum() + batch["prompt_len"].sum())
             metrics["_seq_sq"] = float(((batch["response_len"] + batch["prompt_len"]).double() ** 2).sum())
             metrics["_response_tokens"] = float(batch["response_len"].sum())
+        metrics["_since_save_s"] = self.checkpointer.since_save()  # checkpoint.save_every_min: one clock for all ranks
         mesh = self.actor_mesh if self.trains else self.rollout_mesh
         split = self.stream is not None
         if split:
