@@ -156,6 +156,22 @@ def test_megatron_blocks_partition_each_tensor_per_replica(dp, pp, tp, tied):
             assert stages == {pp - 1}, name
 
 
+def paint_received(plan, sources, name: str, shape, dst: int) -> torch.Tensor:
+    """How many times the plan hands rank `dst` each element of `name` (transfers and local copies), checking that
+    the sender (or the rank itself) really holds every block it hands over."""
+    held: dict[int, list] = {}
+    for r, b in sources[name]:
+        held.setdefault(r, []).append(b)
+    painted = torch.zeros(shape, dtype=torch.int32)
+    for t in plan.transfers[name] + plan.local[name]:
+        if t.dst != dst:
+            continue
+        assert any(all(ho <= o and o + n <= ho + hn for ho, hn, o, n in zip(h[0], h[1], *t.block))
+                   for h in held[t.src]), (name, t)
+        painted[tuple(slice(o, o + n) for o, n in zip(*t.block))] += 1
+    return painted
+
+
 @pytest.mark.parametrize("dp,pp,tp,rollout_tp,tied", [
     (1, 2, 2, 2, False),  # the e2e layout: TP=2 x PP=2 on 4 ranks -> vLLM TP=2 x DP=2
     (2, 1, 2, 2, False),  # TP=2 x DP=2 -> vLLM TP=2 x DP=2: nothing moves but the other tp group's copies
@@ -174,20 +190,11 @@ def test_megatron_plan_covers_each_needed_element_once_at_the_lower_bound(dp, pp
     stage_of = {r: p for d in range(dp) for p in range(pp) for r in grid[d][p]}
     layers = pp_stage_layers(L, pp)
     for name, shape in ps:
-        held: dict[int, list] = {}
-        for r, b in sources[name]:
-            held.setdefault(r, []).append(b)
         for dst, need in targets[name]:
-            painted = torch.zeros(shape, dtype=torch.int32)
-            for t in plan.transfers[name] + plan.local[name]:
-                if t.dst != dst:
-                    continue
-                # the sender (or the rank itself) really holds what it hands over
-                assert any(all(ho <= o and o + n <= ho + hn for ho, hn, o, n in zip(h[0], h[1], *t.block))
-                           for h in held[t.src]), (name, t)
-                if ".layers." in name:  # pp stages send only their own layers
-                    assert int(name.split(".")[2]) in layers[stage_of[t.src]]
-                painted[tuple(slice(o, o + n) for o, n in zip(*t.block))] += 1
+            painted = paint_received(plan, sources, name, shape, dst)
+            if ".layers." in name:  # pp stages send only their own layers
+                assert all(int(name.split(".")[2]) in layers[stage_of[t.src]]
+                           for t in plan.transfers[name] + plan.local[name] if t.dst == dst)
             want = torch.zeros(shape, dtype=torch.int32)
             want[tuple(slice(o, o + n) for o, n in zip(*need))] = 1
             assert torch.equal(painted, want), (name, dst)
@@ -479,17 +486,8 @@ def test_moe_plan_from_expert_parallel_megatron_at_the_lower_bound(moe_rollout_t
     assert len(experts) == 4
     E, F = 4, 32
     for name, shape in ps:
-        held: dict[int, list] = {}
-        for r, b in sources[name]:
-            held.setdefault(r, []).append(b)
         for dst in sorted({r for r, _ in targets[name]}):
-            painted = torch.zeros(shape, dtype=torch.int32)
-            for t in plan.transfers[name] + plan.local[name]:
-                if t.dst != dst:
-                    continue
-                assert any(all(ho <= o and o + n <= ho + hn for ho, hn, o, n in zip(h[0], h[1], *t.block))
-                           for h in held[t.src]), (name, t)
-                painted[tuple(slice(o, o + n) for o, n in zip(*t.block))] += 1
+            painted = paint_received(plan, sources, name, shape, dst)
             want = torch.zeros(shape, dtype=torch.int32)
             for r, need in targets[name]:
                 if r == dst:

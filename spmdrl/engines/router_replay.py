@@ -82,9 +82,6 @@ class RouterReplay:
         out, self.counts = self.counts, {}
         return out
 
-    def _add(self, key: str, value: torch.Tensor) -> None:
-        self.counts[key] = self.counts[key] + value if key in self.counts else value
-
     def _hook(self, layer: int, renormalise: bool):
         def hook(module, args, output):
             logits, weights, own = output
@@ -100,14 +97,7 @@ class RouterReplay:
                         used = torch.where(has[:, None], routed, own)
                 real = (self.tokens.to(own.device) if self.tokens is not None
                         else torch.ones_like(own[:, 0], dtype=torch.bool))
-                load = torch.zeros(self.num_layers, self.num_experts, device=own.device, dtype=torch.float64)
-                load[layer] = torch.bincount(used[real].reshape(-1), minlength=self.num_experts).double()
-                self._add("load", load)
-                if routed is not None:
-                    r = routed[has]
-                    self._add("agree_own", (r[:, :, None] == own[has][:, None, :]).any(-1).sum().double())
-                    self._add("agree_used", (r[:, :, None] == used[has][:, None, :]).any(-1).sum().double())
-                    self._add("routed", torch.tensor(float(r.numel()), device=own.device, dtype=torch.float64))
+                add_route_counts(self.counts, layer, self.num_layers, self.num_experts, own, used, real, routed, has)
             if self.aux and torch.is_grad_enabled():
                 self.losses.append(_aux_terms(logits, used, real, self.num_experts))
             if used is own:
@@ -119,6 +109,25 @@ class RouterReplay:
             return logits, new_weights.to(weights.dtype), used
 
         return hook
+
+
+def add_route_counts(counts: dict, layer: int, num_layers: int, experts: int, own: torch.Tensor, used: torch.Tensor,
+                     real: torch.Tensor, routed: torch.Tensor | None, has: torch.Tensor | None) -> None:
+    """Add one MoE layer's forward to `counts` (float64 device tensors, summed across calls): load [layers, E], the
+    real tokens' choices per expert in the routing used; and for the tokens that have a rollout route (`has`, their
+    routes `routed` [T, top_k]): agree_own / agree_used, how many of the rollout's choices the router's own top-k
+    (`own`) / the routing used (`used`) contains, and routed, how many choices were compared."""
+    def add(key: str, value: torch.Tensor) -> None:
+        counts[key] = counts[key] + value if key in counts else value
+
+    load = torch.zeros(num_layers, experts, device=own.device, dtype=torch.float64)
+    load[layer] = torch.bincount(used[real].reshape(-1), minlength=experts).double()
+    add("load", load)
+    if routed is not None:
+        r = routed[has]
+        add("agree_own", (r[:, :, None] == own[has][:, None, :]).any(-1).sum().double())
+        add("agree_used", (r[:, :, None] == used[has][:, None, :]).any(-1).sum().double())
+        add("routed", torch.tensor(float(r.numel()), device=own.device, dtype=torch.float64))
 
 
 def _aux_terms(logits: torch.Tensor, used: torch.Tensor, real: torch.Tensor, experts: int):

@@ -35,6 +35,8 @@ import torch.distributed as dist
 
 from megatron.core.transformer.moe.router import TopKRouter
 
+from spmdrl.engines.router_replay import add_route_counts
+
 
 class Routing:
     """What every Router of one engine shares: the current forward's routes and real tokens, the counts since the
@@ -58,9 +60,6 @@ class Routing:
         out, self.counts = self.counts, {}
         return out
 
-    def _add(self, key: str, value: torch.Tensor) -> None:
-        self.counts[key] = self.counts[key] + value if key in self.counts else value
-
     def route(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [T, E] of MoE layer `layer` (global index) -> (weights [T, top_k], experts used [T, top_k])."""
         p = torch.softmax(logits.float(), dim=-1)
@@ -75,23 +74,13 @@ class Routing:
                 if self.replay:
                     used = torch.where(has[:, None], routed, own)
             if not _in_backward():  # recompute repeats a forward that was counted already
-                self._count(layer, own, used, real, routed, has)
+                add_route_counts(self.counts, layer, self.num_layers, self.experts, own, used, real, routed, has)
         w = p.gather(-1, used)
         if self.renormalise:
             w = w / w.sum(-1, keepdim=True)
         if self.aux and torch.is_grad_enabled() and not _in_backward():
             self.losses.append(self._loss_terms(logits, p, used, real))
         return w.to(logits.dtype), used
-
-    def _count(self, layer, own, used, real, routed, has) -> None:
-        load = torch.zeros(self.num_layers, self.experts, device=own.device, dtype=torch.float64)
-        load[layer] = torch.bincount(used[real].reshape(-1), minlength=self.experts).double()
-        self._add("load", load)
-        if routed is not None:
-            r = routed[has]
-            self._add("agree_own", (r[:, :, None] == own[has][:, None, :]).any(-1).sum().double())
-            self._add("agree_used", (r[:, :, None] == used[has][:, None, :]).any(-1).sum().double())
-            self._add("routed", torch.tensor(float(r.numel()), device=own.device, dtype=torch.float64))
 
     def _loss_terms(self, logits, p, used, real):
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_tp
