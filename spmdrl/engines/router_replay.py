@@ -87,7 +87,7 @@ class RouterReplay:
             logits, weights, own = output
             used = own
             with torch.no_grad():
-                routed = None
+                routed = has = None
                 if self.routes is not None:
                     routed = self.routes[:, layer].to(own.device)
                     has = (routed >= 0).all(-1)
