@@ -19,6 +19,9 @@ checks it (one all-reduce of the active count and a digest of the active traject
 instead of hanging in vLLM if the ranks ever disagree. Different rollout DP groups are independent: they may take
 different numbers of turns and meet again only after the rollout.
 
+Routes: with an engine that records the experts it routed each position to (routing replay), each trajectory
+keeps, per position, the routes of the first turn that computed it (Trajectory.add_turn_routes).
+
 Seeds: the request of sample j of a prompt in turn t is seeded by turn_seed(prompt seed, j, t), so with
 rollout.per_request_seed a trajectory depends only on its own seeds (TP=1 and TP=2 sample the same ones).
 """
@@ -123,6 +126,8 @@ class AgentLoop:
                 t.ids += ids
                 t.mask += [1] * len(ids)
                 t.logprobs += lps if lps else [0.0] * len(ids)
+                if out.routed_experts is not None:  # routing replay (rollout/routes.py)
+                    t.add_turn_routes(out.routed_experts[k])
                 end = ids[-1] if ids and reason == "stop" and ids[-1] in stop_ids else None
                 text = self.tokenizer.decode(ids[:-1] if end is not None else ids, skip_special_tokens=False)
                 calls = parse_tool_calls(text, self.fmt) if reason == "stop" else []
