@@ -1,8 +1,9 @@
 """The turn-synchronous agent loop: multi-turn rollouts with tool calls on any RolloutEngine.
 
 Per turn, a rollout TP group makes ONE `engine.generate` call for all its trajectories still running (each is
-prompt + everything so far, re-prefilled; vLLM's prefix cache keeps that cheap). A turn ends at the model's
-stop token (EOS) or at the tool-call stop string (`</tool_call>`). The calls in the turn's text are run once
+prompt + everything so far, re-prefilled; vLLM's prefix cache keeps that cheap, except on CPU with route capture,
+where every turn recomputes the history). A turn ends at the model's stop token (EOS) or at the tool-call stop
+string (`</tool_call>`). The calls in the turn's text are run once
 per TP group, on its first rank, by a ToolRunner, and the results are broadcast to the group's other ranks;
 then the chat template's glue (the end of the assistant message the model did not sample, the tool messages,
 the next generation prompt; rollout/chat.py) is appended as token ids with mask 0, and the next turn starts.

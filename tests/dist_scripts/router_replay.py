@@ -131,15 +131,16 @@ class Recording:
         return out
 
 
-def composed(traj, calls, length: int, shape, first: bool) -> np.ndarray:
-    """The reference routes of one trajectory: its requests found by their seeds (turn_seed), and each position
-    taking the routes of the first (or last) request that computed it."""
+def composed(traj, calls, length: int, shape, first: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The reference routes of one trajectory, each position taking the routes of the first (or last) of its
+    requests that computed it, and those requests' routes in turn order (found by their seeds, turn_seed)."""
     from spmdrl.rollout.multi_turn import turn_seed
 
     out = np.full((length, *shape), -1, dtype=np.int64)
+    seq = traj.prompt + traj.ids
     mine = []
     for turn, call in enumerate(calls):
-        mine += [r for p, s, r in call if s == turn_seed(traj.seed, traj.sample, turn) and p == (traj.prompt + traj.ids)[: len(p)]]
+        mine += [r for p, s, r in call if s == turn_seed(traj.seed, traj.sample, turn) and p == seq[: len(p)]]
     for r in (reversed(mine) if first else mine):
         n = min(length, len(r))
         out[:n] = r[:n]
