@@ -1,6 +1,7 @@
-"""Rollout routing replay (R3) on the FSDP2 path: vLLM's routes recorded on CPU, carried in the batch, replayed in the
-trainer's forwards (spmdrl/rollout/routes.py, spmdrl/engines/router_replay.py). The Trainer-level run is
-tests/test_model_families.py's qwen3_moe GRPO test, which runs with actor.router_replay = "rollout"."""
+"""Rollout routing replay (R3) on the FSDP2 path: vLLM's routes recorded on CPU, carried in the batch (single- and
+multi-turn), replayed in the trainer's forwards (spmdrl/rollout/routes.py, spmdrl/rollout/trajectory.py,
+spmdrl/engines/router_replay.py). The Trainer-level run is tests/test_model_families.py's qwen3_moe GRPO test, which
+runs with actor.router_replay = "rollout"."""
 import json
 import os
 
@@ -55,8 +56,61 @@ def test_routes_survive_batch_moves_and_every_token_layout():
         assert torch.equal(moved.routes[i, :n], routes[i])
 
 
+def test_a_trajectory_keeps_the_routes_of_the_first_turn_that_computed_each_position():
+    """Turn 1's request computes prompt + its response but the last token; turn 2's recomputes all of that (here
+    with one position routed differently, as a prefill over another batch could), the glue and its own response
+    but the last token, and ran one token past the response budget. The trajectory keeps turn 1's routes where
+    turn 1 computed, turn 2's beyond, nothing past its end; the batch marks the last token NO_ROUTE."""
+    import numpy as np
+
+    from spmdrl.loop.generate import trajectories_to_batch
+    from spmdrl.rollout.routes import NO_ROUTE, decode_routes
+    from spmdrl.rollout.trajectory import Trajectory
+
+    shape = (2, 2)
+    t = Trajectory(prompt=[1, 2, 3], messages=[], seed=0, sample=0)
+    t.ids += [4, 5, 6]  # turn 1's sampled tokens
+    turn1 = np.arange(5 * 4).reshape(5, *shape) % 7  # positions 0..4
+    t.add_turn_routes(turn1)
+    t.ids += [7, 8] + [9, 10]  # glue, then turn 2's tokens (cut to the budget)
+    turn2 = (np.arange(11 * 4).reshape(11, *shape) + 3) % 7  # positions 0..10: one past the trajectory's end
+    turn2[:5] = turn1
+    turn2[2, 1, 0] = (turn1[2, 1, 0] + 1) % 7  # a recomputed position routed differently
+    t.add_turn_routes(turn2)
+    assert t.routes.shape == (10, *shape)
+    assert np.array_equal(t.routes[:5], turn1) and np.array_equal(t.routes[5:], turn2[5:10])
+    batch = trajectories_to_batch([t, Trajectory(prompt=[1], messages=[], seed=0, sample=0, ids=[2])], [0, 1], 1, 0)
+    got = decode_routes(batch["routed_experts"][0], 10, shape)
+    assert torch.equal(got, torch.from_numpy(t.routes).long())
+    assert (decode_routes(batch["routed_experts"][1], 2, shape) == NO_ROUTE).all()  # a trajectory without routes
+
+
+ARCHS = ["qwen3_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module")
+def replay_runs(tmp_path_factory):
+    """One 2-rank launch of tests/dist_scripts/router_replay.py: the tiny Qwen3-MoE and Mixtral single-turn, then
+    the multi-turn tool model (tests/tool_agent.py's scripts a and b, memorised by a tiny Qwen3-MoE)."""
+    from spmdrl.tiny import build_tiny
+    from tool_agent import build_tool_model
+
+    root = tmp_path_factory.mktemp("router_replay")
+    models = [build_tiny(str(root / arch), seed=0, arch=arch, num_layers=2) for arch in ARCHS]
+    tool_model = build_tool_model(str(root / "tool_moe"), arch="qwen3_moe", letters="ab")
+    run([os.path.join(HERE, "dist_scripts", "router_replay.py"), str(root), *models, "--multi-turn", tool_model],
+        nproc=2, timeout=600)
+    return root
+
+
+def results(root, name: str) -> dict:
+    res = json.load(open(root / f"{name}.rank0.json"))
+    assert res == json.load(open(root / f"{name}.rank1.json"))  # summed over the dp ranks: the same on both
+    return res
+
+
 @pytest.mark.dist
-def test_replay_makes_the_trainers_routing_vllms(tmp_path):
+def test_replay_makes_the_trainers_routing_vllms(replay_runs):
     """Tiny Qwen3-MoE and Mixtral, 2 ranks, vLLM at rollout TP = 2 recording routes, the FSDP2 actor at dp = 2,
     packed and padded passes:
     - vLLM's routes cover every position it computed (prompt + response - 1 per sample, x layers x top_k);
@@ -65,15 +119,38 @@ def test_replay_makes_the_trainers_routing_vllms(tmp_path):
     - a trainer router perturbed to pick other experts disagrees (agreement < 0.5, gap > 1e-2) without replay; with
       replay the routing it computes with is vLLM's (route agreement 1.0) and the gap is back under 1e-5 while its
       own router still disagrees."""
-    from spmdrl.tiny import build_tiny
+    for arch in ARCHS:
+        check_cases(arch, results(replay_runs, arch))
 
-    archs = ["qwen3_moe", "mixtral"]
-    models = [build_tiny(str(tmp_path / arch), seed=0, arch=arch, num_layers=2) for arch in archs]
-    run([os.path.join(HERE, "dist_scripts", "router_replay.py"), str(tmp_path), *models], nproc=2, timeout=600)
-    for arch in archs:
-        res = json.load(open(tmp_path / f"{arch}.rank0.json"))
-        assert res == json.load(open(tmp_path / f"{arch}.rank1.json"))  # summed over the dp ranks: the same on both
-        check_cases(arch, res)
+
+@pytest.mark.dist
+def test_multi_turn_trajectories_replay_the_routes_of_every_turn(replay_runs):
+    """A multi-turn rollout on real vLLM (TP = 2, routes recorded) with a real tool: prompt a calls the tool in each
+    of its 3 turns (two tool outputs go into the sequence), prompt b answers at once. Each trajectory's routes
+    (trajectories_to_batch's routed_experts) are, position by position, those of the first turn whose request
+    computed the position (a composition made in the script from every turn's recorded routes) and cover every
+    position some turn computed: all but the last token. The FSDP2 actor at dp = 2 then gives vLLM's log-prob
+    within 1e-5 on every model token of every turn, with and without replay; with its routers perturbed the gap
+    is > 1e-2 in every turn without replay and back under 1e-5 in every turn with it.
+
+    The later turns recompute the history with the same weights and tokens: the script counts the recomputed
+    positions they routed differently from the turn before (none, on CPU in fp32), so here the first and the
+    last turn's routes coincide; Trajectory.add_turn_routes says why the first is the one to keep."""
+    res = results(replay_runs, "tool_moe")
+    assert res["finish"] == ["turn_limit", "answer"] and res["tool_turns"] == [2, 0], res["finish"]
+    assert res["recomputed_positions"] > 0 and res["recomputed_differ"] == 0
+    for t in res["trajs"]:
+        assert t["equals_first"], t
+        assert t["routed_positions"] == t["computed"] == t["length"] - 1 and t["unrouted_positions"] == 1, t
+    assert [t["requests"] for t in res["trajs"]] == [3, 1]
+    check_cases("tool_moe", res)
+    for name, c in res["cases"].items():
+        turns = [g for g in c["turn_gaps"] if g >= 0]
+        assert len(turns) == 3, (name, c)
+        if name.startswith("perturbed") and "replay=False" in name:
+            assert min(turns) > 1e-2, (name, c)
+        else:
+            assert max(turns) < 1e-5, (name, c)
 
 
 def check_cases(arch: str, res: dict) -> None:

@@ -80,15 +80,15 @@ SIZES = dict(hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=192,
 """Smaller than build_tiny's default (head dim 32 still, what vLLM's CPU attention needs): it trains in seconds."""
 
 
-def build_tool_model(out_dir: str, max_steps: int = 400) -> str:
-    """build_tiny + training on the assistant turns of the scripted conversations (the answers' own <|im_end|>
-    included) until every one of those tokens has probability > 0.8. Returns the model
-    directory."""
+def build_tool_model(out_dir: str, max_steps: int = 400, *, arch: str = "qwen2", letters: str = "abcde") -> str:
+    """build_tiny (of architecture `arch`) + training on the assistant turns of the scripted conversations of
+    `letters` (the answers' own <|im_end|> included) until every one of those tokens has probability > 0.8.
+    Returns the model directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if os.path.isfile(os.path.join(out_dir, "trained")):
         return out_dir
-    build_tiny(out_dir, seed=0, **SIZES)
+    build_tiny(out_dir, seed=0, arch=arch, **SIZES)
     tok = AutoTokenizer.from_pretrained(out_dir)
 
     def n_tokens(msgs, gen):
@@ -97,6 +97,8 @@ def build_tool_model(out_dir: str, max_steps: int = 400) -> str:
 
     seqs, targets = [], []
     for letter, turns in conversations().items():
+        if letter not in letters:
+            continue
         msgs = prompt_messages(letter) + turns
         seqs.append(tok.encode(tok.apply_chat_template(msgs, tools=SCHEMAS, tokenize=False), add_special_tokens=False))
         spans = []

@@ -643,8 +643,8 @@ def validate_architecture(cfg) -> None:
 def validate_moe_options(cfg) -> None:
     """actor.router_replay = "rollout" and the router loss coefficients (actor.moe_aux_loss_coef, moe_z_loss_coef)
     need a mixture-of-experts model (from its config.json when it is on disk); both training backends run them.
-    Replay also needs a rollout engine that returns routes (vLLM; the transformers engine returns none) and
-    single-turn rollouts (multi-turn batches carry no routes yet)."""
+    Replay also needs a rollout engine that returns routes (vLLM; the transformers engine returns none); single-
+    and multi-turn rollouts both carry them."""
     from spmdrl.rollout import vllm_available
 
     a = cfg.actor
@@ -664,9 +664,6 @@ def validate_moe_options(cfg) -> None:
     if engine != "vllm":
         raise ConfigError(f"{key}: rollout.engine = {cfg.rollout.engine!r} resolves to the transformers engine, which "
                           "cannot return the experts it routed each token to; use rollout.engine = 'vllm'")
-    if cfg.multi_turn.enable:
-        raise ConfigError(f"{key}: multi-turn rollouts do not carry the rollout's routes; set "
-                          "multi_turn.enable = false or actor.router_replay = 'off'")
 
 
 def check_architecture_known(hf: dict, source: str, *, vllm: bool) -> None:

@@ -3,7 +3,8 @@
 Every rank of a rollout TP group issues the same requests with the same seeds, so the group samples
 identically (docs/architecture.md, "Sampling in a TP group"). With multi_turn.enable the rollout is the agent
 loop (rollout/multi_turn.py) and the batch has holes: tool results and template glue in `responses` with
-response_mask 0 and rollout log-prob 0, and each sample's turns in `trajectory` (docs/tools.md).
+response_mask 0 and rollout log-prob 0, and each sample's turns in `trajectory` (docs/tools.md). With route
+capture (actor.router_replay = "rollout") both carry `routed_experts`.
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def rollout_to_batch(prompts: list[list[int]], prompt_idx: list[int], out, n: in
 def trajectories_to_batch(trajs: list[Trajectory], prompt_idx: list[int], n: int, pad_id: int) -> Batch:
     """Multi-turn trajectories (n per prompt, prompt-major) as padded tensors: responses = every id after the
     prompt, response_mask 1 on model tokens only, rollout_log_probs 0 on tool/glue tokens, response_len the full
-    length, truncated where the budget ran out, trajectory the turns (rollout/trajectory.py)."""
+    length, truncated where the budget ran out, trajectory the turns (rollout/trajectory.py), and with route
+    capture routed_experts (NO_ROUTE where no turn computed a position: the last token)."""
     B = len(trajs)
     P = max(len(t.prompt) for t in trajs)
     R = max(1, max(len(t.ids) for t in trajs))
@@ -69,7 +71,7 @@ def trajectories_to_batch(trajs: list[Trajectory], prompt_idx: list[int], n: int
         resp_t[i, : len(t.ids)] = torch.tensor(t.ids, dtype=torch.long)
         mask_t[i, : len(t.mask)] = torch.tensor(t.mask, dtype=torch.float32)
         lp_t[i, : len(t.logprobs)] = torch.tensor(t.logprobs, dtype=torch.float32)
-    return Batch({
+    batch = Batch({
         "prompts": prompt_t, "prompt_len": torch.tensor([len(t.prompt) for t in trajs], dtype=torch.long),
         "responses": resp_t, "response_len": torch.tensor([len(t.ids) for t in trajs], dtype=torch.long),
         "response_mask": mask_t, "rollout_log_probs": lp_t,
@@ -77,6 +79,9 @@ def trajectories_to_batch(trajs: list[Trajectory], prompt_idx: list[int], n: int
         "truncated": torch.tensor([t.truncated for t in trajs], dtype=torch.float32),
         "trajectory": encode_infos(trajs),
     })
+    if any(t.routes is not None for t in trajs):  # routing replay: each position's routes (Trajectory.add_turn_routes)
+        batch["routed_experts"] = batch_routes([t.routes for t in trajs], [len(t.prompt) + len(t.ids) for t in trajs])
+    return batch
 
 
 def sample(rollout, agent: AgentLoop | None, dataset: PromptDataset, prompt_idx: list[int], spec, seeds: list[int],

@@ -1,8 +1,9 @@
 """The turn-synchronous agent loop: multi-turn rollouts with tool calls on any RolloutEngine.
 
 Per turn, a rollout TP group makes ONE `engine.generate` call for all its trajectories still running (each is
-prompt + everything so far, re-prefilled; vLLM's prefix cache keeps that cheap). A turn ends at the model's
-stop token (EOS) or at the tool-call stop string (`</tool_call>`). The calls in the turn's text are run once
+prompt + everything so far, re-prefilled; vLLM's prefix cache keeps that cheap, except on CPU with route capture,
+where every turn recomputes the history). A turn ends at the model's stop token (EOS) or at the tool-call stop
+string (`</tool_call>`). The calls in the turn's text are run once
 per TP group, on its first rank, by a ToolRunner, and the results are broadcast to the group's other ranks;
 then the chat template's glue (the end of the assistant message the model did not sample, the tool messages,
 the next generation prompt; rollout/chat.py) is appended as token ids with mask 0, and the next turn starts.
@@ -18,6 +19,9 @@ same broadcast tool results), so every loop condition is the same on all of them
 checks it (one all-reduce of the active count and a digest of the active trajectories) and raises a clear error
 instead of hanging in vLLM if the ranks ever disagree. Different rollout DP groups are independent: they may take
 different numbers of turns and meet again only after the rollout.
+
+Routes: with an engine that records the experts it routed each position to (routing replay), each trajectory
+keeps, per position, the routes of the first turn that computed it (Trajectory.add_turn_routes).
 
 Seeds: the request of sample j of a prompt in turn t is seeded by turn_seed(prompt seed, j, t), so with
 rollout.per_request_seed a trajectory depends only on its own seeds (TP=1 and TP=2 sample the same ones).
@@ -123,6 +127,8 @@ class AgentLoop:
                 t.ids += ids
                 t.mask += [1] * len(ids)
                 t.logprobs += lps if lps else [0.0] * len(ids)
+                if out.routed_experts is not None:  # routing replay (rollout/routes.py)
+                    t.add_turn_routes(out.routed_experts[k])
                 end = ids[-1] if ids and reason == "stop" and ids[-1] in stop_ids else None
                 text = self.tokenizer.decode(ids[:-1] if end is not None else ids, skip_special_tokens=False)
                 calls = parse_tool_calls(text, self.fmt) if reason == "stop" else []

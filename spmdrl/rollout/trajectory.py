@@ -1,5 +1,6 @@
 """One multi-turn trajectory: the token sequence after the prompt (model ids and tool/glue ids, with which is
-which), and its turns as text (the model's text, the calls parsed from it, their results).
+which), its turns as text (the model's text, the calls parsed from it, their results), and with route capture
+the experts the rollout engine routed each position to (`Trajectory.add_turn_routes`).
 
 The turns travel with the batch as a JSON document per sample packed into an int64 tensor (`pack_texts`), so
 they survive the batch moves between role layouts and split placement's transfers like every other tensor, and
@@ -49,6 +50,10 @@ class Trajectory:
     """The rollout log-prob of each model token, 0.0 on tool/glue tokens."""
     turns: list[Turn] = field(default_factory=list)
     finish: str = ""
+    routes: np.ndarray | None = None
+    """With route capture: the experts of every position of prompt + ids the rollout engine computed, int16
+    [positions, layers, top_k] (rollout/routes.py; positions it never computed are left for the batch to fill
+    with NO_ROUTE); None otherwise."""
 
     @property
     def done(self) -> bool:
@@ -57,6 +62,29 @@ class Trajectory:
     @property
     def truncated(self) -> bool:
         return self.finish == "length"
+
+    def add_turn_routes(self, turn_routes) -> None:
+        """Keep, of the routes of this turn's request (call after its tokens went into `ids`), those of the
+        positions no earlier turn computed.
+
+        Each turn is a request whose prompt is the whole trajectory so far, and an engine that records routes
+        runs without prefix caching, so every turn recomputes the history. A position keeps the routes of the
+        FIRST turn that computed it: that turn sampled from the logits at this very position (or, for glue,
+        from positions that attend to it), while later turns only read its keys and values. The log-prob of a
+        token sampled in turn j was computed with the history as turn j computed it; the same weights and
+        tokens give later turns the same routes, up to floating-point differences between a decode step and a
+        prefill over another batch, and where those differ the first turn's routes are the ones the sampled
+        token itself was computed with. Tool and glue tokens are computed as prompt positions of the next turn
+        (they shape the keys and values later model tokens attend to) and carry that turn's routes. Routes
+        beyond the trajectory (a request cut to the response budget ran past it) are dropped."""
+        if turn_routes is None:
+            return
+        r = np.asarray(turn_routes)[: len(self.prompt) + len(self.ids)]
+        held = 0 if self.routes is None else len(self.routes)
+        if self.routes is None:
+            self.routes = r.astype(np.int16, copy=True)
+        elif len(r) > held:
+            self.routes = np.concatenate([self.routes, r[held:].astype(np.int16)])
 
     def info(self) -> dict:
         """The turns as plain JSON-able data (what the batch carries)."""

@@ -1,38 +1,103 @@
 """Rollout routing replay on tiny MoE models (one after another in one process group), 2 ranks: real vLLM at
-rollout TP = 2 records the experts it routes each token to; the batch goes the real way (rollout_to_batch,
-redistribute to the actor's dp = 2); the FSDP2 actor's log-prob passes (forward_all, packed and padded) run without
-and with replay. Then every trainer router is perturbed (a hook ahead of the replay hook shifts its top-k choice to
-other experts) and both passes run again. Writes OUT/<model dir name>.rank{r}.json with, per case, the router
-counts summed over the dp ranks and the largest |actor - vLLM| log-prob gap.
+rollout TP = 2 records the experts it routes each token to; the batch goes the real way (rollout_to_batch, or with
+--multi-turn the agent loop with a real tool and trajectories_to_batch; then redistribute to the actor's dp = 2);
+the FSDP2 actor's log-prob passes (forward_all, packed and padded) run without and with replay. Then every trainer
+router is perturbed (a hook ahead of the replay hook shifts its top-k choice to other experts) and both passes run
+again. Writes OUT/<model dir name>.rank{r}.json with, per case, the router counts summed over the dp ranks and the
+largest |actor - vLLM| log-prob gap, overall and per turn (the model tokens between two tool outputs).
 
-torchrun --nproc-per-node 2 router_replay.py OUT MODEL_DIR [MODEL_DIR ...]
+The multi-turn model (tests/tool_agent.py, built as a tiny Qwen3-MoE) calls a tool in every turn for prompt "a"
+and answers at once for "b". Its result also holds each trajectory's routes checked against a composition made
+here from every turn's recorded routes: each position takes the routes of the first turn whose request computed
+it ("first"), or of the last ("last"), and how many recomputed positions a later turn routed differently.
+
+torchrun --nproc-per-node 2 router_replay.py OUT MODEL_DIR [MODEL_DIR ...] [--multi-turn TOOL_MODEL_DIR]
 """
 import json
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: tool_agent
 
-def one_model(path: str, out: str) -> None:
+
+def turn_index(mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] response mask -> the turn (0, 1, ...) of each model token: a new turn starts after every run of
+    mask-0 (tool/glue) tokens."""
+    starts = (mask > 0) & torch.cat([torch.ones_like(mask[:, :1], dtype=torch.bool), mask[:, :-1] == 0], 1)
+    return starts.long().cumsum(1) - 1
+
+
+class Measure:
+    """The actor's log-prob passes over one batch, with and without replay, router counts summed over dp."""
+
+    def __init__(self, actor, batch, shape, dp, pad_id):
+        self.actor, self.batch, self.shape, self.dp, self.pad_id = actor, batch, shape, dp, pad_id
+
+    def case(self, replay: bool, packed: bool) -> dict:
+        from spmdrl.dist.collectives import reduce_max, reduce_sum
+        from spmdrl.loop.update import forward_all
+
+        batch = self.batch
+        self.actor.router.replay = replay
+        lp = forward_all(self.actor, batch, 2, self.pad_id, "logprobs", packed=packed, route_shape=self.shape)
+        mask = batch["response_mask"].bool()
+        diff = (lp - batch["rollout_log_probs"]).abs()
+        turns = turn_index(batch["response_mask"])
+        turn_gaps = torch.full((4,), -1.0)
+        for k in range(4):
+            sel = mask & (turns == k)
+            if sel.any():
+                turn_gaps[k] = float(diff[sel].max())
+        counts = self.actor.moe_counts()
+        summed = reduce_sum(torch.stack([counts["agree_own"], counts["agree_used"], counts["routed"]]), group=self.dp)
+        return {"agree_own": float(summed[0]), "agree_used": float(summed[1]), "routed": float(summed[2]),
+                "gap": float(reduce_max(torch.tensor([float(diff[mask].max())]), group=self.dp)[0]),
+                "turn_gaps": [float(x) for x in reduce_max(turn_gaps, group=self.dp)]}
+
+    def perturb(self) -> None:
+        """From now on every trainer router picks the next experts instead of its own."""
+        from spmdrl.engines.router_replay import moe_routers
+
+        experts = self.actor.router.num_experts
+
+        def shift(module, args, output):
+            logits, weights, idx = output
+            return logits, weights, (idx + 1) % experts
+
+        for _, gate in moe_routers(self.actor.hf):
+            gate.register_forward_hook(shift, prepend=True)
+
+
+def setup(path: str, *, max_model_len: int, kv_cache_gb: float):
     from spmdrl.config.schema import PlacementConfig
-    from spmdrl.dist.collectives import reduce_max, reduce_sum, redistribute
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
-    from spmdrl.engines.router_replay import moe_routers
-    from spmdrl.loop.generate import rollout_to_batch
-    from spmdrl.loop.update import forward_all
-    from spmdrl.rollout import SamplingSpec, build_engine
-    from spmdrl.rollout.routes import route_shape
+    from spmdrl.rollout import build_engine
 
-    rank = dist.get_rank()
-    layout = plan_layout(PlacementConfig(rollout_tp=2), 2)
-    meshes = RoleMeshes(layout, rank, "cpu")
+    meshes = RoleMeshes(plan_layout(PlacementConfig(rollout_tp=2), 2), dist.get_rank(), "cpu")
     actor = build_train_engine("fsdp", path, meshes["actor"], torch.device("cpu"), trainable=True, router_replay=True)
     rollout = build_engine("vllm", model_path=path, tp_size=2, tp_group=meshes["rollout"].my_tp_group(),
-                           max_model_len=128, seed=0, kv_cache_gb=0.05, capture_routes=True)
+                           max_model_len=max_model_len, seed=0, kv_cache_gb=kv_cache_gb, capture_routes=True)
+    return meshes, actor, rollout
+
+
+def write(out: str, path: str, result: dict) -> None:
+    with open(os.path.join(out, f"{os.path.basename(path)}.rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def one_model(path: str, out: str) -> None:
+    from spmdrl.dist.collectives import redistribute
+    from spmdrl.loop.generate import rollout_to_batch
+    from spmdrl.rollout import SamplingSpec
+    from spmdrl.rollout.routes import route_shape
+
+    meshes, actor, rollout = setup(path, max_model_len=128, kv_cache_gb=0.05)
     prompts = [[5, 40, 77, 12, 9], [6, 43, 77], [7, 8, 9, 10, 11, 12, 13]]
     spec = SamplingSpec(n=2, temperature=1.0, max_tokens=10)
     res = rollout.generate(prompts, spec, [11, 12, 13])
@@ -40,42 +105,118 @@ def one_model(path: str, out: str) -> None:
     computed = sum(len(prompts[i // spec.n]) + len(r) - 1 for i, r in enumerate(res.response_ids))  # positions vLLM ran
     batch = redistribute(batch, meshes["rollout"], meshes["actor"])
     shape = route_shape(actor.hf_config())
-    dp = meshes["actor"].group("dp")
-
-    def case(replay: bool, packed: bool) -> dict:
-        actor.router.replay = replay
-        lp = forward_all(actor, batch, 2, 0, "logprobs", packed=packed, route_shape=shape)
-        mask = batch["response_mask"].bool()
-        gap = float((lp - batch["rollout_log_probs"]).abs()[mask].max())
-        counts = actor.moe_counts()
-        summed = reduce_sum(torch.stack([counts["agree_own"], counts["agree_used"], counts["routed"]]), group=dp)
-        return {"agree_own": float(summed[0]), "agree_used": float(summed[1]), "routed": float(summed[2]),
-                "gap": float(reduce_max(torch.tensor([gap]), group=dp)[0])}
-
+    m = Measure(actor, batch, shape, meshes["actor"].group("dp"), 0)
     result = {"routed_expected": computed * shape[0] * shape[1], "top_k": shape[1], "cases": {}}
     for replay in (False, True):
         for packed in (True, False):
-            result["cases"][f"replay={replay},packed={packed}"] = case(replay, packed)
-    experts = actor.router.num_experts
-
-    def shift(module, args, output):  # the trainer's router picks the next experts instead of its own
-        logits, weights, idx = output
-        return logits, weights, (idx + 1) % experts
-
-    for _, gate in moe_routers(actor.hf):
-        gate.register_forward_hook(shift, prepend=True)
+            result["cases"][f"replay={replay},packed={packed}"] = m.case(replay, packed)
+    m.perturb()
     for replay in (False, True):
         for packed in (True, False):
-            result["cases"][f"perturbed,replay={replay},packed={packed}"] = case(replay, packed)
-    with open(os.path.join(out, f"{os.path.basename(path)}.rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+            result["cases"][f"perturbed,replay={replay},packed={packed}"] = m.case(replay, packed)
+    write(out, path, result)
     rollout.close()
 
 
-def main(out: str, *paths: str) -> int:
+class Recording:
+    """The rollout engine, with each generate call's requests and recorded routes kept."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompts, spec, seeds):
+        out = self.engine.generate(prompts, spec, seeds)
+        self.calls.append([(list(p), s, None if r is None else np.asarray(r).copy())
+                           for p, s, r in zip(prompts, seeds, out.routed_experts or [None] * len(prompts))])
+        return out
+
+
+def composed(traj, calls, length: int, shape, first: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The reference routes of one trajectory, each position taking the routes of the first (or last) of its
+    requests that computed it, and those requests' routes in turn order (found by their seeds, turn_seed)."""
+    from spmdrl.rollout.multi_turn import turn_seed
+
+    out = np.full((length, *shape), -1, dtype=np.int64)
+    seq = traj.prompt + traj.ids
+    mine = []
+    for turn, call in enumerate(calls):
+        mine += [r for p, s, r in call if s == turn_seed(traj.seed, traj.sample, turn) and p == seq[: len(p)]]
+    for r in (reversed(mine) if first else mine):
+        n = min(length, len(r))
+        out[:n] = r[:n]
+    return out, mine
+
+
+def multi_turn_model(path: str, out: str) -> None:
+    from spmdrl.dist.collectives import redistribute
+    from spmdrl.loop.generate import trajectories_to_batch
+    from spmdrl.rollout import SamplingSpec
+    from spmdrl.rollout.chat import ChatGlue
+    from spmdrl.rollout.multi_turn import AgentLoop, TurnLimits
+    from spmdrl.rollout.routes import decode_routes, route_shape
+    from tool_agent import SCHEMAS, prompt_messages, runner
+
+    meshes, actor, rollout = setup(path, max_model_len=512, kv_cache_gb=0.2)
+    tok = rollout.tokenizer
+    shape = route_shape(actor.hf_config())
+    letters = ["a", "b"]
+    msgs = [prompt_messages(x) for x in letters]
+    ids = [tok.encode(tok.apply_chat_template(m, tools=SCHEMAS, tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False) for m in msgs]
+    engine = Recording(rollout)
+    loop = AgentLoop(engine, ChatGlue(tok, SCHEMAS), runner(), TurnLimits(max_turns=3, max_response_tokens=300),
+                     tp_group=dist.group.WORLD)
+    # greedy: the scripts play out whenever the memorised token is the most likely one; the log-probs are then
+    # the raw ones (temperature 1), what the actor's pass computes
+    spec = SamplingSpec(n=1, temperature=0.0, max_tokens=300, stop_token_ids=[tok.eos_token_id])
+    trajs = loop.run(ids, msgs, [21, 22], spec)
+    batch = trajectories_to_batch(trajs, [0, 1], spec.n, tok.pad_token_id)
+    result = {"finish": [t.finish for t in trajs], "tool_turns": [sum(t.appended for t in t.turns) for t in trajs],
+              "top_k": shape[1], "trajs": [], "cases": {}}
+    recomputed = differ = 0
+    for i, t in enumerate(trajs):
+        length = len(t.prompt) + len(t.ids)
+        got = decode_routes(batch["routed_experts"][i], length, shape).numpy()
+        first, requests = composed(t, engine.calls, length, shape, True)
+        last, _ = composed(t, engine.calls, length, shape, False)
+        for k, r in enumerate(requests[1:], 1):  # positions a later request computed again
+            n = min(len(r), len(requests[k - 1]), length)
+            recomputed += n
+            differ += int((r[:n] != np.asarray(requests[k - 1])[:n]).any(-1).any(-1).sum())
+        computed = min(length, max(len(r) for r in requests))
+        result["trajs"].append({
+            "length": length, "computed": computed, "requests": len(requests),
+            "routed_positions": int((got >= 0).all(-1).all(-1).sum()),
+            "unrouted_positions": int((got < 0).all(-1).all(-1).sum()),
+            "equals_first": bool((got == first).all()), "equals_last": bool((got == last).all())})
+    result["recomputed_positions"], result["recomputed_differ"] = recomputed, differ
+    result["routed_expected"] = sum(x["computed"] for x in result["trajs"]) * shape[0] * shape[1]
+    batch = redistribute(batch, meshes["rollout"], meshes["actor"])
+    m = Measure(actor, batch, shape, meshes["actor"].group("dp"), tok.pad_token_id)
+    for replay in (False, True):
+        for packed in (True, False):
+            result["cases"][f"replay={replay},packed={packed}"] = m.case(replay, packed)
+    m.perturb()
+    for replay in (False, True):
+        for packed in (True, False):
+            result["cases"][f"perturbed,replay={replay},packed={packed}"] = m.case(replay, packed)
+    write(out, path, result)
+    rollout.close()
+
+
+def main(out: str, *args: str) -> int:
+    paths = list(args)
+    tool_model = None
+    if "--multi-turn" in paths:
+        k = paths.index("--multi-turn")
+        tool_model = paths.pop(k + 1)
+        paths.pop(k)
     dist.init_process_group("gloo")
     for path in paths:
         one_model(path, out)
+        dist.barrier()
+    if tool_model is not None:
+        multi_turn_model(tool_model, out)
         dist.barrier()
     return 0
 
