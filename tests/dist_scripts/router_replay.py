@@ -58,6 +58,17 @@ class Measure:
                 "gap": float(reduce_max(torch.tensor([float(diff[mask].max())]), group=self.dp)[0]),
                 "turn_gaps": [float(x) for x in reduce_max(turn_gaps, group=self.dp)]}
 
+    def all_cases(self) -> dict:
+        """Every case: replay off / on, packed / padded, with the router as it is, then perturbed."""
+        cases = {}
+        for prefix in ("", "perturbed,"):
+            if prefix:
+                self.perturb()
+            for replay in (False, True):
+                for packed in (True, False):
+                    cases[f"{prefix}replay={replay},packed={packed}"] = self.case(replay, packed)
+        return cases
+
     def perturb(self) -> None:
         """From now on every trainer router picks the next experts instead of its own."""
         from spmdrl.engines.router_replay import moe_routers
@@ -106,14 +117,8 @@ def one_model(path: str, out: str) -> None:
     batch = redistribute(batch, meshes["rollout"], meshes["actor"])
     shape = route_shape(actor.hf_config())
     m = Measure(actor, batch, shape, meshes["actor"].group("dp"), 0)
-    result = {"routed_expected": computed * shape[0] * shape[1], "top_k": shape[1], "cases": {}}
-    for replay in (False, True):
-        for packed in (True, False):
-            result["cases"][f"replay={replay},packed={packed}"] = m.case(replay, packed)
-    m.perturb()
-    for replay in (False, True):
-        for packed in (True, False):
-            result["cases"][f"perturbed,replay={replay},packed={packed}"] = m.case(replay, packed)
+    result = {"routed_expected": computed * shape[0] * shape[1], "top_k": shape[1]}
+    result["cases"] = m.all_cases()
     write(out, path, result)
     rollout.close()
 
@@ -193,13 +198,7 @@ def multi_turn_model(path: str, out: str) -> None:
     result["routed_expected"] = sum(x["computed"] for x in result["trajs"]) * shape[0] * shape[1]
     batch = redistribute(batch, meshes["rollout"], meshes["actor"])
     m = Measure(actor, batch, shape, meshes["actor"].group("dp"), tok.pad_token_id)
-    for replay in (False, True):
-        for packed in (True, False):
-            result["cases"][f"replay={replay},packed={packed}"] = m.case(replay, packed)
-    m.perturb()
-    for replay in (False, True):
-        for packed in (True, False):
-            result["cases"][f"perturbed,replay={replay},packed={packed}"] = m.case(replay, packed)
+    result["cases"] = m.all_cases()
     write(out, path, result)
     rollout.close()
 
