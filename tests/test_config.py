@@ -428,6 +428,14 @@ def test_megatron_expert_layouts_are_checked_against_the_model(model_dirs):
     # the FSDP2 backend keeps its refusal of tp on a mixture of experts, naming the Megatron backend
     msg = validate_error(2, mixtral, "placement.actor_tp=2", hf_rollout)
     assert msg.startswith("placement.actor_tp = 2:") and "trainer.backend = 'megatron'" in msg
+    # the host optimizer: the Megatron backend's, the actor's and a Megatron critic's; refused on FSDP2, one line
+    validate(valid(mixtral, mega, hf_rollout, "placement.actor_ep=2", "placement.ref_ep=2",
+                   "memory.actor_host_optimizer=true"), 2)
+    msg = validate_error(2, mixtral, hf_rollout, "memory.actor_host_optimizer=true")
+    assert msg.startswith("memory.actor_host_optimizer needs the Megatron backend (the actor trains on fsdp)")
+    msg = validate_error(2, mixtral, mega, hf_rollout, "critic.enable=true", "trainer.critic_backend=fsdp",
+                         "algorithm.adv_estimator=gae", "memory.critic_host_optimizer=true")
+    assert msg.startswith("memory.critic_host_optimizer needs the Megatron backend (the critic trains on fsdp)")
 
 
 def test_router_replay_needs_a_moe_and_a_vllm_rollout(model_dirs):

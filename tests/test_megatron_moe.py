@@ -223,3 +223,28 @@ def _load(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").state_dict()
+
+
+@pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS])
+def test_host_optimizer_steps_float32_masters_and_resumes_bitwise(runs, layout):
+    """A bfloat16 engine with the host optimizer (memory.<role>_host_optimizer; spmdrl/engines/megatron/host_optim.py):
+    its float32 masters start as the bf16 weights, one step moves them as AdamW does in float64 from the clipped
+    float32 gradients (lr 1e-2, weight decay 0.01, clip 0.5), the model weights become the masters rounded to bf16,
+    and a checkpoint restores weights, masters and moments bitwise (the next step too)."""
+    model, _, ranks = runs[layout]["qwen3_moe"]
+    shapes = {n: tuple(p.shape) for n, p in _hf(model).named_parameters()}
+    host = [res["host"] for res in ranks]
+    before, grads, after, params = (_assemble(host, k, shapes)
+                                    for k in ("masters_before", "grads", "masters_after", "params_after"))
+    lr, wd, (b1, b2), eps = 1e-2, 0.01, (0.9, 0.999), 1e-8
+    norm = float(sum(g.pow(2).sum() for g in grads.values()).sqrt())
+    assert host[0]["first_metrics"]["grad_norm"] > 0.5 and norm == pytest.approx(0.5, rel=1e-4)  # clipped
+    for n in shapes:
+        w, g = before[n], grads[n]
+        assert torch.equal(w.to(torch.bfloat16).double(), w)  # masters start as the bf16 weights
+        m, v = (1 - b1) * g, (1 - b2) * g * g
+        want = w * (1 - lr * wd) - lr * (m / (1 - b1)) / ((v / (1 - b2)).sqrt() + eps)
+        torch.testing.assert_close(after[n], want, atol=1e-6, rtol=0, msg=lambda s: f"{layout} {n}: {s}")
+        assert torch.equal(params[n], after[n].to(torch.bfloat16).double()), n
+    assert all(h["load_equal"] and h["resume_equal"] for h in host)
+    assert max(h["moved"] for h in host) > 1e-3

@@ -1,4 +1,5 @@
 """`spmdrl plan`: the planner and the running transport agree, and the shipped GPU configs fit by the plan."""
+import functools
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from spmdrl.tiny import build_tiny
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@functools.lru_cache(maxsize=None)  # plans are deterministic: tests that read the same one share it
 def plan_json(config: str, *args: str) -> dict:
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.run([sys.executable, "-m", "spmdrl", "plan", "--config", config, "--json", *args],
@@ -117,6 +119,28 @@ def test_ppo_70b_megatron_plan_by_hand():
     assert gib(2 * 40 * 2 * 3072 * h * 2 // tp) < worst < 2
     no_recompute = plan_json(os.path.join(REPO, "configs/ppo_70b.toml"), "model.gradient_checkpointing=false")
     assert no_recompute["memory"]["train_actor"]["gpu"]["actor_activations"] > 10 * worst
+
+
+def test_host_optimizer_plan_moves_the_optimizer_to_host_memory():
+    """configs/ppo_70b.toml with memory.actor_host_optimizer and critic_host_optimizer: the optimizer leaves every
+    GPU phase (the actor update, checkpoint save and resume, the build) and lives in host memory in every phase,
+    the actor's update included: float32 masters, their gradient copies and two AdamW moments, 16 bytes per local
+    parameter of the heavier (last) stage, not divided over dp; nothing else on the GPU changes."""
+    base = plan_json(os.path.join(REPO, "configs/ppo_70b.toml"))
+    host = plan_json(os.path.join(REPO, "configs/ppo_70b.toml"), "memory.actor_host_optimizer=true",
+                     "memory.critic_host_optimizer=true")
+    h, q, kv, ffn, layers, vocab, tp = 8192, 8192, 1024, 28672, 80, 128256, 8
+    padded = -(-vocab // (128 * tp)) * 128 * tp
+    last_stage = layers // 2 * ((2 * q * h + 2 * kv * h + 3 * ffn * h) // tp + 2 * h) + h + padded // tp * h
+    gib = lambda x: round(x / 2**30, 3)  # noqa: E731
+    for phase, m in host["memory"].items():
+        assert not {"actor_optimizer", "critic_optimizer"} & set(m["gpu"]), phase
+        assert m["host_per_rank"]["actor_optimizer"] == gib(16 * last_stage), phase
+    train, train0 = host["memory"]["train_actor"]["gpu"], base["memory"]["train_actor"]["gpu"]
+    assert train0["actor_optimizer"] == gib(12 * last_stage // 2)
+    assert train == {k: v for k, v in train0.items() if k != "actor_optimizer"}
+    assert host["memory"]["train_actor"]["gpu_gb"] < base["memory"]["train_actor"]["gpu_gb"] - 8
+    assert host["fits"] is True
 
 
 def test_split_plan_shows_the_roles_and_their_bytes():
@@ -265,6 +289,10 @@ def test_megatron_expert_parallel_state_by_hand():
                           on_gpu=True, in_flight=1, layer_bytes=layer_activation_bytes, chunk=1024)
     n = dense + experts
     assert mem["kinds"] == {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * dense // dp + 12 * experts // (dp // ep)}
+    on_host = megatron_memory(st, c=hf, lay=lay, trainable=True, micro=1, seq=1536, lm_head=True, compute_eb=2,
+                              ckpt=True, on_gpu=True, in_flight=1, layer_bytes=layer_activation_bytes, chunk=1024,
+                              host_optimizer=True)  # float32 masters, gradient copies, 2 moments of every local param
+    assert on_host["kinds"]["optimizer"] == 16 * n and "optimizer" not in on_host["train"]
     q, kv = 32 * 128, 4 * 128
     moe_mlp = 4 * E + k * (2 * 2 * H + 2 * 4 * F // tp)  # router logits; dispatch + combine; each expert's MLP
     assert layer_activation_bytes(hf, tp) == 14 * H + 2 * (2 * q + 2 * kv) // tp + moe_mlp

@@ -549,6 +549,14 @@ def validate_memory(cfg) -> None:
         if absent:
             raise ConfigError(f"memory.{role}_offload has {absent}: the {role} model has no gradients or optimizer "
                               "state, only 'params' applies; remove the others")
+    from spmdrl.dist.layout import role_backends
+
+    backends = role_backends(cfg)
+    for role in ("actor", "critic"):
+        if getattr(m, f"{role}_host_optimizer") and backends[role] != "megatron":
+            raise ConfigError(f"memory.{role}_host_optimizer needs the Megatron backend (the {role} trains on "
+                              f"{backends[role]}); for FSDP2 use memory.{role}_offload = [\"optimizer\", \"grads\"] "
+                              f"or set trainer.backend = \"megatron\"")
     for key in ("gpu_memory_gb", "host_memory_gb", "gpus_per_node", "nodes"):
         if not getattr(m, key) > 0:
             raise ConfigError(f"memory.{key} must be > 0, found {getattr(m, key)}")

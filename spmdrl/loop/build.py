@@ -59,12 +59,16 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
             out["router_losses"] = True
         return out
 
+    def host_optimizer(role: str) -> dict:  # Megatron only (validated)
+        return {"host_optimizer": True} if getattr(cfg.memory, f"{role}_host_optimizer") else {}
+
     actor = build_train_engine(
         backend["actor"], cfg.model.path, meshes["actor"], device, trainable=True,
         optim=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
                    lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip),
         **recompute, defer_grad_sync=cfg.memory.defer_grad_sync,
         total_steps=cfg.trainer.total_steps * updates_per_step, **common, **lora, **attn("actor"), **replay("actor"),
+        **host_optimizer("actor"),
     )
     on_built("actor", actor)
     ref = None
@@ -79,6 +83,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
             **recompute, total_steps=cfg.trainer.total_steps * c.ppo_epochs,
             optim=dict(lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip=c.grad_clip),
             defer_grad_sync=cfg.memory.defer_grad_sync, **common, **(lora if cfg.lora.critic else {}), **attn("critic"),
+            **host_optimizer("critic"),
         )
         on_built("critic", critic)
     teacher = None

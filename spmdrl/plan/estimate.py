@@ -298,8 +298,8 @@ def _role_state(cfg, r: dict, hf, layout: dict, backends: dict, offload: list, s
             st, c=c, lay=layout[role], trainable=r["trainable"], micro=r["micro"], seq=seq, lm_head=r["lm_head"],
             compute_eb=compute_eb, ckpt=cfg.model.gradient_checkpointing, on_gpu=on_gpu,
             in_flight=micro_batches_in_flight(cfg, role, layout[role]), layer_bytes=layer_activation_bytes,
-            chunk=cfg.actor.logprob_chunk_size)
-        kinds, train, forward, host_always = mem["kinds"], mem["train"], mem["forward"], False
+            chunk=cfg.actor.logprob_chunk_size, host_optimizer=getattr(cfg.memory, f"{role}_host_optimizer", False))
+        kinds, train, forward, host_kinds = mem["kinds"], mem["train"], mem["forward"], set(mem["host_kinds"])
         build, build_kinds = mem["build"], mem["build_kinds"]
         st["worst_stage"] = mem["worst_stage"]
     else:
@@ -314,19 +314,21 @@ def _role_state(cfg, r: dict, hf, layout: dict, backends: dict, offload: list, s
             st["adapters"] = adapters["total"]
         kinds, train, forward, host_always = _fsdp_memory(cfg, r, st, c, layout[role], seq, compute_eb, master_eb,
                                                           adapters)
+        host_kinds = set(kinds) if host_always else set()
         # FSDP2 at construction: the sharded weights only (gradients are None, AdamW's state is created at
         # the first step); under CPUOffloadPolicy (ref.offload) not even those
         build_kinds = {} if host_always else {"params": kinds["params"]}
         build = dict(build_kinds)
-    resident = {k: v for k, v in kinds.items() if k not in offload and not host_always}
+    # host_kinds: kinds that live in host memory all along (FSDP2's CPUOffloadPolicy ref; a Megatron host optimizer)
+    resident = {k: v for k, v in kinds.items() if k not in offload and k not in host_kinds}
     # the Megatron engine frees its grad buffers on offload (regrown as zeros), so they take no host memory
     freed = ("grads",) if backends.get(role) == "megatron" else ()
-    host = {k: v for k, v in kinds.items() if (k in offload and k not in freed) or host_always}
+    host = {k: v for k, v in kinds.items() if (k in offload and k not in freed) or k in host_kinds}
     # DCP stages one tensor at a time to the host: the largest shard, float32 for a trained role's master
     # weights and Adam moments
     staging = st["largest"] * (4 if r["trainable"] else compute_eb)
     return dict(kinds=kinds, train=train, forward=forward, resident=resident, host_when_idle=host,
-                host_always=({"params": kinds["params"]} if host_always else {}), stats=st,
+                host_always={k: kinds[k] for k in host_kinds}, stats=st,
                 build=build, build_kinds=build_kinds, staging=staging)
 
 
@@ -434,7 +436,8 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     def idle(active: set[str]) -> tuple[dict, dict]:
         gpu, host = {}, {}
         for role, s in state.items():
-            if role in active:
+            if role in active:  # its GPU figures come from the phase; what lives on the host stays there
+                host.update({f"{role}_{k}": v for k, v in s["host_always"].items()})
                 continue
             for k, v in s["resident"].items():
                 gpu[f"{role}_{k}"] = v
@@ -494,14 +497,15 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
         worst: dict = {}
         for role in saved:
             back = {f"{role}_{k}": v for k, v in state[role]["kinds"].items()
-                    if k in ("params", "optimizer") or k in state[role]["resident"]}
+                    if (k in ("params", "optimizer") or k in state[role]["resident"]) and k not in state[role]["host_always"]}
             if sum(back.values()) > sum(worst.values()):
                 worst = back
         return {**{k: v for k, v in base.items() if not any(k.startswith(f"{r}_") for r in saved)},
                 **{k: v for k, v in base.items() if k in worst}, **worst}
 
     if split:  # training ranks: nothing offloaded, no vLLM
-        every = {f"{role}_{k}": v for role in state for k, v in state[role]["kinds"].items()}
+        every = {f"{role}_{k}": v for role in state for k, v in state[role]["kinds"].items()
+                 if k not in state[role]["host_always"]}
         phases["checkpoint_save"] = ({**every, **staging, **nccl_train}, h0)
         phases["resume"] = ({**every, **staging, **nccl_start}, h0)
     else:
@@ -730,7 +734,9 @@ def _hint(part: str, phase: str) -> str:
             busy = phase == f"train_{role}" or phase == f"{role}_forward"
             off = "" if busy else f"memory.{role}_offload += [\"{kind}\"] (to host memory), "
             return (f"{part}: {off}placement.{role}_tp / {role}_pp (shard it), more GPUs (data-parallel sharding)"
-                    + (", lora.enable = true" if role == "actor" and kind != "params" else ""))
+                    + (", lora.enable = true" if role == "actor" and kind != "params" else "")
+                    + (f", memory.{role}_host_optimizer = true (Megatron: the optimizer step in host memory)"
+                       if role in ("actor", "critic") and kind == "optimizer" else ""))
         if kind == "activations":
             return f"{part}: a smaller {role}.micro_batch_size, model.gradient_checkpointing = true"
     if part.startswith("vllm"):

@@ -12,7 +12,9 @@ most micro-batches in flight, the last the output layer, its logits and the valu
   optimizer   the distributed optimizer: float32 main weights (only when the model weights are not float32)
               plus AdamW's exp_avg and exp_avg_sq, 4 + 4 + 4 bytes per parameter divided over the dp ranks for
               dense parameters and over the expert-data-parallel ranks (edp = dp / ep, the replicas of an
-              expert) for expert parameters
+              expert) for expert parameters. With memory.<role>_host_optimizer the host optimizer instead
+              (spmdrl/engines/megatron/host_optim.py): float32 masters, their gradient copies and the two
+              moments, 16 bytes per local parameter, not divided over dp, in host memory: nothing on the GPU
   activations 1F1B keeps min(pp - p, m) micro-batches in flight on stage p (m = micro-batches per mini-batch
               per dp rank). With full recompute (model.gradient_checkpointing) a micro-batch keeps each layer's
               input (bf16, divided by tp under sequence parallelism, which the engine turns on with TP on GPU),
@@ -74,9 +76,11 @@ def micro_batches_in_flight(cfg, role: str, lay) -> int:
 
 
 def megatron_memory(st: dict, *, c, lay, trainable: bool, micro: int, seq: int, lm_head: bool, compute_eb: int,
-                    ckpt: bool, on_gpu: bool, in_flight: int, layer_bytes, chunk: int) -> dict:
-    """kinds (resident state), train (the worst stage during the update) and forward (worst stage, forward only)
-    in bytes per rank, for one Megatron role, and which stages those are (worst_stage).
+                    ckpt: bool, on_gpu: bool, in_flight: int, layer_bytes, chunk: int,
+                    host_optimizer: bool = False) -> dict:
+    """kinds (resident state), train (the worst stage during the update, on the GPU) and forward (worst stage,
+    forward only) in bytes per rank, for one Megatron role, and which stages those are (worst_stage); with the
+    host optimizer, kinds' "optimizer" is in host memory ("host_kinds") and never on the GPU.
     layer_bytes(c, tp) is plan.layer_activation_bytes."""
     tokens = micro * seq
     sp = lay.tp if on_gpu and lay.tp > 1 else 1
@@ -92,8 +96,11 @@ def megatron_memory(st: dict, *, c, lay, trainable: bool, micro: int, seq: int, 
         if trainable:
             main = 4 if compute_eb != 4 else 0
             k["grads"] = n * 4
-            k["optimizer"] = (n - experts) * (main + 8) // lay.dp + experts * (main + 8) // edp
+            k["optimizer"] = (n * 16 if host_optimizer else
+                              (n - experts) * (main + 8) // lay.dp + experts * (main + 8) // edp)
         return k
+
+    on_host = ("optimizer",) if host_optimizer and trainable else ()
 
     train, forward, worst_t, worst_f, stages = {}, {}, -1, -1, {}
     for p in range(lay.pp):
@@ -101,7 +108,7 @@ def megatron_memory(st: dict, *, c, lay, trainable: bool, micro: int, seq: int, 
         last = p == lay.pp - 1
         fl = min(lay.pp - p, in_flight)
         per_mb = st["layers_per_stage"][p] * (tokens * c.hidden_size * 2 // sp if ckpt else one_layer)
-        t = {**k, "activations": fl * per_mb + (one_layer if ckpt else 0) + (head if last else 0) + 2 * boundary}
+        t = {**{x: v for x, v in k.items() if x not in on_host}, "activations": fl * per_mb + (one_layer if ckpt else 0) + (head if last else 0) + 2 * boundary}
         f = {"params": k["params"], "activations": one_layer + (head if last else 0) + 2 * boundary}
         if trainable and sum(t.values()) > worst_t:
             worst_t, train, stages["train"] = sum(t.values()), t, p
@@ -109,8 +116,10 @@ def megatron_memory(st: dict, *, c, lay, trainable: bool, micro: int, seq: int, 
             worst_f, forward, stages["forward"] = sum(f.values()), f, p
     big = max(range(lay.pp), key=lambda p: st["stage"][p])
     kinds = kinds_of(st["stage"][big], st["stage_experts"][big])
-    return {"kinds": kinds, "train": train, "forward": forward, "worst_stage": stages,
-            **megatron_build(st["stage"][big], trainable, compute_eb, lay.dp, st["stage_experts"][big], edp)}
+    build = megatron_build(st["stage"][big], trainable, compute_eb, lay.dp, st["stage_experts"][big], edp)
+    if on_host:  # the masters are built in host memory
+        build = {key: {x: v for x, v in b.items() if x not in on_host} for key, b in build.items()}
+    return {"kinds": kinds, "train": train, "forward": forward, "worst_stage": stages, "host_kinds": on_host, **build}
 
 
 def megatron_build(n: int, trainable: bool, compute_eb: int, dp: int, experts: int = 0, edp: int = 1) -> dict:

@@ -12,7 +12,9 @@ in one torchrun run. Writes <out>/<name>.rank<r>.pt per model (name = the model 
       perturbed_router: the rolled router weights as HF blocks;
   resume_equal / load_equal / moved (--resume, first model only): a step, a checkpoint (spmdrl.checkpoint), a fresh engine loaded from
       it: its parameters and AdamW moments equal the saved ones bitwise, and one more step on both engines gives
-      bitwise equal parameters and metrics;
+      bitwise equal parameters and metrics (resume_check);
+  host (--resume, first model only): the same for a bfloat16 engine with the host optimizer (float32 masters), plus
+      its first step's masters before, clipped gradients, masters and parameters after;
 and <out>/<name>.export (export_hf of the untouched engine; at tp > 1 a rank holds two blocks of each gate_up_proj,
 which the export's transport sends from both).
 
@@ -134,7 +136,7 @@ def main():
             for case, e in (("perturbed_off", off), ("perturbed_on", rep)):
                 res["replay"][case] = {"logprobs": e.logprobs(tb)[0].clone(), "counts": e.moe_counts()}
 
-        # ---- checkpoint: bitwise resume ------------------------------------------------------------------------
+        # ---- checkpoint: bitwise resume; the host optimizer's step and resume -------------------------------
         if args.resume and model == args.models[0]:
             def objective(item, e):
                 ids, tb = item
@@ -142,34 +144,67 @@ def main():
                 loss = mesh.dp_size * lp.sum() / C
                 return loss, {"loss": loss.detach()}
 
-            def state(e):
-                st = e.optimizer.state
-                return (hf_blocks(e, lambda prm: prm.data), hf_blocks(e, lambda prm: st[prm]["exp_avg"]),
-                        hf_blocks(e, lambda prm: st[prm]["exp_avg_sq"]))
-
-            def same(x, y):
-                return all(torch.equal(u[1], v[1]) for a, b in zip(x, y) for n in a for u, v in zip(a[n], b[n]))
-
-            a = engine(lr=1e-2)
-            before = hf_blocks(a, lambda prm: prm.data)
-            a.train_step(items, objective)
-            root = os.path.join(args.out, f"{name}.ckpt")
-            path = CheckpointManager(root, keep_last=1).save(1, engines={"actor": a}, trainer_state={"step": 1},
-                                                             config_toml="", hf_files=lambda d: a.hf_config().save_pretrained(d))
-            saved = state(a)
-            b = engine(lr=1e-2)
-            CheckpointManager(root, keep_last=1).load(path, engines={"actor": b}, config_toml="")
-            res["load_equal"] = same(saved, state(b))
-            ma, mb = a.train_step(items, objective), b.train_step(items, objective)
-            ok = torch.tensor([float(same(state(a), state(b)) and ma == mb)])
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-            res["resume_equal"] = bool(ok)
-            res["moved"] = max(float((x[1] - y[1]).abs().max()) for n, bs in state(a)[0].items()
-                               for x, y in zip(bs, before[n]))
+            res.update(resume_check(lambda **kw: engine(lr=1e-2, **kw), items, objective, args.out, name, {}))
+            host = resume_check(lambda **kw: engine(lr=1e-2, **kw), items, objective, args.out, name + ".host",
+                                dict(host_optimizer=True, dtype="bfloat16"))
+            res["host"] = host
         torch.save(res, os.path.join(args.out, f"{name}.rank{env.rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def resume_check(make, items, objective, out, name, kw) -> dict:
+    """A step, a checkpoint, a fresh engine loaded from it: its parameters and AdamW state (masters too, for a
+    host optimizer) equal the saved ones bitwise ("load_equal"), and one more step on both engines gives bitwise
+    equal state and metrics ("resume_equal"); "moved": how far the steps moved the weights. With a host
+    optimizer also the first step's inputs and outputs as HF blocks: "masters_before", "grads" (after clipping),
+    "masters_after", "params_after"."""
+    from spmdrl.checkpoint.manager import CheckpointManager
+
+    def state(e):
+        st, key = e.optimizer.state, getattr(e.optimizer, "master", lambda prm: prm)
+        kinds = [lambda prm: prm.data, lambda prm: st[key(prm)]["exp_avg"], lambda prm: st[key(prm)]["exp_avg_sq"]]
+        if hasattr(e.optimizer, "master"):
+            kinds.append(e.optimizer.master)
+        return [hf_blocks(e, of) for of in kinds]
+
+    def same(x, y):
+        return all(torch.equal(u[1], v[1]) for a, b in zip(x, y) for n in a for u, v in zip(a[n], b[n]))
+
+    res = {}
+    a = make(**kw)
+    before = hf_blocks(a, lambda prm: prm.data)
+    if hasattr(a.optimizer, "master"):
+        res["masters_before"] = hf_blocks(a, a.optimizer.master)
+        clip = a.clip_grad_norm
+
+        def capture():
+            norm = clip()
+            res["grads"] = hf_blocks(a, lambda prm: prm.main_grad)
+            return norm
+
+        a.clip_grad_norm = capture
+        res["first_metrics"] = a.train_step(items, objective)
+        a.clip_grad_norm = clip
+        res["masters_after"] = hf_blocks(a, a.optimizer.master)
+        res["params_after"] = hf_blocks(a, lambda prm: prm.data)
+    else:
+        a.train_step(items, objective)
+    root = os.path.join(out, f"{name}.ckpt")
+    path = CheckpointManager(root, keep_last=1).save(1, engines={"actor": a}, trainer_state={"step": 1},
+                                                     config_toml="", hf_files=lambda d: a.hf_config().save_pretrained(d))
+    saved = state(a)
+    b = make(**kw)
+    CheckpointManager(root, keep_last=1).load(path, engines={"actor": b}, config_toml="")
+    res["load_equal"] = same(saved, state(b))
+    ma, mb = a.train_step(items, objective), b.train_step(items, objective)
+    ok = torch.tensor([float(same(state(a), state(b)) and ma == mb)])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    res["resume_equal"] = bool(ok)
+    res["moved"] = max(float((x[1].float() - y[1].float()).abs().max()) for n, bs in state(a)[0].items()
+                       for x, y in zip(bs, before[n]))
+    return res
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ GPU. The cost is torch's multi-tensor (foreach) Adam instead of a fused kernel, 
 
 Not supported (refused at engine build by `check_checkpointable`, before any training): megatron's
 precision-aware optimizer, more than one chained optimizer (a mixture of experts, refused whatever its expert
-parallelism: its expert buffers and 3-d expert blocks are not laid out here), and PP > 1 with tied embeddings (the last
+parallelism: its expert buffers and 3-d expert blocks are not laid out here; the host optimizer, host_optim.py,
+takes mixtures of experts), and PP > 1 with tied embeddings (the last
 stage's copy of the embedding has its own dp-sharded main param and moments, with ranges that differ from the
 first stage's).
 """
@@ -85,7 +86,8 @@ def check_checkpointable(engine) -> None:
                           "implemented")
     if engine.dims.experts:  # expert pieces are 3-d blocks and the experts' grad buffers are a second chained optimizer
         raise ConfigError("megatron backend on GPU: checkpoints of a mixture of experts' distributed optimizer state "
-                          "are not implemented; train MoE models with trainer.backend = 'fsdp'")
+                          "are not implemented; set memory.actor_host_optimizer = true (and critic_host_optimizer "
+                          "for a critic): the host optimizer checkpoints experts, or use trainer.backend = 'fsdp'")
     gpt = engine.stage.gpt
     if engine.mesh.pp_size > 1 and gpt.share_embeddings_and_output_weights:
         raise ConfigError("megatron backend on GPU: checkpoints with pipeline parallelism and tied embeddings "

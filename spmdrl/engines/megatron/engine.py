@@ -76,8 +76,9 @@ class MegatronEngine:
                  trust_remote_code: bool = False, seed: int = 0, make_vocab_size_divisible_by: int = 128,
                  use_te: bool | None = None, gradient_checkpointing: bool = False, offload: bool = False,
                  defer_grad_sync: bool = False, attention: str = "sdpa", checkpoint_policy: str = "full",
-                 router_replay: bool = False, router_losses: bool = False):
-        """router_replay: a mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes
+                 router_replay: bool = False, router_losses: bool = False, host_optimizer: bool = False):
+        """host_optimizer: float32 master weights and AdamW's moments in host memory, the step on the CPU
+        (host_optim.py), instead of megatron's distributed optimizer on the device. router_replay: a mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes
         name (routing.py); without it they only measure the agreement. router_losses: its forwards under autograd
         keep the load-balancing and z-loss terms (moe_losses)."""
         from transformers import AutoConfig
@@ -127,12 +128,21 @@ class MegatronEngine:
         o = optim or {}
         self.grad_clip = o.get("grad_clip", 0.0)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=cuda, average_in_collective=False)
+                                                use_distributed_optimizer=cuda and not host_optimizer,
+                                                average_in_collective=False)
         self.model = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=self.stage)
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         self.tcfg.no_sync_func = self.model.no_sync
         sched = lr_lambda(o.get("warmup_steps", 0), total_steps, o.get("lr_scheduler", "constant"), o.get("min_lr_ratio", 0.0))
-        if cuda:
+        adam = dict(lr=o.get("lr", 1e-6), betas=tuple(o.get("betas", (0.9, 0.999))), eps=o.get("eps", 1e-8),
+                    weight_decay=o.get("weight_decay", 0.0))
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        if host_optimizer or (not cuda and self.dtype != torch.float32):
+            from .host_optim import MasterAdamW
+
+            self.optimizer = MasterAdamW(params, torch.device("cpu"), pin=cuda, **adam)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.inner, sched)
+        elif cuda:
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
             from .dist_optim import check_checkpointable, torch_inner_adam
@@ -148,10 +158,7 @@ class MegatronEngine:
             self.dist_optim = True  # checkpointed through dist_optim.py
             check_checkpointable(self)  # a layout whose checkpoints cannot be saved fails here, not at the first save
         else:
-            self.optimizer = torch.optim.AdamW(
-                [p for p in self.stage.parameters() if p.requires_grad], lr=o.get("lr", 1e-6),
-                betas=tuple(o.get("betas", (0.9, 0.999))), eps=o.get("eps", 1e-8), weight_decay=o.get("weight_decay", 0.0),
-            )
+            self.optimizer = torch.optim.AdamW(params, **adam)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, sched)
 
     # ---- forward ------------------------------------------------------------------------------------
@@ -395,13 +402,14 @@ class MegatronEngine:
         self._schedule(list(micro_batches), staged, step, forward_only=False)
         if self.mesh.pp_size > 1:
             self._replay_on_other_stages(micro_batches, staged, loss_fn, outs, sums)
-        if self.device.type == "cuda":
+        if getattr(self, "dist_optim", False):
             ok, grad_norm, _ = self.optimizer.step()
             grad_norm = float(grad_norm) if grad_norm is not None else 0.0
             finite = bool(ok)
         else:
-            for p in self.optimizer.param_groups[0]["params"]:
-                p.grad = p.main_grad if p.requires_grad else None
+            if not hasattr(self.optimizer, "master"):  # torch AdamW steps the float32 weights themselves
+                for p in self.stage.parameters():
+                    p.grad = p.main_grad if p.requires_grad else None
             grad_norm, finite = clipped_step(self.optimizer, self.clip_grad_norm)
         return step_metrics(sums, M, grad_norm, finite, self.scheduler)
 
@@ -431,11 +439,12 @@ class MegatronEngine:
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        params = [p for p in self.optimizer.param_groups[0]["params"] if p.grad is not None]
+        # megatron DDP's float32 gradients (param.main_grad), which the optimizer steps with
+        grads = [(p, p.main_grad) for p in self.stage.parameters() if p.requires_grad]
         sq = torch.zeros(2, dtype=torch.float64, device=self.device)  # [dense, expert] squares
-        for p in params:
+        for p, g in grads:
             if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                sq[int(not getattr(p, "allreduce", True))] += p.grad.detach().double().pow(2).sum()
+                sq[int(not getattr(p, "allreduce", True))] += g.detach().double().pow(2).sum()
         if self.ep > 1:  # an expert's gradient differs over the ep ranks; a dense one is the same (counted once)
             expert = sq[1:].clone()
             dist.all_reduce(expert, group=ps.get_expert_model_parallel_group())
@@ -446,8 +455,8 @@ class MegatronEngine:
         total = math.sqrt(float(sq.sum()))
         if self.grad_clip > 0 and math.isfinite(total) and total > self.grad_clip:
             scale = self.grad_clip / (total + 1e-6)
-            for p in params:
-                p.grad.mul_(scale)
+            for _, g in grads:
+                g.mul_(scale)
         return total
 
     # ---- memory -------------------------------------------------------------------------------------
@@ -476,11 +485,13 @@ class MegatronEngine:
 
     def _state_storages(self) -> dict:
         """What each offload kind parks: the model parameters, the optimizer's own tensors, megatron DDP's grad
-        buffers (_ParamAndGradBuffers), each storage once (engines.base.state_storages)."""
+        buffers (_ParamAndGradBuffers), each storage once (engines.base.state_storages). A host optimizer's
+        tensors live in host memory already (host_optim.py): nothing of it is on the device to park."""
         from .offload import optimizer_tensors
 
         bufs = self.model.buffers + self.model.expert_parallel_buffers if self.trainable else []
         opt = optimizer_tensors(self.optimizer) if self.optimizer is not None else []
+        opt = [t for t in opt if t.device.type == self.device.type]
         return state_storages(self.stage.parameters(), (b.grad_data for b in bufs), opt)
 
     def _park(self, kinds) -> None:

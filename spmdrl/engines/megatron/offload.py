@@ -105,6 +105,10 @@ def optimizer_tensors(opt) -> list[torch.Tensor]:
     """Everything an optimizer owns that scales with the model: the parameters it updates (the distributed
     optimizer's fp32 main-param shards; the model's own params for torch AdamW on CPU) and its state tensors
     (Adam moments). 0-dim tensors (step counters) stay where they are."""
+    from .host_optim import MasterAdamW
+
+    if isinstance(opt, MasterAdamW):
+        return opt.tensors()
     out = []
     for o in torch_optimizers(opt):
         for group in o.param_groups:

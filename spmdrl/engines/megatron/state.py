@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from spmdrl.errors import ConfigError
+from spmdrl.errors import CheckpointError, ConfigError
 from spmdrl.reshard.plan import Block
 
 from .convert import Piece, hf_param_shapes, hf_pieces, merged_blocks
@@ -158,7 +158,9 @@ def as_sharded(engine, tensors_of: dict[str, list[tuple[Piece, torch.Tensor]]], 
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-    dev = "cpu" if engine.device.type == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    first = next((t for pairs in tensors_of.values() for _, t in pairs), None)
+    on_host = first is None or first.device.type == "cpu"  # the model's tensors, or a host optimizer's
+    dev = "cpu" if on_host else f"cuda:{torch.cuda.current_device()}"
     owners = block_owners(engine) if owners is None else owners
     by_name: dict[str, list] = {}
     for (name, block), rank in owners.items():
@@ -193,22 +195,36 @@ def checkpoint_state(engine) -> tuple[dict, dict]:
         return tensors, {}
     if getattr(engine, "dist_optim", False):
         return distributed_optimizer_state(engine, tensors)
-    state = engine.optimizer.state
-    for p in engine.optimizer.param_groups[0]["params"]:
-        if p not in state or not state[p]:  # AdamW's lazy init, done now so a fresh engine can load into it
-            state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    opt, key = engine.optimizer, optimizer_key(engine)
+    state = opt.state
+    for p in trained(engine):
+        m = key(p)
+        if m not in state or not state[m]:  # AdamW's lazy init, done now so a fresh engine can load into it
+            state[m] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
     optim = {}
-    for key in ("exp_avg", "exp_avg_sq"):
-        views = piece_views(engine, lambda p, key=key: state[p][key])
-        optim.update({f"{n}.{key}": t for n, t in as_sharded(engine, views).items()})
+    for kind in ("exp_avg", "exp_avg_sq"):
+        views = piece_views(engine, lambda p, kind=kind: state[key(p)][kind])
+        optim.update({f"{n}.{kind}": t for n, t in as_sharded(engine, views).items()})
     tensors["optim"] = optim
-    steps = {float(state[p]["step"]) for p in engine.optimizer.param_groups[0]["params"]}
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    if hasattr(opt, "master"):  # float32 master weights apart from the model's (host_optim.py)
+        tensors["main"] = as_sharded(engine, piece_views(engine, opt.master))
+    steps = {float(state[key(p)]["step"]) for p in trained(engine)}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     meta = {"param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups],
             "step": max(steps), "scheduler": {"last_epoch": engine.scheduler.last_epoch,
                                               "_step_count": getattr(engine.scheduler, "_step_count", 0)}}
     return tensors, meta
+
+
+def trained(engine) -> list[torch.nn.Parameter]:
+    return [p for p in engine.stage.parameters() if p.requires_grad]
+
+
+def optimizer_key(engine):
+    """Model parameter -> the tensor its AdamW state is keyed by: its float32 master (host_optim.MasterAdamW)
+    or the parameter itself (torch AdamW stepping the float32 model weights)."""
+    return getattr(engine.optimizer, "master", lambda p: p)
 
 
 def distributed_optimizer_state(engine, tensors: dict) -> tuple[dict, dict]:
@@ -244,17 +260,23 @@ def load_checkpoint_state(engine, tensors: dict, meta: dict) -> None:
         return
     kinds = [lambda p: p.data]
     if engine.optimizer is not None and meta:
-        state = engine.optimizer.state
-        kinds += [lambda p: state[p]["exp_avg"], lambda p: state[p]["exp_avg_sq"]]
-        for p in engine.optimizer.param_groups[0]["params"]:
-            state[p]["step"] = torch.tensor(float(meta["step"]))
-        for g, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+        if meta.get("optimizer") == "megatron-distributed":
+            raise CheckpointError("this checkpoint holds megatron's distributed optimizer state (saved on a GPU "
+                                  "without memory.<role>_host_optimizer); resume it with the same setting")
+        opt, key = engine.optimizer, optimizer_key(engine)
+        state = opt.state
+        kinds += [lambda p: state[key(p)]["exp_avg"], lambda p: state[key(p)]["exp_avg_sq"]]
+        if hasattr(opt, "master"):
+            kinds.append(opt.master)
+        for p in trained(engine):
+            state[key(p)]["step"] = torch.tensor(float(meta["step"]))
+        for g, saved in zip(opt.param_groups, meta["param_groups"]):
             g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
         engine.scheduler.last_epoch = meta["scheduler"]["last_epoch"]
         if hasattr(engine.scheduler, "_step_count"):
             engine.scheduler._step_count = meta["scheduler"]["_step_count"]
         if hasattr(engine.scheduler, "_last_lr"):
-            engine.scheduler._last_lr = [g["lr"] for g in engine.optimizer.param_groups]
+            engine.scheduler._last_lr = [g["lr"] for g in opt.param_groups]
     sync_replicas(engine, params, kinds)
 
 
@@ -270,13 +292,24 @@ def sync_replicas(engine, params, kinds) -> None:
             for of in kinds:
                 t = of(p)
                 if dist.get_world_size(g) > 1:
-                    dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
+                    broadcast_via(t, engine.device, src=dist.get_global_rank(g, 0), group=g)
                 if engine.mesh.tp_size > 1 and not getattr(p, "tensor_model_parallel", False):
                     tp = engine.mesh.group("tp")
-                    dist.broadcast(t, src=dist.get_global_rank(tp, 0), group=tp)
+                    broadcast_via(t, engine.device, src=dist.get_global_rank(tp, 0), group=tp)
         gpt = engine.stage.gpt
         if engine.mesh.pp_size > 1 and gpt.share_embeddings_and_output_weights and (gpt.pre_process or gpt.post_process):
             w = gpt.shared_embedding_or_output_weight()
             g = ps.get_embedding_group()
             for of in kinds:
-                dist.broadcast(of(w), src=dist.get_process_group_ranks(g)[0], group=g)
+                broadcast_via(of(w), engine.device, src=dist.get_process_group_ranks(g)[0], group=g)
+
+
+def broadcast_via(t: torch.Tensor, device: torch.device, *, src: int, group) -> None:
+    """dist.broadcast of t in place, through a copy on the engine's device when t lives elsewhere (a host
+    optimizer's masters and moments: NCCL moves device tensors only)."""
+    if t.device.type == device.type:
+        dist.broadcast(t, src=src, group=group)
+        return
+    on = t.to(device)
+    dist.broadcast(on, src=src, group=group)
+    t.copy_(on)
