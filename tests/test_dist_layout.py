@@ -3,7 +3,7 @@ import pytest
 
 from spmdrl.config import PlacementConfig
 from spmdrl.dist.init import detect_env, expand_nodelist
-from spmdrl.dist.layout import plan_layout
+from spmdrl.dist.layout import RoleLayout, plan_layout
 from spmdrl.errors import LayoutError
 
 
@@ -112,8 +112,6 @@ def test_detect_env_torchrun_slurm_and_single():
 
 
 def _layout(role, ranks, dp, tp, sp=1):
-    from spmdrl.dist.layout import RoleLayout
-
     return RoleLayout(role, tuple(ranks), dp, 1, tp, sp)
 
 
@@ -166,3 +164,27 @@ def test_megatron_roles_must_share_one_layout():
     bad = load_config(None, base + ["critic.enable=true", "algorithm.adv_estimator=gae", "placement.critic_tp=2"])
     with pytest.raises(LayoutError, match="critic .tp=2, pp=1, ep=1. differ.*critic_pp = 2"):
         validate(bad, 8)
+
+
+@pytest.mark.parametrize("tp,pp,dp,ep", [(1, 1, 4, 2), (2, 1, 2, 2), (1, 2, 2, 2), (2, 2, 2, 2), (1, 2, 4, 2), (2, 2, 4, 4),
+                                         (2, 2, 2, 1)])
+def test_layout_groups_are_megatron_cores_for_its_order(tp, pp, dp, ep):
+    """Independent reference: megatron-core's own RankGenerator for the order the layout names (megatron_order):
+    the dense tp / pp / dp groups and the expert ep / edp groups (expert tp = tp) equal the layout's, pipeline stages
+    outermost exactly when ep > 1 and pp > 1; replica_ranks are each dp group member's stages, tp ranks."""
+    rg = pytest.importorskip("megatron.core.parallel_state").RankGenerator
+    world = tp * pp * dp
+    lay = RoleLayout("actor", tuple(range(world)), dp, pp, tp, 1, ep)
+    assert lay.pp_outer == (ep > 1 and pp > 1)
+    dense = rg(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=lay.megatron_order)
+    expert = rg(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order=lay.megatron_order)
+    groups = lay.groups()
+    for ours, theirs in (("tp_groups", dense.get_ranks("tp")), ("pp_groups", dense.get_ranks("pp")),
+                         ("dp_groups", dense.get_ranks("dp"))) + ((("ep_groups", expert.get_ranks("ep")),
+                                                                  ("edp_groups", expert.get_ranks("dp"))) if ep > 1 else ()):
+        assert sorted(groups[ours]) == sorted(theirs), ours
+    for r in range(world):
+        d, p, t = lay.coords(r)
+        assert lay.grid4()[d][p][0][t] == r and lay.ep_coords(r) == (d % ep, d // ep)
+    for d in range(dp):
+        assert sorted(lay.replica_ranks(d)) == sorted(r for r in range(world) if lay.coords(r)[0] == d)

@@ -2,7 +2,8 @@
 pieces, model.py's MoE layers, routing.py), on CPU/gloo with real megatron-core, several processes.
 
 One torchrun run per layout (tests/dist_scripts/megatron_moe.py): EP = 2 at dp 2 on 2 ranks (tiny Qwen3-MoE, then a
-tiny Mixtral), EP = 2 x TP = 2 on 4 ranks (Qwen3-MoE; expert tensor parallelism and sequence parallelism). Every
+tiny Mixtral), EP = 2 x TP = 2 on 4 ranks (Qwen3-MoE; expert tensor parallelism and sequence parallelism), EP = 2 x
+PP = 2 on 4 ranks (Qwen3-MoE; megatron's pipeline-last rank order, without the router losses and replay). Every
 check compares with an independent reference computed here from the unsharded transformers model in float64 (eager
 experts): log-probs, the gradient of an objective with log-prob and router-loss terms, the router loss values, and
 routing replay against the model's own routing and against a router perturbed on purpose; plus the original
@@ -27,8 +28,10 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.dist
 SCRIPT = os.path.join(HERE, "dist_scripts", "megatron_moe.py")
 DP, MICRO = 2, 2
-# (name, models, nproc, tp): ep 2 everywhere, dp = nproc / tp = 2
-LAYOUTS = [("ep2", ("qwen3_moe", "mixtral"), 2, 1), ("ep2_tp2", ("qwen3_moe",), 4, 2)]
+# (name, models, nproc, tp, pp): ep 2 everywhere, dp = nproc / (tp x pp) = 2
+LAYOUTS = [("ep2", ("qwen3_moe", "mixtral"), 2, 1, 1), ("ep2_tp2", ("qwen3_moe",), 4, 2, 1),
+           ("ep2_pp2", ("qwen3_moe",), 4, 1, 2)]
+PP = {name: pp for name, _, _, _, pp in LAYOUTS}
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +62,11 @@ def _own_routes(model_path: str) -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
     out = {}
-    for name, archs, nproc, tp in LAYOUTS:
+    for name, archs, nproc, tp, pp in LAYOUTS:
         d = tmp_path_factory.mktemp(name)
         torch.save(_own_routes(models[archs[0]]), d / f"{archs[0]}.routes.pt")
-        run([SCRIPT, "--out", str(d), "--tp", str(tp), "--ep", "2", "--micro", str(MICRO), "--replay", "--resume",
-             *[models[a] for a in archs]], nproc=nproc, timeout=900)
+        run([SCRIPT, "--out", str(d), "--tp", str(tp), "--pp", str(pp), "--ep", "2", "--micro", str(MICRO), "--resume",
+             *(["--replay"] if pp == 1 else []), *[models[a] for a in archs]], nproc=nproc, timeout=900)
         out[name] = {a: (models[a], d, [torch.load(d / f"{a}.rank{r}.pt", weights_only=False) for r in range(nproc)])
                      for a in archs}
     return out
@@ -78,9 +81,10 @@ def _terms(logits: torch.Tensor, k: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(model_path: str):
+def _reference(model_path: str, losses: bool = True):
     """Float64: log-probs per sequence, the router terms of every (dp rank, micro-batch) and the gradient of
-    L = sum c * logp / C + sum over (rank, micro-batch) (A aux + Z z) / (dp * M) (the script's objective)."""
+    L = sum c * logp / C + sum over (rank, micro-batch) (A aux + Z z) / (dp * M) (the script's objective; without
+    the router terms when not `losses`)."""
     hf, (prompts, resps, coef) = _hf(model_path), seqs()
     hf.zero_grad()
     k, C = hf.config.num_experts_per_tok, float(sum(c.sum() for c in coef))
@@ -99,7 +103,8 @@ def _reference(model_path: str):
             layers = [_terms(torch.cat([router[i][layer] for i in ids]), k) for layer in range(len(router[0]))]
             aux, z = sum(a for a, _ in layers), sum(z for _, z in layers)
             terms.append((float(aux.detach()), float(z.detach())))
-            loss = loss + (A * aux + Z * z) / (DP * MICRO)
+            if losses:
+                loss = loss + (A * aux + Z * z) / (DP * MICRO)
     loss.backward()
     return lps, terms, {n: p.grad.clone() for n, p in hf.named_parameters()}
 
@@ -113,22 +118,27 @@ def _assemble(ranks, key, shapes):
     return full
 
 
-CASES = [(layout, arch) for layout, archs, _, _ in LAYOUTS for arch in archs]
+CASES = [(layout, arch) for layout, archs, _, _, _ in LAYOUTS for arch in archs]
 
 
 @pytest.mark.parametrize("layout,arch", CASES)
 def test_moe_logprobs_gradients_and_router_losses_match_float64(runs, layout, arch):
-    """EP (x TP): log-probs, router loss values and the gradient after one train_step (DDP's dense all-reduce and
-    expert-data-parallel all-reduce, 1/dp scaling) equal the unsharded float64 model's; so does the grad norm
-    (experts summed over ep, dense parameters counted once)."""
+    """EP (x TP or x PP): log-probs, router loss values and the gradient after one train_step (DDP's dense all-reduce
+    and expert-data-parallel all-reduce, 1/dp scaling) equal the unsharded float64 model's; so does the grad norm
+    (experts summed over ep, dense parameters counted once; stages summed over pp)."""
+    from spmdrl.dist.layout import RoleLayout
+
     model, _, ranks = runs[layout][arch]
-    lps, terms, grads = _reference(model)
+    pp = PP[layout]
+    lps, terms, grads = _reference(model, losses=pp == 1)
+    lay = RoleLayout("actor", tuple(range(len(ranks))), DP, pp, len(ranks) // (DP * pp), 1, 2)
     for rank, res in enumerate(ranks):
         for packed in (False, True):
             got = res["logprobs"][packed]
             for i, want in enumerate(lps):
                 torch.testing.assert_close(got[i, :len(want)].double(), want, atol=1e-5, rtol=0)
-        d = rank // (len(ranks) // DP)  # dp rank (tp fastest)
+        d = lay.coords(rank)[0]
+        assert len(res["moe_losses"]) == (MICRO if pp == 1 else 0)
         for (aux, z), (want_aux, want_z) in zip(res["moe_losses"], terms[d * MICRO: (d + 1) * MICRO]):
             assert aux == pytest.approx(want_aux, abs=1e-5) and z == pytest.approx(want_z, abs=1e-5)
         assert res["blocks_ok"]
@@ -172,7 +182,7 @@ def _replayed_hf_logprobs(model_path: str, routes, router: dict) -> list[torch.T
     return out
 
 
-@pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS])
+@pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS if x[4] == 1])
 def test_moe_routing_replay(runs, layout):
     """Routes = the float64 model's own routing. Replay on: every choice agrees (router and route agreement 1.0)
     and the log-probs are the model's. Router weights rolled by one expert: without replay the trainer routes

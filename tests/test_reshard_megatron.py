@@ -419,8 +419,8 @@ def test_expert_blocks_are_what_megatron_expert_shards_hold(dp, tp, ep):
             assert bool((painted == 1).all()), (name, x)
 
 
-@pytest.mark.parametrize("dp,tp,ep", [(2, 1, 2), (2, 2, 2), (4, 2, 2), (4, 1, 4)])
-def test_engine_expert_pieces_agree_with_megatron_blocks(dp, tp, ep):
+@pytest.mark.parametrize("dp,tp,ep,pp", [(2, 1, 2, 1), (2, 2, 2, 1), (4, 2, 2, 1), (4, 1, 4, 1), (2, 2, 2, 2)])
+def test_engine_expert_pieces_agree_with_megatron_blocks(dp, tp, ep, pp):
     """The Megatron engine's piece arithmetic for a mixture of experts (convert.source_blocks: what its weight_shards
     yields from its local experts) holds exactly the blocks the planner's megatron_blocks says, rank by rank, with the
     ranks' expert-parallel ranks from dist.layout (the engine's weight sync plans with megatron_blocks)."""
@@ -430,8 +430,8 @@ def test_engine_expert_pieces_agree_with_megatron_blocks(dp, tp, ep):
 
     cfg = moe_config()
     dims = dims_from_hf(cfg, tp=tp, divisible_by=8)
-    grid = grid_of(dp, 1, tp)
-    lay = RoleLayout("actor", tuple(range(dp * tp)), dp, 1, tp, ep=ep)
+    lay = RoleLayout("actor", tuple(range(dp * tp * pp)), dp, pp, tp, ep=ep)
+    grid = lay.mesh_ranks()
     mine = megatron_blocks(hf_param_shapes(dims), grid, num_layers=2, padded_vocab=dims.vocab_padded,
                            dims=ModelDims.from_hf_config(cfg), tied=False, tied_copy=False, ep=ep)
     theirs = engine_blocks(dims, grid, ep, {r: lay.ep_coords(r)[0] for r in lay.ranks})
@@ -464,20 +464,23 @@ def moe_rollout_tp2():
     return cfg, ps, probe_vllm_reads(cfg, ps, 2)
 
 
-@pytest.mark.parametrize("dp,tp,ep", [(2, 1, 2), (2, 2, 2)], ids=["ep2", "ep2xtp2"])
-def test_moe_plan_from_expert_parallel_megatron_at_the_lower_bound(moe_rollout_tp2, dp, tp, ep):
-    """Megatron EP = 2 (dp 2) and EP = 2 x TP = 2 (4 ranks) into vLLM TP = 2, targets learnt from vLLM's Qwen3-MoE
-    loaders: every element a rollout rank's loaders read is handed to it exactly once, by a rank that holds it, and
-    nothing else; each rank receives exactly the lower bound; and of the expert tensors each rollout rank receives
-    exactly the slices its vLLM shard reads that its own Megatron blocks lack (painted by hand from the layout)."""
+@pytest.mark.parametrize("dp,tp,ep,pp", [(2, 1, 2, 1), (2, 2, 2, 1), (2, 1, 2, 2)], ids=["ep2", "ep2xtp2", "ep2xpp2"])
+def test_moe_plan_from_expert_parallel_megatron_at_the_lower_bound(moe_rollout_tp2, dp, tp, ep, pp):
+    """Megatron EP = 2 (dp 2), EP = 2 x TP = 2 and EP = 2 x PP = 2 (4 ranks, pipeline stages outermost) into vLLM
+    TP = 2, targets learnt from vLLM's Qwen3-MoE loaders: every element a rollout rank's loaders read is handed to it
+    exactly once, by a rank that holds it, and nothing else; each rank receives exactly the lower bound; and of the
+    expert tensors each rollout rank receives exactly the slices its vLLM shard reads that its own Megatron blocks
+    lack (painted by hand from the layout: its stage's layer, its ep rank's experts, its tp share)."""
     from spmdrl.dist.layout import RoleLayout
     from spmdrl.reshard.vllm_reads import vllm_targets
 
     cfg, ps, reads = moe_rollout_tp2
     assert not reads.whole, reads.whole
-    world = dp * tp
-    grid = grid_of(dp, 1, tp)
-    lay = RoleLayout("actor", tuple(range(world)), dp, 1, tp, ep=ep)
+    world = dp * tp * pp
+    lay = RoleLayout("actor", tuple(range(world)), dp, pp, tp, ep=ep)
+    grid = lay.mesh_ranks()
+    if pp > 1:  # stages outermost: stage p is ranks [p * dp * tp, (p + 1) * dp * tp)
+        assert grid == [[[p * dp * tp + d * tp + t for t in range(tp)] for p in range(pp)] for d in range(dp)]
     groups = [list(range(k * 2, k * 2 + 2)) for k in range(world // 2)]
     sources = megatron_blocks(ps, grid, num_layers=2, dims=ModelDims.from_hf_config(cfg), ep=ep)
     targets = vllm_targets(ps, groups, reads)
@@ -495,11 +498,13 @@ def test_moe_plan_from_expert_parallel_megatron_at_the_lower_bound(moe_rollout_t
             assert torch.equal(painted, want), (name, dst)
             if name in experts:
                 # what this rank's Megatron blocks hold, by hand: experts of its ep rank, its tp share of the FFN
-                d, _, t = lay.coords(dst)
+                d, p, t = lay.coords(dst)
                 e = lay.ep_coords(dst)[0]
                 mine = torch.zeros(shape, dtype=torch.bool)
                 xs, f = slice(e * E // ep, (e + 1) * E // ep), slice(t * F // tp, (t + 1) * F // tp)
-                if name.endswith("gate_up_proj"):
+                if int(name.split(".")[2]) * pp // 2 != p:  # 2 layers: layer i on stage i * pp // 2
+                    pass
+                elif name.endswith("gate_up_proj"):
                     mine[xs, f] = True
                     mine[xs, F + f.start: F + f.stop] = True
                 else:

@@ -2,8 +2,11 @@
 
 A role owns a list of global ranks, laid out as (dp, pp, sp, tp) with tp fastest, so the ranks of one
 tensor-parallel group are adjacent (on one node), and the sequence-parallel ranks of one data-parallel replica
-next to them. Colocated placement gives every role all ranks; split
-placement gives roles disjoint lists; the arithmetic is the same.
+next to them (megatron-core's order "tp-cp-ep-pp-dp"). A Megatron role with both expert and pipeline
+parallelism is laid out (pp, dp, tp) instead, pipeline stages outermost (megatron's "tp-cp-ep-dp-pp", the only
+order in which megatron-core gives the expert layers their own data-parallel size next to pipeline stages):
+`pp_outer`. Colocated placement gives every role all ranks; split placement gives roles disjoint lists; the
+arithmetic is the same.
 """
 from __future__ import annotations
 
@@ -22,12 +25,23 @@ class RoleLayout:
     pp: int
     tp: int
     sp: int = 1  # sequence parallel: the sp ranks of a replica split each sequence's tokens (FSDP2 Ulysses)
-    ep: int = 1  # expert parallel (Megatron, pp = 1): expert layers split their experts over ep of the dp replicas
+    ep: int = 1  # expert parallel (Megatron): expert layers split their experts over ep of the dp replicas
+
+    @property
+    def pp_outer(self) -> bool:
+        """Ranks ordered (pp, dp, sp, tp): expert and pipeline parallelism together (see the module docstring)."""
+        return self.ep > 1 and self.pp > 1
+
+    @property
+    def megatron_order(self) -> str:
+        """megatron-core's name of this rank order (initialize_model_parallel's `order`, fastest first, cp = 1)."""
+        return "tp-cp-ep-dp-pp" if self.pp_outer else "tp-cp-ep-pp-dp"
 
     def ep_coords(self, rank: int) -> tuple[int, int] | None:
         """(expert-parallel rank, expert-data-parallel rank) of a global rank, or None if it is not in the role.
-        megatron-core's order tp-cp-ep-pp-dp with pp = 1 and the expert tensor-parallel size = tp: the expert layers
-        see the dp replicas as ep (fastest) x edp, so ep_rank = dp_rank % ep and edp_rank = dp_rank // ep."""
+        With the expert tensor-parallel size = tp, megatron-core's expert layers see the dp replicas of a pipeline
+        stage as ep (fastest) x edp, in either order (tp-cp-ep-pp-dp or tp-cp-ep-dp-pp): ep_rank = dp_rank % ep
+        and edp_rank = dp_rank // ep."""
         c = self.coords4(rank)
         return None if c is None else (c[0] % self.ep, c[0] // self.ep)
 
@@ -41,13 +55,21 @@ class RoleLayout:
         if rank not in self.ranks:
             return None
         i = self.ranks.index(rank)
-        return i // (self.pp * self.sp * self.tp), (i // (self.sp * self.tp)) % self.pp, (i // self.tp) % self.sp, i % self.tp
+        t, s, rest = i % self.tp, (i // self.tp) % self.sp, i // (self.sp * self.tp)
+        if self.pp_outer:
+            return rest % self.dp, rest // self.dp, s, t
+        return rest // self.pp, rest % self.pp, s, t
+
+    def _index(self, d: int, p: int, s: int, t: int) -> int:
+        """Position in `ranks` of coordinates (d, p, s, t): the inverse of coords4."""
+        rest = p * self.dp + d if self.pp_outer else d * self.pp + p
+        return (rest * self.sp + s) * self.tp + t
 
     def grid4(self) -> list[list[list[list[int]]]]:
         """Ranks as a [dp][pp][sp][tp] nested list (the DeviceMesh layout)."""
-        r, tp, sp, pp = list(self.ranks), self.tp, self.sp, self.pp
-        return [[[r[((d * pp + p) * sp + s) * tp: ((d * pp + p) * sp + s + 1) * tp] for s in range(sp)]
-                 for p in range(pp)] for d in range(self.dp)]
+        r = self.ranks
+        return [[[[r[self._index(d, p, s, t)] for t in range(self.tp)] for s in range(self.sp)]
+                 for p in range(self.pp)] for d in range(self.dp)]
 
     def mesh_ranks(self) -> list[list[list[int]]]:
         """Ranks as a [dp * sp][pp][tp] nested list: one row per FSDP2 shard index (dp-major, then sp), which is
@@ -57,8 +79,7 @@ class RoleLayout:
 
     def replica_ranks(self, d: int) -> list[int]:
         """Every rank of data-parallel replica d (they hold the same samples): its pp stages, sp and tp ranks."""
-        per = self.pp * self.sp * self.tp
-        return list(self.ranks[d * per: (d + 1) * per])
+        return [r for p in self.grid4()[d] for s in p for r in s]
 
     def groups(self) -> dict[str, list[list[int]]]:
         """Global ranks of every tp, dp, pp (and sp) group of the role (what `spmdrl plan` prints)."""
@@ -203,12 +224,6 @@ def plan_layout(placement, world_size: int, *, allow_split: bool = True,
                 f"placement.{role}_ep = {lay.ep} needs expert parallelism, which the {backend} backend does not have "
                 f"(its experts train whole on each FSDP2 shard); set "
                 f"{'trainer.critic_backend' if role == 'critic' else 'trainer.backend'} = \"megatron\" or {role}_ep = 1"
-            )
-        if lay.ep > 1 and lay.pp > 1:
-            raise LayoutError(
-                f"placement.{role}_ep = {lay.ep} with {role}_pp = {lay.pp}: megatron-core lays expert-parallel ranks "
-                f"out with the pipeline stages outermost, which spmdrl's rank layout (pipeline inside data parallel) "
-                f"is not; set {role}_pp = 1 (expert parallelism with tensor and data parallelism)"
             )
     for role in TRAINED_ROLES:
         lay = out[role]

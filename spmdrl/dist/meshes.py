@@ -189,9 +189,9 @@ class RoleMeshes:
         cache: dict[tuple, DeviceMesh] = {}
         for role in ROLES:
             lay = layouts[role]
-            key = (lay.ranks, lay.dp, lay.pp, lay.sp, lay.tp)
+            key = (lay.ranks, lay.dp, lay.pp, lay.sp, lay.tp, lay.pp_outer)
             if key not in cache:
-                ranks = torch.tensor(lay.ranks, dtype=torch.int64).view(lay.dp, lay.pp, lay.sp, lay.tp)
+                ranks = torch.tensor(lay.grid4(), dtype=torch.int64)  # [dp][pp][sp][tp]
                 cache[key] = DeviceMesh(device_type, ranks, mesh_dim_names=DIMS)
             self.roles[role] = RoleMesh(lay, cache[key], rank)
         # split placement: batches (rollout -> training) and weights (training -> rollout) move point to point on

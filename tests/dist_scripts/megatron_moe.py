@@ -20,7 +20,9 @@ which the export's transport sends from both).
 
 Objective of the train_step (dp ranks split SEQS in halves, --micro micro-batches each, padded layout):
     L = sum_{b, j} c_bj * logp_bj / C + sum over (rank, micro-batch) of (A * aux + Z * z) / (dp * M)
-with c = COEF (fixed random), C = sum c, aux / z the micro-batch's router terms (engine.moe_losses).
+with c = COEF (fixed random), C = sum c, aux / z the micro-batch's router terms (engine.moe_losses); at --pp > 1
+without them (the router losses and routing replay run at pp = 1), so moe_losses is empty and --replay is not
+given.
 """
 import argparse
 import os
@@ -48,6 +50,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--replay", action="store_true")
     p.add_argument("--resume", action="store_true")
@@ -61,7 +64,8 @@ def main():
 
     env, device = init_distributed("cpu")
     W = env.world_size
-    layouts = {r: RoleLayout(r, tuple(range(W)), W // args.tp, 1, args.tp, 1, args.ep) for r in ROLES}
+    layouts = {r: RoleLayout(r, tuple(range(W)), W // (args.tp * args.pp), args.pp, args.tp, 1, args.ep) for r in ROLES}
+    losses = args.pp == 1  # the router losses (and replay) run at pp = 1
     mesh = RoleMeshes(layouts, env.rank, "cpu")["actor"]
     prompts, resps, coef = seqs()
     C = float(sum(c.sum() for c in coef))
@@ -79,7 +83,7 @@ def main():
                                       optim=dict(lr=lr, weight_decay=0.01 if lr else 0.0, grad_clip=0.5 if lr else 0.0),
                                       **kw)
 
-        eng = engine(router_losses=True)
+        eng = engine(router_losses=losses)
         res["logprobs"] = {packed: eng.logprobs(pack_sequences(prompts, resps, 0, packed=packed))[0].clone()
                            for packed in (False, True)}
         eng.moe_counts()
@@ -102,9 +106,11 @@ def main():
             c = torch.zeros_like(lp)
             for row, i in enumerate(ids):
                 c[row, : len(coef[i])] = coef[i]
-            aux, z = e.moe_losses()
-            res["moe_losses"].append((float(aux.detach()), float(z.detach())))
-            loss = mesh.dp_size * (c * lp).sum() / C + (A * aux + Z * z) / len(items)
+            loss = mesh.dp_size * (c * lp).sum() / C
+            if losses:
+                aux, z = e.moe_losses()
+                res["moe_losses"].append((float(aux.detach()), float(z.detach())))
+                loss = loss + (A * aux + Z * z) / len(items)
             return loss, {"loss": loss.detach()}
 
         grads, clip = {}, eng.clip_grad_norm

@@ -1,8 +1,9 @@
 """Build a megatron-core GPTModel for one role from an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral config, on the
 role's mesh.
 
-parallel_state is initialised with order "tp-cp-ep-pp-dp" (tp fastest, then pp, then dp: megatron's RankGenerator
-reads the order string fastest first; cp = 1), which is the layout of spmdrl's RoleLayout; the engine then asserts
+parallel_state is initialised with the RoleLayout's own order (`megatron_order`: "tp-cp-ep-pp-dp", tp fastest,
+then pp, then dp, as megatron's RankGenerator reads the string fastest first, cp = 1; "tp-cp-ep-dp-pp", pipeline
+stages outermost, with expert and pipeline parallelism together); the engine then asserts
 that megatron's tp / pp / dp groups contain exactly the ranks of the role mesh's groups, and with expert parallelism
 that its expert-parallel and expert-data-parallel groups are the layout's ep / edp groups (no rank arithmetic
 here). megatron's parallel state is one per process, so every Megatron role of a run must share one layout.
@@ -61,7 +62,7 @@ def init_parallel_state(mesh, device: torch.device, seed: int) -> None:
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=mesh.tp_size, pipeline_model_parallel_size=mesh.pp_size,
-            expert_model_parallel_size=ep, order="tp-cp-ep-pp-dp", create_gloo_process_groups=device.type == "cuda",
+            expert_model_parallel_size=ep, order=mesh.layout.megatron_order, create_gloo_process_groups=device.type == "cuda",
         )
         if device.type == "cuda":
             from megatron.core import tensor_parallel
