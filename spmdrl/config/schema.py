@@ -302,6 +302,8 @@ class RolloutConfig:
     """Adapters vLLM keeps resident at once (vLLM's max_loras); the rollout serves only the newest, so 1 suffices."""
     lora_dir: str = ""
     """Where the rollout writes each adapter version for vLLM to load (one small directory per rank, removed when superseded); empty: /dev/shm (memory-backed), else the temp directory."""
+    expert_parallel: bool = False
+    """A mixture of experts: each vLLM rank of a rollout TP group holds E / rollout_tp whole experts (vLLM's enable_expert_parallel) instead of a 1/tp slice of every expert's FFN width; the weight sync sends each rank its own experts only."""
     verify_sync: bool = False
     """Debug: after every weight sync, each rollout rank checks that its engine holds exactly the actor's weights (every parameter whole, loaded through the engine's own loaders, compared byte for byte with what the sync left) and stops naming the parameter, rank and largest difference on a mismatch. Costs two host copies of the rollout weights and a second load per sync."""
 

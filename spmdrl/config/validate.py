@@ -745,6 +745,8 @@ def _check_moe_layout(cfg, source: str, hf: dict, fsdp: bool) -> None:
     """On the FSDP2 backend a mixture of experts trains with its experts whole on each shard (DTensor TP does not
     shard its fused expert tensors); on either backend vLLM's TP must leave every rank an expert."""
     experts, _ = hf_experts(hf)
+    if cfg.rollout.expert_parallel:
+        _check_rollout_expert_parallel(cfg, source, hf, experts)
     if not experts:
         return
     if fsdp and cfg.placement.actor_tp > 1:
@@ -756,6 +758,22 @@ def _check_moe_layout(cfg, source: str, hf: dict, fsdp: bool) -> None:
     if rollout_tp > experts:
         raise ConfigError(f"placement.rollout_tp = {rollout_tp}: {source} has {experts} experts, fewer than the "
                           "rollout tensor-parallel degree; choose a rollout_tp of at most the expert count")
+
+
+def _check_rollout_expert_parallel(cfg, source: str, hf: dict, experts: int) -> None:
+    """rollout.expert_parallel: vLLM's expert parallelism, for a mixture of experts on vLLM on a GPU (`spmdrl plan`
+    plans it from any machine)."""
+    from spmdrl.config.derived import uses_vllm
+    from spmdrl.rollout.vllm_engine import CPU_EXPERT_PARALLEL
+
+    key = "rollout.expert_parallel = true"
+    if not experts:
+        raise ConfigError(f"{key}: {source} is a dense {hf.get('model_type')!r} model with no experts to split; "
+                          "leave it false")
+    if not uses_vllm(cfg):
+        raise ConfigError(f"{key} is vLLM's expert parallelism; set rollout.engine = 'vllm' or leave it false")
+    if cfg.trainer.device == "cpu":  # with "auto" the engine refuses it at build on a machine without a GPU
+        raise ConfigError(f"{key}: {CPU_EXPERT_PARALLEL}")
 
 
 def _check_fsdp_tp_heads(cfg, source: str, hf: dict, roles=("actor", "ref", "critic")) -> None:

@@ -123,6 +123,7 @@ def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokeniz
         max_num_batched_tokens=max(r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length),
         kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code, load_format=load_format,
         capture_routes=cfg.actor.router_replay == "rollout", **sub_world,
+        **({"expert_parallel": True} if r.expert_parallel else {}),
     )
 
 

