@@ -3,7 +3,7 @@ pieces, model.py's MoE layers, routing.py), on CPU/gloo with real megatron-core,
 
 One torchrun run per layout (tests/dist_scripts/megatron_moe.py): EP = 2 at dp 2 on 2 ranks (tiny Qwen3-MoE, then a
 tiny Mixtral), EP = 2 x TP = 2 on 4 ranks (Qwen3-MoE; expert tensor parallelism and sequence parallelism), EP = 2 x
-PP = 2 on 4 ranks (Qwen3-MoE; megatron's pipeline-last rank order, without the router losses and replay). Every
+PP = 2 on 4 ranks (Qwen3-MoE; megatron's pipeline-last rank order, without the router losses). Every
 check compares with an independent reference computed here from the unsharded transformers model in float64 (eager
 experts): log-probs, the gradient of an objective with log-prob and router-loss terms, the router loss values, and
 routing replay against the model's own routing and against a router perturbed on purpose; plus the original
@@ -66,7 +66,7 @@ def runs(models, tmp_path_factory):
         d = tmp_path_factory.mktemp(name)
         torch.save(_own_routes(models[archs[0]]), d / f"{archs[0]}.routes.pt")
         run([SCRIPT, "--out", str(d), "--tp", str(tp), "--pp", str(pp), "--ep", "2", "--micro", str(MICRO), "--resume",
-             *(["--replay"] if pp == 1 else []), *[models[a] for a in archs]], nproc=nproc, timeout=900)
+             "--replay", *[models[a] for a in archs]], nproc=nproc, timeout=900)
         out[name] = {a: (models[a], d, [torch.load(d / f"{a}.rank{r}.pt", weights_only=False) for r in range(nproc)])
                      for a in archs}
     return out
@@ -182,7 +182,7 @@ def _replayed_hf_logprobs(model_path: str, routes, router: dict) -> list[torch.T
     return out
 
 
-@pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS if x[4] == 1])
+@pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS])
 def test_moe_routing_replay(runs, layout):
     """Routes = the float64 model's own routing. Replay on: every choice agrees (router and route agreement 1.0)
     and the log-probs are the model's. Router weights rolled by one expert: without replay the trainer routes

@@ -21,8 +21,7 @@ which the export's transport sends from both).
 Objective of the train_step (dp ranks split SEQS in halves, --micro micro-batches each, padded layout):
     L = sum_{b, j} c_bj * logp_bj / C + sum over (rank, micro-batch) of (A * aux + Z * z) / (dp * M)
 with c = COEF (fixed random), C = sum c, aux / z the micro-batch's router terms (engine.moe_losses); at --pp > 1
-without them (the router losses and routing replay run at pp = 1), so moe_losses is empty and --replay is not
-given.
+without them (the router losses run at pp = 1), so moe_losses is empty.
 """
 import argparse
 import os
@@ -65,7 +64,7 @@ def main():
     env, device = init_distributed("cpu")
     W = env.world_size
     layouts = {r: RoleLayout(r, tuple(range(W)), W // (args.tp * args.pp), args.pp, args.tp, 1, args.ep) for r in ROLES}
-    losses = args.pp == 1  # the router losses (and replay) run at pp = 1
+    losses = args.pp == 1  # the router losses run at pp = 1
     mesh = RoleMeshes(layouts, env.rank, "cpu")["actor"]
     prompts, resps, coef = seqs()
     C = float(sum(c.sum() for c in coef))

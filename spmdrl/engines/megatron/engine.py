@@ -169,9 +169,15 @@ class MegatronEngine:
         """A mixture of experts' Routing (routing.py), shared by the stage's routers; None for a dense model."""
         if not self.dims.experts:
             return None
-        if (replay or losses) and self.mesh.pp_size > 1:
-            raise ConfigError(f"megatron backend: routing replay and the router losses run at pp = 1 (placement "
-                              f"{self.mesh.layout.role}_pp = {self.mesh.pp_size}); set it to 1 or turn them off")
+        if losses and self.mesh.pp_size > 1:  # a stage's terms would have to reach the last stage's loss
+            raise ConfigError(f"megatron backend: the router losses (actor.moe_aux_loss_coef / moe_z_loss_coef) run "
+                              f"at pp = 1 (placement {self.mesh.layout.role}_pp = {self.mesh.pp_size}); set it to 1 "
+                              "or the coefficients to 0")
+        if replay and self.mesh.pp_size > 1 and full_recompute:  # 1F1B recomputes a micro-batch after later forwards
+            raise ConfigError(f"megatron backend: routing replay with pipeline parallelism (placement "
+                              f"{self.mesh.layout.role}_pp = {self.mesh.pp_size}) and full activation recompute: the "
+                              "recompute of a micro-batch runs after later micro-batches' forwards set their routes; "
+                              "set model.checkpoint_policy = 'selective' or model.gradient_checkpointing = false")
         if losses and full_recompute:  # the first forward runs under no_grad and the recompute after the loss
             raise ConfigError("megatron backend: actor.moe_aux_loss_coef / moe_z_loss_coef need the routers' forward "
                               "under autograd, which full activation recompute defers; set model.checkpoint_policy = "
