@@ -436,6 +436,14 @@ def test_megatron_expert_layouts_are_checked_against_the_model(model_dirs):
     # the FSDP2 backend keeps its refusal of tp on a mixture of experts, naming the Megatron backend
     msg = validate_error(2, mixtral, "placement.actor_tp=2", hf_rollout)
     assert msg.startswith("placement.actor_tp = 2:") and "trainer.backend = 'megatron'" in msg
+    # with pipeline parallelism: replay (not under full recompute); the router losses need pp = 1
+    pp = ("placement.actor_pp=2", "placement.ref_pp=2")
+    validate(valid(qwen3_moe, mega, "rollout.engine=vllm", *pp, "actor.router_replay=rollout"), 2)
+    msg = validate_error(2, qwen3_moe, mega, "rollout.engine=vllm", *pp, "actor.router_replay=rollout",
+                         "model.gradient_checkpointing=true", "model.checkpoint_policy=full")
+    assert msg.startswith("actor.router_replay = 'rollout' with placement.actor_pp = 2 and full activation recompute")
+    msg = validate_error(2, qwen3_moe, mega, hf_rollout, *pp, "actor.moe_z_loss_coef=0.001")
+    assert msg.startswith("actor.moe_z_loss_coef = 0.001: the Megatron router losses run at pipeline parallelism 1")
     # the host optimizer: the Megatron backend's, the actor's and a Megatron critic's; refused on FSDP2, one line
     validate(valid(mixtral, mega, hf_rollout, "placement.actor_ep=2", "placement.ref_ep=2",
                    "memory.actor_host_optimizer=true"), 2)

@@ -665,6 +665,7 @@ def validate_moe_options(cfg) -> None:
     if hf is not None and not (hf.get("num_experts") or hf.get("num_local_experts")):
         raise ConfigError(f"{key}: model.path = {cfg.model.path!r} is a dense {hf.get('model_type')!r} model (no "
                           f"num_experts in config.json), which has no router; reset actor.{asked[0]}")
+    _check_megatron_router_pipeline(cfg, asked)
     if a.router_replay == "off":
         return
     key = f"actor.router_replay = {a.router_replay!r}"
@@ -672,6 +673,24 @@ def validate_moe_options(cfg) -> None:
     if engine != "vllm":
         raise ConfigError(f"{key}: rollout.engine = {cfg.rollout.engine!r} resolves to the transformers engine, which "
                           "cannot return the experts it routed each token to; use rollout.engine = 'vllm'")
+
+
+def _check_megatron_router_pipeline(cfg, asked: list[str]) -> None:
+    """The Megatron engine's refusals (engines/megatron/engine.py _routing), before launch: the router losses at
+    pp > 1, routing replay at pp > 1 under full activation recompute."""
+    from spmdrl.dist.layout import role_backends
+
+    pp, m = cfg.placement.actor_pp, cfg.model
+    if role_backends(cfg)["actor"] != "megatron" or pp == 1:
+        return
+    losses = [k for k in asked if k != "router_replay"]
+    if losses:
+        raise ConfigError(f"actor.{losses[0]} = {getattr(cfg.actor, losses[0])!r}: the Megatron router losses run at "
+                          f"pipeline parallelism 1 (placement.actor_pp = {pp}); set the coefficient to 0 or actor_pp = 1")
+    if "router_replay" in asked and m.gradient_checkpointing and m.checkpoint_policy == "full":
+        raise ConfigError(f"actor.router_replay = {cfg.actor.router_replay!r} with placement.actor_pp = {pp} and full "
+                          "activation recompute: a micro-batch's recompute runs after later micro-batches' forwards; "
+                          "set model.checkpoint_policy = 'selective' or model.gradient_checkpointing = false")
 
 
 def check_architecture_known(hf: dict, source: str, *, vllm: bool) -> None:
