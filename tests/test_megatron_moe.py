@@ -2,7 +2,9 @@
 pieces, model.py's MoE layers, routing.py), on CPU/gloo with real megatron-core, several processes.
 
 One torchrun run per layout (tests/dist_scripts/megatron_moe.py): EP = 2 at dp 2 on 2 ranks (tiny Qwen3-MoE, then a
-tiny Mixtral), EP = 2 x TP = 2 on 4 ranks (Qwen3-MoE; expert tensor parallelism and sequence parallelism). Every
+tiny Mixtral, then a tiny Qwen2-MoE), EP = 2 x TP = 2 on 4 ranks (Qwen3-MoE, then Qwen2-MoE; expert tensor parallelism
+and sequence parallelism). Qwen2-MoE adds a shared expert (tensor-parallel like a dense MLP, replicated over ep) with
+its sigmoid gate (whole on every rank) and top-k weights that are not renormalised. Every
 check compares with an independent reference computed here from the unsharded transformers model in float64 (eager
 experts): log-probs, the gradient of an objective with log-prob and router-loss terms, the router loss values, and
 routing replay against the model's own routing and against a router perturbed on purpose; plus the original
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.dist
 SCRIPT = os.path.join(HERE, "dist_scripts", "megatron_moe.py")
 DP, MICRO = 2, 2
 # (name, models, nproc, tp): ep 2 everywhere, dp = nproc / tp = 2
-LAYOUTS = [("ep2", ("qwen3_moe", "mixtral"), 2, 1), ("ep2_tp2", ("qwen3_moe",), 4, 2)]
+LAYOUTS = [("ep2", ("qwen3_moe", "mixtral", "qwen2_moe"), 2, 1), ("ep2_tp2", ("qwen3_moe", "qwen2_moe"), 4, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def models(tmp_path_factory):
     from spmdrl.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("moe_models")
-    return {arch: build_tiny(str(root / arch), seed=0, arch=arch, num_layers=2) for arch in ("qwen3_moe", "mixtral")}
+    return {arch: build_tiny(str(root / arch), seed=0, arch=arch, num_layers=2) for arch in ("qwen3_moe", "mixtral", "qwen2_moe")}
 
 
 @functools.lru_cache(maxsize=None)
