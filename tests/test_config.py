@@ -361,7 +361,7 @@ def model_dirs(tmp_path_factory):
                            ("mixtral", dict(small, num_local_experts=4, num_experts_per_tok=2)),
                            ("qwen3_moe", dict(small, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=33)),
                            ("qwen2_moe", dict(small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                              shared_expert_intermediate_size=36)),
+                                              shared_expert_intermediate_size=36, num_key_value_heads=4)),
                            ("gpt2", dict(vocab_size=320, n_embd=64, n_layer=2, n_head=4))):
         AutoConfig.for_model(model_type, **kw).save_pretrained(root / model_type)
         out[model_type] = str(root / model_type)
@@ -433,7 +433,7 @@ def test_megatron_expert_layouts_are_checked_against_the_model(model_dirs):
 
 
 def test_megatron_qwen2_moe_needs_every_layer_sparse_and_a_shared_width_tp_divides(model_dirs, tmp_path):
-    """Qwen2-MoE (a shared expert of width 36 here) on the Megatron backend: ep 2 and tp 2 are taken; tp 4 divides the
+    """Qwen2-MoE (a shared expert of width 36 here) on the Megatron backend: ep 2 and tp 2 are taken; tp 8 divides the
     experts' width 32 but not the shared expert's 36; a model with dense MLP layers (decoder_sparse_step 2, or
     mlp_only_layers) is refused in one line naming the layers, and the FSDP2 backend takes it."""
     import json
@@ -442,8 +442,8 @@ def test_megatron_qwen2_moe_needs_every_layer_sparse_and_a_shared_width_tp_divid
     q2 = f"model.path={model_dirs['qwen2_moe']}"
     validate(valid(q2, mega, hf_rollout, "placement.actor_ep=2", "placement.ref_ep=2", "placement.actor_tp=2",
                    "placement.ref_tp=2"), 4)
-    msg = validate_error(4, q2, mega, hf_rollout, "placement.actor_tp=4", "placement.ref_tp=4")
-    assert msg.startswith("placement.actor_tp = 4: model.path") and "shared expert has an FFN width of 36" in msg
+    msg = validate_error(8, q2, mega, hf_rollout, "placement.actor_tp=8", "placement.ref_tp=8")
+    assert msg.startswith("placement.actor_tp = 8: model.path") and "shared expert has an FFN width of 36" in msg
     base = json.loads(open(os.path.join(model_dirs["qwen2_moe"], "config.json")).read())
     for name, change, layers in (("step2", {"decoder_sparse_step": 2}, "[0]"), ("only1", {"mlp_only_layers": [1]}, "[1]")):
         os.makedirs(tmp_path / name)
