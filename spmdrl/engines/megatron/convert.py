@@ -20,11 +20,11 @@ Megatron's layouts (tp ranks t = 0..tp-1, each holding its contiguous share of d
   norms, the critic's value head: replicated over tp (every tp rank holds the full HF block). Qwen3's per-head
       q / k norms (HF self_attn.q_norm / k_norm [head_dim], megatron's self_attention.q_layernorm / k_layernorm,
       qk_layernorm) are such norms: one weight shared by every head, so every tp rank holds it whole.
-Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; every decoder layer a MoE layer). HF coordinates are transformers 5's
-in-memory tensors (engines.loading.model_param_shapes; the checkpoint's per-expert tensors are read through
-loading.CheckpointReader): per layer mlp.gate.weight [E, H] (the router), mlp.experts.gate_up_proj [E, 2F, H] (gate
-rows [0, F), up rows [F, 2F)) and mlp.experts.down_proj [E, H, F], F = moe_intermediate_size (Mixtral:
-intermediate_size). With expert parallelism over ep ranks, expert-parallel rank e holds global experts
+Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; every decoder layer a MoE layer). HF coordinates are
+transformers 5's in-memory tensors (engines.loading.model_param_shapes; the checkpoint's per-expert tensors are read
+through loading.CheckpointReader): per layer mlp.gate.weight [E, H] (the router), mlp.experts.gate_up_proj
+[E, 2F, H] (gate rows [0, F), up rows [F, 2F)) and mlp.experts.down_proj [E, H, F], F = moe_intermediate_size
+(Mixtral: intermediate_size). With expert parallelism over ep ranks, expert-parallel rank e holds global experts
 [e*E/ep, (e+1)*E/ep) as its local experts j = 0, 1, ... (global expert e*E/ep + j); the expert tensor parallel size
 is tp, so tp rank t holds, of each local expert:
   local_experts.{j}.linear_fc1.weight [2F/tp, H]: rows [0, F/tp) = gate rows t*F/tp + [0, F/tp) of gate_up_proj[e],
@@ -128,7 +128,8 @@ def moe_sizes(cfg) -> dict:
     if cfg.model_type in ("qwen3_moe", "qwen2_moe"):
         shared = cfg.shared_expert_intermediate_size if cfg.model_type == "qwen2_moe" else 0
         return dict(experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, moe_ffn=cfg.moe_intermediate_size,
-                    norm_topk_prob=bool(cfg.norm_topk_prob), router_first=bool(shared), shared_ffn=shared)
+                    norm_topk_prob=bool(cfg.norm_topk_prob), router_first=cfg.model_type == "qwen2_moe",
+                    shared_ffn=shared)
     if getattr(cfg, "router_jitter_noise", 0.0):
         raise ConfigError(f"megatron backend: router_jitter_noise = {cfg.router_jitter_noise} (mixtral) is not "
                           "implemented; set it to 0 in config.json")
@@ -265,9 +266,9 @@ def hf_param_shapes(dims: Dims) -> list[tuple[str, tuple[int, ...]]]:
             experts = [(p + "mlp.experts.gate_up_proj", (E, 2 * F, H)), (p + "mlp.experts.down_proj", (E, H, F))]
             out += router + experts if dims.router_first else experts + router
             if dims.shared_ffn:
-                S = dims.shared_ffn
-                out += [(p + "mlp.shared_expert.gate_proj.weight", (S, H)), (p + "mlp.shared_expert.up_proj.weight", (S, H)),
-                        (p + "mlp.shared_expert.down_proj.weight", (H, S)), (p + "mlp.shared_expert_gate.weight", (1, H))]
+                S, s = dims.shared_ffn, p + "mlp.shared_expert"
+                out += [(s + ".gate_proj.weight", (S, H)), (s + ".up_proj.weight", (S, H)),
+                        (s + ".down_proj.weight", (H, S)), (s + "_gate.weight", (1, H))]
         else:
             out += [(p + "mlp.gate_proj.weight", (dims.ffn, H)),
                     (p + "mlp.up_proj.weight", (dims.ffn, H)), (p + "mlp.down_proj.weight", (H, dims.ffn))]
