@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-outputs/model_families}
 shift || true
 ARCHS=("$@")
-[ ${#ARCHS[@]} -gt 0 ] || ARCHS=(llama qwen2 qwen3 mistral gemma3 mixtral qwen3_moe phi3 falcon)
+[ ${#ARCHS[@]} -gt 0 ] || ARCHS=(llama qwen2 qwen3 mistral gemma3 mixtral qwen3_moe qwen2_moe phi3 falcon)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
 [ -f "$OUT/data/train.parquet" ] || spmdrl data synthetic --n-sft 64 --out "$OUT/data" >/dev/null

@@ -355,7 +355,7 @@ def model_tiny(
     out: str = typer.Option(..., "--out", "-o", help="Output HF model directory."),
     seed: int = typer.Option(0, "--seed", help="Initialisation seed."),
     arch: str = typer.Option("qwen2", "--arch", help="Architecture: llama, qwen2, qwen3, mistral, gemma3, mixtral, "
-                             "qwen3_moe, phi3 or falcon."),
+                             "qwen3_moe, qwen2_moe, phi3 or falcon."),
 ):
     """Build a tiny random model (Qwen2 by default, the quickstart's) with the byte-level tokenizer, for smoke
     tests of an architecture."""

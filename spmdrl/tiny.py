@@ -57,6 +57,11 @@ ARCHS = {
     "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
                                 "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
                                 "norm_topk_prob": True}),
+    # Qwen2-MoE: routed experts plus one shared expert MLP on every token, scaled by sigmoid(shared_expert_gate(x));
+    # top-k weights not renormalised, as in the released Qwen1.5-MoE / Qwen2-57B-A14B; every layer sparse
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                                "shared_expert_intermediate_size": 256, "decoder_sparse_step": 1,
+                                "mlp_only_layers": [], "use_sliding_window": False, "norm_topk_prob": False}),
     "phi3": ("phi3", {"sliding_window": None}),  # fused qkv_proj and gate_up_proj in the checkpoint
     # Falcon (new decoder architecture, rotary, grouped kv heads): vLLM's loader regroups the fused q/k/v heads by
     # copies, so those tensors take the sync's whole-tensor route

@@ -360,6 +360,8 @@ def model_dirs(tmp_path_factory):
     for model_type, kw in (("llama", small), ("qwen2", small), ("qwen3", small), ("mistral", small), ("gemma", small),
                            ("mixtral", dict(small, num_local_experts=4, num_experts_per_tok=2)),
                            ("qwen3_moe", dict(small, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=33)),
+                           ("qwen2_moe", dict(small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=36, num_key_value_heads=4)),
                            ("gpt2", dict(vocab_size=320, n_embd=64, n_layer=2, n_head=4))):
         AutoConfig.for_model(model_type, **kw).save_pretrained(root / model_type)
         out[model_type] = str(root / model_type)
@@ -454,6 +456,29 @@ def test_megatron_expert_layouts_are_checked_against_the_model(model_dirs):
     assert msg.startswith("memory.critic_host_optimizer needs the Megatron backend (the critic trains on fsdp)")
 
 
+def test_megatron_qwen2_moe_needs_every_layer_sparse_and_a_shared_width_tp_divides(model_dirs, tmp_path):
+    """Qwen2-MoE (a shared expert of width 36 here) on the Megatron backend: ep 2 and tp 2 are taken; tp 8 divides the
+    experts' width 32 but not the shared expert's 36; a model with dense MLP layers (decoder_sparse_step 2, or
+    mlp_only_layers) is refused in one line naming the layers, and the FSDP2 backend takes it."""
+    import json
+
+    mega, hf_rollout = "trainer.backend=megatron", "rollout.engine=hf"
+    q2 = f"model.path={model_dirs['qwen2_moe']}"
+    validate(valid(q2, mega, hf_rollout, "placement.actor_ep=2", "placement.ref_ep=2", "placement.actor_tp=2",
+                   "placement.ref_tp=2"), 4)
+    msg = validate_error(8, q2, mega, hf_rollout, "placement.actor_tp=8", "placement.ref_tp=8")
+    assert msg.startswith("placement.actor_tp = 8: model.path") and "shared expert has an FFN width of 36" in msg
+    base = json.loads(open(os.path.join(model_dirs["qwen2_moe"], "config.json")).read())
+    for name, change, layers in (("step2", {"decoder_sparse_step": 2}, "[0]"), ("only1", {"mlp_only_layers": [1]}, "[1]")):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "config.json").write_text(json.dumps({**base, **change}))
+        path = f"model.path={tmp_path / name}"
+        msg = validate_error(2, path, mega, hf_rollout)
+        assert msg.startswith(f"trainer.backend = 'megatron': model.path = '{tmp_path / name}'"), msg
+        assert f"layers {layers} of this qwen2_moe model are dense MLP layers" in msg and "\n" not in msg, msg
+        validate(valid(path, hf_rollout), 2)
+
+
 def test_router_replay_needs_a_moe_and_a_vllm_rollout(model_dirs):
     """actor.router_replay = "rollout": refused on a dense model and with the transformers rollout engine (it
     returns no routes), one line each; a MoE with vLLM passes, single- or multi-turn. The router loss
@@ -477,7 +502,8 @@ def test_router_replay_needs_a_moe_and_a_vllm_rollout(model_dirs):
 def test_megatron_backend_refuses_other_architectures_at_validation(model_dirs):
     # rollout.engine = hf: these config.json files name no architectures, which vLLM's check refuses first
     msg = validate_error(2, f"model.path={model_dirs['mistral']}", "trainer.backend=megatron", "rollout.engine=hf")
-    assert "'mistral' model" in msg and "Megatron backend converts llama, qwen2, qwen3, qwen3_moe, mixtral only" in msg
+    assert "'mistral' model" in msg and "Megatron backend converts llama, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral " \
+        "only" in msg
     for ok in ("llama", "qwen3", "mixtral"):
         validate(valid(f"model.path={model_dirs[ok]}", "trainer.backend=megatron", "rollout.engine=hf"), 2)
     msg = validate_error(2, f"model.path={model_dirs['llama']}", "critic.enable=true", "trainer.critic_backend=megatron",

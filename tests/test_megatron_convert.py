@@ -146,7 +146,7 @@ def test_config_accepts_megatron_and_rejects_unknown_backends():
         validate(cfg, 1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_shapes_and_expert_blocks_follow_the_contract(arch):
     """A mixture of experts in HF coordinates is transformers' in-memory model (model_param_shapes, the FSDP2
     backend's): same names, shapes and order. At dp 4 x tp 2 with ep 2, rank (d, t) holds experts
@@ -159,7 +159,7 @@ def test_moe_shapes_and_expert_blocks_follow_the_contract(arch):
 
     cfg = build_model(arch=arch, num_layers=2).config
     E, H = 4, cfg.hidden_size
-    F = cfg.moe_intermediate_size if arch == "qwen3_moe" else cfg.intermediate_size
+    F = cfg.intermediate_size if arch == "mixtral" else cfg.moe_intermediate_size
     for dp, tp, ep in ((2, 1, 2), (4, 2, 2)):
         dims = dims_from_hf(cfg, tp=tp)
         assert hf_param_shapes(dims) == model_param_shapes(cfg)
@@ -193,6 +193,11 @@ def test_moe_layouts_megatron_cannot_build_are_refused():
         dims_from_hf(_moe(cfg, num_key_value_heads=3, num_attention_heads=3), tp=3)  # heads split, experts' F not
     with pytest.raises(ConfigError, match="dense MLP layers"):
         dims_from_hf(_moe(cfg, mlp_only_layers=[1]), tp=1)
+    q2 = build_model(arch="qwen2_moe", num_layers=2).config
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size = 255 is not divisible by tp = 2"):
+        dims_from_hf(_moe(q2, shared_expert_intermediate_size=255), tp=2)
+    with pytest.raises(ConfigError, match=r"layers \[0\] of this qwen2_moe model are dense MLP layers"):
+        dims_from_hf(_moe(q2, decoder_sparse_step=2), tp=1)
 
 
 def _moe(cfg, **kw):

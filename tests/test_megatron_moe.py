@@ -2,8 +2,10 @@
 pieces, model.py's MoE layers, routing.py), on CPU/gloo with real megatron-core, several processes.
 
 One torchrun run per layout (tests/dist_scripts/megatron_moe.py): EP = 2 at dp 2 on 2 ranks (tiny Qwen3-MoE, then a
-tiny Mixtral), EP = 2 x TP = 2 on 4 ranks (Qwen3-MoE; expert tensor parallelism and sequence parallelism), EP = 2 x
-PP = 2 on 4 ranks (Qwen3-MoE; megatron's pipeline-last rank order, without the router losses). Every
+tiny Mixtral, then a tiny Qwen2-MoE), EP = 2 x TP = 2 on 4 ranks (Qwen3-MoE, then Qwen2-MoE; expert tensor parallelism
+and sequence parallelism), EP = 2 x PP = 2 on 4 ranks (Qwen3-MoE; megatron's pipeline-last rank order, without the
+router losses). Qwen2-MoE adds a shared expert (tensor-parallel like a dense MLP, replicated over ep) with
+its sigmoid gate (whole on every rank) and top-k weights that are not renormalised. Every
 check compares with an independent reference computed here from the unsharded transformers model in float64 (eager
 experts): log-probs, the gradient of an objective with log-prob and router-loss terms, the router loss values, and
 routing replay against the model's own routing and against a router perturbed on purpose; plus the original
@@ -29,7 +31,7 @@ pytestmark = pytest.mark.dist
 SCRIPT = os.path.join(HERE, "dist_scripts", "megatron_moe.py")
 DP, MICRO = 2, 2
 # (name, models, nproc, tp, pp): ep 2 everywhere, dp = nproc / (tp x pp) = 2
-LAYOUTS = [("ep2", ("qwen3_moe", "mixtral"), 2, 1, 1), ("ep2_tp2", ("qwen3_moe",), 4, 2, 1),
+LAYOUTS = [("ep2", ("qwen3_moe", "mixtral", "qwen2_moe"), 2, 1, 1), ("ep2_tp2", ("qwen3_moe", "qwen2_moe"), 4, 2, 1),
            ("ep2_pp2", ("qwen3_moe",), 4, 1, 2)]
 PP = {name: pp for name, _, _, _, pp in LAYOUTS}
 
@@ -39,7 +41,7 @@ def models(tmp_path_factory):
     from spmdrl.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("moe_models")
-    return {arch: build_tiny(str(root / arch), seed=0, arch=arch, num_layers=2) for arch in ("qwen3_moe", "mixtral")}
+    return {arch: build_tiny(str(root / arch), seed=0, arch=arch, num_layers=2) for arch in ("qwen3_moe", "mixtral", "qwen2_moe")}
 
 
 @functools.lru_cache(maxsize=None)

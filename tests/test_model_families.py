@@ -2,13 +2,15 @@
 by running it.
 
 - What each vLLM TP rank's loaders read (reshard/vllm_reads.py), at TP = 1 and 2, for tiny random instances of
-  llama, qwen2, qwen3, mistral, gemma3, mixtral and qwen3_moe, and two outside that list: phi3 (fused q/k/v and
-  gate/up tensors, which vLLM's loaders split by views: the planned route) and falcon (whose loader regroups
-  the fused query_key_value heads by copies: those take the whole-tensor route, the rest the planned one).
+  llama, qwen2, qwen3, mistral, gemma3, mixtral, qwen3_moe and qwen2_moe (shared experts), and two outside that
+  list: phi3 (fused q/k/v and gate/up tensors, which vLLM's loaders split by views: the planned route) and falcon
+  (whose loader regroups the fused query_key_value heads by copies: those take the whole-tensor route, the rest
+  the planned one).
 - The equivalence harness: in one 2-rank job, for each family, the FSDP2 actor takes a step and syncs into a real
   vLLM engine at TP = 2 through the planned route with rollout.verify_sync on (the engine's weights compared byte
   for byte with a whole-tensor load through vLLM's loaders, NaN outside the planned blocks); the bytes each rank
-  receives equal the lower bound; vLLM's log-probs of its own samples match the actor's.
+  receives equal the lower bound; vLLM's log-probs of its own samples match the actor's. For the mixtures of
+  experts vLLM records its routes and the actor replays them: the trainer's own router chose every one of them.
 - FSDP2 + DTensor TP = 2 for qwen3 and gemma3 through the same harness.
 - GRPO through the Trainer, 2 ranks, rollout TP = 2, off-policy mini-batches, 2 steps, for the families that add
   something the harness does not cover (sliding windows and tied embeddings, experts, the whole-tensor route);
@@ -25,7 +27,8 @@ from launching import run  # noqa: E402
 from spmdrl.tiny import ARCHS, build_tiny  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PLANNED = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe", "phi3"]
+PLANNED = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3"]
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +86,9 @@ def test_planned_sync_equals_whole_tensor_load_in_vllm_per_family(family_models,
             assert m["weight_sync/bytes_recv_max"] == max(x["plan_recv"] for x in res), (arch, m)
             assert m["weight_sync/bytes_recv_max"] == m["weight_sync/bytes_lower_bound"], (arch, m)
             assert bool(r["whole"]) == (arch == "falcon"), (arch, r["whole"])
+            c = r["route_counts"]  # the actor replayed vLLM's routes; its own router chose the same experts
+            assert (c["agree_own"] == c["agree_used"] == c["routed"] == c["expected"] > 0) if arch in MOE else not c, \
+                (arch, c)
 
 
 @pytest.mark.dist

@@ -343,15 +343,20 @@ def test_sync_refuses_shards_that_disagree_with_the_plan():
 
 # ---- mixtures of experts: expert parallelism over the dp replicas -------------------------------------------------
 
-def moe_config(experts=4, ffn=32, layers=2):
-    """A tiny Qwen3-MoE config (no weights): 4 experts of FFN width 32, hidden 64, 4 heads of 32 in 2 kv groups."""
-    from transformers import Qwen3MoeConfig
+def moe_config(experts=4, ffn=32, layers=2, arch="qwen3_moe"):
+    """A tiny Qwen3-MoE config (no weights): 4 experts of FFN width 32, hidden 64, 4 heads of 32 in 2 kv groups; or
+    (arch "qwen2_moe") a Qwen2-MoE of those sizes with a shared expert of width 64, q/k/v biases and top-k weights
+    not renormalised."""
+    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=ffn,
-                          num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                          mlp_only_layers=[], num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=32, tie_word_embeddings=False, use_sliding_window=False, max_position_embeddings=256,
-                          architectures=["Qwen3MoeForCausalLM"])
+    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=ffn, num_experts=experts,
+              num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+              use_sliding_window=False, max_position_embeddings=256)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**kw, norm_topk_prob=False, shared_expert_intermediate_size=64,
+                              architectures=["Qwen2MoeForCausalLM"])
+    return Qwen3MoeConfig(**kw, norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
 
 
 def megatron_local_experts(gate_up: torch.Tensor, down: torch.Tensor, tp: int, ep: int):
@@ -419,16 +424,19 @@ def test_expert_blocks_are_what_megatron_expert_shards_hold(dp, tp, ep):
             assert bool((painted == 1).all()), (name, x)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("dp,tp,ep,pp", [(2, 1, 2, 1), (2, 2, 2, 1), (4, 2, 2, 1), (4, 1, 4, 1), (2, 2, 2, 2)])
-def test_engine_expert_pieces_agree_with_megatron_blocks(dp, tp, ep, pp):
+def test_engine_expert_pieces_agree_with_megatron_blocks(dp, tp, ep, pp, arch):
     """The Megatron engine's piece arithmetic for a mixture of experts (convert.source_blocks: what its weight_shards
-    yields from its local experts) holds exactly the blocks the planner's megatron_blocks says, rank by rank, with the
-    ranks' expert-parallel ranks from dist.layout (the engine's weight sync plans with megatron_blocks)."""
+    yields from its local experts, and Qwen2-MoE's shared expert and its gate) holds exactly the blocks the planner's
+    megatron_blocks says, rank by rank, with the ranks' expert-parallel ranks from dist.layout (the engine's weight
+    sync plans with megatron_blocks). The shared expert is cut like a dense MLP and held alike by every ep rank."""
     from spmdrl.dist.layout import RoleLayout
+    from spmdrl.engines.loading import model_param_shapes
     from spmdrl.engines.megatron.convert import dims_from_hf, hf_param_shapes
     from spmdrl.engines.megatron.convert import source_blocks as engine_blocks
 
-    cfg = moe_config()
+    cfg = moe_config(arch=arch)
     dims = dims_from_hf(cfg, tp=tp, divisible_by=8)
     lay = RoleLayout("actor", tuple(range(dp * tp * pp)), dp, pp, tp, ep=ep)
     grid = lay.mesh_ranks()
@@ -439,6 +447,15 @@ def test_engine_expert_pieces_agree_with_megatron_blocks(dp, tp, ep, pp):
     assert any("experts" in n for n in mine)
     for name in mine:
         assert sorted(mine[name]) == sorted(theirs[name]), name
+    assert hf_param_shapes(dims) == model_param_shapes(cfg)  # transformers' names, shapes and order
+    if arch == "qwen2_moe":
+        p, f = "model.layers.1.mlp.", 64 // tp  # the shared expert's width 64 over tp
+        for r in lay.ranks:
+            _, stage, t = lay.coords(r)
+            held = stage == pp - 1  # layer 1 of 2 is on the last stage
+            assert [b for x, b in mine[p + "shared_expert.gate_proj.weight"] if x == r] == [((t * f, 0), (f, 64))] * held
+            assert [b for x, b in mine[p + "shared_expert.down_proj.weight"] if x == r] == [((0, t * f), (64, f))] * held
+            assert [b for x, b in mine[p + "shared_expert_gate.weight"] if x == r] == [((0, 0), (1, 64))] * held
 
 
 def test_expert_layouts_that_do_not_split_are_layout_errors():
@@ -452,29 +469,42 @@ def test_expert_layouts_that_do_not_split_are_layout_errors():
         megatron_blocks(ps, grid_of(1, 1, 8), num_layers=2)
 
 
-@pytest.fixture(scope="module")
-def moe_rollout_tp2():
-    """The tiny Qwen3-MoE's parameters and what vLLM's own loaders read of them at rollout TP = 2 (one probe)."""
+def _moe_reads(arch: str):
     pytest.importorskip("vllm")
     from spmdrl.engines.loading import model_param_shapes
     from spmdrl.reshard.vllm_reads import probe_vllm_reads
 
-    cfg = moe_config()
+    cfg = moe_config(arch=arch)
     ps = model_param_shapes(cfg)
     return cfg, ps, probe_vllm_reads(cfg, ps, 2)
 
 
+@pytest.fixture(scope="module")
+def moe_rollout_tp2():
+    """The tiny Qwen3-MoE's parameters and what vLLM's own loaders read of them at rollout TP = 2 (one probe)."""
+    return _moe_reads("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def shared_moe_rollout_tp2():
+    """The same for the tiny Qwen2-MoE (shared expert)."""
+    return _moe_reads("qwen2_moe")
+
+
+@pytest.mark.parametrize("reads_of", ["moe_rollout_tp2", "shared_moe_rollout_tp2"], ids=["qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("dp,tp,ep,pp", [(2, 1, 2, 1), (2, 2, 2, 1), (2, 1, 2, 2)], ids=["ep2", "ep2xtp2", "ep2xpp2"])
-def test_moe_plan_from_expert_parallel_megatron_at_the_lower_bound(moe_rollout_tp2, dp, tp, ep, pp):
-    """Megatron EP = 2 (dp 2), EP = 2 x TP = 2 and EP = 2 x PP = 2 (4 ranks, pipeline stages outermost) into vLLM
-    TP = 2, targets learnt from vLLM's Qwen3-MoE loaders: every element a rollout rank's loaders read is handed to it
-    exactly once, by a rank that holds it, and nothing else; each rank receives exactly the lower bound; and of the
-    expert tensors each rollout rank receives exactly the slices its vLLM shard reads that its own Megatron blocks
-    lack (painted by hand from the layout: its stage's layer, its ep rank's experts, its tp share)."""
+def test_moe_plan_from_expert_parallel_megatron_at_the_lower_bound(request, reads_of, dp, tp, ep, pp):
+    """Megatron EP = 2 (dp 2), EP = 2 x TP = 2 and EP = 2 x PP = 2 (4 ranks, pipeline stages outermost) into vLLM TP = 2, targets learnt from vLLM's Qwen3-MoE
+    and Qwen2-MoE loaders: every element a rollout rank's loaders read is handed to it exactly once, by a rank that
+    holds it, and nothing else; each rank receives exactly the lower bound; and of the expert tensors each rollout
+    rank receives exactly the slices its vLLM shard reads that its own Megatron blocks lack (painted by hand from the
+    layout: its stage's layer, its ep rank's experts, its tp share). Without pipeline parallelism Qwen2-MoE's shared
+    expert and its gate never move: each rank holds them whole (tp 1) or holds the same tensor-parallel shard its
+    vLLM rank reads (tp 2)."""
     from spmdrl.dist.layout import RoleLayout
     from spmdrl.reshard.vllm_reads import vllm_targets
 
-    cfg, ps, reads = moe_rollout_tp2
+    cfg, ps, reads = request.getfixturevalue(reads_of)
     assert not reads.whole, reads.whole
     world = dp * tp * pp
     lay = RoleLayout("actor", tuple(range(world)), dp, pp, tp, ep=ep)
@@ -514,6 +544,10 @@ def test_moe_plan_from_expert_parallel_megatron_at_the_lower_bound(moe_rollout_t
                 assert sum(numel(x.block) for x in plan.local[name] if x.dst == dst) == int((want.bool() & mine).sum())
     recv, lb = plan.bytes_recv(), plan.lower_bound()
     assert {r: recv.get(r, 0) for r in lb} == lb and max(lb.values()) > 0
+    shared = [n for n, _ in ps if ".mlp.shared_expert" in n]
+    assert len(shared) == (8 if cfg.model_type == "qwen2_moe" else 0)
+    for name in shared if pp == 1 else []:
+        assert not plan.transfers.get(name) and plan.local[name], name
     if tp == 2:  # gate_up_proj: tp rank t holds two blocks (its gate rows, its up rows) and sends from both
         gu = "model.layers.0.mlp.experts.gate_up_proj"
         assert len([b for r, b in sources[gu] if r == 0]) == 2

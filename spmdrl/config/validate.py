@@ -740,11 +740,38 @@ def hf_experts(hf: dict) -> tuple[int, int]:
     return (experts, hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0) if experts else (0, 0)
 
 
+def megatron_moe_problem(hf: dict) -> str | None:
+    """Why the Megatron backend cannot build a mixture of experts of this config.json (None when it can): dense MLP
+    layers among the MoE layers of a Qwen-MoE (transformers builds layer i dense when it is in mlp_only_layers or
+    when i + 1 is not a multiple of decoder_sparse_step; the backend builds every layer as a MoE layer), or a
+    Qwen2-MoE without a shared expert (shared_expert_intermediate_size 0)."""
+    if hf.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
+        return None
+    if not hf_experts(hf)[0]:
+        return (f"this {hf['model_type']} model has num_experts = {hf.get('num_experts')} (every layer a dense MLP), "
+                "which the Megatron backend does not convert; use trainer.backend = 'fsdp' for this model")
+    step, only = hf.get("decoder_sparse_step", 1) or 1, list(hf.get("mlp_only_layers") or [])
+    dense = sorted(set(only) | {i for i in range(hf.get("num_hidden_layers", 0)) if (i + 1) % step})
+    if dense:
+        return (f"layers {dense} of this {hf['model_type']} model are dense MLP layers (decoder_sparse_step = {step}, "
+                f"mlp_only_layers = {only}), and the Megatron backend builds every layer as a MoE layer; use "
+                "trainer.backend = 'fsdp' for this model")
+    if hf["model_type"] == "qwen2_moe" and not hf.get("shared_expert_intermediate_size", 1):
+        return ("this qwen2_moe model has no shared expert (shared_expert_intermediate_size = 0), which the Megatron "
+                "backend does not build; use trainer.backend = 'fsdp' for this model")
+    return None
+
+
 def _check_megatron_experts(cfg, source: str, hf: dict, roles: tuple[str, ...]) -> None:
     """A Megatron role's expert layout against its model (dist.layout.plan_layout has checked ep against dp and
-    pp): expert parallelism needs experts, and an expert count it divides; megatron's expert tensor parallelism
-    (= tp) splits each expert's FFN width, which tp must divide."""
+    pp): a mixture of experts the backend builds (megatron_moe_problem); expert parallelism needs experts, and an
+    expert count it divides; megatron's expert tensor parallelism (= tp) splits each expert's FFN width, and tensor
+    parallelism a shared expert's width (Qwen2-MoE), which tp must divide."""
     experts, ffn = hf_experts(hf)
+    problem = megatron_moe_problem(hf)
+    if problem:
+        raise ConfigError(f"trainer.backend = 'megatron': {source}: {problem}")
+    shared = (hf.get("shared_expert_intermediate_size") or 0) if experts else 0
     p = cfg.placement
     for role in roles:
         ep, tp = getattr(p, f"{role}_ep"), getattr(p, f"{role}_tp")
@@ -758,6 +785,10 @@ def _check_megatron_experts(cfg, source: str, hf: dict, roles: tuple[str, ...]) 
             raise ConfigError(f"placement.{role}_tp = {tp}: {source}'s experts have an FFN width of {ffn}, which the "
                               f"Megatron backend's expert tensor parallelism cannot split over {tp} ranks; choose a "
                               f"{role}_tp that divides {ffn}")
+        if shared % tp:
+            raise ConfigError(f"placement.{role}_tp = {tp}: {source}'s shared expert has an FFN width of {shared} "
+                              f"(shared_expert_intermediate_size), which the Megatron backend's tensor parallelism "
+                              f"cannot split over {tp} ranks; choose a {role}_tp that divides {shared}")
 
 
 def _check_moe_layout(cfg, source: str, hf: dict, fsdp: bool) -> None:

@@ -1,14 +1,16 @@
 """Routing replay and router statistics for a transformers mixture-of-experts model (the FSDP2 engine).
 
-transformers 5 gives Qwen3-MoE and Mixtral one router module per MoE block (`mlp.gate`, beside `mlp.experts`):
-it maps hidden states [T, H] to (router logits [T, E], top-k weights [T, k], top-k expert ids [T, k]) and the
-experts run what it chose. `RouterReplay` puts a forward hook on each of them.
+transformers 5 gives Qwen3-MoE, Qwen2-MoE and Mixtral one router module per MoE block (`mlp.gate`, beside
+`mlp.experts`; Qwen2-MoE's shared expert, also beside them, is not routed): it maps hidden states [T, H] to (router
+logits [T, E], top-k weights [T, k], top-k expert ids [T, k]) and the experts run what it chose. `RouterReplay` puts
+a forward hook on each of them.
 
 With routes set (`TokenBatch.routes`, the experts the rollout engine chose for each token), a token that has a
 route is sent to exactly those experts, weighted by the trainer's own router probabilities of them:
 
     p = softmax(logits),   w_j = p[e_j] / sum_i p[e_i]  (renormalised when the model renormalises its top-k;
-                                                          Qwen3-MoE's norm_topk_prob, always for Mixtral)
+                                                          Qwen3-MoE's / Qwen2-MoE's norm_topk_prob, always for
+                                                          Mixtral)
 
 so the gradient still reaches the router through p. A token without a route (padding, the last token of a
 sequence, which the rollout engine never computed) keeps the router's own choice.

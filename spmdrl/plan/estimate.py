@@ -67,7 +67,8 @@ def layer_activation_bytes(c, tp: int) -> int:
     MLP gate/up/act/product (4 x I / tp, 2 bytes each). A mixture of experts (every layer sparse) instead: its
     router's logits (E, fp32), the token's hidden state dispatched to each of its top_k experts and their outputs
     combined back (2 x top_k x h, bf16; after megatron's all-gather over its expert-TP group, not divided by tp),
-    and each of those experts' gate/up/act/product (4 x F / tp, bf16), with routing assumed balanced."""
+    and each of those experts' gate/up/act/product (4 x F / tp, bf16), with routing assumed balanced; a shared
+    expert (Qwen2-MoE, width S) adds a dense MLP's 4 x S / tp and its gate's output."""
     h, heads = c.hidden_size, c.num_attention_heads
     d = getattr(c, "head_dim", None) or h // heads
     kv = (getattr(c, "num_key_value_heads", None) or heads) * d
@@ -77,7 +78,8 @@ def layer_activation_bytes(c, tp: int) -> int:
         mlp = 2 * 4 * c.intermediate_size // tp
     else:
         experts, top_k, ffn = moe
-        mlp = 4 * experts + top_k * (2 * 2 * h + 2 * 4 * ffn // tp)
+        shared = getattr(c, "shared_expert_intermediate_size", 0) or 0
+        mlp = 4 * experts + top_k * (2 * 2 * h + 2 * 4 * ffn // tp) + (2 * 4 * shared // tp + 2 if shared else 0)
     return 12 * h + 2 * h + 2 * (2 * q + 2 * kv) // tp + mlp
 
 

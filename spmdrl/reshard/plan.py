@@ -114,7 +114,9 @@ def fsdp_blocks(params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[
 #     [E, H, F] are cut by expert and by the FFN width. Expert-parallel rank e holds experts [e E / ep, (e + 1) E / ep);
 #     tp rank t holds rows chunk(F, tp, t) of each of them in the gate half and the same rows in the up half (two
 #     disjoint blocks of gate_up_proj when tp > 1, one when tp = 1) and columns chunk(F, tp, t) of down_proj. The
-#     router (mlp.gate.weight [E, H]) is whole on every rank.
+#     router (mlp.gate.weight [E, H]) is whole on every rank. A shared expert (Qwen2-MoE's mlp.shared_expert.*) is a
+#     dense MLP by these rules, the same on every expert-parallel rank; its gate (mlp.shared_expert_gate.weight
+#     [1, H]) is whole on every rank.
 # A decoder layer lives on the one pipeline stage that builds it; embeddings on the first stage, final norm,
 # output layer and value head on the last; tied embeddings with pp > 1 are also copied on the last stage
 # (megatron's LanguageModule.setup_embeddings_and_output_layer). DP replicas hold identical copies (the
@@ -122,7 +124,7 @@ def fsdp_blocks(params: list[tuple[str, tuple[int, ...]]], grid: list[list[list[
 # expert parallelism the replicas of an expert block are the dp ranks of the same expert-parallel rank.
 
 # what spmdrl/engines/megatron converts (its engine refuses others at build)
-MEGATRON_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MEGATRON_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 MEGATRON_COL = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 MEGATRON_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 MEGATRON_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")

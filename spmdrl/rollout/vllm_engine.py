@@ -226,7 +226,7 @@ class VLLMEngine:
 
             if self.llm.collective_rpc(routes.install)[0] == (0, 0):
                 raise ConfigError(f"{model_path}: capture_routes needs a mixture-of-experts model whose vLLM layers "
-                                  "route through a router (qwen3_moe, mixtral); this model has none")
+                                  "route through a router (qwen3_moe, qwen2_moe, mixtral); this model has none")
         self.build_seconds = time.perf_counter() - t0
         self.max_model_len = max_model_len
         self._reloading = False

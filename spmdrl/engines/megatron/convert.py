@@ -1,4 +1,5 @@
-"""HF (Llama / Qwen2 / Qwen3, Qwen3-MoE / Mixtral) <-> megatron-core GPTModel weights, as pure block arithmetic.
+"""HF (Llama / Qwen2 / Qwen3, Qwen3-MoE / Qwen2-MoE / Mixtral) <-> megatron-core GPTModel weights, as pure block
+arithmetic.
 
 Every megatron parameter a rank holds is a stack of row ranges ("pieces"), each of which is a rectangular
 block of one HF parameter. That single mapping drives loading (read exactly those HF slices from safetensors),
@@ -19,17 +20,22 @@ Megatron's layouts (tp ranks t = 0..tp-1, each holding its contiguous share of d
   norms, the critic's value head: replicated over tp (every tp rank holds the full HF block). Qwen3's per-head
       q / k norms (HF self_attn.q_norm / k_norm [head_dim], megatron's self_attention.q_layernorm / k_layernorm,
       qk_layernorm) are such norms: one weight shared by every head, so every tp rank holds it whole.
-Mixture of experts (Qwen3-MoE, Mixtral; every decoder layer a MoE layer). HF coordinates are transformers 5's
-in-memory tensors (engines.loading.model_param_shapes; the checkpoint's per-expert tensors are read through
-loading.CheckpointReader): per layer mlp.gate.weight [E, H] (the router), mlp.experts.gate_up_proj [E, 2F, H] (gate
-rows [0, F), up rows [F, 2F)) and mlp.experts.down_proj [E, H, F], F = moe_intermediate_size (Mixtral:
-intermediate_size). With expert parallelism over ep ranks, expert-parallel rank e holds global experts
+Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; every decoder layer a MoE layer). HF coordinates are
+transformers 5's in-memory tensors (engines.loading.model_param_shapes; the checkpoint's per-expert tensors are read
+through loading.CheckpointReader): per layer mlp.gate.weight [E, H] (the router), mlp.experts.gate_up_proj
+[E, 2F, H] (gate rows [0, F), up rows [F, 2F)) and mlp.experts.down_proj [E, H, F], F = moe_intermediate_size
+(Mixtral: intermediate_size). With expert parallelism over ep ranks, expert-parallel rank e holds global experts
 [e*E/ep, (e+1)*E/ep) as its local experts j = 0, 1, ... (global expert e*E/ep + j); the expert tensor parallel size
 is tp, so tp rank t holds, of each local expert:
   local_experts.{j}.linear_fc1.weight [2F/tp, H]: rows [0, F/tp) = gate rows t*F/tp + [0, F/tp) of gate_up_proj[e],
       rows [F/tp, 2F/tp) = up rows F + t*F/tp + [0, F/tp): two disjoint blocks of gate_up_proj when tp > 1;
   local_experts.{j}.linear_fc2.weight [H, F/tp]: columns t*F/tp + [0, F/tp) of down_proj[e];
   router.weight [E, H]: whole on every rank.
+Qwen2-MoE's shared expert (HF mlp.shared_expert.{gate,up,down}_proj, width S = shared_expert_intermediate_size, and
+mlp.shared_expert_gate.weight [1, H]) is megatron's SharedExpertMLP (mlp.shared_experts.*): a dense SwiGLU MLP,
+tensor-parallel like the dense linear_fc1 / linear_fc2 above with F = S, and the same on every expert-parallel rank
+(it is not an expert: the dp replicas hold it whole, as they hold attention); its gate
+mlp.shared_experts.gate_weight [1, H] is whole on every rank.
 The TE spec's grouped experts (experts.linear_fc1.weight{j} / linear_fc2.weight{j}) map the same way; TE never runs
 on the CPU machines, so those names are untested. An expert piece is a 3-d block [1, rows, cols] of its HF tensor
 taken from a 2-d megatron tensor: its rows are viewed with the block's shape.
@@ -65,7 +71,8 @@ class Dims:
     top_k: int = 0  # experts each token is routed to
     moe_ffn: int = 0  # F, one expert's intermediate size
     norm_topk_prob: bool = True  # the top-k router probabilities renormalised to sum to 1 (always for Mixtral)
-    router_first: bool = False  # HF lists mlp.gate before mlp.experts (Mixtral) rather than after (Qwen3-MoE)
+    router_first: bool = False  # HF lists mlp.gate before mlp.experts (Mixtral, Qwen2-MoE), not after (Qwen3-MoE)
+    shared_ffn: int = 0  # S: a shared expert MLP of this width on every token, gated by sigmoid (Qwen2-MoE); 0: none
 
 
 @dataclass(frozen=True)
@@ -88,16 +95,19 @@ def dims_from_hf(cfg, *, tp: int, divisible_by: int = 128, value_head: bool = Fa
         raise ConfigError(f"megatron backend: num_key_value_heads = {groups} must be divisible by tp = {tp} (and divide "
                           f"num_attention_heads = {heads}); choose a tp that divides {groups}")
     moe = moe_sizes(cfg)
-    ffn_key, ffn = ("moe_intermediate_size", moe["moe_ffn"]) if moe and cfg.model_type == "qwen3_moe" else \
+    ffn_key, ffn = ("moe_intermediate_size", moe["moe_ffn"]) if moe and cfg.model_type != "mixtral" else \
         ("intermediate_size", cfg.intermediate_size)
-    if ffn % tp:
-        raise ConfigError(f"megatron backend: {ffn_key} = {ffn} is not divisible by tp = {tp}; choose a tp that divides it")
+    for key, width in ((ffn_key, ffn), ("shared_expert_intermediate_size", moe.get("shared_ffn", 0))):
+        if width % tp:
+            raise ConfigError(f"megatron backend: {key} = {width} is not divisible by tp = {tp}; choose a tp that "
+                              "divides it")
     sliding = [i for i, kind in enumerate(getattr(cfg, "layer_types", None) or []) if kind != "full_attention"]
     if sliding:  # megatron's attention here is full causal attention: a window would be silently dropped
         raise ConfigError(f"megatron backend: layers {sliding} of this {cfg.model_type} model use sliding-window "
                           "attention (config.json use_sliding_window / layer_types), which the backend does not "
                           "implement; use trainer.backend = 'fsdp' or a config without sliding windows")
-    qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+    qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2" or \
+        (cfg.model_type == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True)))
     return Dims(cfg.hidden_size, heads, groups, head_dim, cfg.intermediate_size, cfg.vocab_size,
                 padded_vocab(cfg.vocab_size, divisible_by, tp), cfg.num_hidden_layers,
                 bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias, value_head,
@@ -105,17 +115,21 @@ def dims_from_hf(cfg, *, tp: int, divisible_by: int = 128, value_head: bool = Fa
 
 
 def moe_sizes(cfg) -> dict:
-    """Dims' mixture-of-experts fields of a Qwen3-MoE / Mixtral config ({} for a dense model). Refuses what the
-    backend does not build: dense layers between MoE layers, shared experts, router jitter."""
-    if cfg.model_type not in ("qwen3_moe", "mixtral"):
+    """Dims' mixture-of-experts fields of a Qwen3-MoE / Qwen2-MoE / Mixtral config ({} for a dense model). Refuses
+    what the backend does not build (config validation's megatron_moe_problem, checked again here): dense layers
+    between MoE layers, a Qwen2-MoE without its shared expert, router jitter."""
+    from spmdrl.config.validate import megatron_moe_problem
+
+    if cfg.model_type not in ("qwen3_moe", "qwen2_moe", "mixtral"):
         return {}
-    if cfg.model_type == "qwen3_moe":
-        step, dense = getattr(cfg, "decoder_sparse_step", 1), list(getattr(cfg, "mlp_only_layers", None) or [])
-        if step != 1 or dense:
-            raise ConfigError(f"megatron backend: this qwen3_moe model has dense MLP layers (decoder_sparse_step = "
-                              f"{step}, mlp_only_layers = {dense}); the backend builds every layer as a MoE layer")
+    problem = megatron_moe_problem(cfg.to_dict())
+    if problem:
+        raise ConfigError(f"megatron backend: {problem}")
+    if cfg.model_type in ("qwen3_moe", "qwen2_moe"):
+        shared = cfg.shared_expert_intermediate_size if cfg.model_type == "qwen2_moe" else 0
         return dict(experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, moe_ffn=cfg.moe_intermediate_size,
-                    norm_topk_prob=bool(cfg.norm_topk_prob), router_first=False)
+                    norm_topk_prob=bool(cfg.norm_topk_prob), router_first=cfg.model_type == "qwen2_moe",
+                    shared_ffn=shared)
     if getattr(cfg, "router_jitter_noise", 0.0):
         raise ConfigError(f"megatron backend: router_jitter_noise = {cfg.router_jitter_noise} (mixtral) is not "
                           "implemented; set it to 0 in config.json")
@@ -160,6 +174,10 @@ def hf_pieces(mname: str, dims: Dims, tp: int, t: int, first_layer: int, *, ep: 
         rest, pre = m.group(2), f"model.layers.{first_layer + int(m.group(1))}."
         if rest == "mlp.router.weight":
             return [Piece(pre + "mlp.gate.weight", ((0, 0), (dims.experts, H)), (0, dims.experts))]
+        if rest == "mlp.shared_experts.gate_weight":
+            return [Piece(pre + "mlp.shared_expert_gate.weight", ((0, 0), (1, H)), (0, 1))]
+        if rest in ("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"):
+            return mlp_pieces(pre + "mlp.shared_expert.", rest.rsplit(".", 2)[1], dims.shared_ffn, H, tp, t)
         x = _EXPERT.match(rest)
         if x:
             j, fc = (int(x.group(1)), x.group(2)) if x.group(1) is not None else (int(x.group(4)), x.group(3))
@@ -185,13 +203,8 @@ def hf_pieces(mname: str, dims: Dims, tp: int, t: int, first_layer: int, *, ep: 
         if rest == "self_attention.linear_proj.weight":
             w = dims.heads * hd // tp
             return [Piece(pre + "self_attn.o_proj.weight", ((0, t * w), (H, w)), (0, H))]
-        if rest == "mlp.linear_fc1.weight":
-            f = dims.ffn // tp
-            return [Piece(pre + "mlp.gate_proj.weight", ((t * f, 0), (f, H)), (0, f)),
-                    Piece(pre + "mlp.up_proj.weight", ((t * f, 0), (f, H)), (f, 2 * f))]
-        if rest == "mlp.linear_fc2.weight":
-            f = dims.ffn // tp
-            return [Piece(pre + "mlp.down_proj.weight", ((0, t * f), (H, f)), (0, H))]
+        if rest in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
+            return mlp_pieces(pre + "mlp.", rest.rsplit(".", 2)[1], dims.ffn, H, tp, t)
         raise ConfigError(f"megatron backend: no HF counterpart for parameter {mname!r}")
     if mname == "decoder.final_layernorm.weight":
         return [Piece("model.norm.weight", ((0,), (H,)), (0, H))]
@@ -206,6 +219,16 @@ def hf_pieces(mname: str, dims: Dims, tp: int, t: int, first_layer: int, *, ep: 
     if mname == "value_head.bias":
         return [Piece("score.bias", ((0,), (1,)), (0, 1))]
     raise ConfigError(f"megatron backend: no HF counterpart for parameter {mname!r}")
+
+
+def mlp_pieces(pre: str, fc: str, ffn: int, H: int, tp: int, t: int) -> list[Piece]:
+    """Pieces of a dense SwiGLU MLP of width `ffn` (HF {pre}gate_proj / up_proj / down_proj) on tp rank t: linear_fc1
+    holds gate rows then up rows of its share, linear_fc2 those columns of down_proj."""
+    f = ffn // tp
+    if fc == "linear_fc1":
+        return [Piece(pre + "gate_proj.weight", ((t * f, 0), (f, H)), (0, f)),
+                Piece(pre + "up_proj.weight", ((t * f, 0), (f, H)), (f, 2 * f))]
+    return [Piece(pre + "down_proj.weight", ((0, t * f), (H, f)), (0, H))]
 
 
 def expert_pieces(pre: str, fc: str, dims: Dims, tp: int, t: int, e: int) -> list[Piece]:
@@ -242,6 +265,10 @@ def hf_param_shapes(dims: Dims) -> list[tuple[str, tuple[int, ...]]]:
             router = [(p + "mlp.gate.weight", (E, H))]
             experts = [(p + "mlp.experts.gate_up_proj", (E, 2 * F, H)), (p + "mlp.experts.down_proj", (E, H, F))]
             out += router + experts if dims.router_first else experts + router
+            if dims.shared_ffn:
+                S, s = dims.shared_ffn, p + "mlp.shared_expert"
+                out += [(s + ".gate_proj.weight", (S, H)), (s + ".up_proj.weight", (S, H)),
+                        (s + ".down_proj.weight", (H, S)), (s + "_gate.weight", (1, H))]
         else:
             out += [(p + "mlp.gate_proj.weight", (dims.ffn, H)),
                     (p + "mlp.up_proj.weight", (dims.ffn, H)), (p + "mlp.down_proj.weight", (H, dims.ffn))]
@@ -274,6 +301,9 @@ def stage_megatron_names(dims: Dims, pp: int, p: int, *, te: bool = False, ep: i
                 out += ([f"{d}mlp.experts.linear_fc1.weight{j}", f"{d}mlp.experts.linear_fc2.weight{j}"] if te else
                         [f"{d}mlp.experts.local_experts.{j}.linear_fc1.weight",
                          f"{d}mlp.experts.local_experts.{j}.linear_fc2.weight"])
+            if dims.shared_ffn:  # megatron's SharedExpertMLP: its own gate_weight first, then its linears
+                out += [d + "mlp.shared_experts.gate_weight", d + "mlp.shared_experts.linear_fc1.weight",
+                        d + "mlp.shared_experts.linear_fc2.weight"]
             continue
         out.append(d + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"))
         out += [d + "mlp.linear_fc1.weight", d + "mlp.linear_fc2.weight"]

@@ -29,8 +29,8 @@ sums squares over the tp and pp groups (grads are equal over dp after the all-re
 parallelism the experts' squares (params megatron marks allreduce = False) are first summed over the ep group too:
 each ep rank holds other experts, while a dense gradient is the same on every ep rank and counts once.
 
-Mixtures of experts (Qwen3-MoE, Mixtral; model.py, routing.py): megatron DDP keeps the experts' gradients in its
-expert_parallel_buffers, all-reduced over the expert-data-parallel group with the same 1/dp scaling as the dense
+Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; model.py, routing.py): megatron DDP keeps the experts' gradients
+in its expert_parallel_buffers, all-reduced over the expert-data-parallel group with the same 1/dp scaling as the dense
 ones (average_in_collective off): an expert's gradient on an ep rank already sums the tokens that the all-to-all
 brought from the whole ep group, so the sum over edp covers all dp ranks' tokens once and 1/dp is the contract's
 average. Routing replay and the router losses: router_replay / router_losses, moe_counts, moe_losses.
@@ -66,8 +66,8 @@ CHECKPOINTED = ("params", "optimizer")  # the offload kinds a checkpoint holds (
 
 
 class MegatronEngine:
-    """One HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral model as a megatron-core GPTModel sharded over a role mesh
-    (a mixture of experts' experts also over the layout's ep ranks)."""
+    """One HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Mixtral model as a megatron-core GPTModel sharded over a
+    role mesh (a mixture of experts' experts also over the layout's ep ranks)."""
 
     lora = None  # megatron-core 0.16.1 has no LoRA; config validation refuses lora.enable with this backend
 

@@ -1,5 +1,5 @@
-"""Build a megatron-core GPTModel for one role from an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral config, on the
-role's mesh.
+"""Build a megatron-core GPTModel for one role from an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Mixtral
+config, on the role's mesh.
 
 parallel_state is initialised with the RoleLayout's own order (`megatron_order`: "tp-cp-ep-pp-dp", tp fastest,
 then pp, then dp, as megatron's RankGenerator reads the string fastest first, cp = 1; "tp-cp-ep-dp-pp", pipeline
@@ -8,10 +8,12 @@ that megatron's tp / pp / dp groups contain exactly the ranks of the role mesh's
 that its expert-parallel and expert-data-parallel groups are the layout's ep / edp groups (no rank arithmetic
 here). megatron's parallel state is one per process, so every Megatron role of a run must share one layout.
 
-Mixtures of experts (Qwen3-MoE, Mixtral): every layer's MLP is megatron's MoELayer with the all-to-all token
-dispatcher over the expert-parallel group, SequentialMLP experts (one megatron MLP per local expert; TE's grouped
-GEMM on the TE spec), expert tensor parallelism = tp, and spmdrl's Router (routing.py) in place of megatron's
-TopKRouter. Megatron adds no load-balancing or z-loss and drops no tokens (no capacity factor); spmdrl's own router
+Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral): every layer's MLP is megatron's MoELayer with the all-to-all
+token dispatcher over the expert-parallel group, SequentialMLP experts (one megatron MLP per local expert; TE's
+grouped GEMM on the TE spec), expert tensor parallelism = tp, and spmdrl's Router (routing.py) in place of megatron's
+TopKRouter. Qwen2-MoE's shared expert is megatron's SharedExpertMLP with its sigmoid gate (moe_shared_expert_gate):
+output = routed experts' output + sigmoid(x g^T) * MLP_S(x), computed on every token of this rank, tensor-parallel
+like a dense MLP and replicated over ep. Megatron adds no load-balancing or z-loss and drops no tokens (no capacity factor); spmdrl's own router
 losses are routing.py's.
 
 Rotary embeddings: the engine computes the rotary angles itself from each token's position id with HF's own
@@ -183,8 +185,9 @@ def transformer_config(dims: Dims, hf_config, mesh, device: torch.device, dtype:
 
 def moe_fields(dims: Dims, mesh, use_te: bool) -> dict:
     """TransformerConfig's mixture-of-experts fields ({} for a dense model): E experts, top-k, one expert's F, expert
-    parallelism over the layout's ep ranks with expert tensor parallelism = tp; megatron's own load balancing, aux
-    loss, z-loss, capacity and expert bias off (spmdrl's Router routes, routing.py). The score function fields
+    parallelism over the layout's ep ranks with expert tensor parallelism = tp; a shared expert of width S with its
+    sigmoid gate (Qwen2-MoE), not overlapped with the dispatch; megatron's own load balancing, aux loss, z-loss,
+    capacity and expert bias off (spmdrl's Router routes, routing.py). The score function fields
     describe HF's routing (softmax over all experts, then top-k, renormalised unless norm_topk_prob is off) for
     anything of megatron's that reads them; spmdrl's Router computes the weights itself. Grouped GEMM only on the TE
     spec (its grouped experts), never on CPU."""
@@ -195,7 +198,8 @@ def moe_fields(dims: Dims, mesh, use_te: bool) -> dict:
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
                 moe_expert_capacity_factor=None, moe_router_enable_expert_bias=False, moe_grouped_gemm=use_te,
                 expert_model_parallel_size=mesh.layout.ep, expert_tensor_parallel_size=mesh.tp_size,
-                moe_permute_fusion=False)
+                moe_permute_fusion=False, moe_shared_expert_intermediate_size=dims.shared_ffn or None,
+                moe_shared_expert_gate=bool(dims.shared_ffn), moe_shared_expert_overlap=False)
 
 
 def build_gpt(dims: Dims, hf_config, mesh, device: torch.device, dtype: torch.dtype, use_te: bool, recompute: bool | str = False,

@@ -5,7 +5,8 @@ and the load-balancing / z-loss terms (the FSDP2 engine's protocol, spmdrl/engin
 megatron's (logits = x W^T over the router weight [E, H], whole on every rank); its routing is transformers':
 
     p = softmax(logits) in float32,   own = top-k of p,
-    weights w_j = p[e_j] / sum_i p[e_i]   (Qwen3-MoE with norm_topk_prob, always for Mixtral),   w_j = p[e_j] otherwise,
+    weights w_j = p[e_j] / sum_i p[e_i]   (Qwen3-MoE / Qwen2-MoE with norm_topk_prob, always for Mixtral),
+    w_j = p[e_j] otherwise (the released Qwen2-MoE models),
 
 and megatron's dispatcher then sends each token to the chosen experts (no capacity, no dropped tokens). With routes
 set for the forward (`Routing.set_batch`) and replay on, a token that has a route uses exactly those experts (e_j =
