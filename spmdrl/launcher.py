@@ -73,6 +73,31 @@ def watch_parent(grace_s: float = 20.0, poll_s: float = 0.5) -> Callable[[], Non
     return unwatch
 
 
+def leave(code) -> None:
+    """End this process with exit status `code` (what `sys.exit(code)` takes) once its work is done, skipping
+    the interpreter's teardown. With torch, transformers and vLLM imported the teardown's garbage collections
+    walk over half a million objects: seconds per process (3 s on 2 CPU cores, more under load) that clean
+    up nothing a next process needs. What a normal exit does first is done here too: the other non-daemon
+    threads are joined, the atexit handlers run (logging, trackers, vLLM's shutdown), stdout and stderr are
+    flushed."""
+    import atexit
+
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    status = 0 if code is None else code if isinstance(code, int) else 1
+    if not isinstance(code, (int, type(None))):
+        print(code, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
 def _first_to_fail() -> bool:
     """True for the first rank on this node to report an error (torchrun's error files share a directory)."""
     path = os.environ.get(ERROR_FILE_ENV)
@@ -196,4 +221,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -180,5 +180,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from spmdrl.launcher import leave
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    leave(main())
