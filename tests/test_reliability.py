@@ -656,6 +656,33 @@ with stop_signals():
     assert err.strip().splitlines() == [f"error (rank 1): stopped by signal {int(signal.SIGTERM)} while blocked"], err
 
 
+def test_leave_does_what_an_exit_does_but_the_teardown(tmp_path):
+    """spmdrl.launcher.leave (how every spmdrl process ends): the exit status, buffered output, the other
+    non-daemon threads run to their end, the atexit handlers, and a message as sys.exit prints it; the
+    interpreter's teardown (its garbage collections, which would finalise the cycle below) is skipped."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text('''
+import atexit, sys, threading, time
+from spmdrl.launcher import leave
+class Cycle:
+    def __del__(self):
+        print("finalised at teardown", flush=True)
+c = Cycle(); c.me = c; del c
+atexit.register(lambda: print("atexit ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+print("buffered")  # stdout is a pipe: block-buffered, so only a flush writes it
+leave(int(sys.argv[1]) if sys.argv[1].isdigit() else sys.argv[1])
+''')
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+    for arg, code, err in (("3", 3, ""), ("a message", 1, "a message\n")):
+        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, env=env, timeout=60)
+        assert (proc.returncode, proc.stdout.splitlines(), proc.stderr) == (
+            code, ["buffered", "thread done", "atexit ran"], err), proc
+
+
 def test_output_dir_is_absolute_from_the_start(tmp_path, monkeypatch):
     """A tool calling os.chdir split a checkpoint across two directories: trainer.output_dir was relative."""
     from spmdrl.config import Config
