@@ -117,7 +117,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from spmdrl.launcher import leave
+    from spmdrl.launcher import run_as_process
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    leave(main())
+    run_as_process(main)

@@ -124,6 +124,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from spmdrl.launcher import leave
+    from spmdrl.launcher import run_as_process
 
-    leave(main())
+    run_as_process(main)

@@ -683,6 +683,39 @@ leave(int(sys.argv[1]) if sys.argv[1].isdigit() else sys.argv[1])
             code, ["buffered", "thread done", "atexit ran"], err), proc
 
 
+def test_the_heap_is_frozen_only_in_a_process_an_entry_point_owns(tmp_path):
+    """settle_heap (after start-up's imports) freezes the heap under run_as_process only, never in a caller's
+    process (this one); a bug's exception thaws it before the interpreter's own exit."""
+    import gc
+    import subprocess
+    import sys
+
+    from spmdrl.launcher import settle_heap
+
+    frozen = gc.get_freeze_count()
+    settle_heap()
+    assert gc.get_freeze_count() == frozen
+    script = tmp_path / "entry.py"
+    script.write_text('''
+import atexit, gc, sys
+from spmdrl.launcher import run_as_process, settle_heap
+atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0))
+def main():
+    settle_heap()
+    print("frozen in main:", gc.get_freeze_count() > 0)
+    if sys.argv[1] == "bug":
+        raise ZeroDivisionError("a bug")
+    return 4
+run_as_process(main)
+''')
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+    for arg, code, lines in (("ok", 4, ["frozen in main: True", "frozen at exit: True"]),
+                             ("bug", 1, ["frozen in main: True", "frozen at exit: False"])):
+        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, env=env, timeout=60)
+        assert (proc.returncode, proc.stdout.splitlines()) == (code, lines), proc
+        assert ("ZeroDivisionError: a bug" in proc.stderr) == (arg == "bug"), proc.stderr
+
+
 def test_output_dir_is_absolute_from_the_start(tmp_path, monkeypatch):
     """A tool calling os.chdir split a checkpoint across two directories: trainer.output_dir was relative."""
     from spmdrl.config import Config
