@@ -23,7 +23,21 @@ import typer
 
 from spmdrl.errors import SpmdrlError
 
-app = typer.Typer(
+class _Command(typer.Typer):
+    """The `spmdrl` console script: it leaves without the interpreter's teardown (spmdrl.launcher.leave), which
+    takes seconds once a command has imported torch and vLLM."""
+
+    def __call__(self, *args, **kwargs):
+        from spmdrl.launcher import leave
+
+        try:
+            super().__call__(*args, **kwargs)
+        except SystemExit as e:
+            leave(e.code)
+        leave(0)
+
+
+app = _Command(
     name="spmdrl",
     help="SPMD RL post-training for LLMs (PPO, GRPO and family) under torchrun.",
     no_args_is_help=True,

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 
 import torch
 
@@ -118,5 +117,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from spmdrl.launcher import run_as_process
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    run_as_process(main)

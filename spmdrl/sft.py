@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
 import torch
@@ -125,4 +124,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmdrl.launcher import run_as_process
+
+    run_as_process(main)

@@ -60,7 +60,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
     user error, 128 + the signal on a stop (143 for SIGTERM, 130 for Ctrl-C)."""
     from spmdrl.faults import (STOP_GRACE_S, Stopped, Terminated, slow_start_if_injected, stop_handled, stop_signals,
                                watch_stop_signals)
-    from spmdrl.launcher import record_bug, report_error, watch_parent
+    from spmdrl.launcher import record_bug, report_error, settle_heap, watch_parent
 
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", "-c", default=None, help="TOML config file")
@@ -85,6 +85,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
                 apply_verbosity(cfg.logging.verbosity)
                 layout = validate_fn(cfg, env.world_size)
                 plan = preflight_fn(cfg, env.rank, env.world_size) if preflight_fn else None
+                settle_heap()
             except SpmdrlError as e:  # every rank finds it; the first to get here says it (the others may be stopped)
                 report_error(e, env.rank)
                 return 2
@@ -180,5 +181,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from spmdrl.launcher import run_as_process
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    run_as_process(main)

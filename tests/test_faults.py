@@ -255,26 +255,34 @@ def test_the_launch_directory_cannot_shadow_an_import(tmp_path):
     assert "unknown key 'trainer.not_a_key'" in proc.stderr
 
 
+@pytest.fixture(scope="module")
+def fault_run(tmp_path_factory):
+    """The fault scripts' run: an empty config file and the overrides for the tiny model and data (built once)."""
+    from spmdrl.data.synthetic import make_arith
+    from spmdrl.tiny import build_tiny
+
+    root = tmp_path_factory.mktemp("fault_assets")
+    model = build_tiny(str(root / "model"), seed=0)
+    data = make_arith(str(root / "data"), n_train=64, n_val=8, seed=0)
+    (root / "run.toml").write_text("")
+    return str(root / "run.toml"), [
+        f"model.path={model}", f'data.train_files=["{data["train"]}"]', "data.max_prompt_length=32",
+        "data.max_response_length=8", "data.train_batch_size=4", "rollout.n=4", "rollout.kv_cache_gb=0.1",
+        "actor.micro_batch_size=4", "trainer.total_steps=4", "trainer.device=cpu", "trainer.dist_timeout_s=60",
+        "logging.progress=false", "logging.tensorboard=false"]
+
+
 @pytest.mark.dist
-def test_fault_script_kill_and_sigterm_of_the_launcher_and_resume(tmp_path):
+def test_fault_script_kill_and_sigterm_of_the_launcher_and_resume(fault_run, tmp_path):
     """launch/fault_check.py on the tiny model (2 ranks): kill -9 of `spmdrl train` and SIGTERM to it during
     a checkpoint save slowed on purpose (rank 0 sleeps 6 s inside the save) leave no process of the job after
     30 s, the SIGTERM gives one error line and no torn checkpoint, and a relaunch resumes and finishes. (Its
     kill -9 of a rank is test_checkpoint_dist's killed run; skipped here to save a launch.)"""
-    from spmdrl.data.synthetic import make_arith
-    from spmdrl.tiny import build_tiny
-
-    model = build_tiny(str(tmp_path / "model"), seed=0)
-    data = make_arith(str(tmp_path / "data"), n_train=64, n_val=8, seed=0)
-    (tmp_path / "run.toml").write_text("")
-    ov = [f"model.path={model}", f'data.train_files=["{data["train"]}"]', "data.max_prompt_length=32",
-          "data.max_response_length=8", "data.train_batch_size=4", "rollout.n=4", "rollout.kv_cache_gb=0.1",
-          "actor.micro_batch_size=4", "trainer.total_steps=4", "trainer.device=cpu", "trainer.dist_timeout_s=60",
-          "logging.progress=false", "logging.tensorboard=false"]
+    config, ov = fault_run
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1",
            "SPMDRL_FAULT_INJECT": "slow_save:rank=0:step=2"}
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "launch", "fault_check.py"),
-                           "--config", str(tmp_path / "run.toml"), "--nproc", "2", "--out", str(tmp_path / "check"),
+                           "--config", config, "--nproc", "2", "--out", str(tmp_path / "check"),
                            "--checks", "launcher-kill,launcher-term,resume", *ov], check=False, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -286,24 +294,15 @@ def test_fault_script_kill_and_sigterm_of_the_launcher_and_resume(tmp_path):
 
 
 @pytest.mark.dist
-def test_fault_script_config_typo_and_rank_kills(tmp_path):
+def test_fault_script_config_typo_and_rank_kills(fault_run, tmp_path):
     """launch/fault_check.py on the tiny model (2 ranks): a typo under the launcher is one line with exit 2; kill -9
     of rank 1 during a checkpoint save (slowed on rank 0) and of rank 0 during start-up end the job with the
     killed rank named by the launcher and exit 1; no torn checkpoint."""
-    from spmdrl.data.synthetic import make_arith
-    from spmdrl.tiny import build_tiny
-
-    model = build_tiny(str(tmp_path / "model"), seed=0)
-    data = make_arith(str(tmp_path / "data"), n_train=64, n_val=8, seed=0)
-    (tmp_path / "run.toml").write_text("")
-    ov = [f"model.path={model}", f'data.train_files=["{data["train"]}"]', "data.max_prompt_length=32",
-          "data.max_response_length=8", "data.train_batch_size=4", "rollout.n=4", "rollout.kv_cache_gb=0.1",
-          "actor.micro_batch_size=4", "trainer.total_steps=4", "trainer.device=cpu", "trainer.dist_timeout_s=60",
-          "logging.progress=false", "logging.tensorboard=false"]
+    config, ov = fault_run
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1",
            "SPMDRL_FAULT_INJECT": "slow_save:rank=0:step=1"}
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "launch", "fault_check.py"),
-                           "--config", str(tmp_path / "run.toml"), "--nproc", "2", "--out", str(tmp_path / "check"),
+                           "--config", config, "--nproc", "2", "--out", str(tmp_path / "check"),
                            "--checks", "config-typo,rank-kill-save,rank0-kill-start", *ov], check=False, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

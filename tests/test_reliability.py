@@ -656,6 +656,66 @@ with stop_signals():
     assert err.strip().splitlines() == [f"error (rank 1): stopped by signal {int(signal.SIGTERM)} while blocked"], err
 
 
+def test_leave_does_what_an_exit_does_but_the_teardown(tmp_path):
+    """spmdrl.launcher.leave (how every spmdrl process ends): the exit status, buffered output, the other
+    non-daemon threads run to their end, the atexit handlers, and a message as sys.exit prints it; the
+    interpreter's teardown (its garbage collections, which would finalise the cycle below) is skipped."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text('''
+import atexit, sys, threading, time
+from spmdrl.launcher import leave
+class Cycle:
+    def __del__(self):
+        print("finalised at teardown", flush=True)
+c = Cycle(); c.me = c; del c
+atexit.register(lambda: print("atexit ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+print("buffered")  # stdout is a pipe: block-buffered, so only a flush writes it
+leave(int(sys.argv[1]) if sys.argv[1].isdigit() else sys.argv[1])
+''')
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+    for arg, code, err in (("3", 3, ""), ("a message", 1, "a message\n")):
+        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, env=env, timeout=60)
+        assert (proc.returncode, proc.stdout.splitlines(), proc.stderr) == (
+            code, ["buffered", "thread done", "atexit ran"], err), proc
+
+
+def test_the_heap_is_frozen_only_in_a_process_an_entry_point_owns(tmp_path):
+    """settle_heap (after start-up's imports) freezes the heap under run_as_process only, never in a caller's
+    process (this one); a bug's exception thaws it before the interpreter's own exit."""
+    import gc
+    import subprocess
+    import sys
+
+    from spmdrl.launcher import settle_heap
+
+    frozen = gc.get_freeze_count()
+    settle_heap()
+    assert gc.get_freeze_count() == frozen
+    script = tmp_path / "entry.py"
+    script.write_text('''
+import atexit, gc, sys
+from spmdrl.launcher import run_as_process, settle_heap
+atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0))
+def main():
+    settle_heap()
+    print("frozen in main:", gc.get_freeze_count() > 0)
+    if sys.argv[1] == "bug":
+        raise ZeroDivisionError("a bug")
+    return 4
+run_as_process(main)
+''')
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+    for arg, code, lines in (("ok", 4, ["frozen in main: True", "frozen at exit: True"]),
+                             ("bug", 1, ["frozen in main: True", "frozen at exit: False"])):
+        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, env=env, timeout=60)
+        assert (proc.returncode, proc.stdout.splitlines()) == (code, lines), proc
+        assert ("ZeroDivisionError: a bug" in proc.stderr) == (arg == "bug"), proc.stderr
+
+
 def test_output_dir_is_absolute_from_the_start(tmp_path, monkeypatch):
     """A tool calling os.chdir split a checkpoint across two directories: trainer.output_dir was relative."""
     from spmdrl.config import Config

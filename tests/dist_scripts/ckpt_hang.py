@@ -34,4 +34,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+
+    leave(main())

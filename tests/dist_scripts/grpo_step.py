@@ -3,7 +3,6 @@ sequences must equal the actor's own (fp32) after the last sync. Writes <out>/ch
 import argparse
 import json
 import os
-import sys
 
 import torch
 
@@ -48,4 +47,6 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+
+    leave(main())

@@ -56,4 +56,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+
+    leave(main())

@@ -213,4 +213,6 @@ def resume_check(make, items, objective, out, name, kw) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+
+    leave(main())

@@ -101,4 +101,6 @@ def main():
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+
+    leave(main())

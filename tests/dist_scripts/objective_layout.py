@@ -5,7 +5,6 @@ The optimizer runs with lr = 0, so every case starts from the same parameters; t
 before the optimizer step (after FSDP's reduce-scatter over dp), as full tensors."""
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -154,4 +153,6 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+
+    leave(main())

@@ -148,4 +148,6 @@ def swapped_rows(sync, rank):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+
+    leave(main())

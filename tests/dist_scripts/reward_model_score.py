@@ -4,7 +4,6 @@ writes <out>/scores_rank{r}.json ({case name: {"index": [...], "scores": [...]}}
 import argparse
 import json
 import os
-import sys
 
 
 def main():
@@ -40,4 +39,6 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+
+    leave(main())

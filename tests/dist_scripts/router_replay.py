@@ -221,4 +221,6 @@ def main(out: str, *args: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(*sys.argv[1:]))
+    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+
+    leave(main(*sys.argv[1:]))

@@ -110,4 +110,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+
+    leave(main())
