@@ -532,12 +532,11 @@ def test_moe_plan_from_expert_parallel_megatron_at_the_lower_bound(request, read
                 e = lay.ep_coords(dst)[0]
                 mine = torch.zeros(shape, dtype=torch.bool)
                 xs, f = slice(e * E // ep, (e + 1) * E // ep), slice(t * F // tp, (t + 1) * F // tp)
-                if int(name.split(".")[2]) * pp // 2 != p:  # 2 layers: layer i on stage i * pp // 2
-                    pass
-                elif name.endswith("gate_up_proj"):
+                on_stage = int(name.split(".")[2]) * pp // 2 == p  # 2 layers: layer i on stage i * pp // 2
+                if on_stage and name.endswith("gate_up_proj"):
                     mine[xs, f] = True
                     mine[xs, F + f.start: F + f.stop] = True
-                else:
+                elif on_stage:
                     mine[xs, :, f] = True
                 got = sum(numel(x.block) for x in plan.transfers[name] if x.dst == dst)
                 assert got == int((want.bool() & ~mine).sum()) > 0, (name, dst)
