@@ -686,7 +686,8 @@ def _check_megatron_router_pipeline(cfg, asked: list[str]) -> None:
     losses = [k for k in asked if k != "router_replay"]
     if losses:
         raise ConfigError(f"actor.{losses[0]} = {getattr(cfg.actor, losses[0])!r}: the Megatron router losses run at "
-                          f"pipeline parallelism 1 (placement.actor_pp = {pp}); set the coefficient to 0 or actor_pp = 1")
+                          f"pipeline parallelism 1 (placement.actor_pp = {pp}); set the coefficient to 0 or "
+                          "actor_pp = 1")
     if "router_replay" in asked and m.gradient_checkpointing and m.checkpoint_policy == "full":
         raise ConfigError(f"actor.router_replay = {cfg.actor.router_replay!r} with placement.actor_pp = {pp} and full "
                           "activation recompute: a micro-batch's recompute runs after later micro-batches' forwards; "

@@ -499,8 +499,9 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
     def one_engine_back(base: dict) -> dict:
         worst: dict = {}
         for role in saved:
-            back = {f"{role}_{k}": v for k, v in state[role]["kinds"].items()
-                    if (k in ("params", "optimizer") or k in state[role]["resident"]) and k not in state[role]["host_always"]}
+            s = state[role]
+            back = {f"{role}_{k}": v for k, v in s["kinds"].items()
+                    if (k in ("params", "optimizer") or k in s["resident"]) and k not in s["host_always"]}
             if sum(back.values()) > sum(worst.values()):
                 worst = back
         return {**{k: v for k, v in base.items() if not any(k.startswith(f"{r}_") for r in saved)},

@@ -108,7 +108,9 @@ def megatron_memory(st: dict, *, c, lay, trainable: bool, micro: int, seq: int, 
         last = p == lay.pp - 1
         fl = min(lay.pp - p, in_flight)
         per_mb = st["layers_per_stage"][p] * (tokens * c.hidden_size * 2 // sp if ckpt else one_layer)
-        t = {**{x: v for x, v in k.items() if x not in on_host}, "activations": fl * per_mb + (one_layer if ckpt else 0) + (head if last else 0) + 2 * boundary}
+        on_gpu_kinds = {x: v for x, v in k.items() if x not in on_host}
+        t = {**on_gpu_kinds,
+             "activations": fl * per_mb + (one_layer if ckpt else 0) + (head if last else 0) + 2 * boundary}
         f = {"params": k["params"], "activations": one_layer + (head if last else 0) + 2 * boundary}
         if trainable and sum(t.values()) > worst_t:
             worst_t, train, stages["train"] = sum(t.values()), t, p

@@ -125,8 +125,8 @@ class VLLMEngine:
         expert_parallel: bool = False,
     ):
         """expert_parallel: vLLM's enable_expert_parallel (a mixture of experts' experts split whole over the TP
-        ranks; the weight sync learns the loaders' reads in that mode). capture_routes: return the experts each token was routed to (`RolloutOutput.routed_experts`; a MoE
-        model only; rollout/routes.py). tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
+        ranks; the weight sync learns the loaders' reads in that mode). capture_routes: return the experts each
+        token was routed to (`RolloutOutput.routed_experts`; a MoE model only; rollout/routes.py). tp_group: the global ranks of this rank's rollout TP group per spmdrl's layout; vLLM's own group is
         checked against it after the build. world_ranks: build on the first `world_ranks` ranks of the world
         only (split placement: the other ranks do not call this); None means every rank (colocated)."""
         from vllm import LLM

@@ -78,8 +78,9 @@ class MegatronEngine:
                  defer_grad_sync: bool = False, attention: str = "sdpa", checkpoint_policy: str = "full",
                  router_replay: bool = False, router_losses: bool = False, host_optimizer: bool = False):
         """host_optimizer: float32 master weights and AdamW's moments in host memory, the step on the CPU
-        (host_optim.py), instead of megatron's distributed optimizer on the device. router_replay: a mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes
-        name (routing.py); without it they only measure the agreement. router_losses: its forwards under autograd
+        (host_optim.py), instead of megatron's distributed optimizer on the device. router_replay: a
+        mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes name (routing.py);
+        without it they only measure the agreement. router_losses: its forwards under autograd
         keep the load-balancing and z-loss terms (moe_losses)."""
         from transformers import AutoConfig
 

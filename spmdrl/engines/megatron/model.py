@@ -13,8 +13,8 @@ token dispatcher over the expert-parallel group, SequentialMLP experts (one mega
 grouped GEMM on the TE spec), expert tensor parallelism = tp, and spmdrl's Router (routing.py) in place of megatron's
 TopKRouter. Qwen2-MoE's shared expert is megatron's SharedExpertMLP with its sigmoid gate (moe_shared_expert_gate):
 output = routed experts' output + sigmoid(x g^T) * MLP_S(x), computed on every token of this rank, tensor-parallel
-like a dense MLP and replicated over ep. Megatron adds no load-balancing or z-loss and drops no tokens (no capacity factor); spmdrl's own router
-losses are routing.py's.
+like a dense MLP and replicated over ep. Megatron adds no load-balancing or z-loss and drops no tokens (no capacity
+factor); spmdrl's own router losses are routing.py's.
 
 Rotary embeddings: the engine computes the rotary angles itself from each token's position id with HF's own
 inverse frequencies (`transformers.modeling_rope_utils`, so rope_theta and rope scaling follow the HF config
@@ -64,7 +64,8 @@ def init_parallel_state(mesh, device: torch.device, seed: int) -> None:
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=mesh.tp_size, pipeline_model_parallel_size=mesh.pp_size,
-            expert_model_parallel_size=ep, order=mesh.layout.megatron_order, create_gloo_process_groups=device.type == "cuda",
+            expert_model_parallel_size=ep, order=mesh.layout.megatron_order,
+            create_gloo_process_groups=device.type == "cuda",
         )
         if device.type == "cuda":
             from megatron.core import tensor_parallel
