@@ -50,6 +50,26 @@ def _gather_logp(logp_all: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
     return torch.where(keep, logp, torch.zeros_like(logp))
 
 
+def logprobs_from_model_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0, top_k: int = -1,
+                               top_p: float = 1.0, with_entropy=False) -> tuple[Tensor, Tensor | None]:
+    """(log p(y), H(p) or None) for logits [N, V] a model's own head produced, labels [N], with
+    p = softmax(truncate(z / temperature)): the same quantity as logprobs_from_hidden, from whole logits.
+    with_entropy "detached": the entropy without autograd (a metric)."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    if top_k > 0 or top_p < 1.0:
+        z = truncate_logits(z, top_k, top_p)
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = _gather_logp(logp_all, labels, -100)
+    if not with_entropy:
+        return logp, None
+    if with_entropy == "detached":
+        with torch.no_grad():
+            return logp, _entropy_from_logprobs(logp_all.detach())
+    return logp, _entropy_from_logprobs(logp_all)
+
+
 def truncate_logits(logits: Tensor, top_k: int = -1, top_p: float = 1.0) -> Tensor:
     """Top-k then top-p (nucleus) truncation of (temperature-scaled) logits [..., V], as vLLM 0.32 samples:
     the dropped tokens get -inf, so log_softmax of the result renormalises over the kept set.

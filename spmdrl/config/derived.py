@@ -75,6 +75,35 @@ def compute_dtype_name(cfg, on_gpu: bool) -> str:
     return resolve_dtype(cfg.model.dtype, on_gpu)
 
 
+# The trainer-vs-sampler bounds in nats, by precision: float32 when both the training engines and the rollout
+# compute in float32 (measured gaps near 1e-6 on CPU), half otherwise (bfloat16: not yet measured on a GPU).
+PARITY_TOL = {"float32": 1e-3, "half": 0.5}  # the parity check: largest |actor - rollout| log-prob
+DIFF_WARN = {"float32": 0.1, "half": 2.0}  # rollout/logprob_diff_max past it: one warning line per run
+DIFF_ERROR = {"float32": 0.05, "half": 0.5}  # rollout/logprob_diff_mean past it: the run stops
+
+
+def _precision(cfg, on_gpu: bool) -> str:
+    both = {compute_dtype_name(cfg, on_gpu), rollout_dtype_name(cfg, on_gpu)}
+    return "float32" if both == {"float32"} else "half"
+
+
+def parity_tolerance(cfg, on_gpu: bool) -> float:
+    """The parity check's bound on the largest |actor - rollout| log-prob before step 1 (rollout.parity_tol, 0:
+    by precision)."""
+    return cfg.rollout.parity_tol or PARITY_TOL[_precision(cfg, on_gpu)]
+
+
+def logprob_diff_bounds(cfg, on_gpu: bool) -> tuple[float, float]:
+    """(warning bound on rollout/logprob_diff_max, error bound on rollout/logprob_diff_mean) during training
+    (rollout.logprob_diff_warn / logprob_diff_error; 0: by precision; negative: off, returned as inf)."""
+    p = _precision(cfg, on_gpu)
+
+    def bound(value: float, default: dict) -> float:
+        return float("inf") if value < 0 else (value or default[p])
+
+    return bound(cfg.rollout.logprob_diff_warn, DIFF_WARN), bound(cfg.rollout.logprob_diff_error, DIFF_ERROR)
+
+
 def offload_kinds(cfg, split: bool = False) -> dict[str, list[str]]:
     """memory.<role>_offload per role: the kinds of state each training engine keeps in host memory between its
     stages. Split placement offloads nothing (nothing shares a device with vLLM); ref.offload (FSDP2

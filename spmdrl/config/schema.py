@@ -63,11 +63,20 @@ class ModelConfig:
     """torch.compile each decoder block's forward (dynamic shapes) in the training engines (fsdp backend only). The
     first micro-batches pay the compilation (tens of seconds per engine)."""
     attn_implementation: str = "auto"
-    """Attention of the FSDP2 backend's actor, ref and critic: auto (spmdrl's kernels, no mask tensor: packed
+    """Attention of the FSDP2 backend's actor, ref and critic: auto (spmdrl's kernels, switched to transformers'
+    eager attention for a model whose attention they do not compute: attention soft-capping, attention sinks, or a
+    difference the parity check finds before step 1) | spmdrl (spmdrl's kernels only: no mask tensor, packed
     micro-batches through a variable-length causal attention over their sequence boundaries, padded ones through
-    causal SDPA; grouped-query attention without repeating key/value heads; no sliding-window layers or attention
-    dropout) | sdpa (transformers' SDPA with explicit masks; packed micro-batches in rows with a dense
-    block-diagonal mask: the reference layout). The Megatron backend has its own attention."""
+    causal SDPA, grouped-query attention without repeating key/value heads, sliding windows) | sdpa
+    (transformers' SDPA with explicit masks; packed micro-batches in rows with a dense block-diagonal mask) |
+    eager (transformers' eager attention, the model's own code, explicit masks; the slowest). The Megatron
+    backend has its own attention."""
+    logprob_head: str = "auto"
+    """How the FSDP2 backend turns hidden states into log-probs: fused (spmdrl's chunked kernel: the LM head's
+    matmul, final-logit soft-capping, temperature and log-softmax a chunk of tokens at a time, no [tokens, vocab]
+    tensor kept) | model (the model's own forward to its logits, then temperature and log-softmax: whatever its
+    head computes, such as a logit scale; keeps [tokens, vocab] logits) | auto (fused, or model when the parity
+    check finds the fused head computes another function than the model's)."""
 
 
 @dataclass
@@ -277,6 +286,8 @@ class RolloutConfig:
     """Release vLLM weights and KV cache while training (CUDA only; ignored on CPU where vLLM lacks it)."""
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM (GPU; the CPU backend always runs eager here)."""
+    model_impl: str = "auto"
+    """vLLM's model implementation: auto (vLLM's own for the architecture when it has one, else its Transformers modeling backend) | vllm | transformers (vLLM runs transformers' modeling code with its own attention and layers)."""
     max_num_seqs: int = 256
     """vLLM's max concurrent sequences (the transformers engine's decode batch size)."""
     per_request_seed: bool = False
@@ -304,6 +315,21 @@ class RolloutConfig:
     """Where the rollout writes each adapter version for vLLM to load (one small directory per rank, removed when superseded); empty: /dev/shm (memory-backed), else the temp directory."""
     expert_parallel: bool = False
     """A mixture of experts: each vLLM rank of a rollout TP group holds E / rollout_tp whole experts (vLLM's enable_expert_parallel) instead of a 1/tp slice of every expert's FFN width; the weight sync sends each rank its own experts only."""
+    parity_check: bool = True
+    """Before step 1, score a few real samples three ways: the actor's forward as it trains (spmdrl's kernels and
+    log-prob head), transformers' own forward of the model, and the rollout engine's log-probs of its samples. A
+    gap above rollout.parity_tol switches the FSDP2 actor to transformers' attention or head where
+    model.attn_implementation / model.logprob_head are "auto" and that closes it; otherwise the run stops with
+    one line naming the largest differing token and the model's modules."""
+    parity_tol: float = 0.0
+    """The parity check's bound on the largest |actor - rollout| log-prob, in nats; 0: 1e-3 when the training
+    engines and the rollout both compute in float32, 0.5 otherwise."""
+    logprob_diff_warn: float = 0.0
+    """During training, rollout/logprob_diff_max above this gets one warning line per run; 0: 0.1 in float32,
+    2.0 otherwise; negative: off."""
+    logprob_diff_error: float = 0.0
+    """During training, rollout/logprob_diff_mean above this stops the run (the trainer computes another policy
+    than the one that sampled); 0: 0.05 in float32, 0.5 otherwise; negative: off."""
     verify_sync: bool = False
     """Debug: after every weight sync, each rollout rank checks that its engine holds exactly the actor's weights (every parameter whole, loaded through the engine's own loaders, compared byte for byte with what the sync left) and stops naming the parameter, rank and largest difference on a mismatch. Costs two host copies of the rollout weights and a second load per sync."""
 

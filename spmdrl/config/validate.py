@@ -11,10 +11,12 @@ from spmdrl.errors import ConfigError
 CHOICES = {
     "data.truncation": ("error", "left", "right", "middle"),
     "model.dtype": ("auto", "float32", "bfloat16"),
-    "model.attn_implementation": ("auto", "sdpa"),  # spmdrl.engines.fsdp.ATTN_IMPLEMENTATIONS
+    "model.attn_implementation": ("auto", "spmdrl", "sdpa", "eager"),  # spmdrl.engines.fsdp.ATTN_IMPLEMENTATIONS
+    "model.logprob_head": ("auto", "fused", "model"),  # spmdrl.engines.fsdp.LOGPROB_HEADS
     "actor.lr_scheduler": ("constant", "cosine", "linear"),
     "rollout.engine": ("auto", "vllm", "hf"),
     "rollout.dtype": ("auto", "float32", "bfloat16"),
+    "rollout.model_impl": ("auto", "vllm", "transformers"),
     "rollout.lora_sync": ("auto", "adapter", "merge"),
     "reward.on_error": ("raise", "zero"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
@@ -275,7 +277,7 @@ def validate_sequence_parallel(cfg) -> None:
             raise ConfigError(f"{key} on the megatron backend is megatron's context parallelism, which {why}; use "
                               f"{'trainer.critic_backend' if role == 'critic' else 'trainer.backend'} = 'fsdp' "
                               f"(Ulysses sequence parallelism) or {role}_sp = 1")
-        if cfg.model.attn_implementation != "auto":
+        if cfg.model.attn_implementation not in ("auto", "spmdrl"):
             raise ConfigError(f"{key}: sequence parallelism runs inside spmdrl's attention; set "
                               f"model.attn_implementation = 'auto' (found {cfg.model.attn_implementation!r})")
         a = cfg.actor

@@ -55,6 +55,25 @@ class TrainEngine(Protocol):
     def eval(self) -> None:
         """Switch to inference mode (dropout off) before forward-only passes."""
 
+    # ---- compute paths, for the parity check (spmdrl/loop/parity.py) -----------------------------------
+    compute: tuple[str, str]
+    """(attention, head) the forwards run with (FSDP2: attention "spmdrl" | "sdpa" | "eager", head "fused" |
+    "model"; Megatron: ("megatron", "megatron"))."""
+
+    def compute_options(self) -> list[tuple[str, str]]:
+        """The compute paths the parity check may switch to, fastest first, the current one included."""
+
+    def set_compute(self, attention: str, head: str) -> None:
+        """Run the forwards with one of compute_options()."""
+
+    def reference_logprobs(self, tb, *, temperature: float = 1.0) -> torch.Tensor | None:
+        """log p(response token) [B, R] from transformers' own, unmodified forward of the engine's weights (the
+        parity check's reference for the engine's kernels), the same on every rank; None for a backend that does
+        not run transformers' modeling code."""
+
+    def module_summary(self) -> str:
+        """The model's class and its decoder layer's module types, for messages."""
+
     def moe_losses(self):
         """A mixture-of-experts model's (load-balancing loss, z-loss) of the last forward under autograd, summed over
         its MoE layers, differentiable; None for a dense model or an engine built without them."""

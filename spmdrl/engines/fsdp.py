@@ -16,14 +16,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from spmdrl.algos.token_stats import logprobs_from_hidden
+from spmdrl.algos.token_stats import logprobs_from_hidden, logprobs_from_model_logits
 from spmdrl.config.derived import resolve_dtype
 from spmdrl.engines.base import accumulate, clipped_step, forward_each, lr_lambda, resident, state_storages, step_metrics
+from spmdrl.engines.attention import HF_IMPLEMENTATION
 from spmdrl.engines.loading import build_meta_model, decoder_blocks, materialise
 from spmdrl.engines.response_index import ResponseIndex
 from spmdrl.engines.router_replay import RouterReplay, moe_routers
 from spmdrl.engines.sequence_parallel import SequenceShard
-from spmdrl.engines.token_batch import TokenBatch, dense_rows
+from spmdrl.engines.token_batch import TokenBatch, dense_rows, relayout
 from spmdrl.reshard.plan import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import ConfigError
@@ -31,20 +32,19 @@ from spmdrl.errors import ConfigError
 log = logging.getLogger("spmdrl")
 
 
-def _backbone_hidden(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = None) -> tuple[torch.Tensor, TokenBatch]:
-    """Last hidden states [N, L, H] and the batch they belong to.
+def _model_inputs(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = None) -> tuple[dict, TokenBatch]:
+    """The keyword arguments of the backbone's (or the whole model's) forward for batch b, and the batch they
+    belong to.
 
     Under spmdrl's attention (engines/attention.py, model.attn_implementation = "auto") a packed batch goes in
     as it is, its boundaries as the cu_seq_lens / max_length keyword arguments every attention layer receives,
     and a padded batch without its mask (right padding: causal attention is exact for every real token); no
-    mask tensor is built. Under transformers' SDPA ("sdpa") a padded batch's [B, L] mask goes in as it is and a
-    packed batch is first laid out in rows with the dense block-diagonal mask (dense_rows).
+    mask tensor is built. Under transformers' own attention ("sdpa", "eager") a padded batch's [B, L] mask goes
+    in as it is; a packed batch is first laid out in rows with the dense block-diagonal mask (dense_rows) for
+    SDPA, and as padded rows for eager.
 
     shard (sequence parallelism, engines/sequence_parallel.py): only this rank's tokens go in, the hidden states
     come out as [N, hi - lo, H], and every attention layer gets the shard (it exchanges heads over the sp group)."""
-    from spmdrl.engines.attention import HF_IMPLEMENTATION
-
-    backbone = getattr(hf, hf.base_model_prefix)
     kw = {}
     ids, pos = b.input_ids, b.position_ids
     if shard is not None:
@@ -55,40 +55,63 @@ def _backbone_hidden(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None =
         if b.cu_seqlens is not None:
             kw = dict(cu_seq_lens_q=b.cu_seqlens, cu_seq_lens_k=b.cu_seqlens, max_length_q=b.max_seqlen,
                       max_length_k=b.max_seqlen)
-    else:
+    else:  # eager: padded rows, whose [B, L] mask transformers turns into its own causal (and window) masks
         if b.cu_seqlens is not None:
-            b = dense_rows(b)
+            b = relayout(b, packed=False) if hf.config._attn_implementation == "eager" else dense_rows(b)
         ids, pos, mask = b.input_ids, b.position_ids, b.mask
-    hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **kw).last_hidden_state
-    return hidden, b
+    return dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **kw), b
+
+
+def _backbone_hidden(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = None) -> tuple[torch.Tensor, TokenBatch]:
+    """Last hidden states [N, L, H] and the batch they belong to (_model_inputs)."""
+    kw, b = _model_inputs(hf, b, shard)
+    return getattr(hf, hf.base_model_prefix)(**kw).last_hidden_state, b
+
+
+HEADS = ("fused", "model")  # the log-prob head: spmdrl's chunked kernel, or the model's own forward to logits
 
 
 class _LogprobHead(nn.Module):
     """Root module: backbone forward + chunked log-probs from the LM head inside one FSDP root forward, so
-    the root's parameters (embeddings, final norm, lm_head) are unsharded while they are used."""
+    the root's parameters (embeddings, final norm, lm_head) are unsharded while they are used.
+
+    head "fused" (default): spmdrl's chunked log-prob kernel on the last hidden states (the LM head's matmul, the
+    final-logit soft-capping, temperature, truncation, log-softmax; no [tokens, vocab] tensor kept). head
+    "model": the model's own forward to its logits (whatever its CausalLM head computes: a logit scale, a
+    divisor, ...), then temperature, truncation and log-softmax over all of them: slower and [tokens, vocab] in
+    memory, for models whose head the kernel does not express (the parity check picks it, loop/parity.py)."""
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf = hf_model
+        self.head = "fused"
 
     def forward(self, b: TokenBatch, temperature: float, with_entropy: bool, chunk_size: int, top_k: int = -1,
                 top_p: float = 1.0, index: ResponseIndex | None = None, shard: SequenceShard | None = None):
         """index: b's response positions computed on the host (FSDPEngine.logprobs; with a shard, those on this
-        rank's tokens); None (or a batch the backbone laid out anew, model.attn_implementation = "sdpa" with
-        packing) computes them here. shard: sequence parallelism (this rank's tokens; results summed over sp)."""
-        hidden, laid_out = _backbone_hidden(self.hf, b, shard)
+        rank's tokens); None (or a batch the backbone laid out anew, transformers' attention with packing)
+        computes them here. shard: sequence parallelism (this rank's tokens; results summed over sp)."""
+        if self.head == "model":
+            kw, laid_out = _model_inputs(self.hf, b, shard)
+            logits = self.hf(**kw).logits
+        else:
+            hidden, laid_out = _backbone_hidden(self.hf, b, shard)
         if index is None or laid_out is not b:
-            index = ResponseIndex.of(laid_out, batch_first=True).to(hidden.device)
-        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index.hidden)  # [n, H]: no host read of a count
-        weight = self.hf.get_output_embeddings().weight
-        if isinstance(weight, DTensor):
-            weight = weight.full_tensor()
-        # with_entropy: True (differentiable), "detached" (computed without autograd, for the metric) or False
-        logp_flat, ent_flat = logprobs_from_hidden(
-            h, weight, index.labels, temperature=temperature, chunk_size=chunk_size,
-            with_entropy=bool(with_entropy), entropy_grad=with_entropy != "detached", top_k=top_k, top_p=top_p,
-            softcap=getattr(self.hf.config, "final_logit_softcapping", None),
-        )
+            index = ResponseIndex.of(laid_out, batch_first=True).to(b.input_ids.device)
+        if self.head == "model":
+            z = logits.reshape(-1, logits.shape[-1]).index_select(0, index.hidden).float()  # [n, V]
+            logp_flat, ent_flat = logprobs_from_model_logits(z, index.labels, temperature, top_k, top_p, with_entropy)
+        else:
+            h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index.hidden)  # [n, H]: no host read of a count
+            weight = self.hf.get_output_embeddings().weight
+            if isinstance(weight, DTensor):
+                weight = weight.full_tensor()
+            # with_entropy: True (differentiable), "detached" (computed without autograd, for the metric) or False
+            logp_flat, ent_flat = logprobs_from_hidden(
+                h, weight, index.labels, temperature=temperature, chunk_size=chunk_size,
+                with_entropy=bool(with_entropy), entropy_grad=with_entropy != "detached", top_k=top_k, top_p=top_p,
+                softcap=getattr(self.hf.config, "final_logit_softcapping", None),
+            )
         logp, ent = index.scatter(logp_flat), (index.scatter(ent_flat) if with_entropy else None)
         if shard is not None:
             logp, ent = shard.gather(logp), (shard.gather(ent) if with_entropy else None)
@@ -132,17 +155,18 @@ def tp_plan():
     }
 
 
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa")
+ATTN_IMPLEMENTATIONS = ("auto", "spmdrl", "sdpa", "eager")
+LOGPROB_HEADS = ("auto",) + HEADS
 
 
 def model_attention(attn_implementation: str) -> str:
     """The transformers attention implementation an engine builds its model with, from
-    model.attn_implementation: "auto" -> spmdrl's kernels (engines/attention.py: varlen for packed batches,
-    causal SDPA without a mask for padded ones), "sdpa" -> transformers' SDPA with explicit masks."""
+    model.attn_implementation: "auto" and "spmdrl" -> spmdrl's kernels (engines/attention.py: varlen for packed
+    batches, causal SDPA without a mask for padded ones), "sdpa" / "eager" -> transformers' own, explicit masks."""
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(f"model.attn_implementation = {attn_implementation!r}: use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
-    if attn_implementation == "sdpa":
-        return "sdpa"
+    if attn_implementation in ("sdpa", "eager"):
+        return attn_implementation
     from spmdrl.engines.attention import register_hf
 
     return register_hf()
@@ -172,10 +196,12 @@ class FSDPEngine:
         checkpoint_every_n_layers: int = 1,
         checkpoint_offload: bool = False,
         attn_implementation: str = "auto",
+        logprob_head: str = "auto",
         router_replay: bool = False,
         router_losses: bool = False,
     ):
-        """router_replay: a mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes
+        """attn_implementation, logprob_head: model.attn_implementation and model.logprob_head ("auto": spmdrl's
+        kernels, switched to transformers' own by the model's needs and by the parity check). router_replay: a mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes
         name (engines/router_replay.py); without it they only measure the agreement. router_losses: its forwards
         under autograd keep the load-balancing and z-loss terms (moe_losses)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -188,8 +214,12 @@ class FSDPEngine:
         # trainable: float32 master shards (bf16 compute under mixed precision); frozen (ref, or the base under
         # LoRA adapters): the compute dtype
         store_dtype = torch.float32 if trainable and lora is None else param_dtype
+        if logprob_head not in LOGPROB_HEADS:
+            raise ConfigError(f"model.logprob_head = {logprob_head!r}: use one of {', '.join(LOGPROB_HEADS)}")
         hf = build_meta_model(model_path, value_head=value_head, trust_remote_code=trust_remote_code, dtype=store_dtype,
-                              attn_implementation=model_attention(attn_implementation))
+                              attn_implementation=model_attention(attn_implementation),
+                              switch_attention=attn_implementation == "auto")
+        self.switchable = (attn_implementation == "auto", logprob_head == "auto")  # what the parity check may change
         hf.config.use_cache = False
         if mesh.sp_size > 1:
             _check_sequence_parallel(hf.config, mesh, model_path)
@@ -220,6 +250,8 @@ class FSDPEngine:
                 plan = lora_tp_plan(plan, self.lora.target_modules)
             parallelize_module(backbone, mesh.submesh("tp"), plan)
         self.module = _ValueHead(hf) if value_head else _LogprobHead(hf)
+        if logprob_head == "model" and not value_head:
+            self.module.head = "model"
         self.router = RouterReplay(hf, replay=router_replay, aux=router_losses) if moe_routers(hf) else None  # MoE only
         self.host_offload_policy = offload and cuda
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype != torch.float32 else MixedPrecisionPolicy()
@@ -267,6 +299,63 @@ class FSDPEngine:
         index, shard = self._index(b)
         self._route(b)
         return self.module(b.to(self.device), temperature, with_entropy, chunk_size, top_k, top_p, index, shard)
+
+    # ---- compute paths (the parity check, loop/parity.py) -------------------------------------------------
+    @property
+    def compute(self) -> tuple[str, str]:
+        """(attention, head) the forwards run with: attention "spmdrl" (engines/attention.py), "sdpa" or "eager"
+        (transformers' own); head "fused" (spmdrl's chunked kernel) or "model" (the model's own logits)."""
+        impl = self.hf.config._attn_implementation
+        return ("spmdrl" if impl == HF_IMPLEMENTATION else impl), self.module.head
+
+    def compute_options(self) -> list[tuple[str, str]]:
+        """The (attention, head) pairs the parity check may choose, fastest first: the engine's own, and where
+        model.attn_implementation / model.logprob_head are "auto" the slower ones of transformers."""
+        attn, head = self.compute
+        return [c for c in self._runnable() if (self.switchable[0] or c[0] == attn) and (self.switchable[1] or c[1] == head)]
+
+    def _runnable(self) -> list[tuple[str, str]]:
+        """Every (attention, head) this model can run with, fastest first (the model's own head and transformers'
+        eager attention keep [tokens, vocab] logits and [heads, L, L] scores: last)."""
+        from spmdrl.engines.loading import takes_attention_functions
+
+        if self.mesh.sp_size > 1:  # Ulysses lives inside spmdrl's attention
+            attns = ["spmdrl"]
+        elif takes_attention_functions(self.hf):
+            attns = ["spmdrl", "sdpa", "eager"]
+        else:  # its own attention classes, chosen when it was built
+            attns = [self.compute[0]]
+        heads = list(HEADS) if isinstance(self.module, _LogprobHead) else ["fused"]
+        return sorted(((a, h) for a in attns for h in heads),
+                      key=lambda ah: (ah[0] == "eager", ah[1] == "model", attns.index(ah[0])))
+
+    def set_compute(self, attention: str, head: str) -> None:
+        """Run the forwards with (attention, head), one of _runnable()."""
+        if (attention, head) not in self._runnable():
+            raise ConfigError(f"{self.model_path}: cannot run attention {attention!r} with head {head!r}; "
+                              f"options: {self._runnable()}")
+        if attention != self.compute[0]:
+            self.hf.set_attn_implementation(HF_IMPLEMENTATION if attention == "spmdrl" else attention)
+        self.module.head = head
+
+    def reference_logprobs(self, b: TokenBatch, *, temperature: float = 1.0) -> torch.Tensor:
+        """log p(response token) [B, R] from transformers' own forward of this model: its eager attention with its
+        own masks, its own head to the logits, then temperature and a float32 log-softmax; the engine's compute
+        path is back as it was afterwards. The parity check's reference for the engine's own kernels."""
+        was = self.compute
+        self.set_compute("eager" if "eager" in {a for a, _ in self._runnable()} else was[0], "model")
+        try:
+            with torch.no_grad():
+                return self.logprobs(b, temperature=temperature)[0].float()
+        finally:
+            self.set_compute(*was)
+
+    def module_summary(self) -> str:
+        """E.g. "Qwen2ForCausalLM (Qwen2DecoderLayer: Qwen2Attention, Qwen2MLP, Qwen2RMSNorm)"."""
+        layer = decoder_blocks(getattr(self.hf, self.hf.base_model_prefix))[0]
+        parts = dict.fromkeys(type(m).__name__.removeprefix("FSDP") for m in layer.children())
+        return f"{type(self.hf).__name__.removeprefix('FSDP')} ({type(layer).__name__.removeprefix('FSDP')}: " \
+               f"{', '.join(parts)})"
 
     def _index(self, b: TokenBatch) -> tuple[ResponseIndex, SequenceShard | None]:
         """b's response positions, from the host batch before it moves; with sequence parallelism the shard of b

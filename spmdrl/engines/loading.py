@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import re
@@ -20,6 +21,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from spmdrl.errors import ConfigError
+
+log = logging.getLogger("spmdrl")
 
 HEAD_PREFIXES = ("score.", "classifier.")  # a critic's fresh value head: not in a causal-LM checkpoint
 BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_configs")
@@ -98,39 +101,77 @@ def model_param_shapes(hf_config, value_head: bool = False) -> list[tuple[str, t
 
 
 def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bool, dtype: torch.dtype = torch.float32,
-                     attn_implementation: str = "sdpa"):
+                     attn_implementation: str = "sdpa", switch_attention: bool = True):
     """The HF model with every parameter on the meta device (no memory), in the storage dtype, and real buffers
-    on the host; attention by the transformers implementation `attn_implementation` (a registered name)."""
+    on the host; dropout off; attention by the transformers implementation `attn_implementation` (a registered
+    name), or with switch_attention by the one this model needs (SDPA for a model with its own attention classes,
+    eager for attention soft-capping or sinks; one log line each)."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
-    if attn_implementation != "sdpa" and not _takes_attention_functions(config, value_head):
-        import logging
-
-        logging.getLogger(__name__).info(
-            "model.path = %r (%s) runs its own attention classes, not transformers' attention functions: it trains "
-            "with transformers' SDPA and explicit masks (packed batches laid out as padded rows)", model_path,
-            config.model_type)
+    switched_off = dropout_off(config)
+    if switched_off:
+        log.info("model.path = %r: dropout set to 0 for training (%s; vLLM never applies it): the update's forward "
+                 "must compute the policy that sampled", model_path, ", ".join(switched_off))
+    if attn_implementation not in ("sdpa", "eager") and not _class_takes_attention_functions(config, value_head):
+        log.info("model.path = %r (%s) runs its own attention classes, not transformers' attention functions: it "
+                 "trains with transformers' SDPA and explicit masks (packed batches laid out as padded rows)",
+                 model_path, config.model_type)
         attn_implementation = "sdpa"
-    if attn_implementation != "sdpa":
-        if getattr(config, "attn_logit_softcapping", None):
-            raise ConfigError(f"model.path = {model_path!r}: attn_logit_softcapping = {config.attn_logit_softcapping}, "
-                              "which model.attn_implementation = 'auto' does not run; set it to 'sdpa'")
-        if getattr(config, "attention_dropout", 0.0):
-            raise ConfigError(f"model.path = {model_path!r}: attention_dropout = {config.attention_dropout}, which "
-                              "model.attn_implementation = 'auto' does not run; set it to 'sdpa'")
+    needs = eager_only_attention(config)
+    if needs and attn_implementation != "eager":
+        if not switch_attention:
+            raise ConfigError(f"model.path = {model_path!r}: {needs}, which only transformers' eager attention computes; "
+                              "set model.attn_implementation = 'eager' (or 'auto', which picks it)")
+        log.info("model.path = %r: %s, which only transformers' eager attention computes: the training engines use it "
+                 "(packed batches laid out as padded rows)", model_path, needs)
+        attn_implementation = "eager"
     hf = meta_model(config, value_head=value_head, trust_remote_code=trust_remote_code,
                     attn_implementation=attn_implementation, dtype=dtype)
     _real_buffers(hf)
     return hf
 
 
-def _takes_attention_functions(config, value_head: bool) -> bool:
-    """Whether the model class calls transformers' registered attention functions (spmdrl's kernels plug in
-    there); older classes (Falcon) pick their own attention classes by name."""
+DROPOUT_KEYS = re.compile(r"(dropout|pdrop)(_prob|_rate)?$")
+
+
+def dropout_off(config) -> list[str]:
+    """Set every dropout probability of `config` (and its sub-configs) to 0; returns the "key = value" it changed.
+    An RL update's ratio needs the forward that sampled: vLLM never drops out, so the trainer must not either."""
+    changed = []
+    for c in {id(x): x for x in (config, getattr(config, "get_text_config", lambda: config)())}.values():
+        for k, v in list(vars(c).items()):
+            if DROPOUT_KEYS.search(k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                setattr(c, k, 0.0)
+                changed.append(f"{k} = {v}")
+    return changed
+
+
+def eager_only_attention(config) -> str:
+    """Why `config`'s attention needs transformers' eager implementation (neither spmdrl's kernels nor SDPA compute
+    it), or "" when it does not: attention-logit soft-capping (Gemma 2), attention sinks (gpt-oss)."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    if getattr(text, "attn_logit_softcapping", None):
+        return f"attn_logit_softcapping = {text.attn_logit_softcapping}"
+    if text.model_type in SINK_MODEL_TYPES:
+        return "attention sinks (a learnt per-head logit in every softmax)"
+    return ""
+
+
+SINK_MODEL_TYPES = ("gpt_oss",)  # transformers passes s_aux to the attention function; only eager applies it
+
+
+def takes_attention_functions(hf: nn.Module) -> bool:
+    """Whether built model `hf` calls transformers' registered attention functions (spmdrl's kernels plug in there,
+    and its attention can be switched after the build); older classes (Falcon) pick their own attention classes."""
+    return bool(getattr(type(hf), "_supports_attention_backend", False))
+
+
+def _class_takes_attention_functions(config, value_head: bool) -> bool:
+    """takes_attention_functions for the model class of `config`, before it is built."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM

@@ -51,7 +51,9 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
     backend = role_backends(cfg)
 
     def attn(role: str) -> dict:  # the FSDP2 backend's attention; the Megatron backend has its own
-        return {"attn_implementation": cfg.model.attn_implementation} if backend[role] == "fsdp" else {}
+        if backend[role] != "fsdp":
+            return {}
+        return {"attn_implementation": cfg.model.attn_implementation, "logprob_head": cfg.model.logprob_head}
 
     def replay(role: str) -> dict:  # routing replay and router losses (both training backends)
         out = {"router_replay": True} if a.router_replay == "rollout" else {}
@@ -119,7 +121,7 @@ def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokeniz
         dtype=rollout_dtype_name(cfg, device.type == "cuda"),
         max_model_len=d.max_prompt_length + d.max_response_length, seed=cfg.trainer.seed,
         gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.enable_sleep_mode and device.type == "cuda",
-        enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs, per_request_seed=r.per_request_seed,
+        enforce_eager=r.enforce_eager, model_impl=r.model_impl, max_num_seqs=r.max_num_seqs, per_request_seed=r.per_request_seed,
         max_num_batched_tokens=max(r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length),
         kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code, load_format=load_format,
         capture_routes=cfg.actor.router_replay == "rollout", **sub_world,

@@ -21,6 +21,7 @@ import torch
 from spmdrl.algos.rollout_correction import rollout_correction
 from spmdrl.batch import Batch
 from spmdrl.config.derived import rollout_correction_active
+from spmdrl.errors import ConfigError
 
 log = logging.getLogger("spmdrl")
 
@@ -44,6 +45,29 @@ def logprob_diff(pieces: list, reduce: Callable, reduce_max: Callable) -> dict[s
     top = reduce_max(top)
     return {"rollout/logprob_diff_mean": float(s[0] / s[1]) if float(s[1]) else 0.0,
             "rollout/logprob_diff_max": float(torch.as_tensor(top)[0])}
+
+
+class MismatchWatch:
+    """rollout/logprob_diff_* against their bounds (config/derived.py logprob_diff_bounds), on the step's reduced
+    metrics (the same on every rank): a max above `warn` gets one warning line per run; a token mean above
+    `error` stops the run, since the update then trains another policy than the one that sampled."""
+
+    def __init__(self, warn: float, error: float):
+        self.warn, self.error, self.warned = warn, error, False
+
+    def check(self, step: int, metrics: dict) -> None:
+        top, mean = metrics.get("rollout/logprob_diff_max"), metrics.get("rollout/logprob_diff_mean")
+        if mean is not None and mean > self.error:
+            raise ConfigError(
+                f"step {step}: rollout/logprob_diff_mean = {mean:.3g} nats > rollout.logprob_diff_error = "
+                f"{self.error:.3g}: the actor computes another policy than the rollout engine samples from (max "
+                f"{top:.3g}); check the weight sync with rollout.verify_sync = true, or raise the bound if this is "
+                "expected precision noise")
+        if top is not None and top > self.warn and not self.warned:
+            self.warned = True
+            log.warning("step %d: rollout/logprob_diff_max = %.3g nats > rollout.logprob_diff_warn = %.3g (token mean "
+                        "%.3g): some sampled tokens get another log-prob from the actor than from the rollout engine "
+                        "(said once per run)", step, top, self.warn, mean or 0.0)
 
 
 def correct_rollout(cfg, engine, batch: Batch, forward: Callable, reduce: Callable,

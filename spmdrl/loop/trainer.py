@@ -27,7 +27,7 @@ from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
 from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume, resume_advice
 from spmdrl.config import Config, to_toml
-from spmdrl.config.derived import offload_kinds, on_policy, uses_ref
+from spmdrl.config.derived import logprob_diff_bounds, offload_kinds, on_policy, uses_ref
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.collectives import reduce_max, reduce_mean, redistribute
@@ -40,10 +40,12 @@ from spmdrl.loop.build import (
     tool_schemas,
 )
 from spmdrl.loop.collect import SampleRounds
+from spmdrl.loop.correction import MismatchWatch
 from spmdrl.loop.generate import Generator
 from spmdrl.loop.generations import GenerationLog
 from spmdrl.loop.learner import Learner
 from spmdrl.loop.memory import MemoryLifecycle
+from spmdrl.loop.parity import ParityCheck
 from spmdrl.loop.run_state import BadSteps, RunCheckpointer
 from spmdrl.loop.scoring import Scorer
 from spmdrl.loop.split import BatchStream
@@ -156,6 +158,12 @@ class Trainer:
                                   greedy_baseline="baseline_rewards" in getattr(self.learner.adv_fn, "requires", ()),
                                   agent=agent)
         self.generator = generator
+        cuda = device.type == "cuda"
+        self.parity = None  # trainer = sampler, checked before step 1 (colocated: actor and rollout on every rank)
+        if cfg.rollout.parity_check and self.trains and rollout is not None:
+            self.parity = ParityCheck(cfg, self.actor, rollout, train_ds, pad_id,
+                                      lambda engine, batch: self.learner.logprobs(engine, batch, ref=True), cuda)
+        self.mismatch = MismatchWatch(*logprob_diff_bounds(cfg, cuda))
         self.stream = BatchStream(cfg, self.meshes, generator, sampler, self.weight_sync, self.memory) if split else None
         self.tool_names = [t.name for t in tools]  # multi-turn: the keys of the per-tool metrics
         self.generations = GenerationLog(cfg.logging, cfg.trainer.output_dir, rank,
@@ -207,6 +215,9 @@ class Trainer:
         try:
             with named_failures(lambda: self.global_step, cfg.trainer.dist_timeout_s,
                                 lambda: resume_advice(cfg.trainer.output_dir)):
+                if self.parity is not None:
+                    with timer("parity_check"):
+                        self.logger.log(self.global_step, self.parity.run(self.memory))
                 if self.validator is not None and cfg.trainer.val_before_train and not self.resumed_from:
                     with timer("validation"):
                         self.logger.log(0, self.validator.run(self.global_step))
@@ -228,6 +239,7 @@ class Trainer:
                         with timer("validation"):
                             metrics.update(self.validator.run(self.global_step))
                     self.logger.log(self.global_step, metrics)
+                    self.mismatch.check(self.global_step, metrics)
                     last = metrics
                     self.bad_steps.check(self.global_step)
                     if not bad and self.checkpointer.due(self.global_step, done, since_save_s):

@@ -253,11 +253,13 @@ def probe_rank(hf_config, params: list[tuple[str, tuple[int, ...]]], tp: int, tp
     from vllm.model_executor.model_loader.utils import initialize_model
 
     from spmdrl.engines.loading import checkpoint_views
+    from spmdrl.rollout.vllm_classes import transformers_classes_kept
 
     cfg = _engine_config(hf_config, tp, dtype, expert_parallel, trust_remote_code)
     as_stored = checkpoint_views(hf_config)  # what the sync hands to vLLM (VLLMEngine.update_weights)
     reads, whole = {}, {}
-    with _stand_in_groups(tp, tp_rank, expert_parallel), set_current_vllm_config(cfg), _expert_maps_on_cpu():
+    with _stand_in_groups(tp, tp_rank, expert_parallel), set_current_vllm_config(cfg), _expert_maps_on_cpu(), \
+            transformers_classes_kept(hf_config):
         with torch.device("meta"):
             model = initialize_model(cfg)
         seen: dict[tuple, str] = {}  # (family, shape) -> the parameter probed for it: layers load alike

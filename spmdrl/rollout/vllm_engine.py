@@ -123,6 +123,7 @@ class VLLMEngine:
         lora: LoRASpec | None = None,
         capture_routes: bool = False,
         expert_parallel: bool = False,
+        model_impl: str = "auto",
     ):
         """expert_parallel: vLLM's enable_expert_parallel (a mixture of experts' experts split whole over the TP
         ranks; the weight sync learns the loaders' reads in that mode). capture_routes: return the experts each
@@ -181,7 +182,11 @@ class VLLMEngine:
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         t0 = time.perf_counter()
         try:
-            with preserved_rng_state(), _job_unique_cpu_shm_names(), vllm_sub_world(world_size if sub_world else None):
+            from spmdrl.engines.loading import load_hf_config
+            from spmdrl.rollout.vllm_classes import transformers_classes_kept
+
+            with preserved_rng_state(), _job_unique_cpu_shm_names(), vllm_sub_world(world_size if sub_world else None), \
+                    transformers_classes_kept(load_hf_config(model_path, trust_remote_code)):
                 self.llm = LLM(
                     model=model_path,
                     tokenizer=tokenizer_path or model_path,
@@ -203,6 +208,7 @@ class VLLMEngine:
                     # the log-prob of the distribution each token was drawn from (after temperature, top-k, top-p):
                     # the behaviour policy an importance ratio needs; vLLM's default is the raw, pre-temperature one
                     logprobs_mode="processed_logprobs",
+                    model_impl=model_impl,
                     use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),  # logging.verbosity = debug
                     **SCHEDULER_ARGS,
                     **kwargs,

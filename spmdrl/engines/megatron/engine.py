@@ -166,6 +166,22 @@ class MegatronEngine:
     def eval(self) -> None:
         self.stage.eval()
 
+    compute = ("megatron", "megatron")  # megatron-core's own layers and spmdrl's vocab-parallel head, nothing else
+
+    def compute_options(self) -> list[tuple[str, str]]:
+        return [self.compute]
+
+    def set_compute(self, attention: str, head: str) -> None:
+        if (attention, head) != self.compute:
+            raise ConfigError(f"megatron backend: no compute path {(attention, head)!r}; it runs {self.compute!r}")
+
+    def reference_logprobs(self, tb, *, temperature: float = 1.0):
+        """None: the Megatron model is megatron-core's, converted from the HF checkpoint; no transformers forward."""
+        return None
+
+    def module_summary(self) -> str:
+        return f"megatron-core GPTModel converted from {self.config.model_type}"
+
     def _routing(self, replay: bool, losses: bool, full_recompute: bool):
         """A mixture of experts' Routing (routing.py), shared by the stage's routers; None for a dense model."""
         if not self.dims.experts:
