@@ -175,3 +175,93 @@ def build_reward_model(out_dir: str, *, seed: int = 0, tokenizer=None, **sizes) 
         torch.nn.init.normal_(model.score.weight, std=s["hidden_size"] ** -0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+# ---- any architecture: a published config's defaults scaled down --------------------------------------------
+
+# Standard size keys (transformers' attribute_map translates them for families that name them otherwise: n_embd,
+# n_head, ...). Head dim 32 (vLLM's CPU attention needs >= 32).
+TINY_SIZES = dict(vocab_size=320, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  intermediate_size=256, max_position_embeddings=512)
+TINY_EXPERTS = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2, moe_k=2,
+                    moe_topk=2, moe_intermediate_size=64, shared_expert_intermediate_size=64, n_group=1, topk_group=1,
+                    first_k_dense_replace=0, num_dense_layers=0, expert_layer_offset=0, decoder_sparse_step=1)
+# multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4.7-Flash): ranks and head dims scaled together
+TINY_MLA = dict(q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
+TINY_LAYERS = 2
+
+
+def _scaled_layer_list(value: list, n: int) -> list:
+    """A per-layer list (layer_types, mlp_layer_types, ...) for n layers: its first n entries, with every kind it
+    names kept (the last entry replaced by a missing kind) so a tiny model still has each kind of layer."""
+    head = list(value[:n])
+    for kind in dict.fromkeys(value):
+        if kind not in head and n > 0:
+            head[-1] = kind
+    return head
+
+
+def tiny_config(model_type: str, *, layers: int = TINY_LAYERS):
+    """The config of a tiny random instance of `model_type` (any architecture transformers knows): its
+    defaults (a published model's sizes) with sizes, experts, latent-attention ranks and per-layer lists scaled
+    down, token ids inside the tiny vocabulary, float32. Raises ValueError for a model type transformers lacks."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n_layers = layers
+    for key in ("num_hidden_layers", "n_layers", "num_layers"):
+        if hasattr(text, key):
+            setattr(text, key, n_layers)
+    def put(key, value):
+        try:
+            setattr(text, key, value)
+        except (AttributeError, TypeError):  # a derived property (Falcon's head_dim), or a per-layer one
+            pass
+
+    for key, value in TINY_SIZES.items():
+        if key in vars(text) or key in getattr(text, "attribute_map", {}):
+            put(key, value)
+    for table in (TINY_EXPERTS, TINY_MLA):
+        for key, value in table.items():
+            if vars(text).get(key) is not None:
+                put(key, value)
+    if vars(text).get("kv_lora_rank"):  # latent attention: every head has its own key and value
+        put("num_key_value_heads", TINY_SIZES["num_attention_heads"])
+    for period, offset in (("attn_layer_period", "attn_layer_offset"), ("expert_layer_period", "expert_layer_offset")):
+        if vars(text).get(period):  # Jamba: one attention / expert layer per period
+            put(period, n_layers)
+            put(offset, n_layers - 1)
+    if getattr(text, "qk_head_dim", None) is not None and getattr(text, "qk_rope_head_dim", None):
+        text.qk_head_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
+    if hasattr(text, "rotary_dim") and text.rotary_dim:  # GPT-J, CodeGen: rotary on part of each head
+        text.rotary_dim = min(text.rotary_dim, TINY_SIZES["head_dim"])
+    for key, value in list(vars(text).items()):
+        if isinstance(value, list) and len(value) > n_layers and key.endswith(("layer_types", "layers_block_type")):
+            setattr(text, key, _scaled_layer_list(value, n_layers))
+    for key in ("no_rope_layers",):
+        if isinstance(getattr(text, key, None), list):
+            setattr(text, key, getattr(text, key)[:n_layers])
+    if isinstance(getattr(text, "mlp_only_layers", None), list):
+        text.mlp_only_layers = []
+    eos = SPECIAL_TOKENS.index("<|im_end|>")
+    for c in {id(x): x for x in (cfg, text)}.values():
+        c.pad_token_id, c.bos_token_id, c.eos_token_id = 0, 0, eos
+        c.torch_dtype = "float32"
+    return cfg
+
+
+def build_any(out_dir: str, model_type: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> str:
+    """Write a tiny random `model_type` (tiny_config) with the byte-level tokenizer into out_dir; returns it.
+    Raises whatever transformers raises when the scaled config cannot be built."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(model_type, layers=layers)
+    os.makedirs(out_dir, exist_ok=True)
+    build_tokenizer(out_dir)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg).float()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

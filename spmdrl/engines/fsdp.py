@@ -317,10 +317,12 @@ class FSDPEngine:
     def _runnable(self) -> list[tuple[str, str]]:
         """Every (attention, head) this model can run with, fastest first (the model's own head and transformers'
         eager attention keep [tokens, vocab] logits and [heads, L, L] scores: last)."""
-        from spmdrl.engines.loading import takes_attention_functions
+        from spmdrl.engines.loading import eager_only_attention, takes_attention_functions
 
         if self.mesh.sp_size > 1:  # Ulysses lives inside spmdrl's attention
             attns = ["spmdrl"]
+        elif eager_only_attention(self.hf.config):  # soft-capping, sinks: nothing else computes them
+            attns = ["eager"]
         elif takes_attention_functions(self.hf):
             attns = ["spmdrl", "sdpa", "eager"]
         else:  # its own attention classes, chosen when it was built
@@ -476,6 +478,11 @@ class FSDPEngine:
 
     def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor, Block]]:
         """This rank's FSDP2 (x TP) shard of every parameter with its block (checked once against DTensor)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():  # a forward-only pass leaves the root and the last block gathered
+            if isinstance(m, FSDPModule):
+                m.reshard()
         blocks = self._blocks()
         for name, p in self.hf_parameters():
             local = p.to_local() if isinstance(p, DTensor) else p

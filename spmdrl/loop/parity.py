@@ -32,6 +32,8 @@ from spmdrl.rollout.base import SamplingSpec
 
 log = logging.getLogger("spmdrl")
 
+SYNC_BUG = ("the planned route learnt from vLLM's loaders misreads a tensor of this architecture; please report it "
+            "with the model's config.json")
 PROMPTS = 4  # samples scored: enough tokens to see a systematic difference, seconds on a CPU
 MAX_TOKENS = 24
 
@@ -56,13 +58,34 @@ class Gap:
         return f"{self.value:.3g} nats at sample {self.sample}, response token {self.position} (id {self.token})"
 
 
+@dataclass
+class Comparison:
+    """One scoring of the samples: gaps[0] actor vs rollout, and with transformers' own forward gaps[1] model vs
+    rollout and gaps[2] actor vs model (this rank's); worst: their maxima over the world."""
+
+    batch: object
+    gaps: list[Gap]
+    worst: list[float]
+    has_model: bool
+
+    @property
+    def tokens(self) -> int:
+        return int(self.batch["response_mask"].sum())
+
+    def metrics(self) -> dict[str, float]:
+        out = {"parity/actor_vs_rollout": self.worst[0]}
+        if self.has_model:
+            out.update({"parity/model_vs_rollout": self.worst[1], "parity/actor_vs_model": self.worst[2]})
+        return out
+
+
 class ParityCheck:
     """cfg: the run's; actor: the actor engine; rollout: this rank's rollout engine; dataset: the training prompts;
     logprobs(engine, batch) -> [B, R]: the learner's forward pass (the update's micro-batching and temperature)."""
 
-    def __init__(self, cfg, actor, rollout, dataset, pad_id: int, logprobs, on_gpu: bool):
+    def __init__(self, cfg, actor, rollout, dataset, pad_id: int, logprobs, on_gpu: bool, weight_sync):
         self.cfg, self.actor, self.rollout, self.dataset, self.pad_id = cfg, actor, rollout, dataset, pad_id
-        self.logprobs = logprobs
+        self.logprobs, self.weight_sync = logprobs, weight_sync
         self.tol = parity_tolerance(cfg, on_gpu)
 
     def samples(self):
@@ -75,44 +98,88 @@ class ParityCheck:
         seeds = request_seeds(self.cfg.trainer.seed, 0, 0, len(idx))
         return rollout_to_batch(prompts, idx, self.rollout.generate(prompts, spec, seeds), 1, self.pad_id)
 
-    def run(self, memory) -> dict[str, float]:
+    def run(self, memory, synced: bool) -> dict[str, float]:
         """Check, switch the actor's compute path if that closes the gap, or raise ConfigError. Returns the
-        parity/* metrics logged with step 0."""
+        parity/* metrics logged with step 0. synced: the rollout engine's weights came through the weight sync;
+        otherwise (it read the checkpoint itself) the engine is checked as loaded, then once more after one sync,
+        so a difference is put down to the right side: the model's computation or the sync."""
+        c = self._compare(memory)
+        if c.worst[0] > self.tol:
+            c = self._switch_or_refuse(memory, c, diagnose_sync=synced)
+        if not synced:
+            memory.for_sync()
+            self.weight_sync()
+            after = self._compare(memory)
+            if after.worst[0] > self.tol:
+                raise ConfigError(self._sync_refusal(after, self._sync_check() or "the engine's loaders then read "
+                                                     "other values than the sync delivered"))
+            c = after
+        log.info("parity check: the actor's log-probs equal the rollout engine's: largest |diff| %.2g nats over %d "
+                 "tokens (tolerance %.2g)%s", c.worst[0], c.tokens, self.tol,
+                 f"; transformers' own forward: {c.worst[1]:.2g}" if c.has_model else "")
+        return c.metrics()
+
+    def _compare(self, memory) -> "Comparison":
         memory.for_rollout()
         batch = self.samples()
         memory.for_training("actor", update=False)
         mask, tokens, sampled = batch["response_mask"], batch["responses"], batch["rollout_log_probs"]
-        temperature = self.cfg.rollout.temperature or 1.0
         actor = self.logprobs(self.actor, batch)
-        model = self._reference(batch, temperature)
+        model = self._reference(batch, self.cfg.rollout.temperature or 1.0)
         gaps = [Gap.of(actor, sampled, mask, tokens)]
         if model is not None:
             gaps += [Gap.of(model, sampled, mask, tokens), Gap.of(actor, model, mask, tokens)]
         worst = reduce_max(torch.tensor([g.value for g in gaps], dtype=torch.float64))
-        metrics = {"parity/actor_vs_rollout": worst[0]}
-        if model is not None:
-            metrics.update({"parity/model_vs_rollout": worst[1], "parity/actor_vs_model": worst[2]})
-        if worst[0] <= self.tol:
-            log.info("parity check: the actor's log-probs equal the rollout engine's: largest |diff| %.2g nats over "
-                     "%d tokens (tolerance %.2g)%s", worst[0], int(mask.sum()), self.tol,
-                     f"; transformers' own forward: {worst[1]:.2g}" if model is not None else "")
-            return metrics
+        return Comparison(batch, gaps, worst, model is not None)
+
+    def _switch_or_refuse(self, memory, c: "Comparison", diagnose_sync: bool) -> "Comparison":
+        """The actor's other compute paths, fastest first: the first that matches the rollout is kept (one line);
+        none: ConfigError naming the side that differs."""
         first = self.actor.compute
         for option in self.actor.compute_options():
             if option == first:
                 continue
-            self.actor.set_compute(*option)
-            gap = reduce_max(torch.tensor([Gap.of(self.logprobs(self.actor, batch), sampled, mask, tokens).value],
-                                          dtype=torch.float64))[0]
-            if gap <= self.tol:
-                log.warning("parity check: %s does not compute what %s does (actor vs rollout: %s); the training "
-                            "engines run %s instead (slower), which matches within %.2g nats",
-                            _describe(first, option), self.actor.module_summary(), gaps[0].where(),
-                            _describe_path(option), gap)
-                metrics["parity/actor_vs_rollout"] = gap
-                return metrics
+            try:
+                self.actor.set_compute(*option)
+            except (ValueError, ConfigError) as e:  # transformers refuses that attention for this model
+                log.info("parity check: %s cannot run %s (%s)", self.actor.module_summary(), _describe_path(option),
+                         str(e).splitlines()[0][:160])
+                continue
+            b = c.batch
+            gap = Gap.of(self.logprobs(self.actor, b), b["rollout_log_probs"], b["response_mask"], b["responses"])
+            value = reduce_max(torch.tensor([gap.value], dtype=torch.float64))[0]
+            if value <= self.tol:
+                log.info("parity check: %s does not compute what %s does (actor vs rollout: %s); the training engines "
+                         "run %s instead (slower), which matches within %.2g nats", _describe(first, option),
+                         self.actor.module_summary(), c.gaps[0].where(), _describe_path(option), value)
+                c.worst[0] = value
+                return c
         self.actor.set_compute(*first)
-        raise ConfigError(self._refusal(gaps, worst, model is not None))
+        vllm_differs = not c.has_model or c.worst[2] <= self.tol < c.worst[1]  # actor = transformers != rollout
+        if diagnose_sync and vllm_differs:
+            found = self._sync_check()
+            if found:
+                raise ConfigError(self._sync_refusal(c, found))
+        raise ConfigError(self._refusal(c.gaps, c.worst, c.has_model))
+
+    def _sync_check(self) -> str:
+        """What the whole-tensor check of the synced engine finds (reshard/verify.py): the first tensor that differs,
+        or "" when the engine holds the actor's weights (or the sync has no such check: LoRA adapters)."""
+        from spmdrl.reshard.verify import SyncMismatch
+
+        check = getattr(self.weight_sync, "check_engine", None)
+        if check is None:
+            return ""
+        try:
+            check()
+        except SyncMismatch as e:
+            return str(e).split(": ", 1)[1]
+        return ""
+
+    def _sync_refusal(self, c: "Comparison", found: str) -> str:
+        return (f"parity check: after the weight sync the rollout engine's log-probs differ from the actor's by up to "
+                f"{c.gaps[0].where()} (model {self.actor.module_summary()}), while before it they agreed: the sync "
+                f"does not place this model's weights as vLLM's own loaders do ({found}); {SYNC_BUG}")
 
     def _reference(self, batch, temperature: float):
         """transformers' own forward of the actor's weights, [B, R] (None on a backend without one)."""

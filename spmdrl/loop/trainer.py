@@ -162,7 +162,8 @@ class Trainer:
         self.parity = None  # trainer = sampler, checked before step 1 (colocated: actor and rollout on every rank)
         if cfg.rollout.parity_check and self.trains and rollout is not None:
             self.parity = ParityCheck(cfg, self.actor, rollout, train_ds, pad_id,
-                                      lambda engine, batch: self.learner.logprobs(engine, batch, ref=True), cuda)
+                                      lambda engine, batch: self.learner.logprobs(engine, batch, ref=True), cuda,
+                                      self.weight_sync)
         self.mismatch = MismatchWatch(*logprob_diff_bounds(cfg, cuda))
         self.stream = BatchStream(cfg, self.meshes, generator, sampler, self.weight_sync, self.memory) if split else None
         self.tool_names = [t.name for t in tools]  # multi-turn: the keys of the per-tool metrics
@@ -194,6 +195,8 @@ class Trainer:
                                             self.weight_sync, self.stream, rank, self.config_toml, self.memory)
         set_collective_timeout(cfg.trainer.dist_timeout_s)
         self.resumed_from = resume_from
+        # whether the rollout engine's weights came through the sync (else it read the checkpoint itself)
+        self.rollout_synced = bool(resume_from) or load_format == "dummy" or isinstance(self.weight_sync, AdapterSync)
         if resume_from:
             self.resume(resume_from)
         elif load_format == "dummy" or isinstance(self.weight_sync, AdapterSync):
@@ -217,7 +220,7 @@ class Trainer:
                                 lambda: resume_advice(cfg.trainer.output_dir)):
                 if self.parity is not None:
                     with timer("parity_check"):
-                        self.logger.log(self.global_step, self.parity.run(self.memory))
+                        self.logger.log(self.global_step, self.parity.run(self.memory, self.rollout_synced))
                 if self.validator is not None and cfg.trainer.val_before_train and not self.resumed_from:
                     with timer("validation"):
                         self.logger.log(0, self.validator.run(self.global_step))

@@ -93,6 +93,15 @@ class WeightSync:
             log_routes(params, reads, elem)
         self.checked = False
 
+    def check_engine(self, shards=None) -> None:
+        """Raise SyncMismatch (naming the tensor) unless every rollout rank's engine holds exactly the actor's weights
+        as its own loaders load them whole (reshard/verify.py; rollout.verify_sync runs it after every sync, the
+        parity check when the rollout disagrees with the actor)."""
+        if shards is None:
+            shards = held_shards(self.actor.weight_shards()) if self.actor is not None else {}
+        verify_sync(self.plan, shards, self.rollout, dtype=self.dtype, device=comm_device(self.group),
+                    bucket_bytes=self.bucket_bytes, group=self.group, agree=not self.split)
+
     def __call__(self) -> dict[str, float]:
         if self.memory is not None:
             self.memory.for_sync()  # training state out, empty_cache, vLLM weights (not KV) awake: spmdrl/loop/memory.py
@@ -112,8 +121,7 @@ class WeightSync:
         if self.rollout is not None:
             self.rollout.finish_weight_update()  # vLLM: finalize the layerwise reload (repack CPU weights, reset prefix cache)
         if self.verify:
-            verify_sync(self.plan, shards, self.rollout, dtype=self.dtype, device=device, bucket_bytes=self.bucket_bytes,
-                        group=self.group, agree=not self.split)
+            self.check_engine(shards)
         if self.split:  # no world collective here: the roles are at different points; the step reduces these
             return {"weight_sync/bytes_recv": float(stats.bytes_recv), "weight_sync/bytes_sent": float(stats.bytes_sent),
                     "weight_sync/collectives": float(stats.collectives), "timing/weight_sync_transport_s": stats.seconds}
