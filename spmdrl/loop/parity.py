@@ -114,6 +114,7 @@ class ParityCheck:
                 raise ConfigError(self._sync_refusal(after, self._sync_check() or "the engine's loaders then read "
                                                      "other values than the sync delivered"))
             c = after
+        self.rollout.forget_prefixes()  # step 1 samples as it would without the check
         log.info("parity check: the actor's log-probs equal the rollout engine's: largest |diff| %.2g nats over %d "
                  "tokens (tolerance %.2g)%s", c.worst[0], c.tokens, self.tol,
                  f"; transformers' own forward: {c.worst[1]:.2g}" if c.has_model else "")

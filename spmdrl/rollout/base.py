@@ -116,6 +116,11 @@ class RolloutEngine(Protocol):
         finish_weight_update); rollout.verify_sync compares two of them."""
         ...
 
+    def forget_prefixes(self) -> None:
+        """Drop cached prompt prefixes (vLLM's prefix cache; no-op where there is none), so what was generated
+        before (the parity check's samples) cannot change later samples."""
+        ...
+
     def sleep(self, level: int = 1) -> None:
         """Release weights (level 1: kept on host; level 2: dropped) and KV cache memory until wake_up (no-op
         where unsupported)."""

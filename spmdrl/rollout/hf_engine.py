@@ -208,6 +208,9 @@ class HFEngine:
 
     # ---------------------------------------------------------------------------------------------- lifecycle
 
+    def forget_prefixes(self) -> None:
+        """No prefix cache here."""
+
     def sleep(self, level: int = 1) -> None:
         """Move the weights to CPU (CUDA only; a no-op on CPU); both levels keep them, the engine has no KV pool."""
         if self.device.type == "cuda":

@@ -395,6 +395,9 @@ class VLLMEngine:
         self._reloading = False
         self.llm.reset_prefix_cache()
 
+    def forget_prefixes(self) -> None:
+        self.llm.reset_prefix_cache()
+
     # ------------------------------------------------------------------------------------------------ adapters
 
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter_config: dict) -> int:
