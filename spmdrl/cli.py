@@ -369,16 +369,51 @@ def model_tiny(
     out: str = typer.Option(..., "--out", "-o", help="Output HF model directory."),
     seed: int = typer.Option(0, "--seed", help="Initialisation seed."),
     arch: str = typer.Option("qwen2", "--arch", help="Architecture: llama, qwen2, qwen3, mistral, gemma3, mixtral, "
-                             "qwen3_moe, qwen2_moe, phi3 or falcon."),
+                             "qwen3_moe, qwen2_moe, phi3 or falcon (sizes chosen by hand), or any other model type "
+                             "transformers knows (its published defaults scaled down)."),
 ):
     """Build a tiny random model (Qwen2 by default, the quickstart's) with the byte-level tokenizer, for smoke
     tests of an architecture."""
     from spmdrl.errors import ConfigError
-    from spmdrl.tiny import ARCHS, build_tiny
+    from spmdrl.tiny import ARCHS, build_any, build_tiny
 
-    if arch not in ARCHS:
-        raise ConfigError(f"--arch {arch!r} is not a tiny architecture; choose one of {', '.join(ARCHS)}")
-    typer.echo(build_tiny(out, seed=seed, arch=arch))
+    if arch in ARCHS:
+        typer.echo(build_tiny(out, seed=seed, arch=arch))
+        return
+    try:
+        typer.echo(build_any(out, arch, seed=seed))
+    except Exception as e:  # noqa: BLE001 - transformers' own reason, in one line
+        raise ConfigError(f"--arch {arch!r}: cannot build a tiny instance ({type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0][:200]})") from None
+
+
+@model_app.command("sweep")
+@user_errors
+def model_sweep(
+    out: str = typer.Option("outputs/model_sweep", "--out", "-o", help="Output directory (models, runs, results)."),
+    arch: Optional[list[str]] = typer.Option(None, "--arch", help="A model type, or type@key=value,... (with config "
+                                             "overrides); repeat it. Default: every architecture."),
+    docs: Optional[str] = typer.Option(None, "--docs", help="Write the table into this file's generated block "
+                                       "(docs/models.md)."),
+    list_only: bool = typer.Option(False, "--list", help="Print the architectures and exit."),
+):
+    """Every decoder architecture both transformers and vLLM register, as a tiny random model through 2 GRPO
+    steps (2 processes, vLLM at rollout TP 2): trains, refused (one line), stopped, crashed or unbuildable."""
+    import json
+
+    from spmdrl.model_sweep import architectures, sweep, table, write_docs
+
+    if list_only:
+        for model_type, cls in architectures().items():
+            typer.echo(f"{model_type}\t{cls}")
+        return
+    results = sweep(out, arch or None)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    text = table(results)
+    typer.echo(text)
+    if docs:
+        write_docs(docs, text)
 
 
 @app.command(context_settings=PASS_OVERRIDES)

@@ -359,7 +359,8 @@ def forward_flops_per_token(hf_config, context: float, head: bool = True) -> flo
     head_dim = getattr(hf_config, "head_dim", None) or h // heads
     kv = getattr(hf_config, "num_key_value_heads", heads) * head_dim
     q = heads * head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * hf_config.intermediate_size
+    ffn = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) or 4 * h  # GPT-2's
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * ffn
     matmul_params = layers * per_layer + (hf_config.vocab_size * h if head else 0)
     return 2.0 * matmul_params + 4.0 * layers * q * context
 

@@ -42,17 +42,18 @@ def architectures() -> dict[str, str]:
 
 
 def one_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [""])[0]
+    """The exception's type and the start of its message, on one line (its first lines joined)."""
+    text = " ".join(ln.strip() for ln in str(e).strip().splitlines()[:3] if ln.strip())
     return f"{type(e).__name__}: {text}"[:300]
 
 
 def build_models(archs: list[str], root: str) -> dict[str, dict]:
-    """Build each tiny model under root/<arch>/model; {arch: result} for the ones that could not be built."""
+    """Build each tiny model under root/models/<arch>; {arch: result} for the ones that could not be built."""
     from spmdrl.tiny import build_any
 
     failed = {}
     for arch in archs:
-        out = os.path.join(root, arch, "model")
+        out = os.path.join(root, "models", arch)
         if os.path.isfile(os.path.join(out, "config.json")):
             continue
         try:
@@ -62,15 +63,26 @@ def build_models(archs: list[str], root: str) -> dict[str, dict]:
     return failed
 
 
-def train_overrides(root: str, arch: str, data: str) -> list[str]:
-    """The GRPO run of one architecture (the quickstart's config at tiny sizes, as launch/model_families.sh)."""
+def split_case(case: str) -> tuple[str, list[str]]:
+    """"arch" or "arch@key=value,key=value" (the same architecture with overrides) -> (arch, overrides)."""
+    arch, _, extra = case.partition("@")
+    return arch, [kv for kv in extra.split(",") if kv]
+
+
+def run_dir(root: str, case: str) -> str:
+    return os.path.join(root, "runs", case.replace("@", "+").replace("=", "-").replace(",", "+").replace("/", "_"))
+
+
+def train_overrides(root: str, case: str, data: str) -> list[str]:
+    """The GRPO run of one case (the quickstart's config at tiny sizes, as launch/model_families.sh)."""
+    arch, extra = split_case(case)
     return [
-        f"model.path={root}/{arch}/model", f"data.train_files=[\"{data}/train.parquet\"]", "data.val_files=[]",
+        f"model.path={root}/models/{arch}", f"data.train_files=[\"{data}/train.parquet\"]", "data.val_files=[]",
         "data.max_prompt_length=32", "data.max_response_length=8", "data.train_batch_size=4", "rollout.n=4",
         "rollout.kv_cache_gb=0.1", "actor.lr=1e-3", "actor.micro_batch_size=4", "actor.ppo_mini_batch_size=2",
-        "trainer.total_steps=2", "trainer.device=cpu", f"trainer.output_dir={root}/{arch}/run",
+        "trainer.total_steps=2", "trainer.device=cpu", f"trainer.output_dir={run_dir(root, case)}",
         "trainer.overwrite=true", "logging.progress=false", "placement.rollout_tp=2", "trainer.dist_timeout_s=120",
-        "checkpoint.save_every_min=0",
+        "checkpoint.save_every_min=0", *extra,
     ]
 
 
@@ -86,8 +98,8 @@ def verdict(metrics: dict) -> tuple[str, str]:
 
 # ---- rank side: one shared job ------------------------------------------------------------------------------
 
-def run_rank(archs: list[str], root: str, data: str, config: str) -> None:
-    """Every rank: each architecture in turn through the Trainer; one JSON line per architecture in
+def run_rank(cases: list[str], root: str, data: str, config: str) -> None:
+    """Every rank: each case (an architecture, split_case) in turn through the Trainer; one JSON line per case in
     root/results.rank<r>.jsonl, written before the next starts."""
     import torch
 
@@ -102,11 +114,11 @@ def run_rank(archs: list[str], root: str, data: str, config: str) -> None:
     setup_logging(env.rank)
     apply_verbosity("info")
     out = open(os.path.join(root, f"results.rank{env.rank}.jsonl"), "a")
-    for arch in archs:
+    for case in cases:
         t0, trainer = time.perf_counter(), None
-        row = {"arch": arch}
+        row = {"arch": case}
         try:
-            cfg = load_config(config, train_overrides(root, arch, data), root_cls=Config)
+            cfg = load_config(config, train_overrides(root, case, data), root_cls=Config)
             layout = validate(cfg, env.world_size, trackers=False)
             trainer = Trainer(cfg, layout, env.rank, env.world_size, device)
             metrics = trainer.fit()
@@ -140,41 +152,42 @@ def _done(root: str) -> dict[str, dict]:
     return {r["arch"]: r for r in rows}
 
 
-def sweep(root: str, archs: list[str] | None = None, *, config: str = "configs/quickstart/grpo.toml",
+def sweep(root: str, cases: list[str] | None = None, *, config: str = "configs/quickstart/grpo.toml",
           timeout_s: float = 600.0) -> list[dict]:
-    """Run the sweep into root; returns one result per architecture (architectures() order)."""
+    """Run the sweep into root; returns one result per case (default: every architecture, architectures()
+    order). A case is a model type, or "type@key=value,..." for the same type with config overrides."""
     from spmdrl.data.synthetic import make_arith
+    from spmdrl.errors import ConfigError
 
     root = os.path.abspath(root)
     os.makedirs(root, exist_ok=True)
     known = architectures()
-    archs = list(known) if not archs else archs
-    unknown = [a for a in archs if a not in known]
+    cases = list(known) if not cases else list(cases)
+    unknown = [c for c in cases if split_case(c)[0] not in known]
     if unknown:
-        from spmdrl.errors import ConfigError
-
         raise ConfigError(f"--arch {', '.join(unknown)}: not a model type both transformers and vLLM register; "
                           f"`spmdrl model sweep --list` prints them")
     data = os.path.join(root, "data")
     if not os.path.isfile(os.path.join(data, "train.parquet")):
         make_arith(data, n_train=256, n_val=0, seed=0)
-    results = build_models(archs, root)
+    unbuildable = build_models(list(dict.fromkeys(split_case(c)[0] for c in cases)), root)
+    results = {c: {**unbuildable[split_case(c)[0]], "arch": c} for c in cases if split_case(c)[0] in unbuildable}
     for path in (os.path.join(root, f"results.rank{r}.jsonl") for r in range(2)):
         if os.path.isfile(path):
             os.remove(path)
-    todo = [a for a in archs if a not in results]
-    for arch in todo:  # a fresh run each time (a previous sweep's checkpoint would be resumed)
-        shutil.rmtree(os.path.join(root, arch, "run"), ignore_errors=True)
+    todo = [c for c in cases if c not in results]
+    for case in todo:  # a fresh run each time (a previous sweep's checkpoint would be resumed)
+        shutil.rmtree(run_dir(root, case), ignore_errors=True)
     while todo:
         _launch(todo, root, data, config, timeout_s * len(todo))
         done = _done(root)
-        left = [a for a in todo if a not in done]
-        if left and left == todo[len(todo) - len(left):] and left:  # died in left[0]
+        left = [c for c in todo if c not in done]
+        if left:  # the job died in left[0]: a crash in native code, or a hang past the timeout
             results[left[0]] = {"arch": left[0], "verdict": "crashed", "why": _last_error(root)}
             left = left[1:]
         todo = left
     results.update(_done(root))
-    return [results[a] for a in archs]
+    return [results[c] for c in cases]
 
 
 def _launch(archs: list[str], root: str, data: str, config: str, timeout_s: float) -> None:

@@ -81,8 +81,10 @@ BLOCK_NAME = re.compile(r"\.(\d+)\.")  # a decoder block's parameters: model.lay
 
 def decoder_blocks(backbone: nn.Module) -> nn.ModuleList:
     """The backbone's list of decoder blocks (model.layers for Llama-style models, transformer.h for Falcon and
-    GPT-2): its longest nn.ModuleList child."""
+    GPT-2, model.decoder.layers for OPT): its longest nn.ModuleList child, or a grandchild's when it has none."""
     lists = [m for m in backbone.children() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        lists = [m for c in backbone.children() for m in c.children() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise ConfigError(f"{type(backbone).__name__} has no list of decoder blocks that spmdrl recognises")
     return max(lists, key=len)
@@ -112,15 +114,20 @@ def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bo
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
+    if not value_head and getattr(config, "get_text_config", lambda: config)() is not config:
+        raise ConfigError(f"model.path = {model_path!r}: model type {config.model_type!r} is a multimodal model "
+                          f"({', '.join(getattr(config, 'architectures', None) or [type(config).__name__])}); spmdrl "
+                          "trains text models: give a checkpoint of its language model alone (its text model type, "
+                          f"{config.get_text_config().model_type!r})")
     switched_off = dropout_off(config)
     if switched_off:
         log.info("model.path = %r: dropout set to 0 for training (%s; vLLM never applies it): the update's forward "
                  "must compute the policy that sampled", model_path, ", ".join(switched_off))
     if attn_implementation not in ("sdpa", "eager") and not _class_takes_attention_functions(config, value_head):
+        attn_implementation = "sdpa" if _class_supports(config, value_head, "_supports_sdpa") else "eager"
         log.info("model.path = %r (%s) runs its own attention classes, not transformers' attention functions: it "
-                 "trains with transformers' SDPA and explicit masks (packed batches laid out as padded rows)",
-                 model_path, config.model_type)
-        attn_implementation = "sdpa"
+                 "trains with transformers' %s attention and explicit masks (packed batches laid out as padded rows)",
+                 model_path, config.model_type, attn_implementation)
     needs = eager_only_attention(config)
     if needs and attn_implementation != "eager":
         if not switch_attention:
@@ -168,6 +175,17 @@ def takes_attention_functions(hf: nn.Module) -> bool:
     """Whether built model `hf` calls transformers' registered attention functions (spmdrl's kernels plug in there,
     and its attention can be switched after the build); older classes (Falcon) pick their own attention classes."""
     return bool(getattr(type(hf), "_supports_attention_backend", False))
+
+
+def _class_supports(config, value_head: bool, flag: str) -> bool:
+    """A transformers class flag (_supports_sdpa, ...) of the model class of `config`, before it is built."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    try:
+        return bool(getattr(auto._model_mapping[type(config)], flag, False))
+    except KeyError:
+        return True
 
 
 def _class_takes_attention_functions(config, value_head: bool) -> bool:

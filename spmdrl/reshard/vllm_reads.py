@@ -259,7 +259,7 @@ def probe_rank(hf_config, params: list[tuple[str, tuple[int, ...]]], tp: int, tp
     as_stored = checkpoint_views(hf_config)  # what the sync hands to vLLM (VLLMEngine.update_weights)
     reads, whole = {}, {}
     with _stand_in_groups(tp, tp_rank, expert_parallel), set_current_vllm_config(cfg), _expert_maps_on_cpu(), \
-            transformers_classes_kept(hf_config):
+            transformers_classes_kept(hf_config):  # the probe's model only loads weights: no instance to adopt
         with torch.device("meta"):
             model = initialize_model(cfg)
         seen: dict[tuple, str] = {}  # (family, shape) -> the parameter probed for it: layers load alike

