@@ -151,7 +151,9 @@ def train_preflight(cfg, rank: int, world_size: int | None = None):
     from spmdrl.config import to_toml
     from spmdrl.preflight import clear_previous_run, preflight
 
-    plan = preflight(cfg, to_toml(cfg), world_size=world_size)
+    plan = preflight(cfg, to_toml(cfg), world_size=world_size, user_code=rank == 0)
+    if rank == 0 and plan.steps_line:
+        logging.getLogger("spmdrl").info("%s", plan.steps_line)
     if plan.resume and plan.resume_step >= cfg.trainer.total_steps:
         if rank == 0:
             print(f"{plan.resume} is at step {plan.resume_step} and trainer.total_steps = {cfg.trainer.total_steps}: "
