@@ -108,10 +108,19 @@ def _validate_and_launch(module, config, overrides, nproc, dry_run, root_cls, va
 
     overrides = _overrides(overrides)
     cfg = load_config(config, overrides, root_cls=root_cls)
+    _quiet(cfg)
     validate_fn(cfg, nproc)
     if preflight_fn is not None and preflight_fn(cfg, nproc) is False:
         return
     _launch(launch_command(module, config, overrides, nproc), dry_run, cfg.logging.verbosity)
+
+
+def _quiet(cfg) -> None:
+    """logging.verbosity in this process as on the ranks (spmdrl.train.apply_verbosity): the checks import vLLM,
+    which would print its Triton notice here."""
+    from spmdrl.train import apply_verbosity
+
+    apply_verbosity(cfg.logging.verbosity)
 
 
 def _train_preflight(cfg, nproc: int, force: bool = False):
@@ -193,6 +202,7 @@ def eval_(
 
     overrides = _overrides(overrides)
     cfg = load_config(config, overrides)
+    _quiet(cfg)
     path = None
     if checkpoint:
         from spmdrl.checkpoint import find_checkpoint
@@ -465,6 +475,7 @@ def plan(
     extra = [f"memory.{k}={v}" for k, v in (("gpu_memory_gb", gpu_gb), ("gpus_per_node", gpus_per_node),
                                             ("host_memory_gb", host_gb)) if v is not None]
     cfg = load_config(config, _overrides(overrides) + extra)
+    _quiet(cfg)
     if min_gpus:
         from spmdrl.errors import ConfigError
         from spmdrl.plan.search import format_change, min_gpus as search
