@@ -359,9 +359,9 @@ def check_host(cfg, environ=None) -> None:
 
 def check_reward_fns(cfg) -> None:
     """The reward functions (reward.custom_fn, reward.custom_fns) load, in a throwaway process
-    (spmdrl.usercode.check_loadable), before the ranks start: a misspelled name was found on the ranks once
+    (spmdrl.usercheck.check_loadable), before the ranks start: a misspelled name was found on the ranks once
     their engines were built. (The user's tools are checked the same way by config validation.)"""
-    from spmdrl.usercode import check_loadable
+    from spmdrl.usercheck import check_loadable
 
     r = cfg.reward
     items = [("reward.custom_fn", r.custom_fn)] if r.custom_fn else []

@@ -876,7 +876,7 @@ def validate_tools(cfg) -> None:
             )
     if mt.enable:
         from spmdrl.tools.registry import KEY, load_tools
-        from spmdrl.usercode import check_loadable
+        from spmdrl.usercheck import check_loadable
 
         # first in a throwaway process: a file that ends its process at import (os._exit) would end this one silently
         check_loadable([(KEY, spec) for spec in mt.tools if isinstance(spec, str) and ":" in spec], mt)
