@@ -900,10 +900,13 @@ def test_a_tool_file_that_ends_its_process_at_import_is_one_line_and_the_command
                            "word, at import or in a factory (os._exit, a crash in C code); fix the file\n")
 
 
-def test_total_epochs_with_total_steps_is_refused_and_the_count_is_said(arith):
+def test_total_epochs_with_total_steps_is_refused_and_the_count_is_said(arith, tiny, tmp_path, caplog):
     """total_epochs = 2 with total_steps = 100: the epochs won without a word, and the console never showed the
     step count they came to."""
+    import logging
+
     from spmdrl.preflight import resolve_total_epochs
+    from spmdrl.train import train_preflight
 
     def cfg(*extra):
         return load_config(None, [f'data.train_files=["{arith["train"]}"]', "data.train_batch_size=8",
@@ -919,6 +922,11 @@ def test_total_epochs_with_total_steps_is_refused_and_the_count_is_said(arith):
         assert resolve_total_epochs(c) == ("trainer.total_epochs = 2: 40 rows // data.train_batch_size 8 = 5 steps "
                                            "per epoch, so trainer.total_steps = 10")
         assert c.trainer.total_steps == 10
+    run = cfg(f"model.path={tiny}", f"trainer.output_dir={tmp_path / 'run'}", "data.max_prompt_length=128",
+              "data.max_response_length=128")
+    with caplog.at_level(logging.INFO, logger="spmdrl"):
+        assert train_preflight(run, 0, 1).steps_line  # rank 0 says it at start
+    assert "so trainer.total_steps = 10" in caplog.text
 
 
 def test_train_on_cuda_refuses_a_config_the_plan_says_does_not_fit(tiny):
