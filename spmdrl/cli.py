@@ -108,18 +108,29 @@ def _validate_and_launch(module, config, overrides, nproc, dry_run, root_cls, va
 
     overrides = _overrides(overrides)
     cfg = load_config(config, overrides, root_cls=root_cls)
+    _quiet(cfg)
     validate_fn(cfg, nproc)
     if preflight_fn is not None and preflight_fn(cfg, nproc) is False:
         return
     _launch(launch_command(module, config, overrides, nproc), dry_run, cfg.logging.verbosity)
 
 
-def _train_preflight(cfg, nproc: int):
-    """spmdrl.preflight before launching; False (and one line) when the run is already at total_steps."""
+def _quiet(cfg) -> None:
+    """logging.verbosity in this process as on the ranks (spmdrl.train.apply_verbosity): the checks import vLLM,
+    which would print its Triton notice here."""
+    from spmdrl.train import apply_verbosity
+
+    apply_verbosity(cfg.logging.verbosity)
+
+
+def _train_preflight(cfg, nproc: int, force: bool = False):
+    """spmdrl.preflight before launching, and on CUDA the memory plan's verdict (--force: not); False (and one
+    line) when the run is already at total_steps."""
     from spmdrl.config import to_toml
-    from spmdrl.preflight import preflight
+    from spmdrl.preflight import check_fits, preflight
 
     plan = preflight(cfg, to_toml(cfg), world_size=nproc)
+    check_fits(cfg, nproc, force=force)
     if plan.resume and plan.resume_step >= cfg.trainer.total_steps:
         typer.echo(f"{plan.resume} is at step {plan.resume_step} and trainer.total_steps = {cfg.trainer.total_steps}: "
                    "nothing to train (raise trainer.total_steps to go on)", err=True)
@@ -134,16 +145,20 @@ def train(
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
     nproc: int = typer.Option(1, "--nproc", "-n", min=1, help="Ranks on this machine; > 1 launches torchrun."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check the config and print the command; run nothing."),
+    force: bool = typer.Option(False, "--force", help="On CUDA: start even when `spmdrl plan` says the config does "
+                               "not fit the GPUs' memory."),
 ):
     """RL training (python -m spmdrl.train), on --nproc local ranks.
 
-    The config is validated for --nproc ranks before any process starts.
+    The config is validated for --nproc ranks before any process starts; on CUDA, a config that `spmdrl plan`
+    says does not fit is refused unless --force.
 
     Several nodes: run `torchrun ... -m spmdrl.train --config F` on each.
     """
     from spmdrl.config import Config, validate
 
-    _validate_and_launch("spmdrl.train", config, overrides, nproc, dry_run, Config, validate, _train_preflight)
+    _validate_and_launch("spmdrl.train", config, overrides, nproc, dry_run, Config, validate,
+                         functools.partial(_train_preflight, force=force))
 
 
 @app.command(context_settings=PASS_OVERRIDES)
@@ -172,6 +187,7 @@ def eval_(
         None, "--checkpoint", help="Evaluate this checkpoint (or a run's output_dir: its latest) instead of model.path; "
         "its policy is exported to <out>/model first (a LoRA one merged)."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Where eval.json and generations.jsonl go; default "
+                                      "<run>/eval with --checkpoint (the run that wrote the checkpoint), else "
                                       "<trainer.output_dir>/eval."),
     nproc: int = typer.Option(1, "--nproc", "-n", min=1, help="Ranks on this machine; > 1 launches torchrun."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check the config and print the command; run nothing."),
@@ -179,19 +195,24 @@ def eval_(
     """Validation only (python -m spmdrl.evaluate): the model's accuracy per data source on data.val_files, with
     the run's rollout engine, rollout.val_* sampling and reward; no training engine is built (verl's
     trainer.val_only). Prints the accuracies and writes <out>/eval.json; logging.log_generations=N also writes N
-    samples to <out>/generations.jsonl."""
+    samples to <out>/generations.jsonl. With --checkpoint, <out> defaults to the checkpoint's run: <run>/eval."""
     from spmdrl.config import load_config
     from spmdrl.evaluate import EVAL_FILE, validate_eval
     from spmdrl.preflight import check_models
 
     overrides = _overrides(overrides)
     cfg = load_config(config, overrides)
-    out = os.path.abspath(out or os.path.join(cfg.trainer.output_dir, "eval"))
-    extra = [f"trainer.output_dir={out}"]
+    _quiet(cfg)
+    path = None
     if checkpoint:
-        from spmdrl.checkpoint import find_checkpoint, read_manifest
+        from spmdrl.checkpoint import find_checkpoint
 
         path = find_checkpoint(checkpoint)
+    out = os.path.abspath(out or os.path.join(run_of(path) if path else cfg.trainer.output_dir, "eval"))
+    extra = [f"trainer.output_dir={out}"]
+    if path:
+        from spmdrl.checkpoint import read_manifest
+
         model = os.path.join(out, "model")
         extra += [f"model.path={model}", "model.tokenizer_path=", "lora.enable=false"]
         if not dry_run:
@@ -212,6 +233,16 @@ def eval_(
         if not dry_run and os.path.isfile(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
     _launch(launch_command("spmdrl.evaluate", config, overrides, nproc), dry_run, cfg.logging.verbosity)
+
+
+def run_of(checkpoint: str) -> str:
+    """The output_dir of the run that wrote `checkpoint` (<run>/checkpoints/step_N), or the checkpoint's parent
+    directory for one kept elsewhere."""
+    from spmdrl.checkpoint.files import checkpoint_root
+
+    parent = os.path.dirname(os.path.abspath(checkpoint))
+    run = os.path.dirname(parent)
+    return run if os.path.abspath(checkpoint_root(run)) == parent else parent
 
 
 @config_app.command("show", context_settings=PASS_OVERRIDES)
@@ -462,12 +493,14 @@ def plan(
     sizes: bool = typer.Option(False, "--sizes", help="Also: which Qwen2.5 sizes (0.5B-72B) fit this workload on one "
                                "GPU, full fine-tuning next to LoRA (lora, else rank 32 on every linear)."),
     min_gpus: bool = typer.Option(False, "--min-gpus", help="Search the smallest GPU count that fits (1, 2, 4, ... "
-                                  "then whole nodes; on each the config's tensor parallelism, then larger, each without "
-                                  "and with the training state offloaded) and plan that layout; slow for large models."),
+                                  "then whole nodes; on each the config's tensor and pipeline parallelism, then larger "
+                                  "(pp on Megatron only), each without and with the training state offloaded; stderr "
+                                  "lists each candidate, skipped ones with the reason) and plan that layout; slow for "
+                                  "large models."),
     max_gpus: int = typer.Option(1024, "--max-gpus", min=1, help="With --min-gpus: search no further than this."),
 ):
     """Role meshes, weight-sync bytes and memory per phase for a config; no GPU, no weights (spmdrl/plan/).
-    Trackers (wandb, MLflow) are not checked: a plan starts no run."""
+    Trackers (wandb, MLflow) are not checked: a plan starts no run. Exit 1 when the plan does not fit."""
     import json
 
     from spmdrl.config import load_config, validate
@@ -477,11 +510,13 @@ def plan(
     extra = [f"memory.{k}={v}" for k, v in (("gpu_memory_gb", gpu_gb), ("gpus_per_node", gpus_per_node),
                                             ("host_memory_gb", host_gb)) if v is not None]
     cfg = load_config(config, _overrides(overrides) + extra)
+    _quiet(cfg)
     if min_gpus:
         from spmdrl.errors import ConfigError
         from spmdrl.plan.search import format_change, min_gpus as search
 
-        found = search(cfg, max_gpus, note=lambda line: typer.echo(f"# tried {line}", err=True))
+        found = search(cfg, max_gpus, note=lambda line: typer.echo(f"# {'' if ': skipped, ' in line else 'tried '}"
+                                                                   f"{line}", err=True))
         if found is None:
             raise ConfigError(f"no layout of up to {max_gpus} GPUs fits this config; see `spmdrl plan` without "
                               "--min-gpus for what does not fit")
@@ -500,6 +535,8 @@ def plan(
         p["one_gpu_sizes"] = rows
     typer.echo(json.dumps(p, indent=1) if as_json else render(p) + (
         "\n\n" + render_fit_table(rows, cfg.memory.gpu_memory_gb) if sizes else ""))
+    if not p["fits"]:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -3,7 +3,8 @@ checkpoint's adapters as a PEFT adapter directory, or merged into its base model
 
 Runs in one plain process, no torchrun: DCP reads the sharded tensors without a process group and reshards
 them into full tensors, one bucket of parameters at a time, each written as one safetensors file (with the
-index `from_pretrained` reads). The checkpoint's manifest, sizes and checksums are verified first. Peak memory
+index `from_pretrained` reads). The checkpoint's manifest, sizes and checksums are verified first, and each
+parameter's stored shape against the manifest's list (itself checked against its params_hash). Peak memory
 is one bucket (`bucket_bytes`, 1 GiB by default) in the stored dtype plus its cast, on CPU.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 
 import torch
 
-from spmdrl.checkpoint.dcp import dcp_error, safe_reader, single_process_quiet, tensor_only_planner
+from spmdrl.checkpoint.dcp import dcp_error, param_hash, safe_reader, single_process_quiet, tensor_only_planner
 from spmdrl.checkpoint.files import find_checkpoint, sha256, state_dir
 from spmdrl.checkpoint.verify import check_files, read_manifest
 from spmdrl.errors import CheckpointError
@@ -36,15 +37,23 @@ def _stored(path: str, engine: str, verify: bool):
                 raise CheckpointError(f"checkpoint {path}: {rel} failed the checksum (corrupted on disk)")
     if engine not in manifest["engines"]:
         raise CheckpointError(f"checkpoint {path} has no {engine!r} model (it holds {', '.join(manifest['engines'])})")
-    prefix = manifest["engines"][engine].get("hf_prefix", "")
+    listed = manifest["engines"][engine]
+    if "params_hash" in listed and param_hash(listed.get("params", [])) != listed["params_hash"]:
+        raise CheckpointError(f"checkpoint {path}: the {engine} parameter list in manifest.json does not match its "
+                              "params_hash (edited or damaged); export a checkpoint as it was written")
+    prefix = listed.get("hf_prefix", "")
     reader = safe_reader(state_dir(path, engine))
     md = reader.read_metadata().state_dict_metadata
     head = f"{engine}.model.{prefix}"
     out = []
-    for name, _, _ in manifest["engines"][engine]["params"]:
+    for name, shape, _ in listed["params"]:
         key = f"{engine}.model.{name}"
         if key not in md or not hasattr(md[key], "chunks"):
             raise CheckpointError(f"checkpoint {path}: parameter {name!r} is listed in the manifest but not stored")
+        if list(md[key].size) != list(shape):
+            raise CheckpointError(f"checkpoint {path}: parameter {name!r} is stored with shape {list(md[key].size)}, "
+                                  f"the manifest lists {list(shape)} (params_hash); the checkpoint was altered, export "
+                                  "one as it was written")
         out.append((key[len(head):], key, tuple(md[key].size), md[key].properties.dtype))
     return reader, out
 

@@ -24,12 +24,15 @@ from spmdrl.errors import DataError
 
 log = logging.getLogger("spmdrl")
 
-# (label on the console, metric name): the few numbers worth a glance every step.
+# (label on the console, metric name): the few numbers worth a glance every step; a line shows those the step has
+# (the features in use).
 CONSOLE_KEYS = (
     ("reward", "train/reward_mean"),
     ("val_acc", "val/accuracy"),
     ("pg_loss", "actor/pg_loss"),
     ("vf_loss", "critic/vf_loss"),
+    ("distill_kl", "distill/kl_mean"),  # with a teacher (distill.teacher_path)
+    ("router_agree", "moe/router_agreement"),  # with routing replay (actor.router_replay = "rollout")
     ("loss", "sft/loss"),
     ("turns", "multi_turn/turns_mean"),
     ("tool_calls", "tools/calls"),

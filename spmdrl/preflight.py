@@ -43,6 +43,7 @@ class Plan:
     resume_step: int = 0
     clear: tuple[str, ...] = ()  # another run's files that trainer.overwrite removes (rank 0, before start)
     keep: tuple[str, ...] = ()  # an attempt of this run that saved no checkpoint: moved to output_dir/previous/<n>
+    steps_line: str = ""  # trainer.total_epochs resolved to a step count (resolve_total_epochs), said at start
 
 
 def looks_local(path: str) -> bool:
@@ -117,7 +118,8 @@ def check_teacher(cfg) -> None:
     d, m = cfg.distill, cfg.model
     if not d.teacher_path:
         return
-    check_model_dir("distill.teacher_path", d.teacher_path)
+    teacher_hf = check_model_dir("distill.teacher_path", d.teacher_path)
+    check_teacher_rows(d.teacher_path, teacher_hf, m.path, _model_config(m.path))
     key = "distill.teacher_tokenizer_path" if d.teacher_tokenizer_path else "distill.teacher_path"
     teacher_tok, student_tok = d.teacher_tokenizer_path or d.teacher_path, m.tokenizer_path or m.path
     if not (os.path.isdir(os.path.expanduser(teacher_tok)) and os.path.isdir(os.path.expanduser(student_tok))):
@@ -139,6 +141,19 @@ def check_teacher(cfg) -> None:
         raise ConfigError(
             f"{key} = {teacher_tok!r}: the teacher's chat template differs from the student's, so the teacher would "
             "score prompts rendered in a format it was not trained on; use a teacher of the student's family")
+
+
+def check_teacher_rows(teacher_path: str, teacher_hf: dict | None, student_path: str, student_hf: dict | None) -> None:
+    """The teacher's embedding (config.json `vocab_size`, its rows) has a row for every token id the student can
+    sample: the student's own `vocab_size`. A teacher with fewer rows passes the tokenizer checks when the extra
+    ids are padding, and would fail at its first forward pass on an id it has no row for."""
+    tv, sv = (h.get("vocab_size") if isinstance(h, dict) else None for h in (teacher_hf, student_hf))
+    if isinstance(tv, int) and isinstance(sv, int) and tv < sv:
+        raise ConfigError(
+            f"distill.teacher_path = {teacher_path!r}: the teacher's embedding has {tv} rows (vocab_size in its "
+            f"config.json) and the student ({student_path}) samples token ids up to {sv - 1} (vocab_size {sv}); the "
+            "teacher scores the student's ids as they are, so use a teacher whose vocab_size is at least the "
+            "student's (the larger models of the same family)")
 
 
 def check_inputs(cfg) -> None:
@@ -342,6 +357,53 @@ def check_host(cfg, environ=None) -> None:
         raise ConfigError(problem)
 
 
+def check_reward_fns(cfg) -> None:
+    """The reward functions (reward.custom_fn, reward.custom_fns) load, in a throwaway process
+    (spmdrl.usercheck.check_loadable), before the ranks start: a misspelled name was found on the ranks once
+    their engines were built. (The user's tools are checked the same way by config validation.)"""
+    from spmdrl.usercheck import check_loadable
+
+    r = cfg.reward
+    items = [("reward.custom_fn", r.custom_fn)] if r.custom_fn else []
+    check_loadable(items + [("reward.custom_fns", spec) for spec in r.custom_fns])
+
+
+def check_fits(cfg, world_size: int, *, force: bool = False, device: str | None = None) -> None:
+    """On CUDA (`spmdrl train` before it launches): `spmdrl plan`'s verdict for this config on `world_size` GPUs of
+    this machine's memory; a config that does not fit is refused in one line unless `--force`. A plan that cannot
+    be made here (a hub id not downloaded yet) is skipped with a warning: the run finds out on the GPUs."""
+    from spmdrl.dist.init import resolve_device
+
+    if force or (device or resolve_device(cfg.trainer.device).type) != "cuda":
+        return
+    import torch
+
+    gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+    try:
+        refuse_unfit(cfg, world_size, gpu_gb)
+    except ConfigError as e:
+        if "does not fit" in str(e):
+            raise
+        log.warning("the memory plan was not checked before launch (%s)", e)
+
+
+def refuse_unfit(cfg, world_size: int, gpu_gb: float | None = None) -> dict:
+    """The plan of `cfg` on `world_size` GPUs (of `gpu_gb` GiB each, else memory.gpu_memory_gb); a ConfigError
+    naming the phase over the limit and what to change when it does not fit."""
+    from spmdrl.plan import build_plan
+    from spmdrl.plan.estimate import advice
+    from spmdrl.plan.search import apply
+
+    c = apply(cfg, world_size, {} if gpu_gb is None else {"memory.gpu_memory_gb": round(gpu_gb, 2)})
+    p = build_plan(c, world_size)
+    if not p["fits"]:
+        why = "; ".join(line.strip() for line in advice(p)[:2]) or "does not fit"
+        raise ConfigError(f"{why} (on {world_size} GPU(s) of {c.memory.gpu_memory_gb:g} GiB: `spmdrl plan --config F "
+                          f"--world-size {world_size}` shows the whole plan); change the config, or pass --force to "
+                          "start anyway")
+    return p
+
+
 def check_multi_turn(cfg) -> None:
     """multi_turn.enable: the tools load and the chat template renders tool conversations prefix-preserved
     (rollout/chat.py), before any engine is built."""
@@ -360,11 +422,14 @@ def check_multi_turn(cfg) -> None:
     ChatGlue(tok, tool_schemas(tools), name=path)
 
 
-def resolve_total_epochs(cfg) -> None:
-    """trainer.total_epochs > 0: set trainer.total_steps from the training files' row count (in place)."""
+def resolve_total_epochs(cfg) -> str:
+    """trainer.total_epochs > 0: set trainer.total_steps from the training files' row count (in place), and return
+    the line that says so ('' without epochs). A trainer.total_steps set to another count as well is refused
+    (the epochs used to win without a word); the count it resolves to, or the default, passes."""
     t, d = cfg.trainer, cfg.data
     if t.total_epochs <= 0:
-        return
+        return ""
+    from spmdrl.config.schema import TrainerConfig
     from spmdrl.data.io import count_rows
 
     rows = count_rows(list(d.train_files))
@@ -372,18 +437,30 @@ def resolve_total_epochs(cfg) -> None:
     if per_epoch == 0:
         raise ConfigError(f"trainer.total_epochs = {t.total_epochs}: data.train_files hold {rows} rows, fewer than one "
                           f"batch of data.train_batch_size = {d.train_batch_size}; lower the batch size or add data")
-    t.total_steps = t.total_epochs * per_epoch
+    steps = t.total_epochs * per_epoch
+    if t.total_steps not in (steps, TrainerConfig.total_steps):
+        raise ConfigError(
+            f"trainer.total_epochs = {t.total_epochs} ({steps} steps) and trainer.total_steps = {t.total_steps} are both "
+            f"set; give one: trainer.total_epochs=0 to run {t.total_steps} steps, or remove trainer.total_steps (or "
+            f"pass trainer.total_steps={steps}) to run {t.total_epochs} epoch(s)")
+    t.total_steps = steps
+    return (f"trainer.total_epochs = {t.total_epochs}: {rows} rows // data.train_batch_size {d.train_batch_size} = "
+            f"{per_epoch} steps per epoch, so trainer.total_steps = {steps}")
 
 
-def preflight(cfg, config_toml: str, world_size: int | None = None) -> Plan:
+def preflight(cfg, config_toml: str, world_size: int | None = None, *, user_code: bool = True) -> Plan:
     """Every disk and host check, in the order a user would fix them (world_size: the run's ranks, when known).
-    trainer.total_epochs becomes trainer.total_steps here (resolve_total_epochs)."""
-    resolve_total_epochs(cfg)
+    trainer.total_epochs becomes trainer.total_steps here (resolve_total_epochs). user_code: import the reward
+    functions in a throwaway process (check_reward_fns)."""
+    steps_line = resolve_total_epochs(cfg)
     check_models(cfg)
+    if user_code:
+        check_reward_fns(cfg)
     check_multi_turn(cfg)
     check_writable(cfg.trainer.output_dir)
     plan = check_resume(cfg, config_toml, world_size)
     check_host(cfg)
+    plan.steps_line = steps_line
     return plan
 
 

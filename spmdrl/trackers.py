@@ -189,8 +189,20 @@ class WandbSink:
         self.run.log({name: wandb.Table(columns=columns, data=data), "step": step})
 
     def close(self, failed: bool) -> None:
-        if self.run is not None:
-            self.run.finish(exit_code=1 if failed else 0)
+        import wandb
+
+        code = 1 if failed else 0
+        try:
+            if self.run is not None:
+                self.run.finish(exit_code=code)
+        finally:
+            # wandb's service, torn down here rather than by wandb's atexit hook (which this unregisters first):
+            # a service that died (killed, out of memory) is then this sink's one warning, not a traceback at exit
+            try:
+                wandb.teardown(exit_code=code)
+            except BaseException as e:  # SystemExit with the service's exit code, too
+                raise RuntimeError(f"wandb's service did not shut down cleanly ({type(e).__name__}: "
+                                   f"{' '.join(str(e).split())[:200]})") from None
 
 
 def _mlflow_key(name: str) -> str:
@@ -338,8 +350,9 @@ class Background:
                     break
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
-            log.warning("%s: still busy after logging.tracker_timeout_s = %s s; the run ends without waiting for it",
-                        self.name, self.timeout_s)
+            what = "finishing the run" if self._opened else "still starting the run (is its service reachable?)"
+            log.warning("%s: %s after logging.tracker_timeout_s = %g s; the run ends without waiting for it",
+                        self.name, what, self.timeout_s)
 
 
 def open_tracker(name: str, run: TrackerRun, lg) -> Background:

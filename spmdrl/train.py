@@ -24,6 +24,9 @@ from spmdrl.errors import SpmdrlError
 QUIET_WARNINGS = r"(vllm|triton|megatron|transformer_engine|torch\.distributed\.checkpoint|torch\._dynamo)(\.|$)"
 
 
+RESOURCE_TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+
+
 def setup_logging(rank: int) -> None:
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
@@ -35,7 +38,8 @@ def setup_logging(rank: int) -> None:
 
 def apply_verbosity(level: str) -> None:
     """logging.verbosity (SPMDRL_VERBOSITY wins): info quiets the libraries' routine output, debug shows all.
-    Runs before vLLM is imported (it reads VLLM_LOGGING_LEVEL once, at import); a VLLM_LOGGING_LEVEL set by the
+    Also run by the `spmdrl` command once it has read the config, since its checks import vLLM. Runs before vLLM is
+    imported (it reads VLLM_LOGGING_LEVEL once, at import); a VLLM_LOGGING_LEVEL set by the
     user is kept."""
     import warnings
 
@@ -48,6 +52,11 @@ def apply_verbosity(level: str) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every engine call at INFO
     for name in ("transformers", "torch.distributed", "httpx", "megatron"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)  # a tracker's retries: its failure is one line of its own
+    # Python's resource tracker (a process of its own, started by vLLM's shared-memory queues, which inherits this
+    # environment) warns at exit about the segments it cleans up for vLLM: "leaked shared_memory objects"
+    if RESOURCE_TRACKER_QUIET not in os.environ.get("PYTHONWARNINGS", ""):
+        os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), RESOURCE_TRACKER_QUIET) if w)
     # vLLM's own handler takes VLLM_LOGGING_LEVEL; what it logs before that is set up reaches the root logger
     logging.getLogger("vllm").setLevel(logging.getLevelName(os.environ["VLLM_LOGGING_LEVEL"].upper()))
     warnings.filterwarnings("ignore", module=QUIET_WARNINGS)
@@ -151,7 +160,9 @@ def train_preflight(cfg, rank: int, world_size: int | None = None):
     from spmdrl.config import to_toml
     from spmdrl.preflight import clear_previous_run, preflight
 
-    plan = preflight(cfg, to_toml(cfg), world_size=world_size)
+    plan = preflight(cfg, to_toml(cfg), world_size=world_size, user_code=rank == 0)
+    if rank == 0 and plan.steps_line:
+        logging.getLogger("spmdrl").info("%s", plan.steps_line)
     if plan.resume and plan.resume_step >= cfg.trainer.total_steps:
         if rank == 0:
             print(f"{plan.resume} is at step {plan.resume_step} and trainer.total_steps = {cfg.trainer.total_steps}: "

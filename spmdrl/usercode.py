@@ -106,3 +106,4 @@ def load_object(spec: str, *, what: str, key: str, error: type[Exception]):
             )
         obj = getattr(obj, part)
     return obj
+

@@ -51,13 +51,29 @@ def recv(fd: int, deadline: float | None):
     return None if body is None else pickle.loads(body)
 
 
+# What torchrun and torch.distributed give a rank: its place in the job, the rendezvous address, the elastic
+# agent's settings and the file a rank's error goes to. A worker is no rank: code in it that reads them would
+# take itself for one (torch.distributed's env:// init, a library that writes the rank's error file).
+RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                  "NCCL_ASYNC_ERROR_HANDLING")
+RANK_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
+
+
+def worker_environment(environ) -> dict:
+    """`environ` without the rank's torch.distributed and torchrun variables (RANK_VARIABLES, TORCHELASTIC_*)."""
+    return {k: v for k, v in environ.items() if k not in RANK_VARIABLES and not k.startswith(RANK_PREFIXES)}
+
+
 def spawn_worker(module: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
     """`module.main(*args)` in a new `python -P` with pipes on its stdin and stdout, on the rank's import path (the
-    working directory only where PYTHONPATH names it) in safe-path mode."""
+    working directory only where PYTHONPATH names it) in safe-path mode, with the rank's environment less its
+    torch.distributed and torchrun variables (worker_environment), plus `env`."""
     cwd = os.getcwd()
     given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     path = given + [p for p in sys.path if p and os.path.abspath(p) != cwd and p not in given]
-    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(path), "PYTHONSAFEPATH": "1"}
+    env = {**worker_environment(os.environ), **(env or {}), "PYTHONPATH": os.pathsep.join(path),
+           "PYTHONSAFEPATH": "1"}
     # -c, not -m: runpy would warn (twice a run) that a package's __init__ imported the module before it ran
     boot = f"import sys; from {module} import main; sys.exit(main(*sys.argv[1:]))"
     return subprocess.Popen([sys.executable, "-P", "-c", boot, *args], stdin=subprocess.PIPE,

@@ -195,10 +195,13 @@ def tiny(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(other)
     tok.add_tokens(["<think>"])  # one token more: another vocabulary
     tok.save_pretrained(other)
+    # the student's tokenizer and vocabulary, an embedding of fewer rows than the student's 320 (ids 259..319 unused
+    # by the tokenizer, but the student can sample them): it passed every check and died in teacher_logprob
+    build_tiny(str(root / "small_embedding"), seed=2, vocab_size=len(tok) - 1)
     return student, other, root
 
 
-@pytest.mark.parametrize("case", ["vocabulary", "missing", "layout"])
+@pytest.mark.parametrize("case", ["vocabulary", "missing", "layout", "embedding"])
 def test_bad_teacher_is_one_line_before_launch(tiny, tmp_path, case):
     from test_cli import GRPO, assert_user_error, run as cli
 
@@ -207,6 +210,8 @@ def test_bad_teacher_is_one_line_before_launch(tiny, tmp_path, case):
         "vocabulary": (other, [], "vocabulary differs"),
         "missing": (str(root / "no_such_teacher"), [], "no such directory"),
         "layout": (student, ["placement.teacher_tp=3"], "teacher has 8 ranks"),
+        "embedding": (str(root / "small_embedding"), [], "the teacher's embedding has 259 rows (vocab_size in its "
+                      "config.json) and the student"),
     }[case]
     assert_user_error(cli("train", "--config", GRPO, "--dry-run", "--nproc", 8, f"model.path={student}",
                           f"trainer.output_dir={tmp_path}", "data.max_prompt_length=256", "data.max_response_length=256",

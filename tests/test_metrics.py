@@ -169,3 +169,15 @@ def test_console_line_every_n_steps_and_the_tool_metrics_on_it(tmp_path, capsys)
                               "tools/failures": 1.0})
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert lines == [f"step {s} | reward 0.5 | turns 2 | tool_calls 12 | tool_fail 1" for s in (1, 2, 3)]
+
+
+def test_console_line_shows_distillation_and_routing_replay_when_in_use(tmp_path, capsys):
+    """distill/kl_mean and the routing replay's agreement were in metrics.jsonl only; a run without those features
+    keeps its line as it was."""
+    with MetricsLogger(str(tmp_path), tensorboard=False, jsonl=False) as logger:
+        logger.log(1, {"train/reward_mean": 0.0, "actor/pg_loss": 0.25, "distill/kl_mean": 0.2342,
+                       "moe/router_agreement": 0.9375, "moe/route_agreement": 1.0})
+        logger.log(2, {"train/reward_mean": 0.5, "actor/pg_loss": 0.25})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert lines == ["step 1 | reward 0 | pg_loss 0.25 | distill_kl 0.2342 | router_agree 0.9375",
+                     "step 2 | reward 0.5 | pg_loss 0.25"]

@@ -187,14 +187,14 @@ def test_plan_that_does_not_fit_names_the_phase_and_what_to_change():
     from spmdrl.cli import app
 
     r = CliRunner().invoke(app, ["plan", "--config", os.path.join(REPO, "configs", "ppo_70b.toml"), "--gpu-gb", "40"])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 1, r.output  # a plan that does not fit is a failed check (scripts, CI)
     tail = r.output.split("fits: false\n", 1)[1].splitlines()
     # the phase furthest over the limit, its two largest parts, and a setting for each
     assert tail[0].startswith("  does not fit: phase train_") and "36.00 GiB allowed" in tail[0]
     assert "optimizer" in tail[0] and tail[1].strip().startswith("change ") and "placement." in tail[1]
     assert any("or offload what is idle in this phase to host memory: memory.actor_offload=" in line for line in tail)
     fits = CliRunner().invoke(app, ["plan", "--config", os.path.join(REPO, "configs", "ppo_70b.toml")])
-    assert "fits: true" in fits.output and "does not fit" not in fits.output
+    assert "fits: true" in fits.output and "does not fit" not in fits.output and fits.exit_code == 0
 
 
 def test_plan_header_world_size_no_tracker_check_and_min_gpus(tmp_path):

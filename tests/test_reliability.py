@@ -849,3 +849,166 @@ def test_a_lora_export_names_the_base_model_as_the_run_gave_it(tmp_path):
     assert _hub_model_id(str(tmp_path)) == "Qwen/Qwen2.5-0.5B-Instruct"
     (tmp_path / "config.toml").write_text('[model]\npath = "./outputs/sft_model"\n')
     assert _hub_model_id(str(tmp_path)) is None
+
+
+# ---- checked before launch, and what the command says ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def arith(tmp_path_factory):
+    from spmdrl.data.synthetic import make_arith
+
+    return make_arith(str(tmp_path_factory.mktemp("arith")), n_train=40, n_val=8)
+
+
+def _train_args(tiny, arith, out, *extra):
+    return ["train", "--config", os.path.join(os.path.dirname(HERE), "configs", "grpo.toml"), "--dry-run",
+            f"model.path={tiny}", f"trainer.output_dir={out}", f'data.train_files=["{arith["train"]}"]',
+            f'data.val_files=["{arith["val"]}"]', "data.max_prompt_length=128", "data.max_response_length=128",
+            "placement.actor_tp=1", "placement.ref_tp=1", "placement.rollout_tp=1", *extra]
+
+
+def test_reward_functions_are_resolved_before_launch(tiny, arith, tmp_path):
+    """A misspelled function in reward.custom_fns was found on the ranks, about 20 s in; a reward file that ends
+    its process at import is named too (it is loaded in a throwaway process, not in the command's)."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def length(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    dies = tmp_path / "dies.py"
+    dies.write_text("import os\nos._exit(4)\n")
+    one_line_error(cli(*_train_args(tiny, arith, tmp_path / "a", f'reward.custom_fns=["{rewards}:length", '
+                                    f'"{rewards}:lenght"]')),
+                   "error: reward.custom_fns: reward function", f"{rewards}:lenght", "has no 'lenght'",
+                   "callables there: length")
+    one_line_error(cli(*_train_args(tiny, arith, tmp_path / "b", f"reward.custom_fn={dies}:score")),
+                   f"error: reward.custom_fn: loading '{dies}:score' ended its process (exit code 4) without a word")
+    assert cli(*_train_args(tiny, arith, tmp_path / "c", f'reward.custom_fns=["{rewards}:length"]')).exit_code == 0
+
+
+def test_a_tool_file_that_ends_its_process_at_import_is_one_line_and_the_command_is_quiet(tiny, arith, tmp_path):
+    """`os._exit(3)` at the top of a tool file ended `spmdrl train` with status 3 and no message, after vLLM's
+    Triton notice (the command's checks import vLLM before it had applied logging.verbosity)."""
+    import subprocess
+    import sys
+
+    dies = tmp_path / "tools_dies.py"
+    dies.write_text("import os\nos._exit(3)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "SPMDRL_VERBOSITY")}
+    proc = subprocess.run([sys.executable, "-m", "spmdrl", *_train_args(
+        tiny, arith, tmp_path / "out", "placement.rollout_tp=2", "--nproc", "2", "multi_turn.enable=true",
+        f'multi_turn.tools=["{dies}:f"]')], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr == (f"error: multi_turn.tools: loading '{dies}:f' ended its process (exit code 3) without a "
+                           "word, at import or in a factory (os._exit, a crash in C code); fix the file\n")
+
+
+def test_total_epochs_with_total_steps_is_refused_and_the_count_is_said(arith, tiny, tmp_path, caplog):
+    """total_epochs = 2 with total_steps = 100: the epochs won without a word, and the console never showed the
+    step count they came to."""
+    import logging
+
+    from spmdrl.preflight import resolve_total_epochs
+    from spmdrl.train import train_preflight
+
+    def cfg(*extra):
+        return load_config(None, [f'data.train_files=["{arith["train"]}"]', "data.train_batch_size=8",
+                                  "trainer.total_epochs=2", *extra])
+
+    with pytest.raises(ConfigError) as e:
+        resolve_total_epochs(cfg("trainer.total_steps=100"))
+    assert str(e.value) == ("trainer.total_epochs = 2 (10 steps) and trainer.total_steps = 100 are both set; give one: "
+                            "trainer.total_epochs=0 to run 100 steps, or remove trainer.total_steps (or pass "
+                            "trainer.total_steps=10) to run 2 epoch(s)")
+    for extra in ([], ["trainer.total_steps=10"]):  # the default, or the count itself (a run's saved config.toml)
+        c = cfg(*extra)
+        assert resolve_total_epochs(c) == ("trainer.total_epochs = 2: 40 rows // data.train_batch_size 8 = 5 steps "
+                                           "per epoch, so trainer.total_steps = 10")
+        assert c.trainer.total_steps == 10
+    run = cfg(f"model.path={tiny}", f"trainer.output_dir={tmp_path / 'run'}", "data.max_prompt_length=128",
+              "data.max_response_length=128")
+    with caplog.at_level(logging.INFO, logger="spmdrl"):
+        assert train_preflight(run, 0, 1).steps_line  # rank 0 says it at start
+    assert "so trainer.total_steps = 10" in caplog.text
+
+
+def test_train_on_cuda_refuses_a_config_the_plan_says_does_not_fit(tiny):
+    """`spmdrl plan` printed `fits: false` and exited 0, and `spmdrl train` on a GPU never consulted it. The decision
+    is tested here on CPU (the CUDA branch only reads the device's memory)."""
+    from spmdrl.preflight import check_fits, refuse_unfit
+
+    cfg = load_config(None, [f"model.path={tiny}", "data.max_prompt_length=128", "data.max_response_length=128"])
+    assert refuse_unfit(cfg, 1, 80.0)["fits"]
+    with pytest.raises(ConfigError) as e:
+        refuse_unfit(cfg, 1, 0.01)
+    msg = str(e.value)
+    assert msg.startswith("does not fit: phase ") and "GiB per GPU" in msg and "\n" not in msg, msg
+    assert msg.endswith("(on 1 GPU(s) of 0.01 GiB: `spmdrl plan --config F --world-size 1` shows the whole plan); "
+                        "change the config, or pass --force to start anyway"), msg
+    cfg.memory.gpu_memory_gb = 0.01
+    check_fits(cfg, 1, device="cpu")  # CPU: no verdict
+    check_fits(cfg, 1, force=True, device="cuda")  # --force: none either (and no CUDA touched)
+
+
+def test_min_gpus_lists_skipped_candidates_and_varies_pp(tiny):
+    """--min-gpus dropped invalid layouts without a word (a 70B config listed only 16 and 32 GPUs) and never
+    tried pipeline parallelism."""
+    from spmdrl.plan.search import layouts, min_gpus
+
+    cfg = load_config(None, [f"model.path={tiny}", "data.max_prompt_length=128", "data.max_response_length=128",
+                             'data.train_files=["train.parquet"]', "placement.actor_tp=2", "placement.ref_tp=2",
+                             "placement.rollout_tp=2"])
+    notes = []
+    world, change, plan = min_gpus(cfg, 2, note=notes.append)
+    assert (world, change, plan["fits"]) == (2, {}, True)
+    assert notes[0].startswith("1 GPU(s) (as configured): skipped, placement") and "tp" in notes[0], notes
+    assert notes[-1] == "2 GPU(s) (as configured): fits"
+    fsdp = list(layouts(cfg, 8))
+    assert not any("placement.actor_pp" in c for c in fsdp)  # FSDP2 has no pipeline stages
+    cfg.trainer.backend = "megatron"
+    mega = [c for c in layouts(cfg, 8) if "memory.actor_offload" not in c]
+    assert mega[0] == {} and {"placement.actor_pp": 2, "placement.ref_pp": 2, "placement.critic_pp": 2} in mega
+    assert mega.index({f"placement.{r}_tp": 4 for r in ("actor", "ref", "critic", "rollout")}) < \
+        mega.index({"placement.actor_pp": 2, "placement.ref_pp": 2, "placement.critic_pp": 2,
+                    **{f"placement.{r}_tp": 4 for r in ("actor", "ref", "critic", "rollout")}})
+
+
+def test_eval_of_a_checkpoint_writes_under_its_run(tmp_path):
+    """`spmdrl eval --checkpoint RUN` wrote under the config's trainer.output_dir/eval: a second run's checkpoint
+    evaluated with a shared config overwrote the first run's results and exported model."""
+    ckpt = tmp_path / "run2" / "checkpoints" / "step_00000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / ck_files.MARKER).write_text("")
+    config = os.path.join(os.path.dirname(HERE), "configs", "grpo.toml")
+    for given, out in ((str(tmp_path / "run2"), tmp_path / "run2" / "eval"), (str(ckpt), tmp_path / "run2" / "eval")):
+        r = cli("eval", "--config", config, "--checkpoint", given, "--dry-run", f"trainer.output_dir={tmp_path / 'run1'}")
+        assert r.exit_code == 0, r.output
+        assert f"trainer.output_dir={out} model.path={out / 'model'}" in r.output, r.output
+    r = cli("eval", "--config", config, "--checkpoint", str(ckpt), "--dry-run", "--out", str(tmp_path / "mine"))
+    assert f"trainer.output_dir={tmp_path / 'mine'} " in r.output, r.output
+
+
+def test_export_verifies_params_hash_and_each_stored_shape(exportable, tmp_path):
+    """A reshaped parameter passed export: neither the manifest's params_hash nor the stored shapes were checked."""
+    from spmdrl.checkpoint.dcp import param_hash
+
+    def reshape(fix_hash: bool):
+        def damage(p):
+            m = json.load(open(f"{p}/manifest.json"))
+            params = m["engines"]["actor"]["params"]
+            i = next(i for i, (_, shape, _) in enumerate(params) if len(shape) == 2 and shape[0] != shape[1])
+            name, shape = params[i][0], params[i][1]
+            params[i][1] = shape[::-1]
+            if fix_hash:  # whoever edits the list can recompute the hash: the stored tensors still tell
+                m["engines"]["actor"]["params_hash"] = param_hash(params)
+            json.dump(m, open(f"{p}/manifest.json", "w"))
+            return name, shape
+        return damage
+
+    path = copy_of(exportable[0], tmp_path)
+    reshape(False)(path)
+    one_line_error(cli("export", "--checkpoint", path, "--out", str(tmp_path / "out")),
+                   f"checkpoint {path}: the actor parameter list in manifest.json does not match its params_hash")
+    path = copy_of(exportable[0], tmp_path / "second")
+    name, shape = reshape(True)(path)
+    one_line_error(cli("export", "--checkpoint", path, "--out", str(tmp_path / "out")),
+                   f"checkpoint {path}: parameter {name!r} is stored with shape {shape}, the manifest lists "
+                   f"{shape[::-1]}")
+    assert not (tmp_path / "out").exists()

@@ -811,3 +811,28 @@ def test_the_sandbox_has_no_network_and_cannot_read_hidden_directories(sandbox_p
     finally:
         shutil.rmtree(secret)
         server.close()
+
+
+def test_tool_workers_get_no_torch_distributed_or_torchrun_variables(tmp_path, monkeypatch):
+    """A tool worker inherited the rank's control plane: MASTER_ADDR/PORT, RANK, torchrun's error file and its
+    TORCHELASTIC_* settings (code reading them takes itself for a rank); the rest of the environment stays."""
+    path = tmp_path / "env_tool.py"
+    path.write_text(textwrap.dedent('''
+        import json, os
+
+        def environment() -> str:
+            """The worker's environment variables."""
+            return json.dumps(dict(os.environ))
+    '''))
+    rank = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3",
+            "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0", "ROLE_RANK": "3", "ROLE_NAME": "default",
+            "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json"), "TORCHELASTIC_RUN_ID": "none",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    for k, v in {**rank, "SPMDRL_TEST_KEPT": "yes"}.items():
+        monkeypatch.setenv(k, v)
+    runner = ThreadToolRunner(load_tools([f"{path}:environment"]), timeout_s=20)
+    seen = json.loads(runner.run([[ToolCall("environment")]])[0][0].text)
+    runner.close()
+    assert not set(rank) & set(seen), sorted(set(rank) & set(seen))
+    assert not [k for k in seen if k.startswith("TORCHELASTIC_")]
+    assert seen["SPMDRL_TEST_KEPT"] == "yes" and seen["PATH"] == os.environ["PATH"]

@@ -241,3 +241,62 @@ def test_generations_reach_the_jsonl_file_tensorboard_wandb_and_mlflow(tmp_path)
     (table,) = glob.glob(str(out / "wandb" / "offline-run-*" / "files" / "media" / "table" / "generations" / "val_*.table.json"))
     data = json.load(open(table))
     assert data["columns"][:3] == ["step", "split", "prompt"] and data["data"][0][3] == "3"
+
+
+_DYING_TRACKERS = r'''
+import os, signal, subprocess, sys, time
+from multiprocessing import shared_memory
+
+from spmdrl.train import apply_verbosity, setup_logging
+
+apply_verbosity("info")
+setup_logging(0)
+from spmdrl.config.schema import LoggingConfig
+from spmdrl.launcher import leave
+from spmdrl.trackers import TrackerRun, open_tracker
+
+out = sys.argv[1]
+segment = shared_memory.SharedMemory(create=True, size=4096)  # left for the resource tracker, as vLLM's queues are
+segment.close()
+lg = LoggingConfig(wandb_mode="offline", mlflow_tracking_uri="http://127.0.0.1:9", tracker_timeout_s=3.0)
+wandb = open_tracker("wandb", TrackerRun(output_dir=out, name="n", project="p"), lg)
+deadline = time.monotonic() + 60
+while not wandb._opened and time.monotonic() < deadline:
+    time.sleep(0.1)
+ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
+services = [int(line.split()[0]) for line in ps.splitlines() if "wandb" in line]
+assert services, ps
+for pid in services:
+    os.kill(pid, signal.SIGKILL)  # the service dies mid-run
+time.sleep(0.5)
+wandb.log(1, {"a": 1.0})
+mlflow = open_tracker("mlflow", TrackerRun(output_dir=out, name="n", project="p"), lg)  # nothing listens there
+mlflow.log(1, {"a": 1.0})
+t0 = time.monotonic()
+wandb.close(False)
+mlflow.close(False)
+print(f"closed in {time.monotonic() - t0:.1f}", flush=True)
+leave(0)
+'''
+
+
+def test_a_dead_tracker_costs_the_timeout_and_one_line_no_traceback(tmp_path):
+    """A killed wandb service ended in wandb's traceback at exit (its atexit hook), an unreachable MLflow printed
+    urllib3's retry lines, and every TP-2 CPU run printed the resource tracker's leaked-shared_memory warning."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "trackers.py"
+    script.write_text(_DYING_TRACKERS)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "VLLM_LOGGING_LEVEL")}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=240, env={**env, "WANDB_SILENT": "true"}, cwd=str(tmp_path))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "Retrying" not in out and "leaked shared_memory" not in out, out
+    closed = float(out.split("closed in ")[1].split()[0])
+    assert closed < 3.0 + 2.0, out  # the MLflow thread is still retrying: bounded by tracker_timeout_s
+    warnings = [line for line in out.splitlines() if "] wandb: " in line or "] mlflow: " in line]
+    assert len([w for w in warnings if "] wandb: " in w]) == 1, out  # its first failure; finishing fails quietly
+    assert any("mlflow: still starting the run (is its service reachable?) after logging.tracker_timeout_s = 3 s" in w
+               for w in warnings), out

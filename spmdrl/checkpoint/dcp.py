@@ -157,7 +157,8 @@ def param_spec(module: torch.nn.Module) -> list[list]:
     return [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in module.named_parameters()]
 
 
-def _spec_hash(spec: list) -> str:
+def param_hash(spec: list) -> str:
+    """The manifest's params_hash of an engine's [name, shape, dtype] list."""
     return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
 
 
@@ -204,7 +205,7 @@ def engine_state(engine) -> tuple[dict, dict]:
 
 def engine_manifest(engine) -> dict:
     spec = engine.param_manifest()
-    out = {"params": spec, "params_hash": _spec_hash(spec), "hf_prefix": engine.hf_prefix(),
+    out = {"params": spec, "params_hash": param_hash(spec), "hf_prefix": engine.hf_prefix(),
            "optimizer": "AdamW" if engine.trainable else None}
     if engine.lora is not None:  # adapters only: the base weights are the model at adapter_config's base path
         out["adapter"] = engine.adapter_config()

@@ -514,7 +514,8 @@ class TrainerConfig:
     """RL steps to run (set from total_epochs when that is > 0)."""
     total_epochs: int = 0
     """> 0: run this many passes over data.train_files instead: total_steps = total_epochs x (rows //
-    data.train_batch_size), the rows counted before data.filter_overlong (verl's total_epochs)."""
+    data.train_batch_size), the rows counted before data.filter_overlong (verl's total_epochs), said at start.
+    Leave total_steps at its default (or at that count): both set to different counts is refused."""
     device_peak_tflops: float = 0.0
     """Peak TFLOP/s of one device for perf/mfu_*; 0 uses the bf16 dense peak of a known GPU (H100, H200, A100)
     and on CPU reports only the achieved perf/*_tflops."""
@@ -608,8 +609,9 @@ class LoggingConfig:
     mlflow_tracking_uri: str = ""
     """MLflow tracking server or store; empty uses MLFLOW_TRACKING_URI, else a file store `mlruns` in the directory
     the run is launched from."""
-    tracker_timeout_s: float = 60.0
-    """How long the end of a run waits for wandb and MLflow to take the last metrics before it goes on without them."""
+    tracker_timeout_s: float = 15.0
+    """How long the end of a run waits for wandb and MLflow to take the last metrics and close (an unreachable
+    server's retries included) before it goes on without them, with one warning line."""
 
 
 @dataclass

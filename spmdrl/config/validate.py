@@ -877,6 +877,9 @@ def validate_tools(cfg) -> None:
                 "tool_timeout_s"
             )
     if mt.enable:
-        from spmdrl.tools.registry import load_tools
+        from spmdrl.tools.registry import KEY, load_tools
+        from spmdrl.usercheck import check_loadable
 
+        # first in a throwaway process: a file that ends its process at import (os._exit) would end this one silently
+        check_loadable([(KEY, spec) for spec in mt.tools if isinstance(spec, str) and ":" in spec], mt)
         load_tools(mt.tools, mt)
