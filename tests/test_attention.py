@@ -285,7 +285,7 @@ def test_bad_attn_implementation_is_one_line_config_error():
     with pytest.raises(ConfigError) as info:
         model_attention("flash")
     msg = str(info.value)
-    assert "model.attn_implementation = 'flash'" in msg and "auto, sdpa" in msg and "\n" not in msg
+    assert "model.attn_implementation = 'flash'" in msg and "auto, spmdrl, sdpa, eager" in msg and "\n" not in msg
 
 
 # ---- the CUDA call, against each signature torch's varlen_attn has had ------------------------------------------

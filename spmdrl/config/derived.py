@@ -76,7 +76,7 @@ def compute_dtype_name(cfg, on_gpu: bool) -> str:
 
 
 # The trainer-vs-sampler bounds in nats, by precision: float32 when both the training engines and the rollout
-# compute in float32 (measured gaps near 1e-6 on CPU), half otherwise (bfloat16: not yet measured on a GPU).
+# compute in float32 (gaps near 1e-6 there), half otherwise (docs/models.md says what the half bounds rest on).
 PARITY_TOL = {"float32": 1e-3, "half": 0.5}  # the parity check: largest |actor - rollout| log-prob
 DIFF_WARN = {"float32": 0.1, "half": 2.0}  # rollout/logprob_diff_max past it: one warning line per run
 DIFF_ERROR = {"float32": 0.05, "half": 0.5}  # rollout/logprob_diff_mean past it: the run stops
