@@ -105,7 +105,7 @@ class ParityCheck:
         so a difference is put down to the right side: the model's computation or the sync."""
         c = self._compare(memory)
         if c.worst[0] > self.tol:
-            c = self._switch_or_refuse(memory, c, diagnose_sync=synced)
+            c = self._switch_or_refuse(c, diagnose_sync=synced)
         if not synced:
             memory.for_sync()
             self.weight_sync()
@@ -133,7 +133,7 @@ class ParityCheck:
         worst = reduce_max(torch.tensor([g.value for g in gaps], dtype=torch.float64))
         return Comparison(batch, gaps, worst, model is not None)
 
-    def _switch_or_refuse(self, memory, c: "Comparison", diagnose_sync: bool) -> "Comparison":
+    def _switch_or_refuse(self, c: "Comparison", diagnose_sync: bool) -> "Comparison":
         """The actor's other compute paths, fastest first: the first that matches the rollout is kept (one line);
         none: ConfigError naming the side that differs."""
         first = self.actor.compute
