@@ -255,7 +255,7 @@ def build_any(out_dir: str, model_type: str, *, seed: int = 0, layers: int = TIN
     """Write a tiny random `model_type` (tiny_config) with the byte-level tokenizer into out_dir; returns it.
     Raises whatever transformers raises when the scaled config cannot be built."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = tiny_config(model_type, layers=layers)
     os.makedirs(out_dir, exist_ok=True)
@@ -264,4 +264,5 @@ def build_any(out_dir: str, model_type: str, *, seed: int = 0, layers: int = TIN
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg).float()
     model.save_pretrained(out_dir, safe_serialization=True)
+    AutoConfig.from_pretrained(out_dir)  # the saved config.json must load again (not every scaled config does)
     return out_dir

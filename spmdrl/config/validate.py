@@ -462,14 +462,14 @@ def _decoder_linear_layers(path: str) -> list[str]:
     from transformers import AutoConfig
 
     from spmdrl.engines.lora import linear_targets
-    from spmdrl.engines.loading import meta_model
+    from spmdrl.engines.loading import backbone_of, meta_model
 
     d = dict(hf)
     try:
         model = meta_model(AutoConfig.for_model(d.pop("model_type"), **d), value_head=False)
     except Exception:  # transformers cannot build it: validate_architecture names that
         return []
-    return linear_targets(getattr(model, model.base_model_prefix))
+    return linear_targets(backbone_of(model))
 
 
 def validate_split(cfg) -> None:

@@ -20,7 +20,7 @@ from spmdrl.algos.token_stats import logprobs_from_hidden, logprobs_from_model_l
 from spmdrl.config.derived import resolve_dtype
 from spmdrl.engines.base import accumulate, clipped_step, forward_each, lr_lambda, resident, state_storages, step_metrics
 from spmdrl.engines.attention import HF_IMPLEMENTATION
-from spmdrl.engines.loading import build_meta_model, decoder_blocks, materialise
+from spmdrl.engines.loading import backbone_of, build_meta_model, decoder_blocks, materialise
 from spmdrl.engines.response_index import ResponseIndex
 from spmdrl.engines.router_replay import RouterReplay, moe_routers
 from spmdrl.engines.sequence_parallel import SequenceShard
@@ -65,7 +65,7 @@ def _model_inputs(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = No
 def _backbone_hidden(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = None) -> tuple[torch.Tensor, TokenBatch]:
     """Last hidden states [N, L, H] and the batch they belong to (_model_inputs)."""
     kw, b = _model_inputs(hf, b, shard)
-    return getattr(hf, hf.base_model_prefix)(**kw).last_hidden_state, b
+    return backbone_of(hf)(**kw).last_hidden_state, b
 
 
 HEADS = ("fused", "model")  # the log-prob head: spmdrl's chunked kernel, or the model's own forward to logits
@@ -242,7 +242,7 @@ class FSDPEngine:
         if mesh.tp_size > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            backbone = getattr(hf, hf.base_model_prefix)
+            backbone = backbone_of(hf)
             plan = tp_plan()
             if self.lora is not None:
                 from .lora import tp_plan as lora_tp_plan
@@ -258,7 +258,7 @@ class FSDPEngine:
         kw = dict(mesh=mesh.shard_mesh(), mp_policy=mp)  # "dp", or dp x sp with sequence parallelism
         if self.host_offload_policy:
             kw["offload_policy"] = CPUOffloadPolicy()
-        blocks = decoder_blocks(getattr(hf, hf.base_model_prefix))
+        blocks = decoder_blocks(backbone_of(hf))
         for i, block in enumerate(blocks):
             if compile:  # the block's own computation; FSDP2's hooks around it stay eager
                 block.forward = torch.compile(block.forward, dynamic=True)
@@ -354,7 +354,7 @@ class FSDPEngine:
 
     def module_summary(self) -> str:
         """E.g. "Qwen2ForCausalLM (Qwen2DecoderLayer: Qwen2Attention, Qwen2MLP, Qwen2RMSNorm)"."""
-        layer = decoder_blocks(getattr(self.hf, self.hf.base_model_prefix))[0]
+        layer = decoder_blocks(backbone_of(self.hf))[0]
         parts = dict.fromkeys(type(m).__name__.removeprefix("FSDP") for m in layer.children())
         return f"{type(self.hf).__name__.removeprefix('FSDP')} ({type(layer).__name__.removeprefix('FSDP')}: " \
                f"{', '.join(parts)})"

@@ -79,6 +79,17 @@ def meta_model(config, *, value_head: bool, **kw):
 BLOCK_NAME = re.compile(r"\.(\d+)\.")  # a decoder block's parameters: model.layers.3. / transformer.h.3.
 
 
+def backbone_of(hf: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM or token classifier: the attribute its base_model_prefix names, else its
+    `model` (Llama 4's text model keeps the multimodal class's prefix, "language_model")."""
+    found = getattr(hf, hf.base_model_prefix, None)
+    if found is None:
+        found = getattr(hf, "model", None)
+    if found is None:
+        raise ConfigError(f"{type(hf).__name__} has no {hf.base_model_prefix!r} or 'model' decoder stack")
+    return found
+
+
 def decoder_blocks(backbone: nn.Module) -> nn.ModuleList:
     """The backbone's list of decoder blocks (model.layers for Llama-style models, transformer.h for Falcon and
     GPT-2, model.decoder.layers for OPT): its longest nn.ModuleList child, or a grandchild's when it has none."""

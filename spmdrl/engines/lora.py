@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 
-from spmdrl.engines.loading import block_index, decoder_blocks
+from spmdrl.engines.loading import backbone_of, block_index, decoder_blocks
 from spmdrl.errors import ConfigError
 
 INITS = ("default", "gaussian")
@@ -107,7 +107,7 @@ def inject(hf: nn.Module, s: LoraSettings, *, trainable_head: bool) -> LoraSetti
     target_modules resolved."""
     from peft import inject_adapter_in_model
 
-    backbone = getattr(hf, hf.base_model_prefix)
+    backbone = backbone_of(hf)
     present = linear_targets(backbone)
     targets = list(s.target_modules) or present
     unknown = [t for t in targets if t not in present]

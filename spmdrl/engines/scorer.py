@@ -10,6 +10,7 @@ from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import ConfigError
 
 from .fsdp import tp_plan
+from .loading import backbone_of
 
 
 class _LastTokenScore(nn.Module):
@@ -23,7 +24,7 @@ class _LastTokenScore(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         B, L = input_ids.shape
-        backbone = getattr(self.hf, self.hf.base_model_prefix)
+        backbone = backbone_of(self.hf)
         position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -78,7 +79,7 @@ class FSDPScoreEngine:
         if mesh.tp_size > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            parallelize_module(getattr(hf, hf.base_model_prefix), mesh.submesh("tp"), tp_plan())
+            parallelize_module(backbone_of(hf), mesh.submesh("tp"), tp_plan())
         cuda = device.type == "cuda"
         param_dtype = getattr(torch, resolve_dtype(dtype, cuda))
         mp = MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype != torch.float32 else MixedPrecisionPolicy()
@@ -86,7 +87,7 @@ class FSDPScoreEngine:
         self.module = _LastTokenScore(hf, head)
         from .loading import decoder_blocks
 
-        for block in decoder_blocks(getattr(hf, hf.base_model_prefix)):
+        for block in decoder_blocks(backbone_of(hf)):
             fully_shard(block, **kw)
         fully_shard(self.module, **kw)
         self.module.to(device)

@@ -57,13 +57,13 @@ class MismatchWatch:
 
     def check(self, step: int, metrics: dict) -> None:
         top, mean = metrics.get("rollout/logprob_diff_max"), metrics.get("rollout/logprob_diff_mean")
-        if mean is not None and mean > self.error:
+        if mean is not None and not mean <= self.error:  # NaN log-probs stop the run too
             raise ConfigError(
                 f"step {step}: rollout/logprob_diff_mean = {mean:.3g} nats > rollout.logprob_diff_error = "
                 f"{self.error:.3g}: the actor computes another policy than the rollout engine samples from (max "
                 f"{top:.3g}); check the weight sync with rollout.verify_sync = true, or raise the bound if this is "
                 "expected precision noise")
-        if top is not None and top > self.warn and not self.warned:
+        if top is not None and not top <= self.warn and not self.warned:
             self.warned = True
             log.warning("step %d: rollout/logprob_diff_max = %.3g nats > rollout.logprob_diff_warn = %.3g (token mean "
                         "%.3g): some sampled tokens get another log-prob from the actor than from the rollout engine "

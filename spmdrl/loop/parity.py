@@ -26,7 +26,7 @@ import torch
 
 from spmdrl.config.derived import parity_tolerance
 from spmdrl.dist.collectives import reduce_max
-from spmdrl.errors import ConfigError
+from spmdrl.errors import ConfigError, SpmdrlError
 from spmdrl.loop.generate import request_seeds, rollout_to_batch
 from spmdrl.rollout.base import SamplingSpec
 
@@ -96,7 +96,17 @@ class ParityCheck:
         spec = SamplingSpec(n=1, temperature=self.cfg.rollout.temperature or 1.0,
                             max_tokens=min(MAX_TOKENS, self.cfg.data.max_response_length))
         seeds = request_seeds(self.cfg.trainer.seed, 0, 0, len(idx))
-        return rollout_to_batch(prompts, idx, self.rollout.generate(prompts, spec, seeds), 1, self.pad_id)
+        try:
+            out = self.rollout.generate(prompts, spec, seeds)
+        except SpmdrlError:
+            raise
+        except Exception as e:  # the run's first generation: a model the engine builds but cannot run here
+            log.debug("the parity check's generation failed", exc_info=True)
+            why = " ".join(ln.strip() for ln in str(e).strip().splitlines()[:2] if ln.strip())[:240]
+            raise ConfigError(f"parity check: the rollout engine cannot generate with model.path = "
+                              f"{self.cfg.model.path!r} here ({type(e).__name__}: {why}); try rollout.model_impl = "
+                              "'transformers' or rollout.engine = 'hf'") from None
+        return rollout_to_batch(prompts, idx, out, 1, self.pad_id)
 
     def run(self, memory, synced: bool) -> dict[str, float]:
         """Check, switch the actor's compute path if that closes the gap, or raise ConfigError. Returns the
@@ -104,13 +114,13 @@ class ParityCheck:
         otherwise (it read the checkpoint itself) the engine is checked as loaded, then once more after one sync,
         so a difference is put down to the right side: the model's computation or the sync."""
         c = self._compare(memory)
-        if c.worst[0] > self.tol:
+        if not c.worst[0] <= self.tol:  # NaN fails too
             c = self._switch_or_refuse(c, diagnose_sync=synced)
         if not synced:
             memory.for_sync()
             self.weight_sync()
             after = self._compare(memory)
-            if after.worst[0] > self.tol:
+            if not after.worst[0] <= self.tol:
                 raise ConfigError(self._sync_refusal(after, self._sync_check() or "the engine's loaders then read "
                                                      "other values than the sync delivered"))
             c = after
@@ -149,14 +159,15 @@ class ParityCheck:
             b = c.batch
             gap = Gap.of(self.logprobs(self.actor, b), b["rollout_log_probs"], b["response_mask"], b["responses"])
             value = reduce_max(torch.tensor([gap.value], dtype=torch.float64))[0]
-            if value <= self.tol:
+            if value <= self.tol:  # NaN never does
                 log.info("parity check: %s does not compute what %s does (actor vs rollout: %s); the training engines "
                          "run %s instead (slower), which matches within %.2g nats", _describe(first, option),
                          self.actor.module_summary(), c.gaps[0].where(), _describe_path(option), value)
                 c.worst[0] = value
                 return c
         self.actor.set_compute(*first)
-        vllm_differs = not c.has_model or c.worst[2] <= self.tol < c.worst[1]  # actor = transformers != rollout
+        # the actor computes transformers' function, the rollout another
+        vllm_differs = not c.has_model or (c.worst[2] <= self.tol and not c.worst[1] <= self.tol)
         if diagnose_sync and vllm_differs:
             found = self._sync_check()
             if found:
@@ -202,7 +213,7 @@ class ParityCheck:
         if not has_model:
             return (f"{head}: this backend's model does not compute what vLLM does for this architecture; use "
                     "trainer.backend = 'fsdp' (transformers' modeling code), or check rollout.parity_tol")
-        if worst[1] > self.tol:
+        if not worst[1] <= self.tol:
             return (f"{head}; transformers' own forward differs from vLLM's too ({gaps[1].where()}), so vLLM "
                     "computes another function than transformers for this model: set rollout.model_impl = "
                     "'transformers' (vLLM runs transformers' modeling code) or rollout.engine = 'hf'")

@@ -22,7 +22,7 @@ byte with a whole-tensor load of the same values, and checks that the bytes rece
 from __future__ import annotations
 
 import contextlib
-import functools
+import copy
 import json
 import logging
 import math
@@ -303,13 +303,10 @@ def _quiet_vllm():
         logging.disable(before)
 
 
-@functools.lru_cache(maxsize=8)
-def _probe_cached(config_json: str, params: tuple, tp: int, dtype: str, expert_parallel: bool,
-                  trust_remote_code: bool) -> VllmReads:
-    from transformers import AutoConfig
+_PROBED: dict[tuple, VllmReads] = {}  # per process: the trainer and `spmdrl plan` ask once per layout
 
-    d = json.loads(config_json)
-    hf_config = AutoConfig.for_model(d.pop("model_type"), **d)
+
+def _probe(hf_config, params: tuple, tp: int, dtype: str, expert_parallel: bool, trust_remote_code: bool) -> VllmReads:
     out = VllmReads(tp)
     per_rank = []
     try:
@@ -336,8 +333,12 @@ def probe_vllm_reads(hf_config, params: list[tuple[str, tuple[int, ...]]], tp: i
                      expert_parallel: bool = False, trust_remote_code: bool = False) -> VllmReads:
     """What each vLLM TP rank's loaders read of every parameter of `params` (HF names and full shapes) for the
     model of `hf_config` (cached per process: the trainer and `spmdrl plan` ask once per layout)."""
-    return _probe_cached(hf_config.to_json_string(use_diff=False), tuple(params), tp, dtype, expert_parallel,
-                         trust_remote_code)
+    key = (hf_config.to_json_string(use_diff=False), tuple(params), tp, dtype, expert_parallel, trust_remote_code)
+    if key not in _PROBED:  # the config object itself goes to vLLM (its JSON need not load back: inf values)
+        if len(_PROBED) >= 8:
+            _PROBED.pop(next(iter(_PROBED)))
+        _PROBED[key] = _probe(copy.deepcopy(hf_config), *key[1:])
+    return _PROBED[key]
 
 
 def vllm_targets(params: list[tuple[str, tuple[int, ...]]], groups: list[list[int]], reads: VllmReads) -> dict:
