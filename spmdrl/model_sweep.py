@@ -128,7 +128,7 @@ def run_rank(cases: list[str], root: str, data: str, config: str) -> None:
             row["compute"] = list(trainer.actor.compute)
         except SpmdrlError as e:  # before step 1: refused; during training: the mismatch guard stopped it
             stopped = trainer is not None and trainer.global_step > 0
-            row.update(verdict="stopped" if stopped else "refused", why=one_line(e).split(": ", 1)[1])
+            row.update(verdict="stopped" if stopped else "refused", why=" ".join(str(e).split()))
         except Exception as e:  # noqa: BLE001 - a crash is a verdict, the sweep goes on
             traceback.print_exc()
             row.update(verdict="crashed", why=one_line(e))
@@ -221,7 +221,9 @@ def table(results: list[dict]) -> str:
         recv, bound = r.get("weight_sync/bytes_recv_max"), r.get("weight_sync/bytes_lower_bound")
         sync = f"{int(recv):,} ({int(bound):,})" if recv is not None and bound is not None else ""
         comp = " + ".join(r["compute"]) if r.get("compute") else ""
-        why = (r.get("why") or "").replace("|", "\\|")
+        why = (r.get("why") or "").removeprefix("step 0, stage 'parity_check': ")
+        why = (why[:237] + "...") if len(why) > 240 else why
+        why = why.replace("|", "\\|")
         lines.append(f"| {r['arch']} | {r['verdict']} | {'' if gap is None else f'{gap:.1e}'} | {sync} | {comp} | {why} |")
     return "\n".join(lines)
 

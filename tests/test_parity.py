@@ -174,8 +174,12 @@ def test_mismatch_watch_warns_once_and_stops_past_the_error_bound(caplog):
         watch.check(2, {"rollout/logprob_diff_max": 0.5, "rollout/logprob_diff_mean": 0.01})
         watch.check(3, {"rollout/logprob_diff_max": 0.7, "rollout/logprob_diff_mean": 0.01})
     assert caplog.text.count("rollout.logprob_diff_warn") == 1 and "step 2" in caplog.text
-    with pytest.raises(ConfigError, match="step 4: rollout/logprob_diff_mean = 0.8 .*rollout.logprob_diff_error"):
-        watch.check(4, {"rollout/logprob_diff_max": 1.5, "rollout/logprob_diff_mean": 0.8})
+    watch.check(4, {"rollout/logprob_diff_max": 1.5, "rollout/logprob_diff_mean": 0.8,
+                    "train/weight_version_lag": 1.0})  # a stale batch (split placement): the policy moved
+    with pytest.raises(ConfigError, match="step 5: rollout/logprob_diff_mean = 0.8 .*rollout.logprob_diff_error"):
+        watch.check(5, {"rollout/logprob_diff_max": 1.5, "rollout/logprob_diff_mean": 0.8})
+    with pytest.raises(ConfigError, match="step 6: rollout/logprob_diff_mean = nan"):
+        watch.check(6, {"rollout/logprob_diff_max": float("nan"), "rollout/logprob_diff_mean": float("nan")})
 
 
 def test_dropout_off_sets_every_dropout_probability_to_zero():

@@ -50,12 +50,15 @@ def logprob_diff(pieces: list, reduce: Callable, reduce_max: Callable) -> dict[s
 class MismatchWatch:
     """rollout/logprob_diff_* against their bounds (config/derived.py logprob_diff_bounds), on the step's reduced
     metrics (the same on every rank): a max above `warn` gets one warning line per run; a token mean above
-    `error` stops the run, since the update then trains another policy than the one that sampled."""
+    `error` stops the run, since the update then trains another policy than the one that sampled. A batch sampled
+    with older weights (train/weight_version_lag > 0) is not checked: there the difference is the update's."""
 
     def __init__(self, warn: float, error: float):
         self.warn, self.error, self.warned = warn, error, False
 
     def check(self, step: int, metrics: dict) -> None:
+        if metrics.get("train/weight_version_lag", 0.0) > 0:  # sampled with older weights (split placement's
+            return  # staleness): the difference is the policy's change, by design
         top, mean = metrics.get("rollout/logprob_diff_max"), metrics.get("rollout/logprob_diff_mean")
         if mean is not None and not mean <= self.error:  # NaN log-probs stop the run too
             raise ConfigError(

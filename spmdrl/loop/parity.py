@@ -110,7 +110,7 @@ class ParityCheck:
 
     def run(self, memory, synced: bool) -> dict[str, float]:
         """Check, switch the actor's compute path if that closes the gap, or raise ConfigError. Returns the
-        parity/* metrics logged with step 0. synced: the rollout engine's weights came through the weight sync;
+        parity/* metrics (logged with the run's first step). synced: the rollout engine's weights came through the weight sync;
         otherwise (it read the checkpoint itself) the engine is checked as loaded, then once more after one sync,
         so a difference is put down to the right side: the model's computation or the sync."""
         c = self._compare(memory)

@@ -218,9 +218,10 @@ class Trainer:
         try:
             with named_failures(lambda: self.global_step, cfg.trainer.dist_timeout_s,
                                 lambda: resume_advice(cfg.trainer.output_dir)):
+                parity = {}  # logged with the first step this run trains
                 if self.parity is not None:
                     with timer("parity_check"):
-                        self.logger.log(self.global_step, self.parity.run(self.memory, self.rollout_synced))
+                        parity = self.parity.run(self.memory, self.rollout_synced)
                 if self.validator is not None and cfg.trainer.val_before_train and not self.resumed_from:
                     with timer("validation"):
                         self.logger.log(0, self.validator.run(self.global_step))
@@ -232,6 +233,8 @@ class Trainer:
                     StageTimer.failed = StageTimer.last = None
                     inject_fault_if_asked(self.rank, self.global_step, self.actor)  # tests only (spmdrl/faults.py)
                     metrics = self.step(self.global_step)
+                    metrics.update(parity)
+                    parity = {}
                     since_save_s = metrics.pop("_since_save_s")
                     self.generations.flush(self.global_step, "train")
                     metrics.update(self.scorer.error_metrics())
