@@ -112,7 +112,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
             except SpmdrlError as e:  # a stop (Stopped) is not a user error: 128 + the signal, as a shell reports it
                 report_error(e, env.rank)
                 code = 128 + e.signum if isinstance(e, Stopped) else 2
-                _exit_now_if_stopped(code)
+                _exit_now_if_stopped(code, isinstance(e, Stopped))
                 return code
             except Terminated as e:
                 stop_handled()
@@ -139,16 +139,16 @@ def _absolute_output_dir(cfg) -> None:
         trainer.output_dir = os.path.abspath(trainer.output_dir)
 
 
-def _exit_now_if_stopped(code: int) -> None:
-    """Stopped by a signal (Ctrl-C, a kill of the launcher, torchrun stopping the job): the metrics are
-    closed, the checkpoints consistent and the line printed, so skip the process-group and interpreter
-    teardown (seconds with vLLM loaded; torchrun SIGKILLs after 30 s) and leave."""
+def _exit_now_if_stopped(code: int, stopped: bool = False) -> None:
+    """Stopped by a signal (Ctrl-C, a kill of the launcher, torchrun stopping the job, a scheduler; `stopped`: the
+    run stopped at a step boundary because some rank got one): the metrics are closed, the checkpoints consistent
+    and the line printed, so skip the process-group and interpreter teardown (seconds with vLLM loaded; torchrun
+    SIGKILLs after 30 s) and leave (spmdrl.launcher.exit_now)."""
     from spmdrl.faults import stop_requested
+    from spmdrl.launcher import exit_now
 
-    if stop_requested():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if stopped or stop_requested():
+        exit_now(code)
 
 
 def _stopped(e, when: str) -> str:
