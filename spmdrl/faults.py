@@ -49,7 +49,7 @@ def set_collective_timeout(seconds: float) -> int:
     return n
 
 
-_stop = {"signum": 0, "handled": False, "repeating": False}  # this process's stop request (one per process)
+_stop = {"signum": 0, "handled": False, "repeating": False, "gen": 0}  # this process's stop request (one per process)
 
 
 class Terminated(BaseException):
@@ -73,16 +73,16 @@ REPEAT_S = 2.0
 def _raise_terminated(signum, frame):
     if not _stop["repeating"]:
         _stop["repeating"] = True
-        threading.Thread(target=_repeat_until_handled, daemon=True, name="spmdrl-stop").start()
+        threading.Thread(target=_repeat_until_handled, args=(_stop["gen"],), daemon=True, name="spmdrl-stop").start()
     raise Terminated(signum)
 
 
-def _repeat_until_handled() -> None:
+def _repeat_until_handled(gen: int) -> None:
     """An exception raised where Python ignores it (a __del__, a callback) would lose the stop: deliver the
     signal again every REPEAT_S seconds until the loop or the entry point has taken it (`stop_handled`)."""
     while True:
         time.sleep(REPEAT_S)
-        if _stop["handled"]:
+        if _stop["handled"] or _stop["gen"] != gen:
             return
         os.kill(os.getpid(), _stop["signum"])
 
@@ -119,7 +119,7 @@ def stop_signals() -> Iterator[None]:
 # ---- a stop that saves first (the training loop) ------------------------------------------------------------
 
 SAME_REQUEST_S = 1.0  # a scheduler signals every process of a job and torchrun forwards it: one request, twice
-_graceful = {"grace_s": None, "at": 0.0, "boundary": False, "hard": False, "late": False}
+_graceful = {"active": False, "grace_s": 0.0, "at": 0.0, "boundary": False, "hard": False, "late": False}
 
 
 def _stops_at_once(signum: int) -> bool:
@@ -128,7 +128,7 @@ def _stops_at_once(signum: int) -> bool:
     it, a second signal (not a copy of the first within SAME_REQUEST_S; SIGUSR1 only warns, so a repeat of it is
     never a second one), and every signal once a step has outlasted checkpoint.grace_s."""
     g = _graceful
-    if g["grace_s"] is None or g["hard"]:
+    if not g["active"] or g["hard"]:
         return True
     if _stop["signum"]:
         again = signum != EARLY_SIGNAL and time.monotonic() - g["at"] >= SAME_REQUEST_S
@@ -174,15 +174,15 @@ def graceful_stop(grace_s: float) -> Iterator[None]:
         yield
         return
     if _stop["handled"]:  # a stop this process already acted on (a process that goes on: a test)
-        _stop.update(signum=0, handled=False)
-    _graceful.update(grace_s=float(grace_s), boundary=False, hard=False, late=False)
+        _stop.update(signum=0, handled=False, repeating=False, gen=_stop["gen"] + 1)
+    _graceful.update(active=True, grace_s=float(grace_s), boundary=False, hard=False, late=False)
     handlers = _install(_request_stop)
     try:
         yield
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-        _graceful["grace_s"] = None
+        _graceful["active"] = False
 
 
 def at_step_boundary() -> int:
@@ -281,7 +281,7 @@ def watch_stop_signals(on_stuck: Callable[[int], None], grace_s: float = STOP_GR
 
 def _saving_first() -> bool:
     """A stop request of graceful_stop in progress (the step ends, then the checkpoint), not yet a stop at once."""
-    return _graceful["grace_s"] is not None and bool(_stop["signum"]) and not _graceful["hard"]
+    return _graceful["active"] and bool(_stop["signum"]) and not _graceful["hard"]
 
 
 class DeferredStop:
@@ -345,6 +345,7 @@ def named_failures(step: Callable[[], int], timeout_s: float,
     traceback, with a note.
     """
     handlers = _install(_raise_terminated)
+    _graceful.update(hard=False, late=False)  # how an earlier stop in this process went (a test) is not this one's
     try:
         yield
     except Stopped:  # a stop at a step boundary: its line names the step and the checkpoint already

@@ -671,10 +671,10 @@ def _job_unique_cpu_shm_names() -> Iterator[None]:
         body = name.lstrip("/")  # shm_open wants the leading slash(es) first
         group = f"{tag}{body}"
         for stale in _shm_segments(group):
-            logger.warning("removing %s, a shared-memory segment left by an earlier job of this name", stale)
             try:
                 os.unlink(stale)
-            except OSError:
+                logger.warning("removed %s, a shared-memory segment left by an earlier job of this name", stale)
+            except OSError:  # another member of the group removed it first
                 pass
         if not _shm_groups:
             from spmdrl.launcher import at_any_exit
