@@ -146,7 +146,7 @@ def _grace_timer(signum: int) -> None:
     end of the time it announced is the second signal."""
     g, name = _graceful, signal.Signals(signum).name
     budget = signum != EARLY_SIGNAL
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         within = f" if it ends within checkpoint.grace_s = {g['grace_s']:g}s" if budget else ""
         print(f"[spmdrl] {name}: finishing this step and saving a checkpoint{within}; a second signal stops at once",
               file=sys.stderr, flush=True)
