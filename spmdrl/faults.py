@@ -116,6 +116,14 @@ def stop_signals() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def ignore_stop_signals() -> None:
+    """A rank on its way out after a stop: a further signal (torchrun stopping the ranks once the first has left)
+    must not raise in the middle of its one line (stop_signals restores the handlers it found on exit)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+
 # ---- a stop that saves first (the training loop) ------------------------------------------------------------
 
 SAME_REQUEST_S = 1.0  # a scheduler signals every process of a job and torchrun forwards it: one request, twice
@@ -471,5 +479,5 @@ __all__ = [
     "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Stopped", "Terminated", "inject_fault", "inject_fault_if_asked",
     "injected_fault", "is_bad_step", "is_collective_failure", "named_failures", "set_collective_timeout",
     "slow_save_if_injected", "slow_start_if_injected", "stop_handled", "stop_requested", "stop_signals", "watch_stop_signals",
-    "EARLY_SIGNAL", "at_step_boundary", "graceful_stop", "stop_reason",
+    "EARLY_SIGNAL", "at_step_boundary", "graceful_stop", "ignore_stop_signals", "stop_reason",
 ]
