@@ -10,7 +10,8 @@ checkpoint.resume=auto, checkpoint.save_freq=1 are appended to your overrides), 
   1. kill -9 of the launcher once the first checkpoint exists: no process of the job may be alive 30 s later.
   2. SIGTERM to the launcher while a checkpoint save is in progress (a .tmp-step_* directory exists; if no
      save is seen within --wait-save-s, after the next step): the whole job ends within 30 s, stderr has
-     exactly one `error` line and no traceback, and no half-written checkpoint is left as complete.
+     exactly one `error` line (the step saved, or why none was) and no traceback, and no half-written
+     checkpoint is left as complete.
   3. Ctrl-C (SIGINT to the launcher) after a new step: the job ends within 30 s with exactly one `error`
      line, no traceback and no KeyboardInterrupt.
   4. kill -9 of one rank after a new step: the job ends (within --rank-kill-s), the launcher names the rank,
@@ -251,7 +252,7 @@ def launcher_term(args, run, ov, check) -> None:
           f"all processes gone after {took:.1f}s, exit {job.proc.returncode}" if took is not None
           else f"still alive after {TERM_LIMIT_S:g}s: {job.remaining()}")
     check("SIGTERM: one line", len(errors) == 1 and "Traceback" not in err,
-          errors[0][:160] if len(errors) == 1 else f"{len(errors)} error lines, traceback: {'Traceback' in err}")
+          errors[0][:400] if len(errors) == 1 else f"{len(errors)} error lines, traceback: {'Traceback' in err}")
     torn = [c for c in checkpoints(run) if c not in before and not os.path.isfile(os.path.join(run, "checkpoints", c, "manifest.json"))]
     check("SIGTERM: no torn checkpoint", not torn, f"complete checkpoints {checkpoints(run)}")
     job.kill_all()

@@ -49,12 +49,13 @@ def set_collective_timeout(seconds: float) -> int:
     return n
 
 
-_stop = {"signum": 0, "handled": False}  # this process's stop request (one per process)
+_stop = {"signum": 0, "handled": False, "repeating": False, "gen": 0}  # this process's stop request (one per process)
 
 
 class Terminated(BaseException):
-    """SIGTERM/SIGINT arrived (torchrun stops the other ranks this way when one fails, and forwards Ctrl-C or
-    a kill of the launcher this way)."""
+    """A stop signal that stops at once: SIGTERM/SIGINT/SIGUSR1 outside the training loop, or inside it a second
+    signal or a step that outlasted checkpoint.grace_s (torchrun stops the other ranks with SIGTERM when one
+    fails, and forwards Ctrl-C or a kill of the launcher to the ranks)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -62,22 +63,26 @@ class Terminated(BaseException):
         _stop["signum"] = _stop["signum"] or signum
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGUSR1: a scheduler's early warning (Slurm's `--signal=USR1@N`, slurm/*.sbatch); its default action would end
+# the process without a word
+EARLY_SIGNAL = signal.SIGUSR1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, EARLY_SIGNAL)
 REPEAT_S = 2.0
 
 
 def _raise_terminated(signum, frame):
-    if not _stop["signum"]:
-        threading.Thread(target=_repeat_until_handled, daemon=True, name="spmdrl-stop").start()
+    if not _stop["repeating"]:
+        _stop["repeating"] = True
+        threading.Thread(target=_repeat_until_handled, args=(_stop["gen"],), daemon=True, name="spmdrl-stop").start()
     raise Terminated(signum)
 
 
-def _repeat_until_handled() -> None:
+def _repeat_until_handled(gen: int) -> None:
     """An exception raised where Python ignores it (a __del__, a callback) would lose the stop: deliver the
     signal again every REPEAT_S seconds until the loop or the entry point has taken it (`stop_handled`)."""
     while True:
         time.sleep(REPEAT_S)
-        if _stop["handled"]:
+        if _stop["handled"] or _stop["gen"] != gen:
             return
         os.kill(os.getpid(), _stop["signum"])
 
@@ -88,7 +93,7 @@ def stop_handled() -> None:
 
 
 def stop_requested() -> int:
-    """The signal that asked this process to stop (SIGTERM/SIGINT through the loop's handlers), else 0."""
+    """The signal that asked this process to stop (through the loop's handlers), else 0."""
     return _stop["signum"]
 
 
@@ -101,7 +106,7 @@ def _install(handler) -> dict:
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
-    """Within: SIGTERM and SIGINT raise Terminated (one line at the entry point, no KeyboardInterrupt
+    """Within: SIGTERM, SIGINT and SIGUSR1 raise Terminated (one line at the entry point, no KeyboardInterrupt
     traceback)."""
     handlers = _install(_raise_terminated)
     try:
@@ -109,6 +114,105 @@ def stop_signals() -> Iterator[None]:
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+def ignore_stop_signals() -> None:
+    """A rank on its way out after a stop: a further signal (torchrun stopping the ranks once the first has left)
+    must not raise in the middle of its one line (stop_signals restores the handlers it found on exit)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+
+# ---- a stop that saves first (the training loop) ------------------------------------------------------------
+
+SAME_REQUEST_S = 1.0  # a scheduler signals every process of a job and torchrun forwards it: one request, twice
+_graceful = {"active": False, "grace_s": 0.0, "at": 0.0, "boundary": False, "hard": False, "late": False}
+
+
+def _stops_at_once(signum: int) -> bool:
+    """Whether stop signal `signum` ends the run at once; otherwise it is recorded as a request to save at the next
+    step boundary (the first SIGTERM, SIGINT or SIGUSR1 inside `graceful_stop`). Stops at once: any signal outside
+    it, a second signal (not a copy of the first within SAME_REQUEST_S; SIGUSR1 only warns, so a repeat of it is
+    never a second one), and every signal once a step has outlasted checkpoint.grace_s."""
+    g = _graceful
+    if not g["active"] or g["hard"]:
+        return True
+    if _stop["signum"]:
+        again = signum != EARLY_SIGNAL and time.monotonic() - g["at"] >= SAME_REQUEST_S
+        g["hard"] = again
+        return again
+    _stop["signum"], g["at"] = signum, time.monotonic()
+    threading.Thread(target=_grace_timer, args=(signum,), daemon=True, name="spmdrl-grace").start()
+    return False
+
+
+def _grace_timer(signum: int) -> None:
+    """Say what the request does (rank 0), then, for SIGTERM and SIGINT (the launcher SIGKILLs 30 s after them), stop
+    at once if the rank has not reached the step boundary within checkpoint.grace_s. A save in progress is let
+    finish (a periodic one: the stop follows it). SIGUSR1 has no budget of its own: the scheduler's SIGTERM at the
+    end of the time it announced is the second signal."""
+    g, name = _graceful, signal.Signals(signum).name
+    budget = signum != EARLY_SIGNAL
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        within = f" if it ends within checkpoint.grace_s = {g['grace_s']:g}s" if budget else ""
+        print(f"[spmdrl] {name}: finishing this step and saving a checkpoint{within}; a second signal stops at once",
+              file=sys.stderr, flush=True)
+    if not budget:
+        return
+    deadline = g["at"] + g["grace_s"]
+    while not g["boundary"] and (time.monotonic() < deadline or _deferred["depth"]):
+        time.sleep(0.05)
+    if not g["boundary"] and not g["hard"]:
+        g["hard"] = g["late"] = True
+        os.kill(os.getpid(), signum)
+
+
+def _request_stop(signum, frame):
+    if _stops_at_once(signum):
+        _raise_terminated(signum, frame)
+
+
+@contextlib.contextmanager
+def graceful_stop(grace_s: float) -> Iterator[None]:
+    """Within (the training loop): the first SIGTERM, SIGINT or SIGUSR1 asks for a checkpoint at the next step
+    boundary (`at_step_boundary`) instead of raising; see `_stops_at_once` for what stops at once. grace_s <= 0:
+    every signal stops at once (as `stop_signals`)."""
+    if grace_s <= 0:
+        yield
+        return
+    if _stop["handled"]:  # a stop this process already acted on (a process that goes on: a test)
+        _stop.update(signum=0, handled=False, repeating=False, gen=_stop["gen"] + 1)
+    _graceful.update(active=True, grace_s=float(grace_s), boundary=False, hard=False, late=False)
+    handlers = _install(_request_stop)
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        _graceful["active"] = False
+
+
+def at_step_boundary() -> int:
+    """This rank's stop request, called at the step boundary before the ranks agree on it: from here the grace
+    timer leaves the rank alone (it saves, or the agreement fails because a peer left)."""
+    if _stop["signum"] and not _graceful["hard"]:
+        _graceful["boundary"] = True
+    return _stop["signum"]
+
+
+def stop_reason(signum: int) -> str:
+    """Why a stop signal stopped the run at once, for its one line."""
+    name = signal.Signals(signum).name
+    who = {signal.SIGINT: "Ctrl-C", EARLY_SIGNAL: "the scheduler's early warning"}.get(
+        signum, "a kill of the launcher, a scheduler, or the launcher stopping every rank after one failed: the "
+                "launcher's summary names that rank")
+    if _graceful["late"]:
+        return (f"stopped by {name} ({who}): the step did not end within checkpoint.grace_s = "
+                f"{_graceful['grace_s']:g}s of the signal, so it was not saved")
+    if _graceful["hard"]:
+        return f"stopped at once by a second signal ({name}) without saving"
+    return f"stopped by {name} ({who})"
 
 
 STOP_GRACE_S = 5.0
@@ -122,7 +226,8 @@ def watch_stop_signals(on_stuck: Callable[[int], None], grace_s: float = STOP_GR
     C-level handler writes each signal to a wakeup socket (signal.set_wakeup_fd) that a thread watches; a stop
     signal not followed by the process's exit within `grace_s` calls on_stuck(signum) (one line, unless the
     loop already printed its own) and os._exit(128 + signum). Inside a checkpoint save (DeferredStop) the save
-    agrees on the stop itself and is left alone. Main thread only; returns `unwatch`, which ends the thread and
+    agrees on the stop itself, and a stop request of the training loop (graceful_stop) has its own timer: both are
+    left alone. Main thread only; returns `unwatch`, which ends the thread and
     hands the wakeup fd back (the entry point calls it on its way out, so a process that goes on after it, a test
     calling the entry point, keeps no watcher that would end it at its next signal)."""
     import socket
@@ -140,7 +245,7 @@ def watch_stop_signals(on_stuck: Callable[[int], None], grace_s: float = STOP_GR
     closing = threading.Event()
 
     def watch():
-        deadline, pending = None, 0
+        deadline, pending, first = None, 0, 0.0
         while not closing.is_set():
             r.settimeout(None if deadline is None else max(deadline - time.monotonic(), 0.01))
             try:
@@ -151,16 +256,18 @@ def watch_stop_signals(on_stuck: Callable[[int], None], grace_s: float = STOP_GR
                 break
             for b in data:
                 if b in STOP_SIGNALS and deadline is None:
-                    deadline, pending = time.monotonic() + grace_s, b
+                    deadline, pending, first = time.monotonic() + grace_s, b, time.monotonic()
+                elif b in STOP_SIGNALS and b != EARLY_SIGNAL and time.monotonic() - first >= SAME_REQUEST_S:
+                    _graceful["hard"] = True  # a second signal, seen here even while the main thread is blocked
             if deadline is not None and time.monotonic() >= deadline:
-                if _deferred["depth"]:  # a save: wait for its agreement (bounded by the launcher's SIGKILL)
-                    deadline = time.monotonic() + grace_s
+                if _deferred["depth"] or _saving_first():  # a save, or a step ending before one: wait for it
+                    deadline = time.monotonic() + grace_s  # (bounded by checkpoint.grace_s and the launcher's SIGKILL)
                     continue
                 if not _stop["handled"]:
                     on_stuck(pending)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(128 + pending)
+                from spmdrl.launcher import exit_now
+
+                exit_now(128 + pending)
         r.close()  # the thread holds both sockets (the C handler writes to w's fd while it runs)
         w.close()
 
@@ -180,10 +287,17 @@ def watch_stop_signals(on_stuck: Callable[[int], None], grace_s: float = STOP_GR
     return unwatch
 
 
+def _saving_first() -> bool:
+    """A stop request of graceful_stop in progress (the step ends, then the checkpoint), not yet a stop at once."""
+    return _graceful["active"] and bool(_stop["signum"]) and not _graceful["hard"]
+
+
 class DeferredStop:
     """Within `with DeferredStop() as stop:` SIGTERM/SIGINT are recorded (`stop.signum`), not raised: code
     between collectives (a checkpoint save) finishes its part, and every rank learns of the stop at the
-    next agreement all-reduce, so all leave at the same collective. A signal nobody acted on (`consume`) is
+    next agreement all-reduce, so all leave at the same collective. Inside the training loop (graceful_stop) the
+    first signal is not a reason to abandon the save: it is recorded as the loop's request (acted on at the step
+    boundary right after), and only a signal that stops at once is. A signal nobody acted on (`consume`) is
     delivered again to the previous handler on exit."""
 
     def __init__(self):
@@ -192,7 +306,8 @@ class DeferredStop:
 
     def __enter__(self) -> "DeferredStop":
         def record(signum, frame):
-            self.signum = self.signum or signum
+            if _stops_at_once(signum):
+                self.signum = self.signum or signum
 
         self._handlers = _install(record)
         _deferred["depth"] += 1
@@ -238,8 +353,12 @@ def named_failures(step: Callable[[], int], timeout_s: float,
     traceback, with a note.
     """
     handlers = _install(_raise_terminated)
+    _graceful.update(hard=False, late=False)  # how an earlier stop in this process went (a test) is not this one's
     try:
         yield
+    except Stopped:  # a stop at a step boundary: its line names the step and the checkpoint already
+        stop_handled()
+        raise
     except (Exception, Terminated) as e:
         if isinstance(e, Terminated):
             stop_handled()
@@ -248,10 +367,7 @@ def named_failures(step: Callable[[], int], timeout_s: float,
         where = f"step {step()}, {place}"
         then = advice() if advice else "relaunch the same command to resume from the last complete checkpoint"
         if isinstance(e, Terminated):
-            raise Stopped(
-                f"{where}: stopped by {e} (Ctrl-C, a kill of the launcher, or the launcher stopping every rank "
-                f"after one failed: the launcher's summary names that rank); {then}", e.signum
-            ) from None
+            raise Stopped(f"{where}: {stop_reason(e.signum)}; {then}", e.signum) from None
         if is_collective_failure(e):
             raise SpmdrlError(
                 f"{where}: a collective failed ({type(e).__name__}: {_one_line(e)}); another rank probably died "
@@ -363,4 +479,5 @@ __all__ = [
     "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Stopped", "Terminated", "inject_fault", "inject_fault_if_asked",
     "injected_fault", "is_bad_step", "is_collective_failure", "named_failures", "set_collective_timeout",
     "slow_save_if_injected", "slow_start_if_injected", "stop_handled", "stop_requested", "stop_signals", "watch_stop_signals",
+    "EARLY_SIGNAL", "at_step_boundary", "graceful_stop", "ignore_stop_signals", "stop_reason",
 ]

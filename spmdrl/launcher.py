@@ -61,7 +61,7 @@ def watch_parent(grace_s: float = 20.0, poll_s: float = 0.5) -> Callable[[], Non
         print(f"[spmdrl] launcher (pid {parent}) is gone; stopping rank pid {os.getpid()}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         if not closing.wait(grace_s):
-            os._exit(143)
+            exit_now(143)
 
     t = threading.Thread(target=watch, daemon=True, name="spmdrl-parent-watch")
     t.start()
@@ -101,6 +101,35 @@ def settle_heap() -> None:
         import gc
 
         gc.freeze()
+
+
+_AT_ANY_EXIT: list[Callable[[], None]] = []
+
+
+def at_any_exit(fn: Callable[[], None]) -> None:
+    """fn() runs however this process ends while Python still runs: at a normal exit and in leave() (atexit), and
+    on the ways out that skip the atexit handlers (`exit_now`: a stopped rank, a rank blocked in C++ or whose
+    launcher is gone). For quick cleanups of what outlives the process otherwise (shared-memory segments)."""
+    import atexit
+
+    _AT_ANY_EXIT.append(fn)
+    atexit.register(fn)
+
+
+def exit_now(code: int) -> None:
+    """os._exit(code) after the at_any_exit cleanups and a flush of stdout and stderr: no atexit handlers, no
+    teardown (a stopped rank has closed its metrics and printed its line; vLLM's shutdown takes seconds)."""
+    for fn in list(_AT_ANY_EXIT):
+        try:
+            fn()
+        except Exception:
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def leave(code) -> None:
@@ -159,11 +188,16 @@ def report_error(message, rank: int, *, show: bool = True) -> None:
 
 
 def record_bug(e: BaseException) -> None:
-    """Not a user error: torchrun's error file gets the traceback (as torch's @record would write it)."""
+    """Not a user error: torchrun's error file gets the traceback (as torch's @record would write it), and as its
+    message one line of the exception's type, message and spmdrl's note of the step and stage it was raised in."""
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
         return
-    data = {"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": {
+    line = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+    notes = [n for n in getattr(e, "__notes__", []) if isinstance(n, str) and n.startswith("spmdrl: ")]
+    if notes:
+        line += f" ({notes[-1][len('spmdrl: '):]})"
+    data = {"message": {"message": line, "extraInfo": {
         "py_callstack": "".join(traceback.format_exception(e)), "timestamp": str(int(time.time()))}}}
     try:
         with open(path, "w", encoding="utf-8") as f:
@@ -192,39 +226,87 @@ def _printed(failures: dict) -> bool:
     return False
 
 
+_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "broken pipe",
+                       "timed out", "processgroup", "distnetworkerror", "distbackenderror")
+
+
+def _bug(f) -> str | None:
+    """The one line of a Python exception a rank recorded (record_bug), unless it is a collective failing
+    because another rank died (a consequence, not a cause); else None."""
+    if not isinstance(f.message, dict):
+        return None
+    line = str(f.message.get("message", ""))
+    return None if any(m in line.lower() for m in _COLLECTIVE_MARKERS) else line
+
+
 def summarise_failures(failures: dict) -> int:
-    """The launcher's exit code for torchrun's failures {rank: ProcessFailure}; see the table in
-    docs/reliability.md. A rank that reported wrote `error (rank R): ...` in its error file and printed it
-    once; a rank that died without a word by SIGKILL or a crash (kill -9, the OOM killer, a segfault) gets one
-    line here and is the root cause (exit 1) whatever the survivors then reported. A rank that died by
-    SIGTERM or SIGINT without a word while another rank reported was stopped by the launcher (torchrun stops
-    the others when one fails) before it could speak: no line, the reported error stands. Exit 2 when a rank
-    reported a user error (printed here if no rank could print it); the stop's 128 + signal when every
-    reporting rank was stopped by the same signal; else 1."""
+    """The launcher's exit code for torchrun's failures {rank: ProcessFailure}, and a final line naming the first
+    real cause when the ranks' own lines may not (see the table in docs/reliability.md). In order:
+
+    - a rank that died without a word by SIGKILL or a crash (kill -9, the OOM killer, a segfault): one line
+      here, from outside spmdrl, exit 1, whatever the survivors then reported;
+    - a rank's Python exception (a bug; record_bug wrote its type, message, step and stage): one line naming
+      it, exit 1; a collective that failed because a peer died is a consequence, not named;
+    - a user error (SpmdrlError) a rank reported: printed once by that rank (here when no rank could), exit 2;
+      a stop every reporting rank reported: 128 + the signal;
+    - a rank that died by SIGTERM or SIGINT without a word is the launcher's own stop (torchrun stops the others
+      when one fails) whenever another rank failed otherwise; only when none did is it named, as from outside.
+    """
     ours = {r: f for r, f in failures.items() if isinstance(f.message, str) and f.message.startswith("error (rank")}
+    bugs = {r: line for r, f in failures.items() if (line := _bug(f)) is not None}
+    reported = set(ours) | {r for r, f in failures.items() if isinstance(f.message, dict)}
     stops = {-int(signal.SIGTERM), -int(signal.SIGINT)}
-    silent = sorted((r, f) for r, f in failures.items() if r not in ours and f.exitcode < 0
-                    and not (ours and f.exitcode in stops))
-    for rank, f in silent:
+    silent = {r: f for r, f in failures.items() if r not in reported and f.exitcode < 0}
+    killed = sorted((r, f) for r, f in silent.items() if f.exitcode not in stops)
+    for rank, f in killed:
         print(f"error: rank {rank} (pid {f.pid}) was killed by {f.signal_name()} (from outside spmdrl: kill -9, the "
               "OOM killer, a scheduler) and the launcher stopped the other ranks; its output above may have the "
               "cause; relaunch the same command to resume from the last complete checkpoint, if one was saved",
               file=sys.stderr,
               flush=True)
-    if silent:  # the root cause, even when a survivor then failed in a collective with a one-line error
+    if killed:  # the root cause, even when a survivor then failed in a collective with a one-line error
+        return 1
+    if bugs:
+        rank = min(bugs, key=lambda r: (failures[r].timestamp, r))
+        print(f"error: rank {rank} (pid {failures[rank].pid}) raised {bugs[rank]}; its traceback is above",
+              file=sys.stderr, flush=True)
         return 1
     if ours and not _printed(failures):  # every rank that found it was stopped before it could print
         rank, f = min(ours.items(), key=lambda item: (item[1].exitcode != 2, item[0]))
         print(f.message, file=sys.stderr, flush=True)
     if any(f.exitcode == 2 for f in ours.values()):
         return 2
-    if not ours:
-        rank, f = min(failures.items())
-        how = f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
-        print(f"error: rank {rank} (pid {f.pid}) {how}; its output above has the cause", file=sys.stderr, flush=True)
+    if ours:
+        codes = {f.exitcode for f in ours.values()}
+        return codes.pop() if len(codes) == 1 and 128 < next(iter(codes)) < 160 else 1
+    if reported:  # only collective failures recorded as bugs: their tracebacks are above
         return 1
-    codes = {f.exitcode for f in ours.values()}
-    return codes.pop() if len(codes) == 1 and 128 < next(iter(codes)) < 160 else 1
+    others = {r: f for r, f in failures.items() if r not in silent}
+    if others:  # a rank exited non-zero without a report; the ranks stopped by a signal were the launcher's stop
+        rank, f = min(others.items())
+        print(f"error: rank {rank} (pid {f.pid}) exited with code {f.exitcode}; its output above has the cause",
+              file=sys.stderr, flush=True)
+        return 1
+    rank, f = min(silent.items())
+    print(f"error: rank {rank} (pid {f.pid}) was killed by {f.signal_name()} from outside spmdrl (no rank reported an "
+          "error and the launcher did not send it: a kill of that process, a scheduler); relaunch the same command to "
+          "resume from the last complete checkpoint, if one was saved", file=sys.stderr, flush=True)
+    return 1
+
+
+def _forward_to_ranks(signum, frame) -> None:
+    """SIGUSR1 (a scheduler's early warning, slurm/*.sbatch) to every rank, the agent's child processes: torchrun
+    does not handle it, and its default action would end the agent alone. A rank that got it from the scheduler
+    too takes the copy as the same request (spmdrl.faults)."""
+    me = str(os.getpid())
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                parent = f.read().rsplit(")", 1)[1].split()[1]
+            if parent == me:
+                os.kill(int(name), signum)
+        except (OSError, IndexError, ValueError):
+            continue
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     args = parse_args(argv)
+    signal.signal(signal.SIGUSR1, _forward_to_ranks)
     try:
         run(args)
     except ChildFailedError as e:

@@ -67,8 +67,8 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
     any process group; the first rank to find an error prints it), init dist, run_fn(cfg, layout, env, device, plan),
     tear down. SIGTERM/SIGINT stop it with one line; the rank leaves when its launcher dies. Exit 2 on a
     user error, 128 + the signal on a stop (143 for SIGTERM, 130 for Ctrl-C)."""
-    from spmdrl.faults import (STOP_GRACE_S, Stopped, Terminated, slow_start_if_injected, stop_handled, stop_signals,
-                               watch_stop_signals)
+    from spmdrl.faults import (STOP_GRACE_S, Stopped, Terminated, ignore_stop_signals, slow_start_if_injected,
+                               stop_handled, stop_signals, watch_stop_signals)
     from spmdrl.launcher import record_bug, report_error, settle_heap, watch_parent
 
     p = argparse.ArgumentParser(prog=prog, description=description)
@@ -100,6 +100,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
                 return 2
             except Terminated as e:
                 stop_handled()
+                ignore_stop_signals()
                 report_error(_stopped(e, "before start-up"), env.rank)
                 return 128 + e.signum
             if plan is False:  # nothing to do (said so)
@@ -110,12 +111,15 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
                                                  env.launcher, device.type, cfg.trainer.output_dir)
                 run_fn(cfg, layout, env, device)
             except SpmdrlError as e:  # a stop (Stopped) is not a user error: 128 + the signal, as a shell reports it
+                if isinstance(e, Stopped):
+                    ignore_stop_signals()
                 report_error(e, env.rank)
                 code = 128 + e.signum if isinstance(e, Stopped) else 2
-                _exit_now_if_stopped(code)
+                _exit_now_if_stopped(code, isinstance(e, Stopped))
                 return code
             except Terminated as e:
                 stop_handled()
+                ignore_stop_signals()
                 report_error(_stopped(e, "while starting (loading models, building engines)"), env.rank)
                 _exit_now_if_stopped(128 + e.signum)
                 return 128 + e.signum
@@ -139,16 +143,16 @@ def _absolute_output_dir(cfg) -> None:
         trainer.output_dir = os.path.abspath(trainer.output_dir)
 
 
-def _exit_now_if_stopped(code: int) -> None:
-    """Stopped by a signal (Ctrl-C, a kill of the launcher, torchrun stopping the job): the metrics are
-    closed, the checkpoints consistent and the line printed, so skip the process-group and interpreter
-    teardown (seconds with vLLM loaded; torchrun SIGKILLs after 30 s) and leave."""
+def _exit_now_if_stopped(code: int, stopped: bool = False) -> None:
+    """Stopped by a signal (Ctrl-C, a kill of the launcher, torchrun stopping the job, a scheduler; `stopped`: the
+    run stopped at a step boundary because some rank got one): the metrics are closed, the checkpoints consistent
+    and the line printed, so skip the process-group and interpreter teardown (seconds with vLLM loaded; torchrun
+    SIGKILLs after 30 s) and leave (spmdrl.launcher.exit_now)."""
     from spmdrl.faults import stop_requested
+    from spmdrl.launcher import exit_now
 
-    if stop_requested():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if stopped or stop_requested():
+        exit_now(code)
 
 
 def _stopped(e, when: str) -> str:

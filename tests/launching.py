@@ -16,15 +16,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(args: list[str], nproc: int | None, timeout: int = 600, module: bool = False, check: bool = True):
-    """Run `args` (a script path, or a module with module=True) under torchrun with nproc ranks, or as one
-    plain process (no torchrun variables) when nproc is None. Returns the CompletedProcess."""
+def run(args: list[str], nproc: int | None, timeout: int = 600, module: bool = False, check: bool = True,
+        port: int | None = None):
+    """Run `args` (a script path, or a module with module=True) under torchrun with nproc ranks (on `port`, default
+    a free one), or as one plain process (no torchrun variables) when nproc is None. Returns the CompletedProcess."""
     target = ["-m", *args] if module else args
     if nproc is None:
         cmd = [sys.executable, *target]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *target]
+               "--master-addr", "127.0.0.1", "--master-port", str(port or free_port()), *target]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

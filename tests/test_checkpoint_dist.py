@@ -4,6 +4,9 @@ One module-scoped set of runs, shared by the tests (independent ones overlap in 
   A  2 ranks, 4 steps straight, checkpoints at steps 2 and 4; dumps the final actor's log-probs.
   B  the same config with rank 1 killed at the start of step 3 (SPMDRL_FAULT_INJECT), then relaunched
      unchanged: it resumes from step 2 and must log exactly A's metrics.
+  D  the same config with the default checkpoint settings (no save before the end) under the launcher, SIGTERM to
+     the launcher at a random point early in step 2, then relaunched unchanged: the stop saves the step in
+     progress (or the one before), the relaunch resumes from it and must log exactly A's metrics.
   E  `spmdrl export` of A's final checkpoint (one plain process).
   C  1 rank, model.path = E, resumes from A's step-4 checkpoint (DCP reshards 2 -> 1 ranks), then NaN
      gradients at steps 6-7 with trainer.max_bad_steps = 2: the run aborts, keeping the step-5 checkpoint.
@@ -11,7 +14,9 @@ One module-scoped set of runs, shared by the tests (independent ones overlap in 
 import json
 import math
 import os
+import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,13 +96,18 @@ def runs(assets, tmp_path_factory):
 
     from spmdrl.cli import app
 
-    a, b, c, e = (tmp_path_factory.mktemp(n) for n in ("A", "B", "C", "exported"))
+    a, b, c, d, e = (tmp_path_factory.mktemp(n) for n in ("A", "B", "C", "D", "exported"))
     train_b = ["spmdrl.train", *overrides(assets, b)]
+    # what `spmdrl train --nproc 2` runs, with checkpoint.save_freq at its default
+    train_d = ["spmdrl.launcher", "--standalone", "--nproc-per-node", "2", "-m", "spmdrl.train",
+               *overrides(assets, d, **{"checkpoint.save_freq": 0})]
     run_a = Launch([SCRIPT, "--out", str(a), "--dump", *overrides(assets, a)], nproc=2)
     killed = Launch(train_b, nproc=2, module=True, env={"SPMDRL_FAULT_INJECT": "kill:rank=1:step=3"})
     killed_res = killed.wait(check=False)
     resumed = Launch(train_b, nproc=2, module=True)
     run_a.wait()
+    stopped = stop_during_a_step(Launch(train_d, nproc=None, module=True), d / "metrics.jsonl")
+    relaunched = Launch(train_d, nproc=None, module=True)
     result = CliRunner().invoke(app, ["export", "--checkpoint", str(a), "--out", str(e)])
     assert result.exit_code == 0, result.output
     run_c = Launch([SCRIPT, "--out", str(c), "--expect", str(a / "actor_logprobs.json"),
@@ -105,8 +115,26 @@ def runs(assets, tmp_path_factory):
                     *overrides(assets, c, **{"model.path": str(e), "checkpoint.resume": "off", "trainer.total_steps": 7,
                                              "checkpoint.save_freq": 1, "trainer.max_bad_steps": 2})],
                    nproc=None, env={"SPMDRL_FAULT_INJECT": "nan:step=6-7"})
-    return types.SimpleNamespace(a=a, b=b, c=c, exported=e, killed=killed_res, killed_s=killed.seconds,
-                                 resumed=resumed.wait(), run_c=run_c.wait(check=False))
+    return types.SimpleNamespace(a=a, b=b, c=c, d=d, exported=e, killed=killed_res, killed_s=killed.seconds,
+                                 resumed=resumed.wait(), run_c=run_c.wait(check=False), stopped=stopped,
+                                 relaunched=relaunched.wait())
+
+
+def stop_during_a_step(job: Launch, metrics: str) -> types.SimpleNamespace:
+    """SIGTERM to the launcher at a random moment within 0.2 s after step 1 is logged (a step takes 0.3 s or more
+    here, so the signal lands in step 2, rarely 3); returns the finished run, the step in progress at the signal
+    (the next one to be logged) and the seconds from the signal to the exit."""
+    deadline = time.monotonic() + 300
+    while job.proc.poll() is None and time.monotonic() < deadline:
+        if os.path.exists(metrics) and any(json.loads(ln)["step"] == 1 for ln in open(metrics) if ln.strip()):
+            break
+        time.sleep(0.05)
+    time.sleep(random.uniform(0.0, 0.2))
+    in_progress = max(json.loads(ln)["step"] for ln in open(metrics) if ln.strip()) + 1
+    t0 = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    done = job.wait(check=False)
+    return types.SimpleNamespace(proc=done, in_progress=in_progress, exit_s=time.monotonic() - t0)
 
 
 def comparable(rows):
@@ -148,6 +176,27 @@ def test_resume_after_a_kill_logs_exactly_the_uninterrupted_metrics(runs):
     assert [r["step"] for r in raw] == [0, 1, 2, 3, 4]  # appended; no second validation at step 0
     assert comparable(raw) == comparable(straight)  # bitwise, every non-timing metric of every step
     assert sorted(os.listdir(out / "checkpoints")) == ["step_00000002", "step_00000004"]
+
+
+def test_sigterm_saves_the_step_and_the_same_command_resumes_bitwise(runs):
+    """With the default settings a SIGTERM lost every step since the start (or the last 30-minute save): the run
+    stopped at once. It now ends the step in progress, saves it and says so in one line; the same command resumes
+    from it and logs exactly the uninterrupted run's metrics."""
+    stopped, relaunched = runs.stopped, runs.relaunched
+    err = [ln for ln in stopped.proc.stderr.splitlines() if ln.startswith("error")]
+    m = re.fullmatch(r"error \(rank \d\): stopped by SIGTERM after step (\d): saved checkpoint (\S+); relaunch the "
+                     r"same command to resume from it", err[0] if len(err) == 1 else "")
+    assert stopped.proc.returncode == 143 and m, stopped.proc.stderr[-3000:]
+    saved = int(m.group(1))
+    assert saved in (stopped.in_progress - 1, stopped.in_progress), (saved, stopped.in_progress)
+    assert m.group(2) == str(runs.d / "checkpoints" / f"step_{saved:08d}")
+    assert stopped.exit_s < 30, stopped.exit_s  # within torchrun's SIGTERM -> SIGKILL window
+    print(f"SIGTERM -> exit {stopped.exit_s:.2f}s, saved step {saved} (step {stopped.in_progress} in progress)")
+    assert f"resumed from {m.group(2)} at step {saved}" in relaunched.stdout
+    straight = read_jsonl(str(runs.a / "metrics.jsonl"), last_per_step=True)
+    resumed = read_jsonl(str(runs.d / "metrics.jsonl"), last_per_step=True)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert comparable(resumed) == comparable(straight)
 
 
 def test_export_gives_the_trainers_logprobs_in_transformers(runs):

@@ -182,6 +182,43 @@ def test_a_step_without_a_finite_signal_is_bad():
     assert not is_bad_step({"actor/grad_norm": 0.0, "train/reward_mean": 0.5, "train/advantage_mean": 0.0})
 
 
+def test_in_the_loop_the_first_signal_asks_for_a_save_and_a_second_stops_at_once():
+    """graceful_stop (the training loop): the first SIGTERM is a request (the step goes on), its copy from a
+    scheduler that signals every process of the job is the same request, a later signal stops at once, and a
+    step that outlasts checkpoint.grace_s is stopped without a save."""
+    from spmdrl.faults import Terminated, at_step_boundary, graceful_stop, stop_handled, stop_reason, stop_requested
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated):
+        with graceful_stop(30.0):
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher's forwarded copy
+            time.sleep(0.3)
+            assert stop_requested() == signal.SIGTERM
+            os.kill(os.getpid(), signal.SIGUSR1)  # an early warning after it: still the same request
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGTERM)  # a second signal
+            time.sleep(5)
+    assert stop_reason(signal.SIGTERM) == "stopped at once by a second signal (SIGTERM) without saving"
+    stop_handled()
+    assert signal.getsignal(signal.SIGTERM) is before
+    t0 = time.monotonic()
+    with pytest.raises(Terminated):
+        with graceful_stop(0.5):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # a step longer than the grace
+    assert 0.4 < time.monotonic() - t0 < 3
+    assert stop_reason(signal.SIGINT).startswith("stopped by SIGINT (Ctrl-C): the step did not end within "
+                                                 "checkpoint.grace_s = 0.5s of the signal, so it was not saved")
+    stop_handled()
+    with graceful_stop(0.5):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert at_step_boundary() == signal.SIGTERM  # reached in time: the timer leaves the rank to its save
+        time.sleep(1.0)
+    stop_handled()
+
+
 def test_a_stop_during_a_save_waits_for_the_agreement_point():
     from spmdrl.faults import DeferredStop
 
@@ -276,7 +313,8 @@ def fault_run(tmp_path_factory):
 def test_fault_script_kill_and_sigterm_of_the_launcher_and_resume(fault_run, tmp_path):
     """launch/fault_check.py on the tiny model (2 ranks): kill -9 of `spmdrl train` and SIGTERM to it during
     a checkpoint save slowed on purpose (rank 0 sleeps 6 s inside the save) leave no process of the job after
-    30 s, the SIGTERM gives one error line and no torn checkpoint, and a relaunch resumes and finishes. (Its
+    30 s, the SIGTERM lets the save finish and gives one line naming it, no torn checkpoint, and a relaunch
+    resumes and finishes. (Its
     kill -9 of a rank is test_checkpoint_dist's killed run; skipped here to save a launch.)"""
     config, ov = fault_run
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1",
@@ -289,7 +327,10 @@ def test_fault_script_kill_and_sigterm_of_the_launcher_and_resume(fault_run, tmp
     assert [ln.split(":")[0] for ln in lines] == [
         "PASS  kill -9 launcher", "PASS  SIGTERM launcher during a save", "PASS  SIGTERM", "PASS  SIGTERM",
         "PASS  resume"], proc.stdout
-    assert "stage 'checkpoint': stopped by SIGTERM" in proc.stdout
+    # the SIGTERM landed in a save: the save finished and the run stopped after it, naming it (the kill -9 of the
+    # launcher before it had saved its own step already: the ranks finish their step and save when it dies)
+    assert re.search(r"SIGTERM: one line: error \(rank \d\): stopped by SIGTERM after step (\d): saved checkpoint "
+                     r"\S+step_0000000\1; relaunch the same command to resume from it", proc.stdout), proc.stdout
     print(proc.stdout)  # the measured times, with -s
 
 

@@ -586,6 +586,82 @@ def test_the_launcher_names_a_rank_killed_from_outside_and_exits_1(tmp_path, cap
     assert capsys.readouterr().err == "error: rank 3 (pid 1003) exited with code 1; its output above has the cause\n"
 
 
+def _bug(tmp_path, rank, exitcode, exc: BaseException):
+    """A rank that raised `exc` (not a user error): its error file as spmdrl.launcher.record_bug writes it."""
+    from spmdrl.launcher import record_bug
+
+    path = tmp_path / "attempt_0" / str(rank) / "error.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHELASTIC_ERROR_FILE"] = str(path)
+    try:
+        record_bug(exc)
+    finally:
+        del os.environ["TORCHELASTIC_ERROR_FILE"]
+    return _process_failure(rank, exitcode, path)
+
+
+def _process_failure(rank, exitcode, path):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def _raised(exc: BaseException, note: str) -> BaseException:
+    try:
+        raise exc
+    except BaseException as e:
+        e.add_note(note)
+        return e
+
+
+def test_a_ranks_exception_is_named_not_torchruns_stop_of_it(tmp_path, capsys):
+    """Both ranks raised an ordinary exception in step 1, stage 'old_logprob'; torchrun stopped rank 0 (SIGTERM)
+    while it was exiting. The launcher's line read `rank 0 ... was killed by SIGTERM (from outside spmdrl ...)`:
+    it names the exception now, with its stage, and exits 1."""
+    from spmdrl.launcher import summarise_failures
+
+    note = "spmdrl: raised in step 1, stage 'old_logprob'"
+    failures = {0: _bug(tmp_path, 0, -15, _raised(IndexError("index 70000 is out of bounds for dimension 0"), note)),
+                1: _bug(tmp_path, 1, 1, _raised(IndexError("index 70000 is out of bounds for dimension 0"), note))}
+    assert summarise_failures(failures) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: rank 0 (pid 1000) raised IndexError: index 70000 is out of bounds for dimension 0 (raised in step 1, "
+        "stage 'old_logprob'); its traceback is above"]
+    # one rank raised; the other, stopped by torchrun before it could say anything, is not a kill from outside
+    failures = {0: _process_failure(0, -15, tmp_path / "none0.json"),
+                1: _bug(tmp_path, 1, 1, _raised(TypeError("bad operand"), note))}
+    assert summarise_failures(failures) == 1
+    assert capsys.readouterr().err == ("error: rank 1 (pid 1001) raised TypeError: bad operand (raised in step 1, "
+                                       "stage 'old_logprob'); its traceback is above\n")
+
+
+def test_a_signal_is_from_outside_only_when_no_rank_reported_and_the_launcher_did_not_send_it(tmp_path, capsys):
+    """kill -9 of rank 1 after the last checkpoint; torchrun then stopped rank 0 with SIGTERM before it said
+    anything: only the kill is named (the SIGTERM was the launcher's). A SIGTERM nobody reported and that no
+    failure of another rank explains is from outside."""
+    from spmdrl.launcher import summarise_failures
+
+    none = tmp_path / "none.json"
+    assert summarise_failures({0: _process_failure(0, -15, none), 1: _process_failure(1, -9, none)}) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: rank 1 (pid 1001) was killed by SIGKILL (from outside spmdrl: kill -9, the OOM killer, a scheduler) "
+        "and the launcher stopped the other ranks; its output above may have the cause; relaunch the same command to "
+        "resume from the last complete checkpoint, if one was saved"]
+    # a crash with an exit code (no report) and torchrun's stop of the other rank
+    assert summarise_failures({0: _process_failure(0, -15, none), 1: _process_failure(1, 3, none)}) == 1
+    assert capsys.readouterr().err == "error: rank 1 (pid 1001) exited with code 3; its output above has the cause\n"
+    # nobody failed otherwise: the SIGTERM came from outside
+    assert summarise_failures({1: _process_failure(1, -15, none)}) == 1
+    assert capsys.readouterr().err.startswith(
+        "error: rank 1 (pid 1001) was killed by SIGTERM from outside spmdrl (no rank reported an error and the "
+        "launcher did not send it")
+    # a collective that failed because the killed rank was gone is a consequence, not the cause
+    failures = {0: _bug(tmp_path, 0, 1, RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")),
+                1: _process_failure(1, -9, none)}
+    assert summarise_failures(failures) == 1
+    assert "rank 1 (pid 1001) was killed by SIGKILL" in capsys.readouterr().err
+
+
 def test_a_recorded_error_wins_over_the_launchers_own_stop(tmp_path, capsys):
     """A config error on rank 1 while rank 0 was stopped by the launcher (SIGTERM) before it could print: the
     launcher said rank 0 'was killed by SIGTERM (from outside spmdrl ...)' and exited 1, hiding the typo."""
@@ -617,9 +693,10 @@ def test_a_stop_is_not_a_user_error():
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)
     assert e.value.signum == signal.SIGTERM
-    assert str(e.value).startswith("step 3, stage 'checkpoint': stopped by SIGTERM (Ctrl-C, a kill of the launcher, or "
-                                   "the launcher stopping every rank after one failed: the launcher's summary names "
-                                   "that rank)")
+    assert str(e.value).startswith("step 3, stage 'checkpoint': stopped by SIGTERM (a kill of the launcher, a "
+                                   "scheduler, or the launcher stopping every rank after one failed: the launcher's "
+                                   "summary names that rank)")
+    assert "Ctrl-C" not in str(e.value)  # that is SIGINT's line
 
 
 def test_a_rank_blocked_in_cpp_leaves_soon_after_sigterm(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from launching import run  # noqa: E402
+from launching import free_port, run  # noqa: E402
 from spmdrl.data.synthetic import make_arith  # noqa: E402
 from spmdrl.metrics import read_jsonl  # noqa: E402
 from spmdrl.tiny import build_tiny  # noqa: E402
@@ -42,12 +42,17 @@ def overrides(model, data, out, **extra):
     return [f"{k}={v}" for k, v in o.items()]
 
 
-def train(out, nproc, args, monkeypatch):
+def train(out, nproc, args, monkeypatch, port=None):
     dump = out / "dump"
     dump.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("SPMDRL_TEST_DUMP", str(dump))
     monkeypatch.setenv("SPMDRL_GROUP_LOG", str(out / "groups"))  # every process-group creation, per rank
-    return run(["spmdrl.train", *args], nproc=nproc, module=True)
+    return run(["spmdrl.train", *args], nproc=nproc, module=True, port=port)
+
+
+def shm_segments(port: int) -> list[str]:
+    """The CPU TP communicator's shared-memory segments of a job on `port` (spmdrl/rollout/vllm_engine.py)."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"spmdrl{port}e"))
 
 
 def versions(out, rank):
@@ -61,22 +66,36 @@ def runs(tmp_path_factory):
     model = build_tiny(str(root / "model"), seed=0)
     data = make_arith(str(root / "data"), n_train=64, n_val=16, seed=0)
     s0, col, s1, s1r = (root / n for n in ("s0", "colocated", "s1", "s1_resumed"))
+    ports: list[int] = []  # one per run (every run here has rollout TP 2), all different
+    while len(ports) < 4:
+        ports += [p for p in [free_port()] if p not in ports]
+    # a segment a SIGKILLed earlier job on the colocated run's port left (vLLM's create would fail on it: errno 17)
+    stale = f"/dev/shm/spmdrl{ports[1]}e1-tp:0-[0-1]-cpushm_0"
+    with open(stale, "wb") as f:
+        f.write(b"\0" * 4096)
     try:
-        train(s0, 4, overrides(model, data, s0, **SPLIT, **TRUNCATED), mp)
-        train(col, 2, overrides(model, data, col, **{"placement.rollout_tp": 2}, **TRUNCATED), mp)
+        train(s0, 4, overrides(model, data, s0, **SPLIT, **TRUNCATED), mp, port=ports[0])
+        col_proc = train(col, 2, overrides(model, data, col, **{"placement.rollout_tp": 2}, **TRUNCATED), mp,
+                         port=ports[1])
+        shm_left = {p: shm_segments(p) for p in ports[:2]}
         # rollout.verify_sync: the rollout ranks check every sync's weights against the actor's (reshard/verify.py)
         s1_args = dict(SPLIT, **{"trainer.max_staleness": 1, "trainer.total_steps": 4, "checkpoint.save_freq": 2,
                                  "checkpoint.keep_last": 0, "rollout.verify_sync": "true"})
-        proc = train(s1, 4, overrides(model, data, s1, **s1_args), mp)
+        proc = train(s1, 4, overrides(model, data, s1, **s1_args), mp, port=ports[2])
         # the same run, stopped after its step-2 checkpoint: drop what came later, then resume
         shutil.copytree(s1, s1r, ignore=shutil.ignore_patterns("dump", "step_00000004"))
         rows = [line for line in open(s1r / "metrics.jsonl") if json.loads(line)["step"] <= 2]
         open(s1r / "metrics.jsonl", "w").writelines(rows)
-        resumed = train(s1r, 4, overrides(model, data, s1r, **s1_args), mp)
+        resumed = train(s1r, 4, overrides(model, data, s1r, **s1_args), mp, port=ports[3])
+        shm_left.update({p: shm_segments(p) for p in ports[2:]})
     finally:
         mp.undo()
+        for p in ports:
+            for name in shm_segments(p):  # what a failed run left: not for the next test on this machine
+                os.unlink(os.path.join("/dev/shm", name))
     return types.SimpleNamespace(model=model, s0=s0, col=col, s1=s1, s1r=s1r, s1_log=proc.stdout + proc.stderr,
-                                 resumed=resumed.stdout + resumed.stderr)
+                                 resumed=resumed.stdout + resumed.stderr, shm_left=shm_left, stale=stale,
+                                 col_log=col_proc.stdout + col_proc.stderr)
 
 
 def comparable(rows):
@@ -212,3 +231,12 @@ def test_group_creations_follow_nccl_rules(runs):
     assert check_nccl_rules(logs, bound) == []
     callers = [{g["caller"] for g in logs[r] if "api" in g} for r in (0, 1)]
     assert callers[0] == callers[1] == {"spmdrl", "vllm"}
+
+
+def test_healthy_tp2_runs_leave_no_shared_memory_and_remove_a_stale_segment(runs):
+    """Every healthy run with rollout TP 2 left vLLM's two CPU TP communicator segments in /dev/shm (its C++
+    side unlinks them in a static destructor, which spmdrl's fast exit skips); the colocated run also found a
+    segment of its own name left by a killed job, which made vLLM's create fail. The four runs leave nothing."""
+    assert runs.shm_left == {p: [] for p in runs.shm_left}
+    assert not os.path.exists(runs.stale)
+    assert f"removed {runs.stale}, a shared-memory segment left by an earlier job of this name" in runs.col_log

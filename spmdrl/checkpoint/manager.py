@@ -63,6 +63,11 @@ class CheckpointManager:
         v, sig = (int(x) for x in t.tolist())
         return (self.world_size - v if v else -1), sig
 
+    def agree_stop(self, signum: int) -> int:
+        """The stop signal any rank was asked to stop with, else 0 (every rank calls it at the same point: the
+        training loop's step boundary)."""
+        return self._agree(False, signum)[1]
+
     def _any(self, flags: list[bool]) -> list[bool]:
         if not self.dist:
             return flags

@@ -561,6 +561,11 @@ class CheckpointConfig:
     """This run's complete checkpoints to keep (another run's are never deleted); 0 keeps all."""
     resume: str = "auto"
     """auto (newest intact checkpoint in output_dir; damaged newer ones are skipped with a warning) | off | a checkpoint path."""
+    grace_s: float = 20.0
+    """On SIGTERM or Ctrl-C the run finishes its step, saves a checkpoint and exits, if the step ends within this
+    many seconds of the signal (else it exits without saving it); the default leaves 10 s of torchrun's 30 s before
+    its SIGKILL for the save. SIGUSR1 (a scheduler's early warning) saves at the next step boundary however long
+    the step takes. A second signal stops at once. 0: every signal stops at once (docs/reliability.md)."""
 
 
 @dataclass

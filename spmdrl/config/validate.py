@@ -75,6 +75,7 @@ def check_ranges(cfg) -> None:
     need(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", ">= 0 (0 keeps every checkpoint)")
     need(cfg.checkpoint.save_freq >= -1, "checkpoint.save_freq", ">= -1 (-1 never saves)")
     need(cfg.checkpoint.save_every_min >= 0, "checkpoint.save_every_min", ">= 0 (0: no time-based saves)")
+    need(cfg.checkpoint.grace_s >= 0, "checkpoint.grace_s", ">= 0 (0: a signal stops the run at once)")
     need(0 <= a.min_lr_ratio <= 1, "actor.min_lr_ratio", "in [0, 1]")
     need(a.weight_decay >= 0, "actor.weight_decay", ">= 0")
     need(a.moe_aux_loss_coef >= 0, "actor.moe_aux_loss_coef", ">= 0 (0: off)")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import signal
 import time
-
 
 from spmdrl.checkpoint import CheckpointManager, latest_checkpoint
 from spmdrl.config import to_toml
 from spmdrl.data.sampler import DistributedPromptSampler
-from spmdrl.errors import SpmdrlError
-from spmdrl.faults import is_bad_step
+from spmdrl.errors import SpmdrlError, Stopped
+from spmdrl.faults import at_step_boundary, is_bad_step
 from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.split import BatchStream
 from spmdrl.reshard.sync import WeightSync
@@ -86,6 +86,27 @@ class RunCheckpointer:
         if done or (ck.save_freq > 0 and step % ck.save_freq == 0):
             return True
         return ck.save_every_min > 0 and since_save_s >= 60 * ck.save_every_min
+
+    def grace_s(self) -> float:
+        """How long a stop signal waits for the step to end and be saved (0: it stops at once); never saving
+        (checkpoint.save_freq = -1) means stopping at once."""
+        ck = self.cfg.checkpoint
+        return 0.0 if ck.save_freq < 0 else ck.grace_s
+
+    def stop_agreed(self) -> int:
+        """At the step boundary: the stop signal any rank got (one all-reduce of two numbers), else 0."""
+        return self.manager.agree_stop(at_step_boundary())
+
+    def stopped(self, signum: int, step: int, saved: str | None) -> Stopped:
+        """The one line of a run stopped at the boundary after `step`: the checkpoint saved, and how to resume."""
+        name = signal.Signals(signum).name
+        if saved:
+            return Stopped(f"stopped by {name} after step {step}: saved checkpoint {saved}; relaunch the same command "
+                           "to resume from it", signum)
+        from spmdrl.checkpoint import resume_advice
+
+        return Stopped(f"stopped by {name} after step {step}, which trained nothing (a bad step) and was not saved; "
+                       f"{resume_advice(self.cfg.trainer.output_dir)}", signum)
 
     def save(self, step: int) -> str:
         """The checkpoint after `step`; its path."""

@@ -33,7 +33,7 @@ from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.collectives import reduce_max, reduce_mean, redistribute
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines.loading import load_hf_config
-from spmdrl.faults import inject_fault_if_asked, named_failures, set_collective_timeout
+from spmdrl.faults import graceful_stop, inject_fault_if_asked, named_failures, set_collective_timeout
 from spmdrl.hooks import HookRunner, StageHooks
 from spmdrl.loop.build import (
     build_agent, build_engines, build_rollout, build_tools, build_weight_sync, rollout_load_format, sampling_specs,
@@ -216,8 +216,10 @@ class Trainer:
         timer = StageTimer(self.device)  # names validation and checkpointing in failure messages
         set_collective_timeout(cfg.trainer.dist_timeout_s)
         try:
+            # a stop signal: the step ends, is saved and the run stops (checkpoint.grace_s; docs/reliability.md)
             with named_failures(lambda: self.global_step, cfg.trainer.dist_timeout_s,
-                                lambda: resume_advice(cfg.trainer.output_dir)):
+                                lambda: resume_advice(cfg.trainer.output_dir)), \
+                    graceful_stop(self.checkpointer.grace_s()):
                 parity = {}  # logged with the first step this run trains
                 if self.parity is not None:
                     with timer("parity_check"):
@@ -248,9 +250,16 @@ class Trainer:
                     self.mismatch.check(self.global_step, metrics)
                     last = metrics
                     self.bad_steps.check(self.global_step)
+                    saved = None
                     if not bad and self.checkpointer.due(self.global_step, done, since_save_s):
                         with timer("checkpoint"):
-                            self.checkpointer.save(self.global_step)
+                            saved = self.checkpointer.save(self.global_step)
+                    stop = self.checkpointer.stop_agreed()  # the step boundary: all ranks stop here, or none
+                    if stop and not done:
+                        if not bad and saved is None:
+                            with timer("checkpoint"):
+                                saved = self.checkpointer.save(self.global_step)
+                        raise self.checkpointer.stopped(stop, self.global_step, saved)
         finally:
             self.logger.close()
         return last

@@ -498,6 +498,7 @@ class VLLMEngine:
         if finalizer is not None:
             finalizer()  # runs _shutdown_keeping_world once
         del self.llm, llm, client
+        remove_shm_segments()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -613,16 +614,44 @@ def _shutdown_keeping_world(core) -> None:
 
 
 _engines_built = 0
+SHM_DIR = "/dev/shm"
+_shm_groups: set[str] = set()  # this process's CPU TP communicator groups (their segments are <name>_<n>)
+
+
+def _shm_segments(group: str) -> list[str]:
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    return [os.path.join(SHM_DIR, n) for n in names if n.startswith(f"{group}_")]
+
+
+def remove_shm_segments() -> None:
+    """Unlink the shared-memory segments of this process's CPU TP communicators (every member of a group does it;
+    a member still running keeps its mapping). vLLM's C++ side unlinks them in a static destructor, which only a
+    normal interpreter exit runs: spmdrl's processes leave through os._exit (spmdrl.launcher.leave, the stop
+    paths), so this runs at any exit that runs Python (spmdrl.launcher.at_any_exit) and when an engine closes."""
+    for group in sorted(_shm_groups):
+        for path in _shm_segments(group):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 @contextmanager
 def _job_unique_cpu_shm_names() -> Iterator[None]:
-    """Give vLLM's CPU shared-memory TP communicator segment names unique to this job and engine.
+    """Give vLLM's CPU shared-memory TP communicator segment names unique to this job and engine, remove a
+    killed earlier job's segments of the same names, and remove this job's at exit.
 
     vLLM names them after the init method, which external_launcher fixes to "env://", so two jobs on one host
     with TP > 1 (two test runs, two users) both try to create "-tp:0-[0-1]-cpushm_0" and the second fails with
     "create shm in SHMManager failed. errno: 17". MASTER_PORT differs between concurrent torchrun jobs on a host
     and is the same on all ranks of one; the engine count is the same on all ranks because all build together.
+    A job killed with SIGKILL leaves its segments; a later job on the same port (a requeued Slurm job keeps its
+    MASTER_PORT) would fail on them, so every member of a group removes the group's old segments when vLLM names
+    it: that is before the group's first collective (an all-reduce of thread counts), so before any member
+    creates its new segment.
     """
     global _engines_built
     _engines_built += 1
@@ -640,7 +669,19 @@ def _job_unique_cpu_shm_names() -> Iterator[None]:
     def make_group_name(communicator) -> str:
         name = original.__func__(communicator)
         body = name.lstrip("/")  # shm_open wants the leading slash(es) first
-        return f"{name[: len(name) - len(body)]}{tag}{body}"
+        group = f"{tag}{body}"
+        for stale in _shm_segments(group):
+            try:
+                os.unlink(stale)
+                logger.warning("removed %s, a shared-memory segment left by an earlier job of this name", stale)
+            except OSError:  # another member of the group removed it first
+                pass
+        if not _shm_groups:
+            from spmdrl.launcher import at_any_exit
+
+            at_any_exit(remove_shm_segments)
+        _shm_groups.add(group)
+        return f"{name[: len(name) - len(body)]}{group}"
 
     _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
     try:
