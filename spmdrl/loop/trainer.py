@@ -220,10 +220,11 @@ class Trainer:
             with named_failures(lambda: self.global_step, cfg.trainer.dist_timeout_s,
                                 lambda: resume_advice(cfg.trainer.output_dir)), \
                     graceful_stop(self.checkpointer.grace_s()):
-                parity = {}  # logged with the first step this run trains
+                parity = {}  # logged with step 1 (a resumed run checks again, and says so in its log only)
                 if self.parity is not None:
                     with timer("parity_check"):
                         parity = self.parity.run(self.memory, self.rollout_synced)
+                    parity = {} if self.resumed_from else parity
                 if self.validator is not None and cfg.trainer.val_before_train and not self.resumed_from:
                     with timer("validation"):
                         self.logger.log(0, self.validator.run(self.global_step))
