@@ -26,11 +26,12 @@ exp_avg_sq, step per parameter) for every install, the one these checkpoints are
 GPU. The cost is torch's multi-tensor (foreach) Adam instead of a fused kernel, once per optimizer step.
 
 Not supported (refused at engine build by `check_checkpointable`, before any training): megatron's
-precision-aware optimizer, more than one chained optimizer (a mixture of experts, refused whatever its expert
-parallelism: its expert buffers and 3-d expert blocks are not laid out here; the host optimizer, host_optim.py,
-takes mixtures of experts), and PP > 1 with tied embeddings (the last
-stage's copy of the embedding has its own dp-sharded main param and moments, with ranges that differ from the
-first stage's).
+precision-aware optimizer, more than one chained optimizer, and PP > 1 with tied embeddings (the last stage's copy
+of the embedding has its own dp-sharded main param and moments, with ranges that differ from the first stage's).
+A mixture of experts (whose expert buffers and 3-d expert blocks would be a second chained optimizer, not laid out
+here) never comes here: on a GPU it trains with the host optimizer, host_optim.py, unless
+memory.<role>_host_optimizer = false asks otherwise, which is refused
+(config.derived.moe_distributed_optimizer_refusal).
 """
 from __future__ import annotations
 
@@ -67,9 +68,10 @@ def torch_inner_adam():
 def distributed_optimizer(optimizer):
     """The one DistributedOptimizer inside get_megatron_optimizer's ChainedOptimizer."""
     opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(opts) != 1:
-        raise ConfigError(f"megatron backend: {len(opts)} chained optimizers (expert parameters?); checkpoints "
-                          "support one distributed optimizer")
+    if len(opts) != 1:  # a mixture of experts' second one never gets here (config.derived.megatron_host_optimizer)
+        raise ConfigError(f"megatron backend: megatron-core built {len(opts)} chained distributed optimizers, and "
+                          "spmdrl's checkpoints save one; this megatron-core is not 0.16.1: pip install "
+                          "megatron-core==0.16.1")
     return opts[0]
 
 
@@ -84,10 +86,6 @@ def check_checkpointable(engine) -> None:
     if getattr(dopt.config, "use_precision_aware_optimizer", False):
         raise ConfigError("megatron backend: checkpoints of the precision-aware distributed optimizer are not "
                           "implemented")
-    if engine.dims.experts:  # expert pieces are 3-d blocks and the experts' grad buffers are a second chained optimizer
-        raise ConfigError("megatron backend on GPU: checkpoints of a mixture of experts' distributed optimizer state "
-                          "are not implemented; set memory.actor_host_optimizer = true (and critic_host_optimizer "
-                          "for a critic): the host optimizer checkpoints experts, or use trainer.backend = 'fsdp'")
     gpt = engine.stage.gpt
     if engine.mesh.pp_size > 1 and gpt.share_embeddings_and_output_weights:
         raise ConfigError("megatron backend on GPU: checkpoints with pipeline parallelism and tied embeddings "
