@@ -35,10 +35,11 @@ memory.<role>_host_optimizer = false asks otherwise, which is refused
 """
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
-
-from contextlib import contextmanager
 
 from spmdrl.errors import CheckpointError, ConfigError
 
@@ -63,6 +64,27 @@ def torch_inner_adam():
         yield
     finally:
         mopt.USING_PYTORCH_OPTIMIZER = saved
+
+
+def step_if_finite(optimizer) -> tuple[float, bool]:
+    """megatron's ChainedOptimizer.step (megatron-core 0.16.1 optimizer/optimizer.py:1308-1338), skipped when the
+    gradient norm is not finite: (grad norm, finite). megatron skips a step only on the found-inf flag of a loss
+    scaler, which a bf16 model has none of (MixedPrecisionOptimizer.prepare_grads), so a NaN gradient would step
+    every weight to NaN while reporting success; spmdrl's other optimizers skip it and count a bad step
+    (engines/base.clipped_step). The norm is all-reduced over the gradient-statistics group inside get_grad_norm,
+    so every rank decides alike."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if optimizer.prepare_grads():  # copies the main gradients into place; a loss scaler's found-inf
+        return float("nan"), False
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return grad_norm, False
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm)
+    return grad_norm, bool(optimizer.step_with_ready_grads())
 
 
 def distributed_optimizer(optimizer):

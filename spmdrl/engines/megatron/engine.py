@@ -422,9 +422,9 @@ class MegatronEngine:
         if self.mesh.pp_size > 1:
             self._replay_on_other_stages(micro_batches, staged, loss_fn, outs, sums)
         if getattr(self, "dist_optim", False):
-            ok, grad_norm, _ = self.optimizer.step()
-            grad_norm = float(grad_norm) if grad_norm is not None else 0.0
-            finite = bool(ok)
+            from .dist_optim import step_if_finite
+
+            grad_norm, finite = step_if_finite(self.optimizer)
         else:
             if not hasattr(self.optimizer, "master"):  # torch AdamW steps the float32 weights themselves
                 for p in self.stage.parameters():
