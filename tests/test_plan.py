@@ -327,8 +327,9 @@ def test_a_mixture_of_experts_on_a_gpu_trains_with_the_host_optimizer_by_default
     assert plan(moe, "memory.actor_host_optimizer=true")["memory"] == p["memory"]
     assert plan(dense)["roles"]["actor"]["optimizer"] == "distributed"
     assert plan(moe, "trainer.device=cpu")["roles"]["actor"]["optimizer"] == "torch AdamW"
-    with pytest.raises(ConfigError, match=r"memory.actor_host_optimizer = false with a mixture of experts \(4 experts\) "
-                                          r"on a GPU: megatron's distributed optimizer keeps the expert parameters"):
+    with pytest.raises(ConfigError, match=r"memory.actor_host_optimizer = false with a mixture of experts "
+                                          r"\(4 experts\) on a GPU: megatron's distributed optimizer keeps the "
+                                          r"expert parameters"):
         plan(moe, "memory.actor_host_optimizer=false")
     assert megatron_host_optimizer(None, "critic", on_gpu=True, experts=0)[0] is False
     assert megatron_host_optimizer(True, "critic", on_gpu=False, experts=0)[0] is True

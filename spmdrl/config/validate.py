@@ -768,7 +768,8 @@ def _check_megatron_experts(cfg, source: str, hf: dict, roles: tuple[str, ...]) 
     pp): a mixture of experts the backend builds (megatron_moe_problem); expert parallelism needs experts, and an
     expert count it divides; megatron's expert tensor parallelism (= tp) splits each expert's FFN width, and tensor
     parallelism a shared expert's width (Qwen2-MoE), which tp must divide. A mixture of experts on a GPU trains
-    with the host optimizer: memory.<role>_host_optimizer = false is refused (config.derived.megatron_host_optimizer)."""
+    with the host optimizer: memory.<role>_host_optimizer = false is refused
+    (config.derived.megatron_host_optimizer)."""
     experts, ffn = hf_experts(hf)
     for role in roles:
         setting = getattr(cfg.memory, f"{role}_host_optimizer", None)

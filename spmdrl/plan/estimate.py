@@ -40,8 +40,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from spmdrl.config.derived import (FULL_OFFLOAD, builds_ref, compute_dtype_name, distills, lora_settings, lora_sync_mode,
-                                    megatron_host_optimizer, offload_kinds, rollout_dtype_name, uses_vllm)
+from spmdrl.config.derived import (FULL_OFFLOAD, builds_ref, compute_dtype_name, distills, lora_settings,
+                                    lora_sync_mode, megatron_host_optimizer, offload_kinds, rollout_dtype_name,
+                                    uses_vllm)
 from spmdrl.engines.loading import block_index, load_hf_config, model_param_shapes
 from spmdrl.errors import ConfigError
 

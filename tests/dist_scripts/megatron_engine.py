@@ -305,7 +305,8 @@ def main():
         before = hf_blocks(a, lambda prm: prm.data)
         inject_fault("nan", env.rank, 3, a)
         poisoned = step(a)
-        kept = all(torch.equal(x[1], y[1]) for n in before for x, y in zip(before[n], hf_blocks(a, lambda prm: prm.data)[n]))
+        now = hf_blocks(a, lambda prm: prm.data)
+        kept = all(torch.equal(x[1], y[1]) for n in before for x, y in zip(before[n], now[n]))
         clean = step(a)
         res["nan_injection"] = {"poisoned": poisoned, "kept": kept, "clean": clean}
     torch.save(res, os.path.join(args.out, f"rank{env.rank}.pt"))
