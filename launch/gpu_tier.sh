@@ -11,7 +11,8 @@
 #     -d .whl megatron-core==0.16.1
 # (the GPU machine's Python version; megatron-core needs only numpy, packaging and torch beside it).
 # Exit status: pytest's (0 when every gpu test passed), 2 without a CUDA device. The tests stop after
-# TIER_TIMEOUT seconds (default 330) with what finished reported.
+# TIER_TIMEOUT seconds (default 540: the gpu tests' own subprocess limits together, 300 + 180 s, and a minute for
+# the rest; tests/test_repo.py checks it) with what finished reported.
 set -uo pipefail
 OUT=${1:?usage: bash launch/gpu_tier.sh OUT}
 mkdir -p "$OUT"
@@ -31,7 +32,7 @@ fi
 TIER_FILES="tests/gpu tests/test_host_syncs.py tests/test_fused_logprob.py"
 START=$(date +%s)
 # SIGINT at the limit: pytest stops, reports what ran and writes the junit file
-timeout -s INT "${TIER_TIMEOUT:-330}" python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=0 --continue-on-collection-errors \
+timeout -s INT "${TIER_TIMEOUT:-540}" python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=0 --continue-on-collection-errors \
   --junitxml "$OUT/junit.xml" $TIER_FILES 2>&1 | tee "$OUT/pytest.log"
 RC=${PIPESTATUS[0]}
 python3 - "$OUT" "$RC" "$(( $(date +%s) - START ))" <<'PY' | tee "$OUT/summary.txt"

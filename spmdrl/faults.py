@@ -429,9 +429,9 @@ def injected_fault(rank: int, step: int, spec: str | None = None) -> str | None:
 
 
 def inject_fault(kind: str | None, rank: int, step: int, engine) -> None:
-    """kill: exit at once, like a lost node; hang: block forever; nan: a NaN gradient in `engine`'s next
-    optimizer step (the real grad-norm path sees it). slow_save acts inside CheckpointManager.save
-    (`slow_save_if_injected`)."""
+    """kill: exit at once, like a lost node; hang: block forever; nan: NaN gradients in `engine`'s next
+    optimizer step (poison_next_update; the backend's real grad-norm path sees them). slow_save acts inside
+    CheckpointManager.save (`slow_save_if_injected`)."""
     if kind == "kill":
         print(f"[fault injection] rank {rank} exits in step {step}", file=sys.stderr, flush=True)
         os._exit(1)
@@ -440,15 +440,31 @@ def inject_fault(kind: str | None, rank: int, step: int, engine) -> None:
         while True:
             time.sleep(3600)
     if kind == "nan":
-        def poisoned_clip_grad_norm():
-            del engine.clip_grad_norm  # once: back to the class's method
-            for p in engine.module.parameters():
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
-                    break
-            return engine.clip_grad_norm()
+        poison_next_update(engine)
 
-        engine.clip_grad_norm = poisoned_clip_grad_norm
+
+def poison_next_update(engine) -> None:
+    """The next `train_step` of `engine` (any TrainEngine, spmdrl/engines/base.py) computes NaN gradients: its
+    first micro-batch's loss, as the caller's loss_fn returns it, is multiplied by NaN, so every gradient that loss
+    reaches is NaN. The step then goes down the backend's own path as a real NaN would (FSDP2 and Megatron's grad
+    norm, megatron's distributed optimizer on a GPU) and is skipped and counted as a bad step; the loss metrics,
+    which loss_fn computes apart, stay finite. Once: later steps are untouched."""
+    train_step = engine.train_step
+
+    def poisoned_train_step(micro_batches, loss_fn):
+        del engine.train_step  # once: back to the class's method
+        first = [True]
+
+        def nan_loss(micro, eng):
+            loss, metrics = loss_fn(micro, eng)
+            if first[0]:
+                first[0] = False
+                loss = loss * float("nan")
+            return loss, metrics
+
+        return train_step(micro_batches, nan_loss)
+
+    engine.train_step = poisoned_train_step
 
 
 def inject_fault_if_asked(rank: int, step: int, engine) -> None:
@@ -477,7 +493,8 @@ def slow_start_if_injected(rank: int) -> None:
 
 __all__ = [
     "FAULT_ENV", "DeferredStop", "STOP_SIGNALS", "Stopped", "Terminated", "inject_fault", "inject_fault_if_asked",
-    "injected_fault", "is_bad_step", "is_collective_failure", "named_failures", "set_collective_timeout",
-    "slow_save_if_injected", "slow_start_if_injected", "stop_handled", "stop_requested", "stop_signals", "watch_stop_signals",
-    "EARLY_SIGNAL", "at_step_boundary", "graceful_stop", "ignore_stop_signals", "stop_reason",
+    "injected_fault", "is_bad_step", "is_collective_failure", "named_failures", "poison_next_update",
+    "set_collective_timeout", "slow_save_if_injected", "slow_start_if_injected", "stop_handled", "stop_requested",
+    "stop_signals", "watch_stop_signals", "EARLY_SIGNAL", "at_step_boundary", "graceful_stop", "ignore_stop_signals",
+    "stop_reason",
 ]

@@ -136,11 +136,15 @@ def leave(code) -> None:
     """End this process with exit status `code` (what `sys.exit(code)` takes) once its work is done, skipping
     the interpreter's teardown. With torch, transformers and vLLM imported the teardown's garbage collections
     walk over half a million objects: seconds per process (3 s on 2 CPU cores, more under load) that clean
-    up nothing a next process needs. What a normal exit does first is done here too: the other non-daemon
-    threads are joined, the atexit handlers run (logging, trackers, vLLM's shutdown), stdout and stderr are
-    flushed."""
+    up nothing a next process needs. What a normal exit does first is done here too: the threading module's
+    exit hooks run (concurrent.futures' tells idle pool workers to stop, such as those of the compile pool
+    torch's inductor keeps for the life of the process, which would otherwise be waited for forever), the other
+    non-daemon threads are joined, the atexit handlers run (logging, trackers, vLLM's shutdown), stdout and
+    stderr are flushed."""
     import atexit
 
+    for hook in reversed(getattr(threading, "_threading_atexits", [])):  # as the interpreter's exit does first
+        hook()
     me = threading.current_thread()
     for t in threading.enumerate():
         if t is not me and not t.daemon:

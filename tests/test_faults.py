@@ -101,21 +101,47 @@ def test_fault_spec():
         injected_fault(0, 1, "explode:step=1")
 
 
-def test_nan_injection_poisons_one_real_gradient_norm():
-    class Engine:
-        def __init__(self):
-            self.module = torch.nn.Linear(2, 2)
+def nan_injection_round(engine, loss_fn, batch) -> dict:
+    """One train_step after SPMDRL_FAULT_INJECT's nan (inject_fault, through the engine protocol), then one more:
+    their metrics, and whether the parameters stayed bitwise put through the first and moved in the second."""
+    def params():
+        return [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in engine.module.parameters()]
 
-        def clip_grad_norm(self):
-            return float(torch.nn.utils.clip_grad_norm_(list(self.module.parameters()), 1.0))
+    before = params()
+    inject_fault("nan", 0, 1, engine)
+    poisoned = engine.train_step([batch, batch], loss_fn)
+    kept = all(torch.equal(a, b) for a, b in zip(before, params()))
+    clean = engine.train_step([batch], loss_fn)
+    moved = any(not torch.equal(a, b) for a, b in zip(before, params()))
+    return {"poisoned": poisoned, "kept": kept, "clean": clean, "moved": moved}
 
-    eng = Engine()
-    eng.module(torch.ones(1, 2)).sum().backward()
-    inject_fault("nan", 0, 1, eng)
-    assert math.isnan(eng.clip_grad_norm())
-    eng.module.zero_grad()
-    eng.module(torch.ones(1, 2)).sum().backward()
-    assert math.isfinite(eng.clip_grad_norm())  # once only
+
+def test_nan_injection_skips_one_real_fsdp2_update(tmp_path):
+    """A real FSDP2 engine (one rank): the injected NaN reaches its gradients through train_step's loss, its grad
+    norm is NaN, the step is skipped (skipped_step 1, weights bitwise unchanged) while the loss metric stays finite;
+    the next step is normal (once only). tests/test_megatron_engine.py checks the same on the Megatron engine."""
+    from launching import world_of_one
+    from spmdrl.config import load_config
+    from spmdrl.dist.layout import plan_layout
+    from spmdrl.dist.meshes import RoleMeshes
+    from spmdrl.engines import pack_sequences
+    from spmdrl.engines.fsdp import FSDPEngine
+    from spmdrl.tiny import build_tiny
+
+    model = build_tiny(str(tmp_path / "m"), num_layers=1)
+    tb = pack_sequences([torch.tensor([3, 4, 5])], [torch.tensor([6, 7])], 0)
+
+    def loss_fn(mb, eng):
+        loss = -eng.logprobs(mb)[0].mean()
+        return loss, {"loss": loss.detach()}
+
+    with world_of_one():
+        mesh = RoleMeshes(plan_layout(load_config(None, [f"model.path={model}"]).placement, 1), 0, "cpu")["actor"]
+        engine = FSDPEngine(model, mesh, torch.device("cpu"), trainable=True, optim=dict(lr=1e-2))
+        got = nan_injection_round(engine, loss_fn, tb)
+    assert got["poisoned"]["skipped_step"] == 1 and math.isnan(got["poisoned"]["grad_norm"]), got["poisoned"]
+    assert math.isfinite(got["poisoned"]["loss"]) and got["kept"]
+    assert got["clean"]["skipped_step"] == 0 and math.isfinite(got["clean"]["grad_norm"]) and got["moved"]
 
 
 def test_failures_name_step_and_stage():

@@ -244,6 +244,21 @@ def test_resume_is_bitwise_and_spmdrl_export_reads_the_checkpoint(runs, layout, 
         assert torch.equal(got[k], want[k]), k
 
 
+@pytest.mark.parametrize("layout", [x[0] for x in LAYOUTS])
+def test_nan_injection_skips_one_update(runs, layout):
+    """SPMDRL_FAULT_INJECT=nan through the engine protocol (spmdrl/faults.py poison_next_update) on the Megatron
+    engine: the poisoned update's grad norm is NaN on every rank, it is skipped (weights bitwise unchanged) and its
+    loss metrics stay finite; the next update runs. tests/test_faults.py checks the same on FSDP2."""
+    import math
+
+    for res in runs[layout][2]:
+        got = res["nan_injection"]
+        poisoned, clean = got["poisoned"], got["clean"]
+        assert poisoned["actor/skipped_step"] == 1 and math.isnan(poisoned["actor/grad_norm"]), poisoned
+        assert math.isfinite(poisoned["actor/pg_loss"]) and got["kept"], poisoned
+        assert clean["actor/skipped_step"] == 0 and math.isfinite(clean["actor/grad_norm"]), clean
+
+
 def _truncated_reference(model_path, top_k, top_p, temperature=0.7):
     """Float64 unsharded HF forward; the sampler's kept set written independently of truncate_logits: top-k keeps
     z_v >= the k-th largest logit; top-p then keeps v when the probability mass of the tokens no more likely than v

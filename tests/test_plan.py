@@ -296,3 +296,40 @@ def test_megatron_expert_parallel_state_by_hand():
     q, kv = 32 * 128, 4 * 128
     moe_mlp = 4 * E + k * (2 * 2 * H + 2 * 4 * F // tp)  # router logits; dispatch + combine; each expert's MLP
     assert layer_activation_bytes(hf, tp) == 14 * H + 2 * (2 * q + 2 * kv) // tp + moe_mlp
+
+
+def test_a_mixture_of_experts_on_a_gpu_trains_with_the_host_optimizer_by_default(tmp_path):
+    """memory.actor_host_optimizer unset: on a GPU the Megatron actor of a mixture of experts takes the host optimizer
+    (megatron's distributed optimizer keeps its experts in a second optimizer, which spmdrl's checkpoints do not
+    save), and the plan says so and puts the optimizer in host memory; a dense model keeps the distributed
+    optimizer, and on CPU nothing changes. `false` for the mixture of experts is refused before launch, naming the
+    cause. The engine takes the same decision from the same function (config.derived.megatron_host_optimizer)."""
+    from spmdrl.config import validate
+    from spmdrl.config.derived import megatron_host_optimizer
+    from spmdrl.errors import ConfigError
+    from spmdrl.plan import build_plan
+
+    moe = build_tiny(str(tmp_path / "moe"), arch="qwen3_moe", num_layers=2)
+    dense = build_tiny(str(tmp_path / "dense"))
+
+    def plan(model, *overrides):
+        cfg = load_config(os.path.join(REPO, "configs/quickstart/grpo.toml"),
+                          [f"model.path={model}", "trainer.backend=megatron", "trainer.device=cuda", *overrides])
+        validate(cfg, 2, trackers=False)
+        return build_plan(cfg, world_size=2)
+
+    p = plan(moe)
+    assert p["roles"]["actor"]["optimizer"] == "host", p["roles"]["actor"]
+    assert "mixture of experts (4 experts) on a GPU" in p["roles"]["actor"]["optimizer_why"]
+    assert "optimizer" not in p["roles"].get("ref", {})  # frozen: no optimizer
+    for phase, m in p["memory"].items():
+        assert "actor_optimizer" not in m["gpu"] and m["host_per_rank"]["actor_optimizer"] > 0, phase
+    assert plan(moe, "memory.actor_host_optimizer=true")["memory"] == p["memory"]
+    assert plan(dense)["roles"]["actor"]["optimizer"] == "distributed"
+    assert plan(moe, "trainer.device=cpu")["roles"]["actor"]["optimizer"] == "torch AdamW"
+    with pytest.raises(ConfigError, match=r"memory.actor_host_optimizer = false with a mixture of experts "
+                                          r"\(4 experts\) on a GPU: megatron's distributed optimizer keeps the "
+                                          r"expert parameters"):
+        plan(moe, "memory.actor_host_optimizer=false")
+    assert megatron_host_optimizer(None, "critic", on_gpu=True, experts=0)[0] is False
+    assert megatron_host_optimizer(True, "critic", on_gpu=False, experts=0)[0] is True

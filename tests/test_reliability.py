@@ -735,15 +735,19 @@ with stop_signals():
 
 def test_leave_does_what_an_exit_does_but_the_teardown(tmp_path):
     """spmdrl.launcher.leave (how every spmdrl process ends): the exit status, buffered output, the other
-    non-daemon threads run to their end, the atexit handlers, and a message as sys.exit prints it; the
-    interpreter's teardown (its garbage collections, which would finalise the cycle below) is skipped."""
+    non-daemon threads run to their end, an idle thread pool's workers let go (as torch inductor's compile pool
+    is kept for the life of a process that compiled), the atexit handlers, and a message as sys.exit prints it;
+    the interpreter's teardown (its garbage collections, which would finalise the cycle below) is skipped."""
     import subprocess
     import sys
 
     script = tmp_path / "leave.py"
     script.write_text('''
 import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 from spmdrl.launcher import leave
+pool = ThreadPoolExecutor(1)  # kept, never shut down: its idle worker is a non-daemon thread
+pool.submit(int).result()
 class Cycle:
     def __del__(self):
         print("finalised at teardown", flush=True)
@@ -755,7 +759,7 @@ leave(int(sys.argv[1]) if sys.argv[1].isdigit() else sys.argv[1])
 ''')
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
     for arg, code, err in (("3", 3, ""), ("a message", 1, "a message\n")):
-        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, env=env, timeout=60)
+        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, env=env, timeout=20)
         assert (proc.returncode, proc.stdout.splitlines(), proc.stderr) == (
             code, ["buffered", "thread done", "atexit ran"], err), proc
 
@@ -788,7 +792,7 @@ run_as_process(main)
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
     for arg, code, lines in (("ok", 4, ["frozen in main: True", "frozen at exit: True"]),
                              ("bug", 1, ["frozen in main: True", "frozen at exit: False"])):
-        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, env=env, timeout=60)
+        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, env=env, timeout=20)
         assert (proc.returncode, proc.stdout.splitlines()) == (code, lines), proc
         assert ("ZeroDivisionError: a bug" in proc.stderr) == (arg == "bug"), proc.stderr
 

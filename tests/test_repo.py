@@ -377,3 +377,15 @@ def test_gpu_tier_runs_every_file_with_gpu_tests():
             if p.name != "test_repo.py" and re.search(r"\bDEVICES\b|\bgpu_only\b|mark\.gpu\b", p.read_text())]
     assert uses and "tests/gpu/test_gpu_fsdp.py" in uses
     assert [u for u in uses if not covered(u)] == [], listed
+
+
+def test_gpu_tier_time_limit_covers_its_tests_own_limits():
+    """The tier's limit (TIER_TIMEOUT's default in launch/gpu_tier.sh) holds the subprocess limits of its tests
+    together (each test's timeout=), plus a minute for the tests that start nothing: a test's own limit, with its
+    message and output, fires before the tier cuts the run."""
+    script = (ROOT / "launch" / "gpu_tier.sh").read_text()
+    tier = int(re.search(r"TIER_TIMEOUT:-(\d+)", script).group(1))
+    listed = re.search(r'^TIER_FILES="([^"]*)"', script, flags=re.M).group(1).split()
+    files = [p for f in listed for p in ([ROOT / f] if f.endswith(".py") else sorted((ROOT / f).rglob("test_*.py")))]
+    limits = [int(t) for p in files for t in re.findall(r"\btimeout=(\d+)", p.read_text())]
+    assert len(limits) >= 2 and sum(limits) + 60 <= tier, (limits, tier)

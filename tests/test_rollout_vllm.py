@@ -164,6 +164,22 @@ def test_tp2_same_seeds_same_samples(tp2):
                               torch.tensor(sum(res["again"]["logprobs"], [])), atol=1e-6)
 
 
+def test_tp2_model_runner_v2_seeds_follow_the_call_seed(tp2, dp2):
+    """The seed vLLM's CUDA runner (Model Runner V2) gives each unseeded request, drawn by V2's own
+    SamplingStates.add_request from numpy's global RNG as the request joins the batch (the script runs it beside the
+    CPU runner): the same on both TP ranks although their numpy RNGs start apart, the same when the call's seeds
+    repeat, others when they change (another step), on both layouts; and numpy's state is training's again after
+    generate. Before generate seeded numpy from the call seed, every call drew the same seeds."""
+    assert tp2[0]["v2_seeds"] == tp2[1]["v2_seeds"]
+    for res in (*tp2, *dp2):
+        got = res["v2_seeds"]
+        assert len(got["first"]) == 6 and len(set(got["first"])) == 6, got  # 3 prompts x n = 2, each its own seed
+        assert got["again"] == got["first"], got
+        assert not set(got["other_seeds"]) & set(got["first"]), got
+        assert res["generate_kept_numpy_rng"]
+    assert not set(dp2[0]["v2_seeds"]["first"]) & set(dp2[1]["v2_seeds"]["first"])  # rollout dp ranks differ
+
+
 def test_tp2_seeds_drive_the_samples(tp2, models):
     """Default mode (one request per prompt, n samples, engine reseeded from the seeds): other seeds give other
     samples; per-request seeding gives valid samples whose values do not depend on the rest of the batch."""

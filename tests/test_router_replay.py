@@ -124,6 +124,18 @@ def test_replay_makes_the_trainers_routing_vllms(replay_runs):
 
 
 @pytest.mark.dist
+def test_every_tp_rank_gets_the_routes_on_model_runner_v2(replay_runs):
+    """vLLM's CUDA runner (Model Runner V2) keeps the routes on TP rank 0 only while each rank's scheduler asserts
+    them; the script builds that configuration on the CPU engine at rollout TP = 2 (as_model_runner_v2) and
+    generates 3 prompts x 2 samples: both ranks' completions carry routes, each rank 0's routes of that completion
+    over every position vLLM computed. Without share_first_rank_routes, rank 1's scheduler raises AssertionError
+    ("auxiliary output worker output is missing") at the first generated token."""
+    for arch in ARCHS:
+        got = results(replay_runs, arch)["model_runner_v2"]
+        assert got == {"completions": 6, "with_routes": 6, "rank0_routes": 6}, (arch, got)
+
+
+@pytest.mark.dist
 def test_multi_turn_trajectories_replay_the_routes_of_every_turn(replay_runs):
     """A multi-turn rollout on real vLLM (TP = 2, routes recorded) with a real tool: prompt a calls the tool in each
     of its 3 turns (two tool outputs go into the sequence), prompt b answers at once. Each trajectory's routes

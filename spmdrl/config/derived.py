@@ -135,3 +135,32 @@ def lora_sync_mode(cfg, on_cuda: bool | None = None) -> str | None:
         cuda = cfg.trainer.device != "cpu" if on_cuda is None else on_cuda
         return "adapter" if uses_vllm(cfg) and cuda else "merge"
     return mode
+
+
+def megatron_host_optimizer(setting: bool | None, role: str, *, on_gpu: bool, experts: int) -> tuple[bool, str]:
+    """Whether a Megatron role's optimizer runs in host memory (float32 masters and AdamW moments on the host, the
+    step on the CPU: engines/megatron/host_optim.py) rather than megatron's distributed optimizer, and why, in words
+    for the log and `spmdrl plan`. memory.<role>_host_optimizer decides when set; unset, a mixture of experts on a
+    GPU takes the host optimizer (MOE_DISTRIBUTED_OPTIMIZER says why) and anything else the distributed optimizer.
+    On CPU the distributed optimizer never runs (engines/megatron/engine.py). experts: the model's expert count
+    (0 for a dense model)."""
+    key = f"memory.{role}_host_optimizer"
+    if setting is not None:
+        return bool(setting), f"{key} = {str(bool(setting)).lower()}"
+    if on_gpu and experts:
+        return True, (f"{key} unset and the model is a mixture of experts ({experts} experts) on a GPU: "
+                      f"{MOE_DISTRIBUTED_OPTIMIZER}")
+    return False, f"{key} unset" + ("" if experts else " and the model is dense")
+
+
+# why a mixture of experts on a GPU does not take megatron's distributed optimizer
+MOE_DISTRIBUTED_OPTIMIZER = ("megatron's distributed optimizer keeps the expert parameters in a second optimizer of "
+                             "their own, whose state spmdrl's checkpoints do not save")
+
+
+def moe_distributed_optimizer_refusal(role: str, experts: int) -> str:
+    """The one refusal of megatron's distributed optimizer for a mixture of experts (memory.<role>_host_optimizer =
+    false on a GPU): config validation raises it before launch, the Megatron engine at build."""
+    return (f"memory.{role}_host_optimizer = false with a mixture of experts ({experts} experts) on a GPU: "
+            f"{MOE_DISTRIBUTED_OPTIMIZER}; leave memory.{role}_host_optimizer unset (a mixture of experts on a GPU "
+            "then trains with the host optimizer) or set trainer.backend = 'fsdp'")

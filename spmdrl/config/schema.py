@@ -484,9 +484,9 @@ class MemoryConfig:
     """Kinds of critic state moved to host memory while the critic is not training (GPU only)."""
     ref_offload: list[str] = field(default_factory=list)
     """["params"] moves the ref weights to host memory outside its forward (GPU only; ref.offload streams them instead)."""
-    actor_host_optimizer: bool = False
-    """Megatron backend: the actor's float32 master weights and AdamW moments live in host memory and the optimizer step runs on the CPU, instead of megatron's distributed optimizer on the GPU (12 bytes a parameter / dp off each GPU; 16 bytes a local parameter in host memory, and the gradients and weights cross PCIe each step)."""
-    critic_host_optimizer: bool = False
+    actor_host_optimizer: bool | None = None
+    """Megatron backend: the actor's float32 master weights and AdamW moments live in host memory and the optimizer step runs on the CPU, instead of megatron's distributed optimizer on the GPU (12 bytes a parameter / dp off each GPU; 16 bytes a local parameter in host memory, and the gradients and weights cross PCIe each step). Unset: on for a mixture of experts on a GPU (megatron's distributed optimizer keeps expert parameters in a second optimizer whose state spmdrl's checkpoints do not save), off otherwise; the log and `spmdrl plan` say which."""
+    critic_host_optimizer: bool | None = None
     """The same for a Megatron critic."""
     defer_grad_sync: bool = False
     """Reduce-scatter gradients only on a mini-batch's last micro-batch. Costs an unsharded float32 gradient of the whole (tp-local) model per rank (4 bytes x params / tp) while accumulating; the default reduce-scatters every micro-batch."""

@@ -5,7 +5,7 @@ import dataclasses
 import math
 import os
 
-from spmdrl.config.derived import builds_ref, distills, lora_sync_mode
+from spmdrl.config.derived import builds_ref, distills, lora_sync_mode, moe_distributed_optimizer_refusal
 from spmdrl.errors import ConfigError
 
 CHOICES = {
@@ -770,8 +770,14 @@ def _check_megatron_experts(cfg, source: str, hf: dict, roles: tuple[str, ...]) 
     """A Megatron role's expert layout against its model (dist.layout.plan_layout has checked ep against dp and
     pp): a mixture of experts the backend builds (megatron_moe_problem); expert parallelism needs experts, and an
     expert count it divides; megatron's expert tensor parallelism (= tp) splits each expert's FFN width, and tensor
-    parallelism a shared expert's width (Qwen2-MoE), which tp must divide."""
+    parallelism a shared expert's width (Qwen2-MoE), which tp must divide. A mixture of experts on a GPU trains
+    with the host optimizer: memory.<role>_host_optimizer = false is refused
+    (config.derived.megatron_host_optimizer)."""
     experts, ffn = hf_experts(hf)
+    for role in roles:
+        setting = getattr(cfg.memory, f"{role}_host_optimizer", None)
+        if experts and setting is False and cfg.trainer.device != "cpu":  # the engine refuses it at build, too
+            raise ConfigError(f"{source}: {moe_distributed_optimizer_refusal(role, experts)}")
     problem = megatron_moe_problem(hf)
     if problem:
         raise ConfigError(f"trainer.backend = 'megatron': {source}: {problem}")

@@ -61,8 +61,8 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
             out["router_losses"] = True
         return out
 
-    def host_optimizer(role: str) -> dict:  # Megatron only (validated)
-        return {"host_optimizer": True} if getattr(cfg.memory, f"{role}_host_optimizer") else {}
+    def host_optimizer(role: str) -> dict:  # Megatron only (validated); unset: the engine decides (config.derived)
+        return {"host_optimizer": getattr(cfg.memory, f"{role}_host_optimizer")} if backend[role] == "megatron" else {}
 
     actor = build_train_engine(
         backend["actor"], cfg.model.path, meshes["actor"], device, trainable=True,

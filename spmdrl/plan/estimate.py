@@ -40,8 +40,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from spmdrl.config.derived import (FULL_OFFLOAD, builds_ref, compute_dtype_name, distills, lora_settings, lora_sync_mode, offload_kinds,
-                                    rollout_dtype_name, uses_vllm)
+from spmdrl.config.derived import (FULL_OFFLOAD, builds_ref, compute_dtype_name, distills, lora_settings,
+                                    lora_sync_mode, megatron_host_optimizer, offload_kinds, rollout_dtype_name,
+                                    uses_vllm)
 from spmdrl.engines.loading import block_index, load_hf_config, model_param_shapes
 from spmdrl.errors import ConfigError
 
@@ -293,15 +294,21 @@ def _role_state(cfg, r: dict, hf, layout: dict, backends: dict, offload: list, s
     role = r["role"]
     master_eb = 4  # FSDPEngine keeps float32 master shards for a trainable role whatever model.dtype (engines/fsdp.py)
     c = r.get("hf", hf)
+    optimizer = None
     if backends.get(role) == "megatron":
         from spmdrl.plan.megatron import megatron_memory, megatron_stats, micro_batches_in_flight
 
         st = megatron_stats(r["params"], layout[role], c)
+        if r["trainable"]:  # the engine's own choice (engines/megatron/engine.py)
+            host_opt, why = megatron_host_optimizer(getattr(cfg.memory, f"{role}_host_optimizer", None), role,
+                                                    on_gpu=on_gpu, experts=(moe_dims(c) or (0,))[0])
+            optimizer = {"optimizer": "host" if host_opt else "distributed" if on_gpu else "torch AdamW",
+                         "optimizer_why": why}
         mem = megatron_memory(
             st, c=c, lay=layout[role], trainable=r["trainable"], micro=r["micro"], seq=seq, lm_head=r["lm_head"],
             compute_eb=compute_eb, ckpt=cfg.model.gradient_checkpointing, on_gpu=on_gpu,
             in_flight=micro_batches_in_flight(cfg, role, layout[role]), layer_bytes=layer_activation_bytes,
-            chunk=cfg.actor.logprob_chunk_size, host_optimizer=getattr(cfg.memory, f"{role}_host_optimizer", False))
+            chunk=cfg.actor.logprob_chunk_size, host_optimizer=bool(optimizer and optimizer["optimizer"] == "host"))
         kinds, train, forward, host_kinds = mem["kinds"], mem["train"], mem["forward"], set(mem["host_kinds"])
         build, build_kinds = mem["build"], mem["build_kinds"]
         st["worst_stage"] = mem["worst_stage"]
@@ -332,7 +339,7 @@ def _role_state(cfg, r: dict, hf, layout: dict, backends: dict, offload: list, s
     staging = st["largest"] * (4 if r["trainable"] else compute_eb)
     return dict(kinds=kinds, train=train, forward=forward, resident=resident, host_when_idle=host,
                 host_always={k: kinds[k] for k in host_kinds}, stats=st,
-                build=build, build_kinds=build_kinds, staging=staging)
+                build=build, build_kinds=build_kinds, staging=staging, optimizer=optimizer)
 
 
 @dataclass
@@ -538,7 +545,8 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                   **({"lora_rank": int(lora.rank), "adapter_params": state["actor"]["stats"]["adapters"]} if lora else {}),
                   **({"critic_params": state["critic"]["stats"]["total"]} if "critic" in state else {})},
         "roles": {k: {**v, "backend": backends.get(k, "vllm" if k == "rollout" else "fsdp"),
-                      **({"worst_stage": state[k]["stats"]["worst_stage"]} if "worst_stage" in state.get(k, {}).get("stats", {}) else {})}
+                      **({"worst_stage": state[k]["stats"]["worst_stage"]} if "worst_stage" in state.get(k, {}).get("stats", {}) else {}),
+                      **(state.get(k, {}).get("optimizer") or {})}
                   for k, v in role_table(layout).items() if k in state or k == "rollout"},
         "placement": {"mode": "split" if split else "colocate", **(split_figures(cfg, layout) if split else {})},
         "weight_sync": {k: sync[k] for k in ("bytes_recv_max", "bytes_lower_bound", "collectives", "buckets",
@@ -688,6 +696,8 @@ def render(p: dict) -> str:
         ep_groups = f"  ep groups {_short(r['ep_groups'])}" if ep else ""
         lines.append(f"  {role:8s} {r['backend']:8s} dp={r['dp']} pp={r['pp']} tp={r['tp']}{sp}{ep}  tp groups {_short(r['tp_groups'])}  "
                      f"dp groups {_short(r['dp_groups'])}{pp}{sp_groups}{ep_groups}")
+        if "optimizer" in r:
+            lines.append(f"  {'':8s} {r['optimizer']} optimizer: {r['optimizer_why']}")
     w, pl = p["weight_sync"], p["placement"]
     if pl["mode"] == "split":
         lines += ["", f"split placement: rollout ranks {_short([pl['rollout_ranks']])}, training ranks "

@@ -18,9 +18,13 @@ vLLM names a request `<id>-<8 random chars>` and the samples of an n > 1 request
 maps them back to (the caller's request id, sample index).
 
 On CUDA the engine asks vLLM for the routes instead (`enable_return_routed_experts`, a completion's
-`routed_experts`); docs/architecture.md's GPU table says what has run.
+`routed_experts`); docs/architecture.md's GPU table says what has run. vLLM's CUDA model runner (Model Runner
+V2) keeps the routes on the first rank of a TP group only, while every rank's scheduler expects them:
+`share_first_rank_routes` hands them to the other ranks.
 """
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import torch
@@ -107,6 +111,47 @@ def install(worker) -> tuple[int, int]:
     runner._model_forward = recording_forward
     worker.spmdrl_routes = recorder
     return num_layers, recorder.top_k
+
+
+def share_first_rank_routes(llm) -> bool:
+    """Give every rank of the engine's TP group the routes its first rank collected; True when installed.
+
+    vLLM 0.32's Model Runner V2 buffers the routed experts on TP rank 0 only (its worker connector returns before
+    building a buffer on the others: vllm/distributed/aux_output_connector/worker.py:110-112). Under
+    external_launcher every TP rank runs its own scheduler, and each one takes every emitting request's routes out of
+    its own step output and asserts that they are there (connector.py:112, called from
+    v1/core/sched/scheduler.py:2203-2205): ranks 1.. would raise at the first generated token. The scheduler's
+    `update_from_output` is wrapped so that each step first broadcasts rank 0's routes of that step
+    (ModelRunnerOutput.aux_output_connector_output) over vLLM's TP group and files them in the step output of the
+    others. All ranks of the group run the same scheduler steps with the same batch in the same order
+    (external_launcher's premise, which tensor parallelism needs anyway), so they all make the broadcast at the same
+    step and a request's position in the batch names it on every rank (its id does not: vLLM appends 8 random
+    characters per process, v1/engine/input_processor.py:371). Every rank's completions then carry rank 0's routes.
+
+    Not installed (False) for a TP group of one, or an engine that does not return routes."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    if group.world_size == 1 or getattr(scheduler, "aux_output_connector", None) is None:
+        return False
+    update = scheduler.update_from_output
+
+    def update_from_output(scheduler_output, model_runner_output):
+        first = group.is_first_rank
+        mine = getattr(model_runner_output, "aux_output_connector_output", None) if first else None
+        if mine is not None:  # by position in the step's batch: vLLM's request ids end in random characters per rank
+            where = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
+            mine = {where[rid]: out for rid, out in mine.items()}
+        routes = group.broadcast_object(mine, src=0)
+        if not first and routes is not None:
+            model_runner_output = copy.copy(model_runner_output)  # may be vLLM's shared empty output
+            model_runner_output.aux_output_connector_output = {model_runner_output.req_ids[i]: out
+                                                               for i, out in routes.items()}
+        return update(scheduler_output, model_runner_output)
+
+    scheduler.update_from_output = update_from_output
+    return True
 
 
 def take(worker) -> dict[tuple[str, int], np.ndarray]:

@@ -10,13 +10,15 @@ Every rank of a TP group must call `generate` with the same prompts and seeds: e
 scheduler per rank and relies on all of them making the same decisions.
 
 Sampling. By default each prompt is one request with `SamplingParams(n=...)` and no per-request seed, and the
-global torch RNG is reseeded right before `generate` with `call_seed(seeds)`, a hash of the caller's per-prompt
-seeds (which are a pure function of run seed, step and global prompt position): vLLM then draws its sampling
-noise from that RNG (on CPU, one `torch.randint` of one seed per running sequence per decode step feeding a
-fused Gumbel-max kernel), identically on every rank of the TP group, and a rerun or a resumed run draws the same
-tokens. With `per_request_seed=True` each sample is its own request seeded by `sample_seed(seeds[i], j)`:
-sample j of prompt i then no longer depends on what else is in the batch, at the price of vLLM's per-request
-sampling loop (one generator call per request per token; on GPU it also skips the fast sampler).
+global torch, numpy and python RNGs are reseeded right before `generate` with `call_seed(seeds)`, a hash of the
+caller's per-prompt seeds (which are a pure function of run seed, step and global prompt position): vLLM then
+draws its sampling noise from them (on CPU, one `torch.randint` of one seed per running sequence per decode step
+feeding a fused Gumbel-max kernel; on CUDA, Model Runner V2 draws each request's seed from numpy's RNG when the
+request joins the batch), identically on every rank of the TP group, differently from one step to the next, and a
+rerun or a resumed run draws the same tokens. With `per_request_seed=True` each sample is its own request seeded
+by `sample_seed(seeds[i], j)`: sample j of prompt i then no longer depends on what else is in the batch, at the
+price of vLLM's per-request sampling loop (one generator call per request per token; on GPU it also skips the fast
+sampler).
 
 Log-probs. The engine is built with `logprobs_mode="processed_logprobs"`: the log-prob returned for a sampled
 token is log_softmax of logits / temperature after top-k and top-p masking (renormalised over the kept tokens;
@@ -61,6 +63,7 @@ import torch.distributed as dist
 from spmdrl.dist.init import default_local_rank
 from spmdrl.dist.layout import external_launcher_tp_groups
 from spmdrl.errors import ConfigError, LayoutError, SpmdrlError
+from spmdrl.rng import seed_everything
 from spmdrl.rollout.vllm_world import vllm_sub_world
 from spmdrl.rollout.base import (
     LoRASpec,
@@ -245,6 +248,10 @@ class VLLMEngine:
         self._checkpoint_views = checkpoint_views(self.llm.llm_engine.model_config.hf_config)
         _make_shutdown_keep_world(self.llm)
         self._check_tp_group()
+        if self.capture_routes and not self.on_cpu:  # Model Runner V2 keeps them on the first TP rank only
+            from spmdrl.rollout import routes
+
+            routes.share_first_rank_routes(self.llm)
         if self.capture_routes and self.on_cpu:
             from spmdrl.rollout import routes
 
@@ -286,7 +293,9 @@ class VLLMEngine:
             prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
             params = self._sampling_params(spec, spec.n, None)
         with preserved_rng_state():  # vLLM draws from the global RNGs; keep training's
-            torch.manual_seed(call_seed(seeds))  # same on every TP rank: their draws must agree
+            # same on every TP rank (their draws must agree), another each step; every RNG vLLM reads: torch (the CPU
+            # and V1 samplers), numpy (Model Runner V2's request seeds, vllm/v1/worker/gpu/sample/states.py:54-58)
+            seed_everything(call_seed(seeds))
             outs = self.llm.generate(prompts, params, use_tqdm=False, **self._lora_kwargs())
         completions = [(out.request_id, c) for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
         recorded = self._take_routes()

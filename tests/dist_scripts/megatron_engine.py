@@ -20,6 +20,8 @@ tiny fp32 HF model (Qwen2 / Qwen3). Writes <out>/rank<r>.pt with, per rank:
       after it are bitwise equal;
   values / critic_metrics / critic_grads: a critic (value head) engine's values of the fixed batch and one
       token-mean value-loss update (lr 0), gradients as HF blocks;
+  nan_injection: the metrics of an update after inject_fault("nan") (SPMDRL_FAULT_INJECT) and of the next one, and
+      whether the first left every weight bitwise unchanged;
 and the directories <out>/critic_export (the critic as an HF token-classification model), <out>/export (export_hf of the untouched engine), <out>/ckpt (the checkpoint) and
 <out>/export_step1 (export_hf right after step 1, to compare with `spmdrl export` of the checkpoint).
 """
@@ -296,6 +298,17 @@ def main():
         res["resume_equal"] = bool(ok)
         res["moved"] = max(float((x[1] - y[1]).abs().max()) for n in want
                            for x, y in zip(want[n], hf_blocks(eng, lambda prm: prm.data)[n]))
+
+        # ---- SPMDRL_FAULT_INJECT=nan through the engine protocol: the next update is skipped, the one after runs
+        from spmdrl.faults import inject_fault
+
+        before = hf_blocks(a, lambda prm: prm.data)
+        inject_fault("nan", env.rank, 3, a)
+        poisoned = step(a)
+        now = hf_blocks(a, lambda prm: prm.data)
+        kept = all(torch.equal(x[1], y[1]) for n in before for x, y in zip(before[n], now[n]))
+        clean = step(a)
+        res["nan_injection"] = {"poisoned": poisoned, "kept": kept, "clean": clean}
     torch.save(res, os.path.join(args.out, f"rank{env.rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

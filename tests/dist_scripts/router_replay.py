@@ -13,6 +13,7 @@ it ("first"), or of the last ("last"), and how many recomputed positions a later
 
 torchrun --nproc-per-node 2 router_replay.py OUT MODEL_DIR [MODEL_DIR ...] [--multi-turn TOOL_MODEL_DIR]
 """
+import copy
 import json
 import os
 import sys
@@ -119,8 +120,76 @@ def one_model(path: str, out: str) -> None:
     m = Measure(actor, batch, shape, meshes["actor"].group("dp"), 0)
     result = {"routed_expected": computed * shape[0] * shape[1], "top_k": shape[1]}
     result["cases"] = m.all_cases()
+    result["model_runner_v2"] = routes_as_on_cuda(rollout, prompts)
     write(out, path, result)
     rollout.close()
+
+
+def as_model_runner_v2(rollout) -> None:
+    """The route path of vLLM's CUDA runner (Model Runner V2), built on this CPU engine at TP = 2: every rank's
+    scheduler gets the route connector vLLM gives it when routes are returned (v1/core/sched/scheduler.py:423-426),
+    the engine shares rank 0's routes as it does on CUDA (share_first_rank_routes), and only TP rank 0's step output
+    carries routes (aux_output_connector/worker.py:110-112), each step's as V2's worker connector emits them for a
+    request that sampled: the rows from its emit cursor to its last computed position, taken here from this rank's
+    CPU route recorder."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector, AuxRequestOutput
+
+    from spmdrl.rollout.routes import NO_ROUTE, share_first_rank_routes
+
+    scheduler = rollout.llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler.aux_output_connector = AuxOutputSchedulerConnector()
+    assert share_first_rank_routes(rollout.llm)
+    if rollout.tp_rank != 0:
+        return
+    recorder = rollout.llm.collective_rpc(lambda worker: worker.spmdrl_routes)[0]
+    update, emitted = scheduler.update_from_output, {}
+
+    def update_from_output(scheduler_output, model_runner_output):
+        aux = {}
+        for rid, sampled in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
+            chunks = recorder.by_request.get(rid, [])
+            end = max((p + len(r) for p, r in chunks), default=0)
+            if not sampled or not end:
+                continue
+            rows = np.full((end, recorder.num_layers, recorder.top_k), NO_ROUTE, dtype=np.int16)
+            for p, r in chunks:
+                rows[p: p + len(r)] = r
+            start = emitted.get(rid, 0)
+            aux[rid], emitted[rid] = AuxRequestOutput(start, rows[start:]), end
+        if aux:
+            model_runner_output = copy.copy(model_runner_output)  # may be vLLM's shared empty output
+            model_runner_output.aux_output_connector_output = aux
+        return update(scheduler_output, model_runner_output)
+
+    scheduler.update_from_output = update_from_output
+
+
+def routes_as_on_cuda(rollout, prompts) -> dict:
+    """One sampled generate through the Model Runner V2 route path (as_model_runner_v2): per completion, whether this
+    rank's completion carries routes, and whether they are rank 0's recorded routes of that completion, position by
+    position over every position vLLM computed (prompt + response - 1)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    as_model_runner_v2(rollout)
+    torch.manual_seed(5)  # the same draws on both ranks
+    outs = rollout.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                SamplingParams(n=2, temperature=1.0, max_tokens=6), use_tqdm=False)
+    recorded = rollout._take_routes()  # this rank's recorder: {(caller id, sample): routes}
+    reference = [recorded] if rollout.tp_rank == 0 else [None]
+    dist.broadcast_object_list(reference, src=dist.get_global_rank(dist.group.WORLD, 0))
+    got = {"completions": 0, "with_routes": 0, "rank0_routes": 0}
+    for out, p in zip(outs, prompts):
+        for c in out.outputs:
+            got["completions"] += 1
+            mine = c.routed_experts
+            if mine is None:
+                continue
+            got["with_routes"] += 1
+            want = reference[0][(str(out.request_id), int(c.index))]
+            n = len(p) + len(c.token_ids) - 1
+            got["rank0_routes"] += int(len(mine) == len(want) == n and np.array_equal(np.asarray(mine), want))
+    return got
 
 
 class Recording:

@@ -9,6 +9,7 @@ import json
 import os
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
@@ -17,6 +18,35 @@ from spmdrl.errors import SpmdrlError
 from spmdrl.rollout import SamplingSpec, build_engine
 
 PROMPTS = ["hello world", "abc", "The quick brown fox", "1+1="]
+
+
+def record_v2_seeds(worker) -> None:
+    """On the worker (collective_rpc): from now on, note the seed vLLM's CUDA runner (Model Runner V2) would give
+    each request that joins the batch, computed by V2's own code at the moment V2 runs it: SamplingStates.add_request
+    (vllm/v1/worker/gpu/sample/states.py), which draws an unseeded request's seed from numpy's global RNG, called by
+    the runner's execute_model for the step's new requests (model_runner.py add_requests) before the forward."""
+    from vllm.v1.worker.gpu import buffer_utils
+    from vllm.v1.worker.gpu.sample.states import SamplingStates
+
+    buffer_utils.is_uva_available = lambda: False  # V2 mirrors its state in pinned memory; plain host memory here
+    states = SamplingStates(max_num_reqs=256, vocab_size=worker.model_runner.model_config.get_vocab_size())
+    worker.v2_seeds = []
+    runner = worker.model_runner
+    execute_model = runner.execute_model
+
+    def execute_model_as_v2(scheduler_output, *args, **kwargs):
+        for new in scheduler_output.scheduled_new_reqs:
+            slot = len(worker.v2_seeds) % states.max_num_reqs
+            states.add_request(slot, new.sampling_params)
+            worker.v2_seeds.append(int(states.seeds.np[slot]))
+        return execute_model(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_model_as_v2
+
+
+def take_v2_seeds(worker) -> list[int]:
+    seeds, worker.v2_seeds = worker.v2_seeds, []
+    return seeds
 
 
 def main():
@@ -53,22 +83,32 @@ def main():
 
     # Ranks start generate from different global RNG states (as training leaves them); generate reseeds from
     # the request seeds, which makes that irrelevant, and leaves the global RNG where it was.
+    eng.llm.collective_rpc(record_v2_seeds)
+    v2_seeds = {}
     torch.manual_seed(1000 + rank)
-    before = torch.get_rng_state()
+    np.random.seed(1000 + rank)
+    before, np_before = torch.get_rng_state(), np.random.get_state()
     t0 = time.perf_counter()
     first = eng.generate(prompts, spec, seeds)
     result["first_generate_s"] = time.perf_counter() - t0
     result["generate_kept_rng"] = bool(torch.equal(before, torch.get_rng_state()))
+    result["generate_kept_numpy_rng"] = all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+                                            for a, b in zip(np_before, np.random.get_state()))
+    v2_seeds["first"] = eng.llm.collective_rpc(take_v2_seeds)[0]
     t0 = time.perf_counter()
     again = eng.generate(prompts, spec, seeds)
     result["warm_generate_s"] = time.perf_counter() - t0
+    v2_seeds["again"] = eng.llm.collective_rpc(take_v2_seeds)[0]
     result["first"], result["again"] = vars(first), vars(again)
     result["greedy"] = vars(eng.generate(prompts, SamplingSpec(n=1, temperature=0.0, max_tokens=16), seeds))
     result["compute_logprobs"] = eng.compute_logprobs([prompts[0]], [first.response_ids[0]])
     # processed log-probs: the distribution each token was drawn from (temperature, then nucleus truncation)
     nucleus = SamplingSpec(n=2, temperature=0.7, top_p=0.9, max_tokens=24)
     result["processed"] = vars(eng.generate(prompts, nucleus, seeds))
+    eng.llm.collective_rpc(take_v2_seeds)
     result["other_seeds"] = vars(eng.generate(prompts, spec, [s + 7 for s in seeds]))
+    v2_seeds["other_seeds"] = eng.llm.collective_rpc(take_v2_seeds)[0]
+    result["v2_seeds"] = v2_seeds
     eng.per_request_seed = True  # the opt-in mode: one seeded request per sample
     result["per_request"] = vars(eng.generate(prompts, spec, seeds))
     result["per_request_alone"] = vars(eng.generate(prompts[1:2], spec, seeds[1:2]))

@@ -62,7 +62,7 @@ def test_gpu_resume_is_bitwise_and_export_reads_it(tmp_path, record_property):
     from spmdrl.tiny import build_tiny
 
     model = build_tiny(str(tmp_path / "model"), seed=0)
-    run([SCRIPT, "--model", model, "--out", str(tmp_path)], nproc=1, timeout=600)
+    run([SCRIPT, "--model", model, "--out", str(tmp_path)], nproc=1, timeout=180)  # 52 s on an H100
     res = torch.load(tmp_path / "result.pt", weights_only=False)
     record_property("fusions", res["fusions"])
     assert res["fusions"] == res["fusions_allowed"]  # the engine built with every fusion the kernels here allow

@@ -36,7 +36,7 @@ def measured_vs_planned(plan: dict, rows: list[dict]) -> dict:
 @gpu_only
 def test_phase_memory_of_a_short_grpo_run_against_the_plan(tmp_path, record_property):
     proc = subprocess.run(["bash", "launch/gpu_check.sh", str(tmp_path), "cuda", "0.5b", *RUN], cwd=REPO,
-                          capture_output=True, text=True, timeout=400)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(tmp_path / "plan.json") as f:
         plan = json.load(f)

@@ -26,18 +26,20 @@ exp_avg_sq, step per parameter) for every install, the one these checkpoints are
 GPU. The cost is torch's multi-tensor (foreach) Adam instead of a fused kernel, once per optimizer step.
 
 Not supported (refused at engine build by `check_checkpointable`, before any training): megatron's
-precision-aware optimizer, more than one chained optimizer (a mixture of experts, refused whatever its expert
-parallelism: its expert buffers and 3-d expert blocks are not laid out here; the host optimizer, host_optim.py,
-takes mixtures of experts), and PP > 1 with tied embeddings (the last
-stage's copy of the embedding has its own dp-sharded main param and moments, with ranges that differ from the
-first stage's).
+precision-aware optimizer, more than one chained optimizer, and PP > 1 with tied embeddings (the last stage's copy
+of the embedding has its own dp-sharded main param and moments, with ranges that differ from the first stage's).
+A mixture of experts (whose expert buffers and 3-d expert blocks would be a second chained optimizer, not laid out
+here) never comes here: on a GPU it trains with the host optimizer, host_optim.py, unless
+memory.<role>_host_optimizer = false asks otherwise, which is refused
+(config.derived.moe_distributed_optimizer_refusal).
 """
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
-
-from contextlib import contextmanager
 
 from spmdrl.errors import CheckpointError, ConfigError
 
@@ -64,12 +66,34 @@ def torch_inner_adam():
         mopt.USING_PYTORCH_OPTIMIZER = saved
 
 
+def step_if_finite(optimizer) -> tuple[float, bool]:
+    """megatron's ChainedOptimizer.step (megatron-core 0.16.1 optimizer/optimizer.py:1308-1338), skipped when the
+    gradient norm is not finite: (grad norm, finite). megatron skips a step only on the found-inf flag of a loss
+    scaler, which a bf16 model has none of (MixedPrecisionOptimizer.prepare_grads), so a NaN gradient would step
+    every weight to NaN while reporting success; spmdrl's other optimizers skip it and count a bad step
+    (engines/base.clipped_step). The norm is all-reduced over the gradient-statistics group inside get_grad_norm,
+    so every rank decides alike."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if optimizer.prepare_grads():  # copies the main gradients into place; a loss scaler's found-inf
+        return float("nan"), False
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return grad_norm, False
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm)
+    return grad_norm, bool(optimizer.step_with_ready_grads())
+
+
 def distributed_optimizer(optimizer):
     """The one DistributedOptimizer inside get_megatron_optimizer's ChainedOptimizer."""
     opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(opts) != 1:
-        raise ConfigError(f"megatron backend: {len(opts)} chained optimizers (expert parameters?); checkpoints "
-                          "support one distributed optimizer")
+    if len(opts) != 1:  # a mixture of experts' second one never gets here (config.derived.megatron_host_optimizer)
+        raise ConfigError(f"megatron backend: megatron-core built {len(opts)} chained distributed optimizers, and "
+                          "spmdrl's checkpoints save one; this megatron-core is not 0.16.1: pip install "
+                          "megatron-core==0.16.1")
     return opts[0]
 
 
@@ -84,10 +108,6 @@ def check_checkpointable(engine) -> None:
     if getattr(dopt.config, "use_precision_aware_optimizer", False):
         raise ConfigError("megatron backend: checkpoints of the precision-aware distributed optimizer are not "
                           "implemented")
-    if engine.dims.experts:  # expert pieces are 3-d blocks and the experts' grad buffers are a second chained optimizer
-        raise ConfigError("megatron backend on GPU: checkpoints of a mixture of experts' distributed optimizer state "
-                          "are not implemented; set memory.actor_host_optimizer = true (and critic_host_optimizer "
-                          "for a critic): the host optimizer checkpoints experts, or use trainer.backend = 'fsdp'")
     gpt = engine.stage.gpt
     if engine.mesh.pp_size > 1 and gpt.share_embeddings_and_output_weights:
         raise ConfigError("megatron backend on GPU: checkpoints with pipeline parallelism and tied embeddings "

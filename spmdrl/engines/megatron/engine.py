@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.engines.base import accumulate, clipped_step, resident, state_storages, step_metrics
-from spmdrl.config.derived import resolve_dtype
+from spmdrl.config.derived import megatron_host_optimizer, moe_distributed_optimizer_refusal, resolve_dtype
 from spmdrl.engines.base import lr_lambda
 from spmdrl.engines.token_batch import TokenBatch, relayout
 from spmdrl.errors import ConfigError
@@ -76,9 +76,10 @@ class MegatronEngine:
                  trust_remote_code: bool = False, seed: int = 0, make_vocab_size_divisible_by: int = 128,
                  use_te: bool | None = None, gradient_checkpointing: bool = False, offload: bool = False,
                  defer_grad_sync: bool = False, attention: str = "sdpa", checkpoint_policy: str = "full",
-                 router_replay: bool = False, router_losses: bool = False, host_optimizer: bool = False):
+                 router_replay: bool = False, router_losses: bool = False, host_optimizer: bool | None = None):
         """host_optimizer: float32 master weights and AdamW's moments in host memory, the step on the CPU
-        (host_optim.py), instead of megatron's distributed optimizer on the device. router_replay: a
+        (host_optim.py), instead of megatron's distributed optimizer on the device (memory.<role>_host_optimizer;
+        None: config.derived.megatron_host_optimizer decides, on for a mixture of experts on a GPU). router_replay: a
         mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes name (routing.py);
         without it they only measure the agreement. router_losses: its forwards under autograd
         keep the load-balancing and z-loss terms (moe_losses)."""
@@ -103,6 +104,13 @@ class MegatronEngine:
         init_parallel_state(mesh, device, seed)
         self.dims = dims_from_hf(self.config, tp=mesh.tp_size, divisible_by=make_vocab_size_divisible_by,
                                  value_head=value_head)
+        optimizer_why = ""
+        if trainable:  # before anything is loaded: a refusal costs nothing
+            role = mesh.layout.role
+            host_optimizer, optimizer_why = megatron_host_optimizer(host_optimizer, role, on_gpu=cuda,
+                                                                    experts=self.dims.experts)
+            if cuda and self.dims.experts and not host_optimizer:
+                raise ConfigError(moe_distributed_optimizer_refusal(role, self.dims.experts))
         gpt, self.tcfg = build_gpt(self.dims, self.config, mesh, device, self.dtype, self.use_te,
                                    recompute=checkpoint_policy if gradient_checkpointing and trainable else None,
                                    attention=attention,
@@ -161,6 +169,10 @@ class MegatronEngine:
         else:
             self.optimizer = torch.optim.AdamW(params, **adam)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, sched)
+        self.optimizer_kind = ("host" if host_optimizer else "distributed" if getattr(self, "dist_optim", False) else
+                               "host (float32 masters of a low-precision model on CPU)"
+                               if hasattr(self.optimizer, "master") else "torch AdamW")
+        log.info("megatron %s optimizer: %s (%s)", mesh.layout.role, self.optimizer_kind, optimizer_why)
 
     # ---- forward ------------------------------------------------------------------------------------
     def eval(self) -> None:
@@ -426,9 +438,9 @@ class MegatronEngine:
         if self.mesh.pp_size > 1:
             self._replay_on_other_stages(micro_batches, staged, loss_fn, outs, sums)
         if getattr(self, "dist_optim", False):
-            ok, grad_norm, _ = self.optimizer.step()
-            grad_norm = float(grad_norm) if grad_norm is not None else 0.0
-            finite = bool(ok)
+            from .dist_optim import step_if_finite
+
+            grad_norm, finite = step_if_finite(self.optimizer)
         else:
             if not hasattr(self.optimizer, "master"):  # torch AdamW steps the float32 weights themselves
                 for p in self.stage.parameters():
