@@ -108,7 +108,9 @@ def test_docs_coverage_table_is_the_sweeps_over_every_architecture():
     rows = [(a, v) for a, v in rows if a != "model"]
     assert sorted(a for a, _ in rows) == sorted(architectures())
     assert {v for _, v in rows} <= set(VERDICTS)
-    counts = dict(re.findall(r"(\d+) (" + "|".join(VERDICTS) + r")", block.split("\n\n")[0]))
-    assert sum(map(int, counts.values())) == len(rows)
+    head = block.strip().split("\n\n")[0]
+    assert head.startswith(f"{len(rows)} architectures: ")
+    counts = {v: int(n) for n, v in re.findall(r"(\d+) (" + "|".join(VERDICTS) + r")\b", head)}
+    assert sum(counts.values()) == len(rows)
     for verdict, n in counts.items():
-        assert sum(v == verdict for _, v in rows) == int(n)
+        assert sum(v == verdict for _, v in rows) == n
