@@ -90,6 +90,21 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _assert_trains_like(eng, prompts, resps, w, ref_lp, ref_grad):
+    """The engine's log-probs and the gradient of sum(w * log-probs), packed and padded, equal the float64
+    reference's within 1e-5."""
+    for packed in (True, False):
+        tb = pack_sequences(prompts, resps, 0, packed=packed)
+        eng.module.zero_grad()
+        lp, _ = eng.logprobs(tb)
+        (lp * w * tb.resp_mask).sum().backward()
+        for i, r in enumerate(resps):
+            assert (lp[i, : len(r)].double() - ref_lp[i]).abs().max() < 1e-5, packed
+        grads = {n: _full(p.grad) for n, p in eng.hf.named_parameters()}
+        err = max(float((grads[n].double() - ref_grad[n]).abs().max()) for n in ref_grad)
+        assert err < 1e-5, (packed, err)
+
+
 def test_model_head_computes_a_logit_scale_the_fused_head_ignores(world):
     """Cohere multiplies its logits by logit_scale in its CausalLM forward: spmdrl's fused head (the LM head's
     matmul only) computes another distribution; head "model" (the model's own forward to its logits) matches the
@@ -112,16 +127,7 @@ def test_model_head_computes_a_logit_scale_the_fused_head_ignores(world):
     for i, r in enumerate(resps):
         assert (reference[i, : len(r)].double() - ref_lp[i]).abs().max() < 1e-5
     eng.set_compute("spmdrl", "model")
-    for packed in (True, False):
-        tb = pack_sequences(prompts, resps, 0, packed=packed)
-        eng.module.zero_grad()
-        lp, _ = eng.logprobs(tb)
-        (lp * w * tb.resp_mask).sum().backward()
-        for i, r in enumerate(resps):
-            assert (lp[i, : len(r)].double() - ref_lp[i]).abs().max() < 1e-5, packed
-        grads = {n: _full(p.grad) for n, p in eng.hf.named_parameters()}
-        err = max(float((grads[n].double() - ref_grad[n]).abs().max()) for n in ref_grad)
-        assert err < 1e-5, (packed, err)
+    _assert_trains_like(eng, prompts, resps, w, ref_lp, ref_grad)
 
 
 def test_soft_capped_attention_trains_with_eager_and_dropout_off(world, caplog):
@@ -142,15 +148,7 @@ def test_soft_capped_attention_trains_with_eager_and_dropout_off(world, caplog):
     assert "dropout set to 0" in text and "attention_dropout = 0.1" in text
     assert eng.hf.config.attention_dropout == 0.0
     assert eng.compute == ("eager", "fused") and {a for a, _ in eng.compute_options()} == {"eager"}
-    for packed in (True, False):
-        tb = pack_sequences(prompts, resps, 0, packed=packed)
-        eng.module.zero_grad()
-        lp, _ = eng.logprobs(tb)
-        (lp * w * tb.resp_mask).sum().backward()
-        for i, r in enumerate(resps):
-            assert (lp[i, : len(r)].double() - ref_lp[i]).abs().max() < 1e-5, packed
-        grads = {n: _full(p.grad) for n, p in eng.hf.named_parameters()}
-        assert max(float((grads[n].double() - ref_grad[n]).abs().max()) for n in ref_grad) < 1e-5
+    _assert_trains_like(eng, prompts, resps, w, ref_lp, ref_grad)
     for impl in ("spmdrl", "sdpa"):
         with pytest.raises(ConfigError, match="attn_logit_softcapping.*model.attn_implementation = 'eager'"):
             FSDPEngine(models["gemma2"], meshes["ref"], torch.device("cpu"), trainable=False, attn_implementation=impl)
