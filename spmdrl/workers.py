@@ -97,16 +97,18 @@ def _ignore(signum, frame) -> None:
     pass
 
 
-def serve_streams():
+def serve_streams(ignore_sigterm: bool = True):
     """In a worker process: (requests, replies) binary streams on the original stdin and stdout, after pointing
     fd 1 and sys.stdout at stderr (user code's prints, Python and C, stay off the protocol) and fd 0 at
-    /dev/null. The worker dies with its rank (PR_SET_PDEATHSIG) and ignores Ctrl-C, SIGTERM and SIGUSR1: the rank
-    decides (torchrun's SIGTERM reaches the rank's whole process group, a scheduler's every process of the job, and
-    the rank finishes its step on the first one). SIGTERM and SIGUSR1 get a handler that does nothing rather than
-    SIG_IGN, so the programs user code starts get the default action back."""
+    /dev/null. The worker dies with its rank (PR_SET_PDEATHSIG) and ignores Ctrl-C and SIGUSR1, and with
+    ignore_sigterm SIGTERM too: the rank decides (torchrun's SIGTERM reaches the rank's whole process group, a
+    scheduler's every process of the job, and the rank finishes its step on the first one). A reward worker ignores
+    it (the step being finished needs its rewards); a tool worker does not (a tool that signals itself fails that
+    call, and a scheduler's SIGTERM costs a counted call failure, not the step). The ignored signals get a handler
+    that does nothing rather than SIG_IGN, so the programs user code starts get the default action back."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for s in (signal.SIGTERM, signal.SIGUSR1):
+    for s in (signal.SIGTERM, signal.SIGUSR1) if ignore_sigterm else (signal.SIGUSR1,):
         signal.signal(s, _ignore)
     requests = os.fdopen(os.dup(0), "rb", buffering=0)
     replies = os.fdopen(os.dup(1), "wb")

@@ -174,7 +174,7 @@ async def _outcome_async(fn, arguments: dict):
 
 def main() -> int:
     parent = os.getppid()
-    requests, replies = serve_streams()
+    requests, replies = serve_streams(ignore_sigterm=False)
     if os.getppid() != parent:
         return 0
     become_subreaper()
