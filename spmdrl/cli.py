@@ -405,7 +405,7 @@ def model_tiny(
 ):
     """Build a tiny random model (Qwen2 by default, the quickstart's) with the byte-level tokenizer, for smoke
     tests of an architecture."""
-    from spmdrl.errors import ConfigError
+    from spmdrl.errors import ConfigError, summary
     from spmdrl.tiny import ARCHS, build_any, build_tiny
 
     if arch in ARCHS:
@@ -414,8 +414,7 @@ def model_tiny(
     try:
         typer.echo(build_any(out, arch, seed=seed))
     except Exception as e:  # noqa: BLE001 - transformers' own reason, in one line
-        raise ConfigError(f"--arch {arch!r}: cannot build a tiny instance ({type(e).__name__}: "
-                          f"{(str(e).splitlines() or [''])[0][:200]})") from None
+        raise ConfigError(f"--arch {arch!r}: cannot build a tiny instance ({summary(e, width=200)})") from None
 
 
 @model_app.command("sweep")

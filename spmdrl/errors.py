@@ -35,3 +35,10 @@ class Stopped(SpmdrlError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.signum = signum
+
+
+def summary(e: BaseException, width: int = 240, lines: int = 2) -> str:
+    """An exception as one line: its type and the first `lines` lines of its message joined, cut at `width`
+    characters (a library's failure quoted inside spmdrl's own one-line errors)."""
+    text = " ".join(ln.strip() for ln in str(e).strip().splitlines()[:lines] if ln.strip())
+    return f"{type(e).__name__}: {text[:width]}"

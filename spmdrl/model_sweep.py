@@ -28,6 +28,8 @@ import sys
 import time
 import traceback
 
+from spmdrl.errors import summary
+
 TRAIN_GAP = 1e-5  # float32: vLLM's log-probs against the actor's at step 2
 VERDICTS = ("trains", "refused", "stopped", "mismatch", "crashed", "unbuildable")
 
@@ -42,9 +44,7 @@ def architectures() -> dict[str, str]:
 
 
 def one_line(e: BaseException) -> str:
-    """The exception's type and the start of its message, on one line (its first lines joined)."""
-    text = " ".join(ln.strip() for ln in str(e).strip().splitlines()[:3] if ln.strip())
-    return f"{type(e).__name__}: {text}"[:300]
+    return summary(e, width=280, lines=3)
 
 
 def build_models(archs: list[str], root: str) -> dict[str, dict]:

@@ -26,7 +26,7 @@ import torch
 
 from spmdrl.config.derived import parity_tolerance
 from spmdrl.dist.collectives import reduce_max
-from spmdrl.errors import ConfigError, SpmdrlError
+from spmdrl.errors import ConfigError, SpmdrlError, summary
 from spmdrl.loop.generate import request_seeds, rollout_to_batch
 from spmdrl.rollout.base import SamplingSpec
 
@@ -102,9 +102,8 @@ class ParityCheck:
             raise
         except Exception as e:  # the run's first generation: a model the engine builds but cannot run here
             log.debug("the parity check's generation failed", exc_info=True)
-            why = " ".join(ln.strip() for ln in str(e).strip().splitlines()[:2] if ln.strip())[:240]
             raise ConfigError(f"parity check: the rollout engine cannot generate with model.path = "
-                              f"{self.cfg.model.path!r} here ({type(e).__name__}: {why}); try rollout.model_impl = "
+                              f"{self.cfg.model.path!r} here ({summary(e)}); try rollout.model_impl = "
                               "'transformers' or rollout.engine = 'hf'") from None
         return rollout_to_batch(prompts, idx, out, 1, self.pad_id)
 
@@ -222,20 +221,21 @@ class ParityCheck:
                 "switch to transformers' implementation where needed)")
 
 
+ATTENTION = {"spmdrl": "spmdrl's attention kernels", "sdpa": "transformers' SDPA attention",
+             "eager": "transformers' eager attention"}
+
+
 def _describe_path(option: tuple[str, str]) -> str:
     attn, head = option
-    a = {"spmdrl": "spmdrl's attention kernels", "sdpa": "transformers' SDPA attention",
-         "eager": "transformers' eager attention"}[attn]
     h = "spmdrl's fused log-prob head" if head == "fused" else "the model's own head"
-    return f"{a} with {h}"
+    return f"{ATTENTION[attn]} with {h}"
 
 
 def _describe(first: tuple[str, str], option: tuple[str, str]) -> str:
     """What the switch replaces: the parts of `first` that `option` changes."""
     parts = []
     if first[0] != option[0]:
-        parts.append({"spmdrl": "spmdrl's attention kernels", "sdpa": "transformers' SDPA attention",
-                      "eager": "transformers' eager attention"}[first[0]])
+        parts.append(ATTENTION[first[0]])
     if first[1] != option[1]:
         parts.append("spmdrl's fused log-prob head")
     return " and ".join(parts) or "the actor's forward"

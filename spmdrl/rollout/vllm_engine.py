@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from spmdrl.dist.init import default_local_rank
 from spmdrl.dist.layout import external_launcher_tp_groups
-from spmdrl.errors import ConfigError, LayoutError, SpmdrlError
+from spmdrl.errors import ConfigError, LayoutError, SpmdrlError, summary
 from spmdrl.rng import seed_everything
 from spmdrl.rollout.vllm_world import vllm_sub_world
 from spmdrl.rollout.base import (
@@ -104,11 +104,10 @@ def cannot_build(model_path: str, device: str, e: BaseException, model_impl: str
     """The one line for a model vLLM fails to build (its config, its kernels on this device, its loader)."""
     import vllm
 
-    why = " ".join(ln.strip() for ln in str(e).strip().splitlines()[:2] if ln.strip())[:240]
     other = "rollout.model_impl = 'transformers' (vLLM runs transformers' modeling code), or " if model_impl != \
         "transformers" else ""
     return (f"model.path = {model_path!r}: vLLM {vllm.__version__} cannot build this model on {device} "
-            f"({type(e).__name__}: {why}); try {other}rollout.engine = 'hf' (transformers samples, slower)")
+            f"({summary(e)}); try {other}rollout.engine = 'hf' (transformers samples, slower)")
 
 
 class VLLMEngine:
