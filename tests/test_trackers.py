@@ -221,7 +221,7 @@ def test_generations_reach_the_jsonl_file_tensorboard_wandb_and_mlflow(tmp_path)
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     store, out = tmp_path / "mlruns", tmp_path / "out"
     cfg = load_config(None, [f"trainer.output_dir={out}", f"logging.mlflow_tracking_uri={store}",
-                             "logging.wandb_mode=offline"])
+                             "logging.wandb_mode=offline", "logging.tracker_timeout_s=300"])
     run = TrackerRun(str(out), "r", "p", config={"actor": {"lr": 1e-6}})
     rows = [{"step": 3, "split": "val", "prompt": "user: 1+2=", "response": "3", "reward": 1.0,
              "turns": [{"text": "t", "tool_calls": []}]}]
@@ -260,7 +260,7 @@ segment = shared_memory.SharedMemory(create=True, size=4096)  # left for the res
 segment.close()
 lg = LoggingConfig(wandb_mode="offline", mlflow_tracking_uri="http://127.0.0.1:9", tracker_timeout_s=3.0)
 wandb = open_tracker("wandb", TrackerRun(output_dir=out, name="n", project="p"), lg)
-deadline = time.monotonic() + 60
+deadline = time.monotonic() + 180
 while not wandb._opened and time.monotonic() < deadline:
     time.sleep(0.1)
 ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
@@ -288,7 +288,7 @@ def test_a_dead_tracker_costs_the_timeout_and_one_line_no_traceback(tmp_path):
 
     script = tmp_path / "trackers.py"
     script.write_text(_DYING_TRACKERS)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "VLLM_LOGGING_LEVEL")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "VLLM_LOGGING_LEVEL", "WANDB_SERVICE")}
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
                           timeout=240, env={**env, "WANDB_SILENT": "true"}, cwd=str(tmp_path))
     out = proc.stdout + proc.stderr
