@@ -337,7 +337,8 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine
-    from spmdrl.loop.update import ActorObjective, forward_all, micro_batch_limits, run_updates
+    from spmdrl.config.derived import micro_batch_limits
+    from spmdrl.loop.update import ActorObjective, forward_all, run_updates
 
     if not dist.is_initialized():
         import socket
@@ -369,8 +370,8 @@ def update_bench(model: str, samples: int, prompt_len: tuple[int, int], response
     group = mesh.group("dp")
 
     longest = P + R
-    size, budget = micro_batch_limits(a, longest)
-    fsize, fbudget = micro_batch_limits(a, longest, forward=True)
+    size, budget = micro_batch_limits(cfg, "actor", longest)
+    fsize, fbudget = micro_batch_limits(cfg, "actor", longest, forward=True)
 
     def update():
         run_updates(eng, batch, epochs=1, mini_size=samples, micro_size=size, pad_id=0,

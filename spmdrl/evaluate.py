@@ -25,10 +25,11 @@ EVAL_FILE = "eval.json"
 def validate_eval(cfg, world_size: int):
     """The training config's checks, with data.val_files required and data.train_files not (they are never read)."""
     from spmdrl.config import validate
+    from spmdrl.config.validate import PARQUET_FILES
 
     if not cfg.data.val_files:
-        raise ConfigError("data.val_files is empty: spmdrl eval validates on them; give one or more parquet files in "
-                          "verl's schema (data.val_files='[\"val.parquet\"]')")
+        raise ConfigError(f"data.val_files is empty: spmdrl eval validates on them; give {PARQUET_FILES} "
+                          "(data.val_files='[\"val.parquet\"]')")
     checked = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_files=cfg.data.train_files
                                                                  or cfg.data.val_files))
     return validate(checked, world_size)

@@ -20,14 +20,14 @@ log = logging.getLogger("spmdrl")
 
 def validate_sft(cfg: SFTConfig, world_size: int):
     from spmdrl.dist.layout import plan_layout
+    from spmdrl.config.validate import require_model_path
     from spmdrl.trackers import check_backends
 
     s = cfg.sft
     check_backends(cfg.logging)
     if cfg.logging.verbosity not in ("info", "debug"):
         raise ConfigError(f"logging.verbosity = {cfg.logging.verbosity!r} is not one of info, debug")
-    if not cfg.model.path:
-        raise ConfigError("model.path is empty; set it to an HF model directory or hub id")
+    require_model_path(cfg)
     if not s.train_files:
         raise ConfigError("sft.train_files is empty; give parquet files with prompt and response columns (or a "
                           "messages column)")

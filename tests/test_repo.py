@@ -356,7 +356,27 @@ def test_no_issue_numbers_in_code_tests_or_docs():
 CONFIG_MEANINGS = [
     r"rollout\.engine\s*==", r"\bdtype\s*==\s*\"auto\"", r"\bvllm_available\(", r"use_kl_loss\s+or\b",
     r"\b(actor|critic|ref)_offload\b", r"\.top_p\s*<\s*1", r"\.rollout_is\s*!=", r"\.lora_sync\s*==",
+    r"ppo_mini_batch_size\s+or\b", r"forward_micro_batch_size\s+or\b", r"\.ref\.micro_batch_size\b",
 ]
+# decisions decoded in spmdrl/config/derived.py alone, everywhere else (validation included) by calling it
+DECODED_ONCE = [r"router_replay\s*(==|!=|\bin\b)", r"router_replay\s*\)?\s*(==|!=)"]
+
+
+def decoded_outside_derived(root: Path) -> list[str]:
+    return [f"{p.relative_to(root)}:{i}: {line.strip()}" for p in sorted((root / "spmdrl").rglob("*.py"))
+            if p.name != "derived.py" for i, line in enumerate(p.read_text().splitlines(), 1)
+            if not line.lstrip().startswith("#") and any(re.search(c, line) for c in DECODED_ONCE)]
+
+
+def test_router_replay_detection_finds_a_planted_decoding(tmp_path):
+    (tmp_path / "spmdrl" / "loop").mkdir(parents=True)
+    (tmp_path / "spmdrl" / "loop" / "x.py").write_text('replay = cfg.actor.router_replay == "rollout"\n')
+    assert decoded_outside_derived(tmp_path) == ['spmdrl/loop/x.py:1: replay = cfg.actor.router_replay == "rollout"']
+
+
+def test_router_replay_is_decoded_in_derived_only():
+    hits = decoded_outside_derived(ROOT)
+    assert not hits, "call spmdrl.config.derived.replays_routes instead:\n" + "\n".join(hits)
 
 
 def test_loop_engines_and_plan_do_not_rederive_config_meanings():
@@ -389,3 +409,47 @@ def test_gpu_tier_time_limit_covers_its_tests_own_limits():
     files = [p for f in listed for p in ([ROOT / f] if f.endswith(".py") else sorted((ROOT / f).rglob("test_*.py")))]
     limits = [int(t) for p in files for t in re.findall(r"\btimeout=(\d+)", p.read_text())]
     assert len(limits) >= 2 and sum(limits) + 60 <= tier, (limits, tier)
+
+
+def _raise_texts(source: str) -> list[str]:
+    """The literal text of every raise statement's message ({} for each formatted value)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            out.append(" ".join(n.value if isinstance(n, ast.Constant) else " {} " for n in ast.walk(node.exc)
+                                if isinstance(n, ast.FormattedValue) or (isinstance(n, ast.Constant)
+                                                                          and isinstance(n.value, str))))
+    return out
+
+
+def duplicated_refusals(root: Path, n: int = 8) -> list[str]:
+    """Runs of n words a refusal in spmdrl/config/ shares with one raised in the packages below the config:
+    the same refusal written twice instead of one owner (a function both call)."""
+    def grams(text: str) -> set[str]:
+        w = re.findall(r"[\w.'=/-]+", text.lower())
+        return {" ".join(w[i:i + n]) for i in range(len(w) - n + 1) if "{}" not in w[i:i + n]}
+
+    sides: tuple[dict, dict] = ({}, {})
+    for p in sorted((root / "spmdrl").rglob("*.py")):
+        rel = p.relative_to(root).as_posix()
+        side = 0 if rel.startswith("spmdrl/config/") else 1
+        for text in _raise_texts(p.read_text()):
+            for g in grams(text):
+                sides[side].setdefault(g, rel)
+    return [f"{sides[0][g]} and {sides[1][g]}: {g}" for g in sorted(set(sides[0]) & set(sides[1]))]
+
+
+def test_duplicated_refusal_detection_finds_a_planted_one(tmp_path):
+    for d, f in (("config", "validate.py"), ("engines", "x.py")):
+        (tmp_path / "spmdrl" / d).mkdir(parents=True)
+        (tmp_path / "spmdrl" / d / f).write_text(
+            'raise ConfigError(f"a = {a}: set model.checkpoint_policy = \'selective\' or model.gradient_checkpointing '
+            '= false")\n')
+    assert duplicated_refusals(tmp_path)
+
+
+def test_every_refusal_has_one_owner():
+    """A refusal both config validation and an engine raise is one function both call (config/derived.py,
+    or the engine's module), not two copies of its text."""
+    hits = duplicated_refusals(ROOT)
+    assert not hits, "one function for each refusal, called by both sides:\n" + "\n".join(hits)

@@ -164,3 +164,74 @@ def moe_distributed_optimizer_refusal(role: str, experts: int) -> str:
     return (f"memory.{role}_host_optimizer = false with a mixture of experts ({experts} experts) on a GPU: "
             f"{MOE_DISTRIBUTED_OPTIMIZER}; leave memory.{role}_host_optimizer unset (a mixture of experts on a GPU "
             "then trains with the host optimizer) or set trainer.backend = 'fsdp'")
+
+
+def megatron_router_refusal(role: str, pp: int, *, replay: bool, losses: bool, full_recompute: bool,
+                            losses_key: str = "actor.moe_aux_loss_coef / moe_z_loss_coef") -> str:
+    """Why the Megatron backend cannot run a mixture of experts' router options in this layout ("" when it can):
+    the router losses at pp > 1 (a stage's terms would have to reach the last stage's loss) or under full
+    activation recompute (the first forward runs without autograd), routing replay at pp > 1 under full recompute
+    (1F1B recomputes a micro-batch after later micro-batches set their routes). Config validation raises it
+    before launch, the engine at build. losses_key: how the message names the router loss coefficients."""
+    fix = "set model.checkpoint_policy = 'selective' or model.gradient_checkpointing = false"
+    if losses and pp > 1:
+        return (f"{losses_key}: the Megatron router losses run at pipeline parallelism 1 (placement.{role}_pp = "
+                f"{pp}); set the coefficients to 0 or {role}_pp = 1")
+    if replay and pp > 1 and full_recompute:
+        return (f"actor.router_replay = 'rollout' with placement.{role}_pp = {pp} and full activation recompute: a "
+                f"micro-batch's recompute runs after later micro-batches' forwards set their routes; {fix}")
+    if losses and full_recompute:
+        return (f"{losses_key}: the Megatron router losses need the routers' forward under autograd, which full "
+                f"activation recompute defers; {fix}")
+    return ""
+
+
+def split_backend_refusal(key: str, backend: str) -> str:
+    """Why split placement cannot take a role on `backend` ("" for FSDP2): the weight transfer is planned from the
+    FSDP2 layout. key: the config key that chose the backend. Config validation raises it before launch, the
+    weight sync when the engine's layout is not the planned one."""
+    if backend == "fsdp":
+        return ""
+    return (f"placement.mode = 'split' plans the weight transfer from the FSDP2 layout; {key} = {backend!r} needs "
+            "placement.mode = 'colocate' for now")
+
+
+# ---- batch sizes: every role's mini- and micro-batch, read by the loop, the benchmark and `spmdrl plan` --------
+AUTO_BUDGET = -1  # max_tokens_per_micro_batch = -1: the token budget follows the sample split
+
+
+def mini_batch_prompts(cfg) -> int:
+    """Prompts per mini-batch over the world, for the actor's and the critic's updates alike:
+    actor.ppo_mini_batch_size, 0 meaning data.train_batch_size (one mini-batch per step)."""
+    return cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size
+
+
+def micro_batch_samples(cfg, role: str, *, forward: bool = False) -> int:
+    """Samples per micro-batch of `role` on one rank. role: actor | critic (update, or with forward=True their
+    forward-only passes: old log-probs, values) | ref | teacher (forward-only: ref.micro_batch_size, 0 meaning
+    the actor's forward micro-batch)."""
+    if role in ("ref", "teacher"):
+        return cfg.ref.micro_batch_size or micro_batch_samples(cfg, "actor", forward=True)
+    sec = getattr(cfg, role)
+    return (getattr(sec, "forward_micro_batch_size", 0) if forward else 0) or sec.micro_batch_size
+
+
+def micro_batch_limits(cfg, role: str, longest: int, *, forward: bool = False) -> tuple[int, int]:
+    """(samples cap, token budget) of `role`'s micro-batches (roles as micro_batch_samples; ref and teacher take
+    the actor's forward token budget and packing). longest: the longest possible sequence,
+    data.max_prompt_length + data.max_response_length. The automatic budget (-1) with packing is samples x
+    longest tokens with no cap on samples: never more tokens than the sample split could hold, and as many short
+    sequences as fit; without packing it is the sample split."""
+    size = micro_batch_samples(cfg, role, forward=forward)
+    sec = cfg.actor if role in ("ref", "teacher") else getattr(cfg, role)
+    forward = forward or role in ("ref", "teacher")
+    budget = (getattr(sec, "forward_max_tokens_per_micro_batch", 0) if forward else 0) or sec.max_tokens_per_micro_batch
+    if budget == AUTO_BUDGET:
+        return (0, size * longest) if sec.use_packing else (size, 0)
+    return size, budget
+
+
+def replays_routes(cfg) -> bool:
+    """Whether the actor's forwards replay the experts vLLM routed each token to (actor.router_replay =
+    "rollout"): vLLM records the routes, the rollout batch carries them and the training engines replay them."""
+    return cfg.actor.router_replay == "rollout"

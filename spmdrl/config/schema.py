@@ -197,8 +197,9 @@ class RefConfig:
 
     offload: bool = False
     """Keep the ref weights on CPU and stream them in for its forward (saves GPU memory)."""
-    micro_batch_size: int = 8
-    """Samples per ref forward on one rank."""
+    micro_batch_size: int = 0
+    """Samples per forward of the reference policy on one rank, and of the distillation teacher (forward-only
+    passes; the token budget and packing are the actor's forward ones); 0 means actor.forward_micro_batch_size."""
 
 
 @dataclass

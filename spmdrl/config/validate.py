@@ -5,7 +5,9 @@ import dataclasses
 import math
 import os
 
-from spmdrl.config.derived import builds_ref, distills, lora_sync_mode, moe_distributed_optimizer_refusal
+from spmdrl.config.derived import (builds_ref, distills, lora_sync_mode, megatron_router_refusal, micro_batch_samples,
+                                    mini_batch_prompts, moe_distributed_optimizer_refusal, replays_routes,
+                                    split_backend_refusal)
 from spmdrl.errors import ConfigError
 
 CHOICES = {
@@ -135,7 +137,7 @@ def validate(cfg, world_size: int, *, trackers: bool = True):
 
     positive = [
         "data.max_prompt_length", "data.max_response_length", "data.train_batch_size", "rollout.n",
-        "rollout.val_n", "actor.ppo_epochs", "actor.micro_batch_size", "ref.micro_batch_size",
+        "rollout.val_n", "actor.ppo_epochs", "actor.micro_batch_size",
         "critic.micro_batch_size", "critic.ppo_epochs", "trainer.total_steps", "rollout.max_num_seqs",
         "rollout.weight_sync_bucket_mb", "actor.logprob_chunk_size", "algorithm.max_sample_rounds",
         "reward.model_micro_batch_size", "trainer.max_bad_steps", "model.checkpoint_every_n_layers",
@@ -154,7 +156,7 @@ def validate(cfg, world_size: int, *, trackers: bool = True):
             raise ConfigError(f"{key} must be >= 0, found {_get(cfg, key)}")
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     for key in ("actor.max_tokens_per_micro_batch", "actor.forward_max_tokens_per_micro_batch",
-                "critic.max_tokens_per_micro_batch", "actor.forward_micro_batch_size"):
+                "critic.max_tokens_per_micro_batch", "actor.forward_micro_batch_size", "ref.micro_batch_size"):
         low = -1 if "tokens" in key else 0  # -1: the automatic token budget
         if _get(cfg, key) < low:
             raise ConfigError(f"{key} must be >= {low}{' (-1: auto)' if low else ''}, found {_get(cfg, key)}")
@@ -172,10 +174,9 @@ def validate(cfg, world_size: int, *, trackers: bool = True):
         raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1], found {cfg.rollout.gpu_memory_utilization}")
     if len(cfg.actor.betas) != 2:
         raise ConfigError(f"actor.betas must have 2 values, found {cfg.actor.betas}")
-    if not cfg.model.path:
-        raise ConfigError("model.path is empty; set it to an HF model directory or hub id")
+    require_model_path(cfg)
     if not cfg.data.train_files:
-        raise ConfigError("data.train_files is empty; give one or more parquet files in verl's schema")
+        raise ConfigError(f"data.train_files is empty; give {PARQUET_FILES}")
     needs = getattr(ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator), "requires", ())
     if "values" in needs and not cfg.critic.enable:
         raise ConfigError(f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}' needs a critic; set critic.enable = true")
@@ -207,10 +208,11 @@ def validate(cfg, world_size: int, *, trackers: bool = True):
             f"data.train_batch_size = {bs} is not divisible by the rollout data-parallel size {rollout_dp} "
             f"(world {world_size} / rollout_tp {cfg.placement.rollout_tp})"
         )
-    mini = cfg.actor.ppo_mini_batch_size or bs
+    mini = mini_batch_prompts(cfg)
     if bs % mini:
         raise ConfigError(f"data.train_batch_size = {bs} is not divisible by actor.ppo_mini_batch_size = {mini}")
-    for role, micro in (("actor", cfg.actor.micro_batch_size), ("critic", cfg.critic.micro_batch_size)):
+    for role in ("actor", "critic"):
+        micro = micro_batch_samples(cfg, role)
         if role == "critic" and not cfg.critic.enable:
             continue
         dp = layout[role].dp
@@ -282,7 +284,7 @@ def validate_sequence_parallel(cfg) -> None:
             raise ConfigError(f"{key}: sequence parallelism runs inside spmdrl's attention; set "
                               f"model.attn_implementation = 'auto' (found {cfg.model.attn_implementation!r})")
         a = cfg.actor
-        if a.router_replay != "off" or a.moe_aux_loss_coef or a.moe_z_loss_coef:
+        if replays_routes(cfg) or a.moe_aux_loss_coef or a.moe_z_loss_coef:
             raise ConfigError(f"{key}: the MoE router options (actor.router_replay, moe_aux_loss_coef, "
                               "moe_z_loss_coef) see whole sequences and do not run with sequence parallelism yet; "
                               f"reset them or use {role}_sp = 1")
@@ -434,11 +436,12 @@ def validate_lora(cfg, layout) -> None:
     # is checked when the engine wraps it)
     paths = [cfg.model.path] + ([cfg.critic.path] if cfg.critic.enable and lo.critic and cfg.critic.path else [])
     for path in paths:
+        from spmdrl.engines.lora import unknown_targets
+
         known = _decoder_linear_layers(path)
-        unknown = [t for t in lo.target_modules if known and t not in known]
-        if unknown:
-            raise ConfigError(f"lora.target_modules: {unknown} name no linear layer of the decoder blocks of {path} "
-                              f"(a {hf_model_type(path)} model); choose from {', '.join(known)}, or [] for all of them")
+        why = unknown_targets(lo.target_modules, known, f" of {path} (a {hf_model_type(path)} model)") if known else ""
+        if why:
+            raise ConfigError(why)
     roles = ["actor"] + (["critic"] if cfg.critic.enable and lo.critic else [])
     backends = role_backends(cfg)
     for role in roles:
@@ -493,10 +496,9 @@ def validate_split(cfg) -> None:
         raise ConfigError(f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}' scores a greedy rollout inside "
                           "the rollout stage, which split placement does not do yet; use placement.mode = 'colocate'")
     for role, backend in role_backends(cfg).items():
-        if backend != "fsdp":
-            key = "trainer.critic_backend" if role == "critic" and cfg.trainer.critic_backend else "trainer.backend"
-            raise ConfigError(f"placement.mode = 'split' plans the weight transfer from the FSDP2 layout; {key} = "
-                              f"{backend!r} needs placement.mode = 'colocate' for now")
+        key = "trainer.critic_backend" if role == "critic" and cfg.trainer.critic_backend else "trainer.backend"
+        if split_backend_refusal(key, backend):
+            raise ConfigError(split_backend_refusal(key, backend))
 
 
 def validate_objective(cfg, layout) -> None:
@@ -651,6 +653,15 @@ def validate_architecture(cfg) -> None:
             )
 
 
+PARQUET_FILES = "one or more parquet files in verl's schema"
+
+
+def require_model_path(cfg) -> None:
+    """model.path set (RL training, evaluation and SFT alike)."""
+    if not cfg.model.path:
+        raise ConfigError("model.path is empty; set it to an HF model directory or hub id")
+
+
 def validate_moe_options(cfg) -> None:
     """actor.router_replay = "rollout" and the router loss coefficients (actor.moe_aux_loss_coef, moe_z_loss_coef)
     need a mixture-of-experts model (from its config.json when it is on disk); both training backends run them.
@@ -659,7 +670,7 @@ def validate_moe_options(cfg) -> None:
     from spmdrl.rollout import vllm_available
 
     a = cfg.actor
-    asked = [k for k, on in (("router_replay", a.router_replay != "off"), ("moe_aux_loss_coef", a.moe_aux_loss_coef),
+    asked = [k for k, on in (("router_replay", replays_routes(cfg)), ("moe_aux_loss_coef", a.moe_aux_loss_coef),
                              ("moe_z_loss_coef", a.moe_z_loss_coef)) if on]
     if not asked:
         return
@@ -669,7 +680,7 @@ def validate_moe_options(cfg) -> None:
         raise ConfigError(f"{key}: model.path = {cfg.model.path!r} is a dense {hf.get('model_type')!r} model (no "
                           f"num_experts in config.json), which has no router; reset actor.{asked[0]}")
     _check_megatron_router_pipeline(cfg, asked)
-    if a.router_replay == "off":
+    if not replays_routes(cfg):
         return
     key = f"actor.router_replay = {a.router_replay!r}"
     engine = cfg.rollout.engine if cfg.rollout.engine != "auto" else ("vllm" if vllm_available() else "hf")
@@ -679,22 +690,18 @@ def validate_moe_options(cfg) -> None:
 
 
 def _check_megatron_router_pipeline(cfg, asked: list[str]) -> None:
-    """The Megatron engine's refusals (engines/megatron/engine.py _routing), before launch: the router losses at
-    pp > 1, routing replay at pp > 1 under full activation recompute."""
+    """The Megatron engine's refusals of the router options in its layout (config/derived.py), before launch."""
     from spmdrl.dist.layout import role_backends
 
-    pp, m = cfg.placement.actor_pp, cfg.model
-    if role_backends(cfg)["actor"] != "megatron" or pp == 1:
+    if role_backends(cfg)["actor"] != "megatron":
         return
-    losses = [k for k in asked if k != "router_replay"]
-    if losses:
-        raise ConfigError(f"actor.{losses[0]} = {getattr(cfg.actor, losses[0])!r}: the Megatron router losses run at "
-                          f"pipeline parallelism 1 (placement.actor_pp = {pp}); set the coefficient to 0 or "
-                          "actor_pp = 1")
-    if "router_replay" in asked and m.gradient_checkpointing and m.checkpoint_policy == "full":
-        raise ConfigError(f"actor.router_replay = {cfg.actor.router_replay!r} with placement.actor_pp = {pp} and full "
-                          "activation recompute: a micro-batch's recompute runs after later micro-batches' forwards; "
-                          "set model.checkpoint_policy = 'selective' or model.gradient_checkpointing = false")
+    m, losses = cfg.model, [k for k in asked if k != "router_replay"]
+    full = m.gradient_checkpointing and m.checkpoint_policy == "full"
+    why = megatron_router_refusal("actor", cfg.placement.actor_pp, replay="router_replay" in asked,
+                                  losses=bool(losses), full_recompute=full,
+                                  losses_key=f"actor.{losses[0]} = {getattr(cfg.actor, losses[0])!r}" if losses else "")
+    if why:
+        raise ConfigError(why)
 
 
 def check_architecture_known(hf: dict, source: str, *, vllm: bool) -> None:

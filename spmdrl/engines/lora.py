@@ -101,6 +101,16 @@ def peft_config(s: LoraSettings, base_model: str = ""):
                       task_type="CAUSAL_LM", base_model_name_or_path=base_model or None)
 
 
+def unknown_targets(targets, present: list[str], model: str = "") -> str:
+    """The one refusal of lora.target_modules naming no linear layer of the decoder blocks ("" when all do):
+    config validation raises it before launch (from config.json), the engine when it wraps the model."""
+    unknown = [t for t in targets if t not in present]
+    if not unknown:
+        return ""
+    return (f"lora.target_modules: {unknown} name no linear layer of the decoder blocks{model}; choose from "
+            f"{', '.join(present)}, or [] for all of them")
+
+
 def inject(hf: nn.Module, s: LoraSettings, *, trainable_head: bool) -> LoraSettings:
     """Wrap the target layers of `hf` (on the meta device) with LoRA layers in place; freeze everything but the
     adapters (and, for a critic, its value head) and make those float32. Returns the settings with
@@ -110,10 +120,9 @@ def inject(hf: nn.Module, s: LoraSettings, *, trainable_head: bool) -> LoraSetti
     backbone = backbone_of(hf)
     present = linear_targets(backbone)
     targets = list(s.target_modules) or present
-    unknown = [t for t in targets if t not in present]
-    if unknown:
-        raise ConfigError(f"lora.target_modules = {s.target_modules}: {unknown} name no linear layer of the decoder "
-                          f"blocks; choose from {present}")
+    why = unknown_targets(targets, present)
+    if why:
+        raise ConfigError(why)
     s = replace(s, target_modules=targets)
     inject_adapter_in_model(peft_config(s), hf, adapter_name=ADAPTER)
     hf.requires_grad_(False)

@@ -12,7 +12,8 @@ from spmdrl.config import Config
 from spmdrl.dist.layout import role_backends
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine, build_train_engine
-from spmdrl.config.derived import builds_ref, distills, lora_settings, lora_sync_mode, rollout_dtype_name, uses_vllm
+from spmdrl.config.derived import (builds_ref, distills, lora_settings, lora_sync_mode, mini_batch_prompts,
+                                    replays_routes, rollout_dtype_name, uses_vllm)
 from spmdrl.rollout import SamplingSpec, build_engine
 from spmdrl.rollout.base import LoRASpec
 
@@ -32,8 +33,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
     adapters disabled (Learner.ref_logprobs)."""
     a, c, d = cfg.actor, cfg.critic, cfg.data
     on_built = on_built or (lambda role, engine: None)
-    mini = a.ppo_mini_batch_size or d.train_batch_size
-    updates_per_step = a.ppo_epochs * (d.train_batch_size // mini)
+    updates_per_step = a.ppo_epochs * (d.train_batch_size // mini_batch_prompts(cfg))
     m = cfg.model
     common = dict(dtype=m.dtype, trust_remote_code=m.trust_remote_code)
     if m.compile:
@@ -56,7 +56,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
         return {"attn_implementation": cfg.model.attn_implementation, "logprob_head": cfg.model.logprob_head}
 
     def replay(role: str) -> dict:  # routing replay and router losses (both training backends)
-        out = {"router_replay": True} if a.router_replay == "rollout" else {}
+        out = {"router_replay": True} if replays_routes(cfg) else {}
         if role == "actor" and (a.moe_aux_loss_coef or a.moe_z_loss_coef):
             out["router_losses"] = True
         return out
@@ -124,7 +124,7 @@ def build_rollout(cfg: Config, meshes: RoleMeshes, device: torch.device, tokeniz
         enforce_eager=r.enforce_eager, model_impl=r.model_impl, max_num_seqs=r.max_num_seqs, per_request_seed=r.per_request_seed,
         max_num_batched_tokens=max(r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length),
         kv_cache_gb=r.kv_cache_gb, trust_remote_code=cfg.model.trust_remote_code, load_format=load_format,
-        capture_routes=cfg.actor.router_replay == "rollout", **sub_world,
+        capture_routes=replays_routes(cfg), **sub_world,
         **({"expert_parallel": True} if r.expert_parallel else {}),
     )
 

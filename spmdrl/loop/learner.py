@@ -12,10 +12,10 @@ from spmdrl.dist.collectives import redistribute, reduce_max, reduce_sum
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine
 from spmdrl.engines.router_replay import router_metrics
-from spmdrl.config.derived import sampler_truncates
+from spmdrl.config.derived import micro_batch_limits, mini_batch_prompts, replays_routes, sampler_truncates
 from spmdrl.loop.correction import correct_rollout, logprob_diff
 from spmdrl.rollout.routes import route_shape
-from spmdrl.loop.update import ActorObjective, CriticObjective, forward_all, micro_batch_limits, run_updates
+from spmdrl.loop.update import ActorObjective, CriticObjective, forward_all, run_updates
 
 
 class Learner:
@@ -35,7 +35,7 @@ class Learner:
         hf = actor.hf_config() if actor is not None else None
         self.moe_shape = route_shape(hf) if hf is not None else None  # (layers, top_k) of a MoE, else None
         self.num_experts = int(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0)) if hf else 0
-        self.route_shape = self.moe_shape if cfg.actor.router_replay == "rollout" else None
+        self.route_shape = self.moe_shape if replays_routes(cfg) else None
         self.router_counts: dict = {}  # the actor's first forward pass of the step (engines/router_replay.py)
 
     def dp_sum(self, stats: torch.Tensor) -> torch.Tensor:
@@ -48,20 +48,22 @@ class Learner:
 
     # ---- forward passes --------------------------------------------------------------------------------
     def logprobs(self, engine: TrainEngine, batch: Batch, top_k: int = -1, top_p: float = 1.0, *,
-                 ref: bool = False) -> torch.Tensor:
+                 role: str = "actor", count_routes: bool = True) -> torch.Tensor:
         """Log-probs of the sampled tokens at the rollout temperature; with top_k / top_p, of the truncated
-        sampling distribution (what the rollout engine's processed log-probs are)."""
+        sampling distribution (what the rollout engine's processed log-probs are). role: whose forward
+        micro-batches (actor | ref | teacher, config/derived.micro_batch_limits); count_routes: keep the actor's
+        router counts of this pass for the step's moe/* metrics (not for the base model's or a check's pass)."""
         a = self.cfg.actor
-        size, budget = micro_batch_limits(a, self.longest, forward=True)
+        size, budget = micro_batch_limits(self.cfg, role, self.longest, forward=True)
         out = forward_all(
             engine, batch, size, self.pad_id, "logprobs", max_tokens=budget, packed=a.use_packing,
             temperature=self.cfg.rollout.temperature, chunk_size=a.logprob_chunk_size, top_k=top_k, top_p=top_p,
             route_shape=self.route_shape,
         )
-        if ref:
-            engine.moe_counts()  # the base model's routing: not the policy's
-        else:
+        if count_routes and role == "actor":
             self._note_routing(engine)
+        else:
+            engine.moe_counts()  # the base model's routing, or a check's: not the policy's of this step
         return out
 
     def _note_routing(self, engine: TrainEngine) -> None:
@@ -90,10 +92,10 @@ class Learner:
         """The reference policy's log-probs: the ref engine's, or with LoRA (no ref engine) the actor's with its
         adapters disabled, which is exactly the base model."""
         if self.ref is not None:
-            return self.logprobs(self.ref, batch)
+            return self.logprobs(self.ref, batch, role="ref")
         with self.actor.adapters_disabled():
             self._note_routing(self.actor)  # the actor's own passes so far, before the base model's
-            return self.logprobs(self.actor, batch, ref=True)
+            return self.logprobs(self.actor, batch, role="ref")
 
     def teacher_logprobs(self, batch: Batch) -> torch.Tensor:
         """The distillation teacher's log-probs of the sampled tokens (at the rollout temperature, as the
@@ -102,17 +104,17 @@ class Learner:
         its log-probs go back the same way (dist.collectives.redistribute, both ways)."""
         a, t = self.meshes["actor"], self.meshes["teacher"]
         if (a.dp_size, a.pp_size, a.tp_size) == (t.dp_size, t.pp_size, t.tp_size):
-            return self.logprobs(self.teacher, batch)
+            return self.logprobs(self.teacher, batch, role="teacher")
         group = self.meshes.train_group  # None when colocated: the world
         keys = ("prompts", "responses", "prompt_len", "response_len", "response_mask")
         tokens = redistribute(Batch({k: batch[k] for k in keys}), a, t, group=group)
-        scored = Batch({"teacher_log_probs": self.logprobs(self.teacher, tokens)})
+        scored = Batch({"teacher_log_probs": self.logprobs(self.teacher, tokens, role="teacher")})
         return redistribute(scored, t, a, group=group)["teacher_log_probs"][:, : batch["responses"].shape[1]]
 
     def values(self, batch: Batch) -> torch.Tensor:
-        c = self.cfg.critic
-        size, budget = micro_batch_limits(c, self.longest, forward=True)
-        return forward_all(self.critic, batch, size, self.pad_id, "values", max_tokens=budget, packed=c.use_packing)
+        size, budget = micro_batch_limits(self.cfg, "critic", self.longest, forward=True)
+        return forward_all(self.critic, batch, size, self.pad_id, "values", max_tokens=budget,
+                           packed=self.cfg.critic.use_packing)
 
     # ---- rewards and advantages ----------------------------------------------------------------------------
     def kl_in_reward(self, batch: Batch) -> dict[str, float]:
@@ -185,9 +187,8 @@ class Learner:
     def _update(self, engine: TrainEngine, batch: Batch, objective, role: str) -> dict[str, float]:
         sec = getattr(self.cfg, role)
         mesh = self.meshes[role]
-        mini = mesh.dp_share((self.cfg.actor.ppo_mini_batch_size or self.cfg.data.train_batch_size) * self.cfg.rollout.n,
-                             "mini-batch samples")
-        size, budget = micro_batch_limits(sec, self.longest)
+        mini = mesh.dp_share(mini_batch_prompts(self.cfg) * self.cfg.rollout.n, "mini-batch samples")
+        size, budget = micro_batch_limits(self.cfg, role, self.longest)
         return run_updates(
             engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=size, pad_id=self.pad_id,
             dp_size=mesh.dp_size, dp_group=mesh.group("dp"), objective=objective, prefix=role, max_tokens=budget,

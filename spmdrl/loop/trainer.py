@@ -162,7 +162,7 @@ class Trainer:
         self.parity = None  # trainer = sampler, checked before step 1 (colocated: actor and rollout on every rank)
         if cfg.rollout.parity_check and self.trains and rollout is not None:
             self.parity = ParityCheck(cfg, self.actor, rollout, train_ds, pad_id,
-                                      lambda engine, batch: self.learner.logprobs(engine, batch, ref=True), cuda,
+                                      lambda engine, batch: self.learner.logprobs(engine, batch, count_routes=False), cuda,
                                       self.weight_sync)
         self.mismatch = MismatchWatch(*logprob_diff_bounds(cfg, cuda))
         self.stream = BatchStream(cfg, self.meshes, generator, sampler, self.weight_sync, self.memory) if split else None

@@ -29,7 +29,6 @@ from spmdrl.engines.packing import balanced_partition, micro_batch_count
 from spmdrl.rollout.routes import decode_routes
 
 
-AUTO_BUDGET = -1
 
 
 class MicroBatch(NamedTuple):
@@ -39,19 +38,6 @@ class MicroBatch(NamedTuple):
     tokens: TokenBatch  # their token ids, packed or padded for the engine
     unit_share: float  # its share of the mini-batch's units (tokens or sequences, per the aggregation mode)
     token_share: float  # its share of the mini-batch's valid tokens (weights the token statistics)
-
-
-def micro_batch_limits(sec, longest: int, *, forward: bool = False) -> tuple[int, int]:
-    """(samples cap, token budget) of a role's micro-batches (sec: cfg.actor or cfg.critic; longest: the longest
-    possible sequence, data.max_prompt_length + data.max_response_length). forward: the forward-only passes
-    (actor.forward_micro_batch_size / forward_max_tokens_per_micro_batch, 0 meaning the update's). The automatic
-    budget (-1) with packing is samples x longest tokens with no cap on samples: never more tokens than the
-    sample split could hold, and as many short sequences as fit; without packing it is the sample split."""
-    size = (getattr(sec, "forward_micro_batch_size", 0) if forward else 0) or sec.micro_batch_size
-    budget = (getattr(sec, "forward_max_tokens_per_micro_batch", 0) if forward else 0) or sec.max_tokens_per_micro_batch
-    if budget == AUTO_BUDGET:
-        return (0, size * longest) if sec.use_packing else (size, 0)
-    return size, budget
 
 
 def micro_batches(

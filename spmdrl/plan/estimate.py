@@ -41,8 +41,8 @@ import math
 from dataclasses import dataclass
 
 from spmdrl.config.derived import (FULL_OFFLOAD, builds_ref, compute_dtype_name, distills, lora_settings,
-                                    lora_sync_mode, megatron_host_optimizer, offload_kinds, rollout_dtype_name,
-                                    uses_vllm)
+                                    lora_sync_mode, megatron_host_optimizer, micro_batch_samples, offload_kinds,
+                                    rollout_dtype_name, uses_vllm)
 from spmdrl.engines.loading import block_index, load_hf_config, model_param_shapes
 from spmdrl.errors import ConfigError
 
@@ -267,17 +267,17 @@ def _sync_figures(cfg, hf, actor_params, layout: dict, backends: dict, rollout_e
 def _roles(cfg, hf, actor_params) -> dict:
     """The models the run builds, each with its parameters and micro-batch: actor, ref (only when built),
     critic, distillation teacher, reward model."""
-    roles = {"actor": dict(params=actor_params, trainable=True, micro=cfg.actor.micro_batch_size, lm_head=True)}
+    roles = {"actor": dict(params=actor_params, trainable=True, micro=micro_batch_samples(cfg, "actor"), lm_head=True)}
     if builds_ref(cfg):  # with LoRA the reference policy is the actor with its adapters disabled
-        roles["ref"] = dict(params=actor_params, trainable=False, micro=cfg.ref.micro_batch_size, lm_head=True)
+        roles["ref"] = dict(params=actor_params, trainable=False, micro=micro_batch_samples(cfg, "ref"), lm_head=True)
     if cfg.critic.enable:
         chf = load_hf_config(cfg.critic.path, cfg.model.trust_remote_code) if cfg.critic.path else hf
         roles["critic"] = dict(params=model_param_shapes(chf, value_head=True), trainable=True,
-                               micro=cfg.critic.micro_batch_size, lm_head=False, hf=chf)
-    if distills(cfg):  # forward-only passes with the actor's forward micro-batches (Learner.logprobs)
+                               micro=micro_batch_samples(cfg, "critic"), lm_head=False, hf=chf)
+    if distills(cfg):  # forward-only passes, with the ref's micro-batches
         thf = load_hf_config(cfg.distill.teacher_path, cfg.model.trust_remote_code)
         roles["teacher"] = dict(params=model_param_shapes(thf), trainable=False, lm_head=True, hf=thf,
-                                micro=cfg.actor.forward_micro_batch_size or cfg.actor.micro_batch_size)
+                                micro=micro_batch_samples(cfg, "teacher"))
     if cfg.reward.model_path:
         rhf = load_hf_config(cfg.reward.model_path, cfg.model.trust_remote_code)
         roles["reward"] = dict(params=model_param_shapes(rhf, value_head=True), trainable=False,

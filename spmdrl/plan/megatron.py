@@ -67,12 +67,10 @@ def megatron_stats(params, lay, hf, padded_vocab: int | None = None) -> dict:
 
 def micro_batches_in_flight(cfg, role: str, lay) -> int:
     """m: micro-batches per mini-batch on one dp rank, the most 1F1B can have in flight on stage 0."""
-    d, n = cfg.data, cfg.rollout.n
-    if role == "critic":
-        mini, micro = d.train_batch_size, cfg.critic.micro_batch_size
-    else:
-        mini, micro = cfg.actor.ppo_mini_batch_size or d.train_batch_size, cfg.actor.micro_batch_size
-    return max(1, -(-(mini * n // max(1, lay.dp)) // micro))
+    from spmdrl.config.derived import micro_batch_samples, mini_batch_prompts
+
+    mini = mini_batch_prompts(cfg) * cfg.rollout.n // max(1, lay.dp)
+    return max(1, -(-mini // micro_batch_samples(cfg, role)))
 
 
 def megatron_memory(st: dict, *, c, lay, trainable: bool, micro: int, seq: int, lm_head: bool, compute_eb: int,

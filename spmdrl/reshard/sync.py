@@ -11,9 +11,9 @@ import logging
 import torch
 import torch.distributed as dist
 
+from spmdrl.config.derived import split_backend_refusal
 from spmdrl.dist.collectives import comm_device, reduce_max
 from spmdrl.dist.meshes import RoleMesh
-
 from spmdrl.errors import LayoutError
 
 from .plan import SyncPlan, fsdp_blocks, plan_sync
@@ -80,8 +80,8 @@ class WeightSync:
             params = model_param_shapes(hf_config)
             sources = fsdp_blocks(params, actor_grid)
             if actor is not None and (actor.param_shapes() != params or actor.source_blocks() != sources):
-                raise LayoutError("the actor engine's weight layout is not the FSDP2 layout the rollout ranks plan for; "
-                                  "split placement needs trainer.backend = 'fsdp' for now")
+                raise LayoutError("the actor engine's weight layout is not the FSDP2 layout the rollout ranks plan "
+                                  f"for: {split_backend_refusal('trainer.backend', type(actor).__name__)}")
         targets, reads = rollout_targets(params, rollout_mesh.tp_groups(), hf_config, rollout_shards,
                                          dtype=str(dtype).removeprefix("torch."),
                                          expert_parallel=getattr(rollout, "expert_parallel", False))

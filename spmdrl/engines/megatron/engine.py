@@ -49,7 +49,8 @@ import torch.nn.functional as F
 
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.engines.base import accumulate, clipped_step, resident, state_storages, step_metrics
-from spmdrl.config.derived import megatron_host_optimizer, moe_distributed_optimizer_refusal, resolve_dtype
+from spmdrl.config.derived import (megatron_host_optimizer, megatron_router_refusal, moe_distributed_optimizer_refusal,
+                                    resolve_dtype)
 from spmdrl.engines.base import lr_lambda
 from spmdrl.engines.token_batch import TokenBatch, relayout
 from spmdrl.errors import ConfigError
@@ -198,19 +199,10 @@ class MegatronEngine:
         """A mixture of experts' Routing (routing.py), shared by the stage's routers; None for a dense model."""
         if not self.dims.experts:
             return None
-        if losses and self.mesh.pp_size > 1:  # a stage's terms would have to reach the last stage's loss
-            raise ConfigError(f"megatron backend: the router losses (actor.moe_aux_loss_coef / moe_z_loss_coef) run "
-                              f"at pp = 1 (placement {self.mesh.layout.role}_pp = {self.mesh.pp_size}); set it to 1 "
-                              "or the coefficients to 0")
-        if replay and self.mesh.pp_size > 1 and full_recompute:  # 1F1B recomputes a micro-batch after later forwards
-            raise ConfigError(f"megatron backend: routing replay with pipeline parallelism (placement "
-                              f"{self.mesh.layout.role}_pp = {self.mesh.pp_size}) and full activation recompute: the "
-                              "recompute of a micro-batch runs after later micro-batches' forwards set their routes; "
-                              "set model.checkpoint_policy = 'selective' or model.gradient_checkpointing = false")
-        if losses and full_recompute:  # the first forward runs under no_grad and the recompute after the loss
-            raise ConfigError("megatron backend: actor.moe_aux_loss_coef / moe_z_loss_coef need the routers' forward "
-                              "under autograd, which full activation recompute defers; set model.checkpoint_policy = "
-                              "'selective' or model.gradient_checkpointing = false")
+        why = megatron_router_refusal(self.mesh.layout.role, self.mesh.pp_size, replay=replay, losses=losses,
+                                      full_recompute=full_recompute)
+        if why:
+            raise ConfigError(f"megatron backend: {why}")
         from megatron.core import parallel_state as ps
 
         from .routing import Router, Routing
