@@ -453,3 +453,82 @@ def test_every_refusal_has_one_owner():
     or the engine's module), not two copies of its text."""
     hits = duplicated_refusals(ROOT)
     assert not hits, "one function for each refusal, called by both sides:\n" + "\n".join(hits)
+
+
+# config keys that only `spmdrl plan` reads (it also runs before a CUDA launch: the fit check of `spmdrl train`)
+PLAN_ONLY_KEYS = {"memory.host_memory_gb", "memory.margin"}
+NOT_RUNTIME = ("spmdrl/config/schema.py", "spmdrl/config/validate.py", "spmdrl/config/verl.py", "spmdrl/plan/")
+
+
+def config_sections() -> dict[str, list[str]]:
+    """{section: its keys} of the RL config."""
+    import dataclasses
+
+    from spmdrl.config.schema import Config
+
+    out = {}
+    for f in dataclasses.fields(Config):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            out[f.name] = [g.name for g in dataclasses.fields(default)]
+    return out
+
+
+def _key_reads(source: str, sections: set[str]) -> tuple[set, set, list]:
+    """(section, key) pairs read as `<x>.section.key` or through a local bound to `<x>.section`; key names read on
+    anything else (a section passed as an argument, getattr with a constant); getattr f-string patterns."""
+    tree = ast.parse(source)
+    pairs, names, patterns = set(), set(), []
+    scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+    for scope in [*scopes, tree]:
+        bound = {}
+        for n in ast.walk(scope):
+            if isinstance(n, ast.Assign):
+                for t in n.targets:
+                    both = list(zip(t.elts, n.value.elts)) if isinstance(t, ast.Tuple) and isinstance(
+                        n.value, ast.Tuple) else [(t, n.value)]
+                    for name, v in both:
+                        if isinstance(name, ast.Name) and isinstance(v, ast.Attribute) and v.attr in sections:
+                            bound[name.id] = v.attr
+        for n in ast.walk(scope):
+            if isinstance(n, ast.Attribute):
+                b = n.value
+                if isinstance(b, ast.Attribute) and b.attr in sections:
+                    pairs.add((b.attr, n.attr))
+                elif isinstance(b, ast.Name) and b.id in bound:
+                    pairs.add((bound[b.id], n.attr))
+                else:
+                    names.add(n.attr)
+            elif isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr" and len(n.args) >= 2:
+                key = n.args[1]
+                if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                    names.add(key.value)
+                elif isinstance(key, ast.JoinedStr):
+                    patterns.append("".join(re.escape(v.value) if isinstance(v, ast.Constant) else r"\w+"
+                                            for v in key.values))
+    return pairs, names, patterns
+
+
+def keys_read_by_nothing(sections: dict[str, list[str]]) -> list[str]:
+    """Config keys no runtime module reads (validation, the verl mapping, the schema and the planner aside)."""
+    pairs, names, patterns = set(), set(), []
+    for p in sorted((ROOT / "spmdrl").rglob("*.py")):
+        if not p.relative_to(ROOT).as_posix().startswith(NOT_RUNTIME):
+            a, b, c = _key_reads(p.read_text(), set(sections))
+            pairs, names, patterns = pairs | a, names | b, patterns + c
+    return [f"{s}.{k}" for s, keys in sections.items() for k in keys
+            if (s, k) not in pairs and k not in names and not any(re.fullmatch(pt, k) for pt in patterns)
+            and f"{s}.{k}" not in PLAN_ONLY_KEYS]
+
+
+def test_dead_config_key_detection_finds_a_planted_one():
+    sections = config_sections()
+    sections["ref"] = [*sections["ref"], "planted_forward_chunk"]
+    assert keys_read_by_nothing(sections) == ["ref.planted_forward_chunk"]
+
+
+def test_every_config_key_is_read_at_runtime():
+    """A key only validation, the plan or the verl mapping read does nothing: wire it into the runtime or remove
+    it (with a one-line error naming the key to use instead)."""
+    dead = keys_read_by_nothing(config_sections())
+    assert not dead, f"config keys read by nothing at runtime: {dead}"
