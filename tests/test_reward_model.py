@@ -104,7 +104,9 @@ def mesh():
 def test_scores_equal_unsharded_reference_with_policy_ids(assets, mesh):
     _, policy, same, _, samples = assets
     scorer = RewardModelScorer(same, mesh, torch.device("cpu"), policy_tokenizer=policy, micro_batch_size=3)
-    assert scorer.same_tokenizer
+    from spmdrl.engines import ScoreEngine
+
+    assert scorer.same_tokenizer and isinstance(scorer.engine, ScoreEngine)  # the engine protocol, runtime-checked
     got = scorer.score(*fields(samples))
     assert got.dtype == torch.float32 and got.shape == (len(samples),)
     ids = [s["prompt_ids"] + s["response_ids"] for s in samples]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from spmdrl.errors import ConfigError
 
-from .base import TrainEngine
+from .base import ScoreEngine, TrainEngine
 from .token_batch import TokenBatch, pack_sequences
 
 BACKENDS = ("fsdp", "megatron")
@@ -31,8 +31,8 @@ def role_backend(cfg, role: str) -> str:
     return cfg.trainer.backend
 
 
-def build_score_engine(backend: str, model_path: str, mesh, device, **kwargs):
-    """A forward-only sequence-classification scorer (reward model) on a role's mesh."""
+def build_score_engine(backend: str, model_path: str, mesh, device, **kwargs) -> ScoreEngine:
+    """A forward-only sequence-classification scorer (reward model) on a role's mesh (base.ScoreEngine)."""
     if backend == "fsdp":
         from .scorer import FSDPScoreEngine
 
@@ -40,4 +40,4 @@ def build_score_engine(backend: str, model_path: str, mesh, device, **kwargs):
     raise ConfigError(f"reward model backend {backend!r}: available backends are {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKENDS", "role_backend", "TokenBatch", "TrainEngine", "build_score_engine", "build_train_engine", "pack_sequences"]
+__all__ = ["BACKENDS", "role_backend", "ScoreEngine", "TokenBatch", "TrainEngine", "build_score_engine", "build_train_engine", "pack_sequences"]

@@ -1,5 +1,5 @@
-"""The contract every training backend implements (the FSDP2 and Megatron-core engines): `TrainEngine`, and
-`AdapterEngine` for an engine that trains LoRA adapters.
+"""The contract every training backend implements (the FSDP2 and Megatron-core engines): `TrainEngine`,
+`AdapterEngine` for an engine that trains LoRA adapters, and `ScoreEngine` for a reward model.
 
 The loop, checkpoints and the weight sync call only these protocols' members (tests/test_repo.py checks
 spmdrl/loop/, spmdrl/reshard/ and spmdrl/checkpoint/). Nothing outside `spmdrl/engines/` imports a backend's
@@ -10,6 +10,17 @@ AVERAGES them over the data-parallel ranks of its mesh (FSDP2's reduce-scatter, 
 A caller that wants the gradient of a global objective sum_i l_i / N (N = tokens or sequences of the whole
 mini-batch over all dp ranks) therefore passes, for each micro-batch, loss = dp * sum_{i in micro} l_i / N.
 The engine adds no scaling of its own (no division by the number of micro-batches).
+
+Micro-batch contract of `train_step(micro_batches, loss_fn)`:
+- each item of `micro_batches` is a tuple whose item [1] is the micro-batch's TokenBatch
+  (spmdrl.engines.token_batch); the engine stages and runs [1] and hands the whole item, untouched, to loss_fn
+  (the loop's items are loop/update.MicroBatch: samples, tokens, unit_share, token_share);
+- loss_fn(item, engine) -> (loss, metrics) reads the engine's heads (`engine.logprobs`, `engine.values`) on
+  item[1]; the engine calls it once per item where the heads run under autograd, and it may call it again: on
+  pipeline stages other than the last, the Megatron engine replays loss_fn after the schedule on the last stage's
+  broadcast, detached head outputs, so that its metrics are the same on every rank (those losses are not
+  differentiated). loss_fn must therefore return the same metrics for the same heads and keep no state that a
+  replay would count twice.
 """
 from __future__ import annotations
 
@@ -150,6 +161,18 @@ class AdapterEngine(TrainEngine, Protocol):
 
     def adapter_config(self) -> dict:
         """The adapter_config.json PEFT writes for these adapters."""
+
+
+@runtime_checkable
+class ScoreEngine(Protocol):
+    """A forward-only sequence-classification model (a reward model), sharded over its role's mesh."""
+
+    mesh: "RoleMesh"
+    vocab_size: int  # the model's embedding rows: token ids at or above it are refused before scoring
+
+    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The score [B] (float32, on the engine's device) of each padded token row [B, L] at its last attended
+        position; every rank of the mesh calls it the same number of times, with rows of its own."""
 
 
 def unique_storages(tensors) -> list[torch.UntypedStorage]:

@@ -47,7 +47,8 @@ def _score_head(hf: nn.Module, model_path: str) -> nn.Module:
 
 
 class FSDPScoreEngine:
-    """Scores [B] of padded token rows; every rank of the mesh calls `scores` the same number of times."""
+    """The ScoreEngine (engines/base.py) on FSDP2: scores [B] of padded token rows; every rank of the mesh calls
+    `scores` the same number of times."""
 
     def __init__(self, model_path: str, mesh: RoleMesh, device: torch.device, *, trust_remote_code: bool = False,
                  dtype: str = "auto"):
@@ -92,6 +93,7 @@ class FSDPScoreEngine:
         fully_shard(self.module, **kw)
         self.module.to(device)
         self.module.eval()
+        self.mesh = mesh
         self.vocab_size = hf.get_input_embeddings().num_embeddings
 
     @torch.no_grad()
