@@ -151,3 +151,31 @@ def test_partial_rollouts_train_and_carry_requests_over(tmp_path):
     assert rows[0]["rollout/version_lag_max"] == 0
     assert max(r["rollout/version_lag_max"] for r in rows[1:]) == 1  # trained on tokens of the previous weights
     assert all(r["rollout/requests_aborted_stale"] == 0 and r["actor/grad_norm"] > 0 for r in rows)
+
+
+def test_partial_rollouts_refuse_what_they_cannot_do_in_one_line():
+    from spmdrl.config import Config
+    from spmdrl.config.validate import validate_partial
+    from spmdrl.errors import ConfigError
+
+    def cfg(**kw):
+        c = Config()
+        c.rollout.partial, c.trainer.device = "keep", "cpu"
+        for key, value in kw.items():
+            section, name = key.split("__")
+            setattr(getattr(c, section), name, value)
+        return c
+
+    validate_partial(cfg())
+    for kw, words in (({"placement__mode": "split"}, "placement.mode = 'split'"),
+                      ({"multi_turn__enable": True}, "multi_turn.enable"),
+                      ({"algorithm__filter_groups": True}, "algorithm.filter_groups"),
+                      ({"rollout__top_p": 0.9}, "top_p = 0.9"),
+                      ({"actor__ppo_epochs": 2}, "rollout_correction.rollout_is"),
+                      ({"trainer__device": "cuda"}, "enable_sleep_mode"),
+                      ({"rollout__max_version_lag": -1}, "rollout.max_version_lag")):
+        with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("(", r"\(")) as e:
+            validate_partial(cfg(**kw))
+        assert "\n" not in str(e.value)
+    validate_partial(cfg(actor__ppo_epochs=2, rollout_correction__rollout_is="token"))
+    validate_partial(cfg(trainer__device="cuda", rollout__enable_sleep_mode=False))

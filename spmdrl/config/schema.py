@@ -336,7 +336,7 @@ class RolloutConfig:
     the engine and go on after the weight update with the new weights, keep: with the keys and values computed by the
     old ones | recompute: their prompt and tokens so far are prefilled again with the new weights first. Every token
     records the weight version that sampled it (the batch's `versions`), and the loss's old policy is each token's
-    behaviour log-prob, the engine's (docs/rollout.md)."""
+    behaviour log-prob, the engine's (docs/architecture.md, partial rollouts)."""
     max_version_lag: int = 1
     """With rollout.partial: a prompt group admitted more than this many weight versions ago is aborted and its
     prompt queued again, so that no trained token is older than this."""
