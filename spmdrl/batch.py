@@ -85,6 +85,9 @@ BATCH_KEYS = [
     ("uid", "[B] int64", "after_rollout", "the group id: one per prompt draw (two draws of one prompt are two groups)"),
     ("truncated", "[B] float32", "after_rollout", "1 where generation stopped at `data.max_response_length`"),
     ("baseline_rewards", "[B] float32", "after_rollout", "ReMax only: the greedy rollout's score"),
+    ("versions", "[B, R] int64", "after_rollout",
+     "`rollout.partial` only: the weight version (the step whose update produced the weights) that sampled each "
+     "response token"),
     ("routed_experts", "[B, S x layers x top_k] int16", "after_rollout",
      "`actor.router_replay = rollout` only: 1 + the expert vLLM routed each position of prompt + response to, per "
      "layer and choice, position-major; 0 where it routed none (docs/moe.md)"),

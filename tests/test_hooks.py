@@ -400,4 +400,4 @@ def test_docs_batch_key_table_is_generated_from_batch_keys():
     assert batch_key_table() in docs, ("docs/hooks.md's batch table is stale; paste spmdrl.batch.batch_key_table() "
                                        "under its generated-from comment")
     rollout = {name for name, _, stage, _ in BATCH_KEYS if stage == "after_rollout"}
-    assert rollout - {"baseline_rewards", "routed_experts"} == set(ROLLOUT_KEYS) - {"weight_version"}
+    assert rollout - {"baseline_rewards", "routed_experts", "versions"} == set(ROLLOUT_KEYS) - {"weight_version"}

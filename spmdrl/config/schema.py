@@ -331,6 +331,19 @@ class RolloutConfig:
     logprob_diff_error: float = 0.0
     """During training, rollout/logprob_diff_mean above this stops the run (the trainer computes another policy
     than the one that sampled); 0: 0.05 in float32, 0.5 otherwise; negative: off."""
+    partial: str = "off"
+    """Partial rollouts (colocated, single-turn): off (every step's requests run to the end) | keep | recompute. A
+    step's rollout ends as soon as data.train_batch_size prompt groups are complete; the unfinished requests stay in
+    the engine and go on after the weight update with the new weights, keep: with the keys and values computed by the
+    old ones | recompute: their prompt and tokens so far are prefilled again with the new weights first. Every token
+    records the weight version that sampled it (the batch's `versions`), and the loss's old policy is each token's
+    behaviour log-prob, the engine's (docs/architecture.md, partial rollouts)."""
+    max_version_lag: int = 1
+    """With rollout.partial: a prompt group admitted more than this many weight versions ago is aborted and its
+    prompt queued again, so that no trained token is older than this."""
+    oversample: float = 0.5
+    """With rollout.partial: prompt groups kept in flight beyond the data.train_batch_size a step needs, as a
+    fraction of it; they are what a step carries over (0 carries nothing over)."""
     verify_sync: bool = False
     """Debug: after every weight sync, each rollout rank checks that its engine holds exactly the actor's weights (every parameter whole, loaded through the engine's own loaders, compared byte for byte with what the sync left) and stops naming the parameter, rank and largest difference on a mismatch. Costs two host copies of the rollout weights and a second load per sync."""
 

@@ -17,6 +17,7 @@ CHOICES = {
     "model.logprob_head": ("auto", "fused", "model"),  # spmdrl.engines.fsdp.LOGPROB_HEADS
     "actor.lr_scheduler": ("constant", "cosine", "linear"),
     "rollout.engine": ("auto", "vllm", "hf"),
+    "rollout.partial": ("off", "keep", "recompute"),
     "rollout.dtype": ("auto", "float32", "bfloat16"),
     "rollout.model_impl": ("auto", "vllm", "transformers"),
     "rollout.lora_sync": ("auto", "adapter", "merge"),
@@ -236,6 +237,7 @@ def validate(cfg, world_size: int, *, trackers: bool = True):
     validate_distill(cfg)
     validate_rollout_correction(cfg)
     validate_split(cfg)
+    validate_partial(cfg)
     validate_architecture(cfg)
     validate_moe_options(cfg)
     validate_rollout_length(cfg)
@@ -499,6 +501,48 @@ def validate_split(cfg) -> None:
         key = "trainer.critic_backend" if role == "critic" and cfg.trainer.critic_backend else "trainer.backend"
         if split_backend_refusal(key, backend):
             raise ConfigError(split_backend_refusal(key, backend))
+
+
+def validate_partial(cfg) -> None:
+    """What partial rollouts (rollout.partial, spmdrl/loop/partial.py) support."""
+    from spmdrl.algos import ADV_ESTIMATORS
+    from spmdrl.config.derived import on_policy, rollout_correction_active, sampler_truncates
+
+    r = cfg.rollout
+    if r.max_version_lag < 0 or not r.oversample >= 0:
+        key = "rollout.max_version_lag" if r.max_version_lag < 0 else "rollout.oversample"
+        raise ConfigError(f"{key} must be >= 0, found {_get(cfg, key)}")
+    if r.partial == "off":
+        return
+    why = (("placement.mode = 'split'", cfg.placement.mode == "split", "set placement.mode = 'colocate'"),
+           ("multi_turn.enable = true", cfg.multi_turn.enable, "turn multi_turn.enable off"),
+           ("algorithm.filter_groups = true", cfg.algorithm.filter_groups, "turn dynamic sampling off"),
+           (f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}' (a greedy baseline rollout)",
+            "baseline_rewards" in getattr(ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator), "requires", ()),
+            "choose another estimator"))
+    for what, bad, fix in why:
+        if bad:
+            raise ConfigError(f"rollout.partial = '{r.partial}' is colocated single-turn rollouts only; {what} is not "
+                              f"supported with it: {fix} or set rollout.partial = 'off'")
+    if on_policy(cfg) and sampler_truncates(cfg):
+        raise ConfigError(f"rollout.partial = '{r.partial}' makes each token's rollout log-prob the loss's old policy, "
+                          f"which top_p = {r.top_p} / top_k = {r.top_k} truncate: sample untruncated (top_p = 1, "
+                          "top_k = -1) or set rollout.partial = 'off'")
+    if not on_policy(cfg) and not rollout_correction_active(cfg):
+        raise ConfigError(f"rollout.partial = '{r.partial}' with an old-log-prob pass (several epochs or mini-batches, "
+                          "KL in the reward or distillation) needs the behaviour log-probs in the loss: set "
+                          "rollout_correction.rollout_is = 'token' (decoupled PPO) or train on-policy")
+    if r.enable_sleep_mode and _on_cuda(cfg):
+        raise ConfigError(f"rollout.partial = '{r.partial}' keeps requests in the engine across the update, and vLLM's "
+                          "sleep mode drops their KV cache while training: set rollout.enable_sleep_mode = false")
+
+
+def _on_cuda(cfg) -> bool:
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def validate_objective(cfg, layout) -> None:

@@ -15,6 +15,7 @@ from spmdrl.data.prompts import PromptDataset
 from spmdrl.dist.collectives import reduce_max
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.loop.build import Specs
+from spmdrl.loop.partial import PartialRollouts, groups_output
 from spmdrl.loop.scoring import Scorer
 from spmdrl.rollout.multi_turn import AgentLoop
 from spmdrl.rollout.routes import batch_routes
@@ -101,14 +102,17 @@ class Generator:
     """Training rollouts of this rank's rollout TP group, in the rollout layout (a rollout rank only).
 
     greedy_baseline: also generate one greedy response per prompt and score it (ReMax's baseline); agent: the
-    multi-turn loop on `rollout` (multi_turn.enable), else None."""
+    multi-turn loop on `rollout` (multi_turn.enable), else None; sampler: where rollout.partial draws the prompts
+    of the groups it keeps in flight beyond a step's own (loop/partial.py)."""
 
     def __init__(self, cfg, mesh: RoleMesh, rollout, specs: Specs, dataset: PromptDataset, pad_id: int,
-                 scorer: Scorer, *, greedy_baseline: bool, agent: AgentLoop | None = None):
+                 scorer: Scorer, *, greedy_baseline: bool, agent: AgentLoop | None = None, sampler=None):
         self.cfg, self.mesh, self.rollout, self.specs = cfg, mesh, rollout, specs
         self.dataset, self.pad_id, self.scorer, self.greedy_baseline = dataset, pad_id, scorer, greedy_baseline
         self.agent = agent
         self.loop_time: dict[str, float] = {}
+        self.partial = PartialRollouts(cfg, rollout, dataset, sampler, specs.train, mesh.dp_offset) \
+            if cfg.rollout.partial != "off" else None
 
     def take_metrics(self) -> dict[str, float]:
         """The multi-turn loop's time split since the last call (generation, tools, the rest) and its turns."""
@@ -127,10 +131,13 @@ class Generator:
                      ("multi_turn/loop_turns", float(st.turns))):
             m[k] = m.get(k, 0.0) + v
 
-    def generate(self, prompt_idx: list[int], step: int, round_: int = 0) -> Batch:
+    def generate(self, prompt_idx: list[int], step: int, round_: int = 0, version: int = 0) -> Batch:
         """The samples of dataset rows `prompt_idx` (this rollout dp rank's share of a step's prompts): same
         prompts and seeds on every rank of the TP group. The caller has put the memory in its rollout phase
-        (MemoryLifecycle.for_rollout)."""
+        (MemoryLifecycle.for_rollout). With rollout.partial, as many complete groups as `prompt_idx` has, the
+        oldest in flight first (the prompts join the queue), sampled by weights `version` and older."""
+        if self.partial is not None:
+            return self._partial(prompt_idx, step, version)
         r = self.mesh
         first = round_ * self.cfg.data.train_batch_size + r.dp_offset(len(prompt_idx))
         seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompt_idx))
@@ -146,4 +153,20 @@ class Generator:
             self.scorer.attach_meta(gb, self.dataset, r)
             self.scorer.score(gb, r)  # the same shaped reward the samples get
             batch["baseline_rewards"] = gb["scores"].repeat_interleave(n)
+        return batch
+
+    def _partial(self, prompt_idx: list[int], step: int, version: int) -> Batch:
+        n = self.specs.train.n
+        groups, metrics = self.partial.rollout(prompt_idx, step, version)
+        self.loop_time.update(metrics)
+        out, versions = groups_output(groups, n)
+        batch = rollout_to_batch([g.prompt for g in groups], [g.row for g in groups], out, n, self.pad_id)
+        R = batch["responses"].shape[1]
+        v = torch.full((len(versions), R), version, dtype=torch.long)
+        for i, vs in enumerate(versions):
+            v[i, : len(vs)] = torch.tensor(vs, dtype=torch.long)
+        batch["versions"] = v
+        # the oldest weights a sample saw: train/weight_version_lag (and MismatchWatch skips stale batches)
+        batch["weight_version"] = torch.tensor([min(vs, default=version) for vs in versions], dtype=torch.long)
+        batch["uid"] = torch.tensor([g.uid for g in groups], dtype=torch.long).repeat_interleave(n)
         return batch

@@ -156,7 +156,7 @@ class Trainer:
         if rollout is not None:
             generator = Generator(cfg, self.rollout_mesh, rollout, specs, train_ds, pad_id, scorer,
                                   greedy_baseline="baseline_rewards" in getattr(self.learner.adv_fn, "requires", ()),
-                                  agent=agent)
+                                  agent=agent, sampler=sampler)
         self.generator = generator
         cuda = device.type == "cuda"
         self.parity = None  # trainer = sampler, checked before step 1 (colocated: actor and rollout on every rank)
@@ -284,7 +284,7 @@ class Trainer:
                 if self.stream is None:
                     memory.for_rollout()
                     with timer("rollout"):
-                        batch = self.generator.generate(next(self.sampler), step, rounds.index)
+                        batch = self.generator.generate(next(self.sampler), step, rounds.index, self.actor_version)
                     with timer("reshard_batch"):  # from the rollout layout to the actor's
                         batch = redistribute(batch, self.rollout_mesh, self.actor_mesh)
                     for k, v in self.generator.take_metrics().items():  # the multi-turn loop's time, summed

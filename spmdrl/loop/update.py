@@ -153,6 +153,8 @@ class ActorObjective:
     the distillation KL to the teacher, distill.mode = kl_loss), every term aggregated with the same mode
     (`agg_mode`) and constant norm.
 
+    With rollout.partial the on-policy old log-probs are the rollout's (`rollout_log_probs`), token by token.
+
     keep_logprobs: on-policy runs (no old-log-prob pass) keep each micro-batch's own log-probs of the sampled
     tokens with its rollout log-probs and mask in `own_logprobs`, for the mismatch diagnostic
     (loop/correction.py's `logprob_diff`): before the one optimizer step they are the old log-probs."""
@@ -176,6 +178,10 @@ class ActorObjective:
         # or not computed at all (actor.entropy_metric = false)
         self.entropy_mode = True if a.entropy_coeff != 0 else ("detached" if a.entropy_metric else False)
         self.keep_logprobs = keep_logprobs
+        # rollout.partial: a batch mixes tokens of several weight versions, so no one set of weights is the old
+        # policy; the ratio's denominator is each token's behaviour log-prob, the engine's (config/validate.py
+        # refuses the combinations where that is not the sampled distribution or an old-log-prob pass replaces it)
+        self.behaviour_old = getattr(cfg.rollout, "partial", "off") != "off"
         self.own_logprobs: list = []  # (log-probs, rollout log-probs, mask) per micro-batch, with keep_logprobs
 
     def agg(self, x, mask):
@@ -192,9 +198,11 @@ class ActorObjective:
         if "old_log_probs" in mb:
             old = mb["old_log_probs"][:, :R].to(dev)
         else:  # on-policy: the parameters have not moved since the rollout, so these are the old log-probs
-            old = logp.detach()
+            old = own = logp.detach()
+            if self.behaviour_old:  # partial rollouts: each token's old policy is the weight version that sampled it
+                old = mb["rollout_log_probs"][:, :R].to(dev)
             if self.keep_logprobs:
-                self.own_logprobs.append((old, mb["rollout_log_probs"][:, :R].to(dev), mask))
+                self.own_logprobs.append((own, mb["rollout_log_probs"][:, :R].to(dev), mask))
         kw = self.loss_kw
         if "rollout_is_weights" in mb:  # [rollout_correction]: truncated importance weights pi_old / pi_rollout
             kw = {**kw, "rollout_is_weights": mb["rollout_is_weights"][:, :R].to(dev)}

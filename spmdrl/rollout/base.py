@@ -4,6 +4,15 @@ An engine turns token-id prompts into sampled responses plus the log-prob of eac
 SPMD: every rank of a rollout tensor-parallel group calls `generate` with the same prompts and seeds and gets
 the same answer: by default the engine seeds one random stream per call from all the per-prompt seeds
 (`call_seed`); with per-request seeding each sample has its own stream (`sample_seed`).
+
+Underneath `generate` is the request-level interface the caller steps itself (streaming rollouts): `admit`
+requests (one sample each, with an id of the caller's), `step` the engine once and get back the requests that
+finished in that step (`Completion`), `abort` requests, and `in_flight` counts what is admitted and unfinished.
+`generate` is a drain of it: admit everything, step until nothing is in flight, return in request order. Every
+token a request generates carries `weight_version`, the version of the weights the step that produced it ran
+with (the caller sets it after loading new weights); between two steps the caller may load weights, and a request
+admitted earlier continues with the new ones (`rebuild_kv` recomputes its cache with them first). Every rank of
+a TP group must make the same admissions, aborts and steps.
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ import torch
 from spmdrl.errors import ConfigError
 
 _MASK64 = (1 << 64) - 1
+GENERATE_ID = "generate:"  # the prefix of the request ids a generate call admits (callers' ids may not start with it)
 
 
 @dataclass
@@ -74,6 +84,84 @@ class RolloutOutput:
         return len(self.response_ids)
 
 
+@dataclass
+class Completion:
+    """One request the engine finished in a step (or took back with `abort`)."""
+
+    id: str
+    """The caller's request id (admit)."""
+    token_ids: list[int]
+    """Generated token ids (the stop token, when there is one, included)."""
+    logprobs: list[float]
+    """Processed log-prob of each token (SamplingSpec.logprobs); empty when the spec asked for none."""
+    versions: list[int]
+    """The engine's weight_version at the step that produced each token."""
+    finish_reason: str
+    """'stop', 'length', or 'abort' (taken back before it finished)."""
+    routes: object = None
+    """With route capture: the experts each computed position of prompt + response was routed to (see
+    RolloutOutput.routed_experts); None otherwise and for aborted requests."""
+
+
+class RequestLog:
+    """What an engine keeps per admitted request while it is in flight: the caller's id and the tokens, log-probs
+    and versions it has produced so far (engines feed it the tokens of each step)."""
+
+    def __init__(self, rid: str):
+        self.id, self.token_ids, self.logprobs, self.versions = rid, [], [], []
+
+    def extend(self, ids: list[int], logprobs: list[float], version: int) -> None:
+        self.token_ids += ids
+        self.logprobs += logprobs
+        self.versions += [version] * len(ids)
+
+    def done(self, reason: str, routes=None) -> Completion:
+        return Completion(self.id, self.token_ids, self.logprobs, self.versions, reason, routes)
+
+
+def check_admission(live_ids, ids: list[str], prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list) -> None:
+    """The checks both engines make before admitting: one sample per request, one seed (or None) per request, ids
+    new and distinct, prompts non-empty."""
+    spec.validate()
+    if spec.n != 1:
+        raise ConfigError(f"admit takes one sample per request (spec.n = 1), got n={spec.n}: admit n requests")
+    if not len(ids) == len(prompt_ids) == len(seeds):
+        raise ConfigError(f"admit got {len(ids)} ids, {len(prompt_ids)} prompts and {len(seeds)} seeds: pass one "
+                          "of each per request")
+    taken = sorted(set(ids) & set(live_ids)) or sorted({i for i in ids if ids.count(i) > 1})
+    if taken:
+        raise ConfigError(f"admit: request id {taken[0]!r} is already in flight (or given twice): ids must be unique")
+    for i, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise ConfigError(f"prompt {i} is empty: every prompt needs at least one token")
+
+
+class EngineRng:
+    """The random stream of an engine's unseeded requests, kept apart from the process's global RNGs: `active()`
+    swaps it in around engine work (vLLM draws from the global torch, numpy and python RNGs) and puts the caller's
+    back after, so training between two engine steps neither sees nor moves it."""
+
+    def __init__(self):
+        self.state = None
+
+    def reseed(self, seed: int) -> None:
+        from spmdrl.rng import seed_everything
+
+        with preserved_rng_state():
+            seed_everything(seed)
+            self.state = capture_rng_state()
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        with preserved_rng_state():
+            if self.state is not None:
+                restore_rng_state(self.state)
+            try:
+                yield
+            finally:
+                self.state = capture_rng_state()
+
+
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
 
 
@@ -101,6 +189,37 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> RolloutOutput:
         """Sample spec.n responses per prompt, prompt-major; the draws are a function of the seeds only."""
+        ...
+
+    weight_version: int
+    """Stamped on every token the following steps produce (the caller sets it after loading weights)."""
+
+    def admit(self, ids: list[str], prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int | None]) -> None:
+        """Queue one request per id (spec.n must be 1): a prompt and its seed (None: drawn from the engine's stream,
+        see reseed). The same call on every rank of the TP group (checked)."""
+        ...
+
+    def step(self) -> list["Completion"]:
+        """One engine step; the requests that finished in it."""
+        ...
+
+    def abort(self, ids: list[str]) -> list["Completion"]:
+        """Take back in-flight requests; what each generated so far, finish_reason 'abort' (ids not in flight are
+        skipped)."""
+        ...
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished or aborted."""
+        ...
+
+    def reseed(self, seed: int) -> None:
+        """Seed the stream unseeded requests draw from (the same seed on every rank of the TP group)."""
+        ...
+
+    def rebuild_kv(self) -> None:
+        """Recompute the cached keys and values of every in-flight request with the current weights at its next
+        step (no-op where nothing is cached across steps)."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -170,28 +289,38 @@ def check_generate_args(prompt_ids: list[list[int]], spec: SamplingSpec, seeds: 
             raise ConfigError(f"prompt {i} is empty: every prompt needs at least one token")
 
 
+def capture_rng_state() -> tuple:
+    """The torch (CPU and CUDA), numpy and python RNG states."""
+    try:
+        import numpy as np
+
+        np_state = np.random.get_state()
+    except ImportError:  # numpy is optional
+        np_state = None
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), torch.get_rng_state(), cuda_states, np_state
+
+
+def restore_rng_state(state: tuple) -> None:
+    py_state, torch_state, cuda_states, np_state = state
+    random.setstate(py_state)
+    torch.set_rng_state(torch_state)
+    if cuda_states is not None:
+        torch.cuda.set_rng_state_all(cuda_states)
+    if np_state is not None:
+        import numpy as np
+
+        np.random.set_state(np_state)
+
+
 @contextmanager
 def preserved_rng_state() -> Iterator[None]:
     """Restore the torch (CPU and CUDA), numpy and python RNG states on exit.
 
     Engine construction reseeds the global RNGs; training must not notice.
     """
-    py_state = random.getstate()
-    torch_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        import numpy as np
-
-        np_state = np.random.get_state()
-    except ImportError:  # numpy is optional
-        np = None
-        np_state = None
+    state = capture_rng_state()
     try:
         yield
     finally:
-        random.setstate(py_state)
-        torch.set_rng_state(torch_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-        if np is not None:
-            np.random.set_state(np_state)
+        restore_rng_state(state)

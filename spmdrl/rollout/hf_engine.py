@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
 from spmdrl.algos.token_stats import truncate_logits
 from spmdrl.errors import ConfigError, SpmdrlError
 from spmdrl.rollout.base import (
+    GENERATE_ID,
+    Completion,
+    RequestLog,
     RolloutOutput,
     SamplingSpec,
     call_seed,
+    check_admission,
     check_generate_args,
     preserved_rng_state,
     sample_seed,
@@ -81,31 +86,104 @@ class HFEngine:
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else next(iter(self.eos_ids), 0)
+        self._queue: list = []  # admitted requests: (RequestLog, prompt, seed, spec), in admission order
+        self._stash: list[Completion] = []  # finished while generate stepped the engine; the next step() returns them
+        self._shared: torch.Generator | None = None  # the unseeded requests' stream (reseed)
+        self.weight_version = 0
 
     # ----------------------------------------------------------------------------------------------- generate
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> RolloutOutput:
         """spec.n samples per prompt, prompt-major; draws seeded by call_seed(seeds) (one generator for the
-        call), or with per_request_seed sample j of prompt i by sample_seed(seeds[i], j)."""
+        call), or with per_request_seed sample j of prompt i by sample_seed(seeds[i], j). A drain of the
+        request-level interface: every sample admitted, stepped until none is in flight."""
         check_generate_args(prompt_ids, spec, seeds)
+        self._check_lengths(prompt_ids)
+        ids = [f"{GENERATE_ID}{i}.{j}" for i in range(len(prompt_ids)) for j in range(spec.n)]
+        prompts = [list(p) for p in prompt_ids for _ in range(spec.n)]
+        sample_seeds = [sample_seed(s, j) if self.per_request_seed else None for s in seeds for j in range(spec.n)]
+        self.reseed(call_seed(seeds))
+        self._enqueue(ids, prompts, replace(spec, n=1), sample_seeds)
+        done: dict[str, Completion] = {}
+        while len(done) < len(ids):  # requests admitted before finish meanwhile: the next step() returns them
+            for c in self._step():
+                if c.id.startswith(GENERATE_ID):
+                    done[c.id] = c
+                else:
+                    self._stash.append(c)
+        outs = [done[i] for i in ids]
+        return RolloutOutput([c.token_ids for c in outs], [c.logprobs for c in outs], [c.finish_reason for c in outs])
+
+    # ------------------------------------------------------------------------------------ request-level interface
+
+    def admit(self, ids: list[str], prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int | None]) -> None:
+        """Queue one request per id (spec.n = 1); seed None draws from the engine's generator (reseed)."""
+        if any(i.startswith(GENERATE_ID) for i in ids):
+            raise ConfigError(f"admit: request ids starting with {GENERATE_ID!r} are generate's own")
+        check_admission([log.id for log, _, _, _ in self._queue], ids, prompt_ids, spec, seeds)
+        self._check_lengths(prompt_ids)
+        self._enqueue(ids, prompt_ids, spec, seeds)
+
+    def _enqueue(self, ids: list[str], prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list) -> None:
+        self._queue += [(RequestLog(rid), list(p), seed, spec) for rid, p, seed in zip(ids, prompt_ids, seeds)]
+
+    def step(self) -> list[Completion]:
+        """Decode the next max_num_seqs queued requests of one sampling spec to the end, as one batch (no
+        continuous batching: a request finishes in the step that starts it); plus those that finished while a
+        generate call stepped the engine."""
+        stashed, self._stash = self._stash, []
+        return stashed + self._step()
+
+    @torch.no_grad()
+    def _step(self) -> list[Completion]:
+        if not self._queue:
+            return []
+        spec = self._queue[0][3]
+        chunk = []
+        for item in self._queue:
+            if item[3] != spec or len(chunk) == self.batch_size:
+                break
+            chunk.append(item)
+        del self._queue[: len(chunk)]
+        if self._shared is None:
+            self._shared = torch.Generator(device=self.device)
+        shared = self._shared
+        if all(seed is None for _, _, seed, _ in chunk):
+            gens = [shared]
+        else:
+            gens = [shared if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+                    for _, _, seed, _ in chunk]
+        ids, lps, reasons = self._generate_batch([p for _, p, _, _ in chunk], gens, spec)
+        out = []
+        for (log, _, _, _), t, lp, reason in zip(chunk, ids, lps, reasons):
+            log.extend(t, lp if spec.logprobs else [], self.weight_version)
+            out.append(log.done(reason))
+        return out
+
+    def abort(self, ids: list[str]) -> list[Completion]:
+        """Take queued requests back (nothing of theirs has run: a request runs whole within one step)."""
+        gone = set(ids)
+        out = [log.done("abort") for log, _, _, _ in self._queue if log.id in gone]
+        self._stash = [c for c in self._stash if c.id not in gone]
+        self._queue = [item for item in self._queue if item[0].id not in gone]
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queue) + len(self._stash)
+
+    def reseed(self, seed: int) -> None:
+        self._shared = torch.Generator(device=self.device).manual_seed(seed)
+
+    def rebuild_kv(self) -> None:
+        """Nothing is cached across steps."""
+
+    def _check_lengths(self, prompt_ids: list[list[int]]) -> None:
         if self.max_model_len is not None:
             for i, p in enumerate(prompt_ids):
                 if len(p) >= self.max_model_len:
                     raise ConfigError(f"prompt {i} has {len(p)} tokens, max_model_len is {self.max_model_len}")
-        samples = [(list(p), sample_seed(s, j)) for p, s in zip(prompt_ids, seeds) for j in range(spec.n)]
-        out = RolloutOutput([], [], [])
-        shared = None if self.per_request_seed else torch.Generator(device=self.device).manual_seed(call_seed(seeds))
-        for start in range(0, len(samples), self.batch_size):
-            chunk = samples[start : start + self.batch_size]
-            gens = [shared] if shared is not None else [
-                torch.Generator(device=self.device).manual_seed(s) for _, s in chunk
-            ]
-            ids, lps, reasons = self._generate_batch([p for p, _ in chunk], gens, spec)
-            out.response_ids += ids
-            out.logprobs += lps if spec.logprobs else [[] for _ in ids]
-            out.finish_reason += reasons
-        return out
 
     def _generate_batch(self, prompts: list[list[int]], generators: list[torch.Generator], spec: SamplingSpec):
         dev = self.device

@@ -83,6 +83,18 @@ def caller_key(internal_id: str) -> tuple[str, int]:
     return body, 0
 
 
+def merge_routes(old, new):
+    """One request's routes recorded in two windows (RouteRecorder.take before and after): `new` wherever it has a
+    route, `old` elsewhere, over the longer of the two."""
+    if old is None:
+        return new
+    out = np.full((max(len(old), len(new)), *new.shape[1:]), NO_ROUTE, dtype=np.int16)
+    out[: len(old)] = old
+    seen = new != NO_ROUTE
+    out[: len(new)][seen] = new[seen]
+    return out
+
+
 def install(worker) -> tuple[int, int]:
     """On the worker (collective_rpc): bind a RouteRecorder to every MoE router of the model and wrap the runner's
     forward. Returns (MoE layers, top_k); (0, 0) when the model has no MoE router vLLM can call back from."""

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import logging
 import os
 import json
@@ -56,6 +57,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -63,10 +65,14 @@ import torch.distributed as dist
 from spmdrl.dist.init import default_local_rank
 from spmdrl.dist.layout import external_launcher_tp_groups
 from spmdrl.errors import ConfigError, LayoutError, SpmdrlError, summary
-from spmdrl.rng import seed_everything
 from spmdrl.rollout.vllm_world import vllm_sub_world
 from spmdrl.rollout.base import (
+    GENERATE_ID,
+    Completion,
+    EngineRng,
     LoRASpec,
+    RequestLog,
+    check_admission,
     RolloutOutput,
     SamplingSpec,
     check_generate_args,
@@ -260,6 +266,15 @@ class VLLMEngine:
         self.build_seconds = time.perf_counter() - t0
         self.max_model_len = max_model_len
         self._reloading = False
+        self._live: dict[str, RequestLog] = {}  # in flight, by vLLM request id
+        self._vid: dict[str, str] = {}  # the caller's request id -> vLLM's
+        self._wants_logprobs: dict[str, bool] = {}
+        self._routes_so_far: dict = {}  # CPU route capture: what the recorder filed for in-flight requests
+        self._stash: list[Completion] = []  # finished while generate stepped the engine; the next step() returns them
+        self._counter = itertools.count()
+        self._rng = EngineRng()
+        self._cache_epoch = 0  # prefix-cache salt of new requests (_drop_prefixes)
+        self.weight_version = 0
         self._asleep = False  # weights not resident (update_weights refuses)
         self._sleeping: set[str] = set()  # sleep-mode allocations released: weights, kv_cache
         logger.info(
@@ -276,48 +291,147 @@ class VLLMEngine:
 
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> RolloutOutput:
         """spec.n samples per prompt, prompt-major; random draws seeded by call_seed(seeds), or, with
-        per_request_seed, sample j of prompt i by sample_seed(seeds[i], j)."""
-        from vllm.inputs import TokensPrompt
-
+        per_request_seed, sample j of prompt i by sample_seed(seeds[i], j). A drain of the request-level interface:
+        one request per sample (vLLM fans an n-sample request out into n requests in this order itself), admitted
+        together, stepped until none is in flight."""
         check_generate_args(prompt_ids, spec, seeds)
         self._check_lengths(prompt_ids)
-        self._check_same_across_tp(prompt_ids, spec, seeds)
-        self.finish_weight_update()
+        self._check_same_across_tp("generate", (prompt_ids, seeds, spec))
         if not prompt_ids:
             return RolloutOutput([], [], [])
-        if self.per_request_seed:  # one request per sample, each with its own generator
-            prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids for _ in range(spec.n)]
-            params = [self._sampling_params(spec, 1, sample_seed(seed, j)) for seed in seeds for j in range(spec.n)]
-        else:  # one request per prompt with n samples; the noise comes from the reseeded global RNG
-            prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-            params = self._sampling_params(spec, spec.n, None)
-        with preserved_rng_state():  # vLLM draws from the global RNGs; keep training's
-            # same on every TP rank (their draws must agree), another each step; every RNG vLLM reads: torch (the CPU
-            # and V1 samplers), numpy (Model Runner V2's request seeds, vllm/v1/worker/gpu/sample/states.py:54-58)
-            seed_everything(call_seed(seeds))
-            outs = self.llm.generate(prompts, params, use_tqdm=False, **self._lora_kwargs())
-        completions = [(out.request_id, c) for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
-        recorded = self._take_routes()
-        routed = ([self._routes_of(recorded, request_id, c) for request_id, c in completions] if self.capture_routes
-                  else None)
+        ids = [f"{GENERATE_ID}{i}.{j}" for i in range(len(prompt_ids)) for j in range(spec.n)]
+        prompts = [list(p) for p in prompt_ids for _ in range(spec.n)]
+        sample_seeds = [sample_seed(s, j) if self.per_request_seed else None for s in seeds for j in range(spec.n)]
+        # the unseeded requests' noise: vLLM draws it from the global RNGs, here the engine's own stream, seeded the
+        # same on every TP rank (their draws must agree) and another each step; every RNG vLLM reads: torch (the CPU
+        # and V1 samplers), numpy (Model Runner V2's request seeds, vllm/v1/worker/gpu/sample/states.py:54-58)
+        self.reseed(call_seed(seeds))
+        self._admit(ids, prompts, replace(spec, n=1), sample_seeds)
+        done: dict[str, Completion] = {}
+        while len(done) < len(ids):  # requests admitted before finish meanwhile: the next step() returns them
+            for c in self._step():
+                if c.id.startswith(GENERATE_ID):
+                    done[c.id] = c
+                else:
+                    self._stash.append(c)
+        outs = [done[i] for i in ids]
+        return RolloutOutput([c.token_ids for c in outs], [c.logprobs for c in outs], [c.finish_reason for c in outs],
+                             [c.routes for c in outs] if self.capture_routes else None)
 
-        response_ids, logprobs, finish_reason = [], [], []
-        for request_id, c in completions:  # prompt-major, sample-minor
-            ids = list(c.token_ids)
-            if c.finish_reason not in ("stop", "length"):
-                raise SpmdrlError(f"vLLM request {request_id} ended with finish_reason={c.finish_reason!r}")
-            response_ids.append(ids)
-            finish_reason.append(c.finish_reason)
-            logprobs.append([float(c.logprobs[k][t].logprob) for k, t in enumerate(ids)] if spec.logprobs else [])
-        return RolloutOutput(response_ids, logprobs, finish_reason, routed)
+    # ------------------------------------------------------------------------------------ request-level interface
+
+    def admit(self, ids: list[str], prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int | None]) -> None:
+        """Queue one request per id (spec.n = 1); seed None draws from the engine's stream (reseed). Every rank of
+        the TP group must admit the same requests in the same order (checked with one small all-gather)."""
+        if any(i.startswith(GENERATE_ID) for i in ids):
+            raise ConfigError(f"admit: request ids starting with {GENERATE_ID!r} are generate's own")
+        check_admission(self._vid, ids, prompt_ids, spec, seeds)
+        self._check_lengths(prompt_ids)
+        self._check_same_across_tp("admit", (ids, prompt_ids, seeds, spec))
+        self._admit(ids, prompt_ids, spec, seeds)
+
+    def _admit(self, ids: list[str], prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int | None]) -> None:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self.finish_weight_update()
+        salt = {"cache_salt": f"spmdrl-w{self._cache_epoch}"} if self._cache_epoch else {}
+        with self._rng.active():
+            for rid, prompt, seed in zip(ids, prompt_ids, seeds):
+                params = self._sampling_params(spec, 1, seed)
+                params.output_kind = RequestOutputKind.DELTA  # each step's new tokens: each gets that step's version
+                vid = str(next(self._counter))  # digits only: routes.caller_key reads them back
+                engine_input = self.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=list(prompt), **salt))
+                self.llm.llm_engine.add_request(vid, engine_input, params, **self._lora_kwargs())
+                self._live[vid] = RequestLog(rid)
+                self._vid[rid] = vid
+                self._wants_logprobs[vid] = spec.logprobs
+
+    def step(self) -> list[Completion]:
+        """One vLLM engine step (a scheduler step and a forward); the requests that finished in it (and those that
+        finished while a generate call stepped the engine)."""
+        stashed, self._stash = self._stash, []
+        return stashed + self._step()
+
+    def _step(self) -> list[Completion]:
+        if not self._live:
+            return []
+        self.finish_weight_update()
+        with self._rng.active():
+            outs = self.llm.llm_engine.step()
+        finished = []
+        for out in outs:
+            log = self._live.get(out.request_id)
+            if log is None:
+                continue
+            for c in out.outputs:  # one sample per request
+                ids = list(c.token_ids)
+                lps = [float(c.logprobs[k][t].logprob) for k, t in enumerate(ids)] if self._wants_logprobs[
+                    out.request_id] else []
+                log.extend(ids, lps, self.weight_version)
+                if out.finished:
+                    if c.finish_reason not in ("stop", "length"):
+                        raise SpmdrlError(f"vLLM request {out.request_id} ended with finish_reason={c.finish_reason!r}")
+                    finished.append((out.request_id, c))
+        if not finished:
+            return []
+        recorded = self._take_routes()
+        done = []
+        for vid, c in finished:
+            log = self._forget(vid)
+            done.append(log.done(c.finish_reason, self._routes_of(recorded, vid, c) if self.capture_routes else None))
+        return done
+
+    def abort(self, ids: list[str]) -> list[Completion]:
+        """Take back in-flight requests (ids not in flight are skipped); what each generated so far."""
+        self._check_same_across_tp("abort", list(ids))
+        vids = [self._vid[i] for i in ids if i in self._vid]
+        if vids:
+            self.llm.llm_engine.abort_request(vids)
+        gone = set(ids)
+        self._stash = [c for c in self._stash if c.id not in gone]
+        return [self._forget(v).done("abort") for v in vids]
+
+    def _forget(self, vid: str) -> RequestLog:
+        log = self._live.pop(vid)
+        del self._vid[log.id], self._wants_logprobs[vid]
+        self._routes_so_far.pop(vid, None)
+        return log
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live) + len(self._stash)
+
+    def reseed(self, seed: int) -> None:
+        self._rng.reseed(seed)
+
+    def rebuild_kv(self) -> None:
+        """vLLM preempts every running request and empties its prefix cache: a preempted request's prompt and
+        tokens so far are prefilled again, with the current weights, when it is next scheduled."""
+        self.finish_weight_update()
+        if self._live:
+            self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
+
+    def _drop_prefixes(self) -> None:
+        """Drop the prefix cache. With requests in flight their blocks cannot be dropped (vLLM refuses): requests
+        admitted from now on are salted with a new cache epoch, so that none of them reuses a prefix computed
+        before (with other weights)."""
+        if self._live:
+            self._cache_epoch += 1
+        else:
+            self.llm.reset_prefix_cache()
 
     def _take_routes(self) -> dict:
-        """The routes the CPU recorder filed since the last call (every call drains it), {} when not recording."""
+        """The routes the CPU recorder filed for the in-flight requests so far, {} when not recording. The recorder
+        is drained at every call; what it held for a request still in flight is kept for the next call."""
         if not (self.capture_routes and self.on_cpu):
             return {}
         from spmdrl.rollout import routes
 
-        return self.llm.collective_rpc(routes.take)[0]
+        for key, r in self.llm.collective_rpc(routes.take)[0].items():
+            if key[0] in self._live:
+                self._routes_so_far[key[0]] = routes.merge_routes(self._routes_so_far.get(key[0]), r)
+        return {(vid, 0): r for vid, r in self._routes_so_far.items()}
 
     def _routes_of(self, recorded: dict, request_id: str, c):
         """One completion's routes [positions, layers, top_k]: the CPU recorder's, or on CUDA vLLM's own."""
@@ -332,6 +446,9 @@ class VLLMEngine:
 
         if len(prompt_ids) != len(response_ids):
             raise ConfigError(f"compute_logprobs got {len(prompt_ids)} prompts but {len(response_ids)} responses")
+        if self._live:  # LLM.generate would step them and take their outputs
+            raise SpmdrlError(f"compute_logprobs with {len(self._live)} admitted requests in flight: step them to the "
+                              "end (or abort them) first")
         self.finish_weight_update()
         seqs = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
         self._check_lengths(seqs)
@@ -365,21 +482,22 @@ class VLLMEngine:
             detokenize=bool(spec.stop),  # only stop strings need text
         )
 
-    def _check_same_across_tp(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> None:
-        """Fail loudly when the ranks of a TP group disagree on the request (vLLM would silently go wrong)."""
+    def _check_same_across_tp(self, what: str, request) -> None:
+        """Fail loudly when the ranks of a TP group disagree on a request, an admission or an abort (every rank runs
+        its own scheduler, which would silently go wrong): one all-gather of an 8-byte digest per call."""
         if self.tp_size == 1:
             return
         from vllm.distributed.parallel_state import get_tp_group
 
-        digest = hashlib.blake2b(repr((prompt_ids, seeds, spec)).encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(repr((what, request)).encode(), digest_size=8).digest()
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
         group = get_tp_group()
         everyone = [torch.zeros_like(mine) for _ in range(group.world_size)]
         dist.all_gather(everyone, mine, group=group.cpu_group)
         if any(int(x) != int(mine) for x in everyone):
             raise SpmdrlError(
-                f"rollout TP group ranks {group.ranks} called generate with different prompts, seeds or sampling "
-                "spec: every rank of a TP group must pass the same request"
+                f"rollout TP group ranks {group.ranks} called {what} with different ids, prompts, seeds or sampling "
+                f"spec: every rank of a TP group must pass the same request, in the same order"
             )
 
     def _check_tp_group(self) -> None:
@@ -419,10 +537,10 @@ class VLLMEngine:
             return
         self.llm.collective_rpc(_finish_reload)
         self._reloading = False
-        self.llm.reset_prefix_cache()
+        self._drop_prefixes()
 
     def forget_prefixes(self) -> None:
-        self.llm.reset_prefix_cache()
+        self._drop_prefixes()
 
     # ------------------------------------------------------------------------------------------------ adapters
 
@@ -478,6 +596,9 @@ class VLLMEngine:
         never sends them), so dropping them would lose them."""
         self.finish_weight_update()
         if self.sleep_enabled and not self._sleeping:
+            if self._live:  # vLLM would abort them (or keep them over a dropped KV cache)
+                raise SpmdrlError(f"sleep with {len(self._live)} requests in flight: vLLM's sleep mode drops their KV "
+                                  "cache; set rollout.enable_sleep_mode = false to carry requests over")
             self.llm.sleep(level=1 if self.lora is not None else level)
             self._asleep = True
             self._sleeping = {"weights", "kv_cache"}
@@ -491,7 +612,7 @@ class VLLMEngine:
                 self._sleeping -= want
             self._asleep = "weights" in self._sleeping  # weights resident: update_weights may run
             if not self._sleeping:
-                self.llm.reset_prefix_cache()
+                self._drop_prefixes()
 
     def close(self) -> None:
         """Shut vLLM down and destroy its process groups; the world group stays, so another engine can be built."""

@@ -1,0 +1,111 @@
+"""Partial rollouts (rollout.partial = keep | recompute), colocated: the rollout engine stepped by the loop.
+
+A step's rollout admits prompt groups (rollout.n requests each) until `need + oversample` groups are in flight,
+steps the engine until `need` groups are complete (need: this rank's share of data.train_batch_size), and returns
+those; the rest stay in the engine and go on after the weight update, with the new weights. Each token carries the
+weight version that sampled it (the engine's `weight_version`: the step whose update produced the weights). A group
+admitted more than rollout.max_version_lag versions before the current one is aborted and its prompt queued again.
+
+The schedule depends on the config and seed only (engine steps, never wall-clock time), and every rank of a rollout
+TP group makes the same admissions (the engine checks them).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from spmdrl.rollout.base import RolloutOutput, SamplingSpec, sample_seed
+
+
+@dataclass
+class Group:
+    """One prompt draw: its rollout.n requests, admitted together."""
+
+    uid: int
+    row: int
+    prompt: list[int]
+    seed: int
+    version: int  # the weight version when it was admitted
+    done: dict = field(default_factory=dict)  # sample index -> Completion
+
+
+class PartialRollouts:
+    """The groups in flight on this rank's rollout engine between steps, and the per-step rollout over them."""
+
+    def __init__(self, cfg, engine, dataset, sampler, spec: SamplingSpec, dp_offset):
+        r = cfg.rollout
+        self.engine, self.dataset, self.sampler, self.spec = engine, dataset, sampler, spec
+        self.keep = r.partial == "keep"
+        self.max_lag, self.oversample = r.max_version_lag, r.oversample
+        self.per_request_seed, self.seed = r.per_request_seed, cfg.trainer.seed
+        self.batch_size, self.dp_offset = cfg.data.train_batch_size, dp_offset
+        self.one = SamplingSpec(**{**vars(spec), "n": 1})
+        self.queue: list[tuple[int, int]] = []  # (uid, dataset row) drawn, not admitted
+        self.groups: dict[int, Group] = {}  # admitted, by uid
+        self.draws = 0
+        self.version = 0
+
+    def _draw(self, rows: list[int]) -> None:
+        first = self.draws * self.batch_size + self.dp_offset(len(rows))  # unique over steps and rollout dp ranks
+        self.queue += [(first + i, row) for i, row in enumerate(rows)]
+        self.draws += 1
+
+    def _admit(self, uid: int, row: int) -> None:
+        prompt = self.dataset.prompt_ids(row)
+        g = self.groups[uid] = Group(uid, row, prompt, (self.seed * 1_000_003 + uid) % (2**31 - 1), self.version)
+        ids = [f"{uid}/{j}" for j in range(self.spec.n)]
+        seeds = [sample_seed(g.seed, j) if self.per_request_seed else None for j in range(self.spec.n)]
+        self.engine.admit(ids, [prompt] * self.spec.n, self.one, seeds)
+
+    def rollout(self, rows: list[int], step: int, version: int) -> tuple[list[Group], dict[str, float]]:
+        """This step's complete groups (len(rows) of them, the oldest first) and the step's metrics. rows: this
+        rank's newly drawn prompts; version: the weights the engine holds now."""
+        t0, eng, need = time.perf_counter(), self.engine, len(rows)
+        if version != self.version:  # new weights since the last rollout
+            self.version = eng.weight_version = version
+            if not self.keep:
+                eng.rebuild_kv()
+        stale = sorted(u for u, g in self.groups.items() if version - g.version > self.max_lag)
+        if stale:
+            eng.abort([f"{u}/{j}" for u in stale for j in range(self.spec.n)])
+            self.queue = [(u, self.groups.pop(u).row) for u in stale] + self.queue
+        self._draw(rows)
+        cap = need + math.ceil(need * self.oversample)
+        if not self.per_request_seed:
+            eng.reseed((self.seed * 1_000_003 + step) % (2**31 - 1))
+        while len(self.groups) < cap:
+            if not self.queue:
+                self._draw(next(self.sampler))
+            self._admit(*self.queue.pop(0))
+        complete = lambda: [g for g in self.groups.values() if len(g.done) == self.spec.n]  # noqa: E731
+        steps = generated = 0  # engine steps, and tokens of this step's version in requests finished in them
+        while len(complete()) < need:
+            for c in eng.step():
+                uid, j = c.id.split("/")
+                self.groups[int(uid)].done[int(j)] = c
+                generated += sum(v == version for v in c.versions)
+            steps += 1
+        out = sorted(complete(), key=lambda g: g.uid)[:need]
+        for g in out:
+            del self.groups[g.uid]
+        carried = len(self.groups) * self.spec.n  # requests left for the next step: unfinished, or in an unfinished group
+        lags = torch.tensor([version - v for g in out for c in g.done.values() for v in c.versions], dtype=torch.float64)
+        elapsed = time.perf_counter() - t0
+        metrics = {"rollout/requests_carried_over": float(carried), "rollout/requests_aborted_stale": float(len(stale) * self.spec.n),
+                   "rollout/engine_steps": float(steps), "rollout/generated_tokens_per_s": generated / max(elapsed, 1e-9)}
+        if len(lags):
+            metrics.update({"rollout/version_lag_min": float(lags.min()), "rollout/version_lag_mean": float(lags.mean()),
+                            "rollout/version_lag_max": float(lags.max())})
+        return out, metrics
+
+
+def groups_output(groups: list[Group], n: int) -> tuple[RolloutOutput, list[list[int]]]:
+    """The groups' samples as a RolloutOutput (prompt-major) and each sample's per-token versions."""
+    comps = [g.done[j] for g in groups for j in range(n)]
+    routes = [c.routes for c in comps]
+    out = RolloutOutput([c.token_ids for c in comps], [c.logprobs for c in comps], [c.finish_reason for c in comps],
+                        routes if any(r is not None for r in routes) else None)
+    return out, [c.versions for c in comps]
