@@ -37,7 +37,7 @@ class PartialRollouts:
 
     def __init__(self, cfg, rollout, dataset, sampler, spec: SamplingSpec, dp_offset):
         r = cfg.rollout
-        self.rollout, self.dataset, self.sampler, self.spec = rollout, dataset, sampler, spec
+        self.rollout_engine, self.dataset, self.sampler, self.spec = rollout, dataset, sampler, spec
         self.keep = r.partial == "keep"
         self.max_lag, self.oversample = r.max_version_lag, r.oversample
         self.per_request_seed, self.seed = r.per_request_seed, cfg.trainer.seed
@@ -58,12 +58,12 @@ class PartialRollouts:
         g = self.groups[uid] = Group(uid, row, prompt, (self.seed * 1_000_003 + uid) % (2**31 - 1), self.version)
         ids = [f"{uid}/{j}" for j in range(self.spec.n)]
         seeds = [sample_seed(g.seed, j) if self.per_request_seed else None for j in range(self.spec.n)]
-        self.rollout.admit(ids, [prompt] * self.spec.n, self.one, seeds)
+        self.rollout_engine.admit(ids, [prompt] * self.spec.n, self.one, seeds)
 
     def rollout(self, rows: list[int], step: int, version: int) -> tuple[list[Group], dict[str, float]]:
         """This step's complete groups (len(rows) of them, the oldest first) and the step's metrics. rows: this
         rank's newly drawn prompts; version: the weights the engine holds now."""
-        t0, eng, need = time.perf_counter(), self.rollout, len(rows)
+        t0, eng, need = time.perf_counter(), self.rollout_engine, len(rows)
         if version != self.version:  # new weights since the last rollout
             self.version = eng.weight_version = version
             if not self.keep:
