@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from launching import free_port, run  # noqa: E402
+from launching import free_port  # noqa: E402
 from spmdrl.data.synthetic import make_arith  # noqa: E402
 from spmdrl.metrics import read_jsonl  # noqa: E402
 from spmdrl.tiny import build_tiny  # noqa: E402
@@ -72,7 +72,8 @@ def test_async_split_trains_on_tokens_of_several_versions_within_the_staleness_b
     assert mixed > 0
     for r in rows[1:]:
         assert 0 <= r["rollout/version_lag_min"] <= r["rollout/version_lag_mean"] <= r["rollout/version_lag_max"] <= K
-        assert r["actor/grad_norm"] > 0 and 0 < r["perf/rollout_busy"] <= 1 and 0 < r["perf/train_busy"] <= 1
+        assert r["actor/grad_norm"] > 0 and 0 <= r["perf/rollout_busy"] <= 1 and 0 < r["perf/train_busy"] <= 1
+        assert r["perf/rollout_busy"] > 0 or r["step"] == STEPS  # the last step generates nothing
         assert r["perf/trained_tokens_per_s"] > 0
     assert max(r["rollout/version_lag_max"] for r in rows[1:]) == K  # the bound is reached, and kept
     assert any(r["rollout/requests_carried_over"] > 0 for r in rows[1:])

@@ -1,9 +1,10 @@
 """Partial rollouts (rollout.partial = keep | recompute): the rollout engine stepped by the loop, colocated or on
 the rollout ranks of an asynchronous split run (loop/split.py).
 
-A step's rollout admits prompt groups (rollout.n requests each) until `need + oversample` groups are in flight,
-steps the engine until `need` groups are complete (need: this rank's share of data.train_batch_size), and returns
-those; the rest stay in the engine and go on after the weight update, with the new weights. Each token carries the
+A step's rollout keeps `need + oversample` prompt groups (rollout.n requests each) generating (the next one is
+admitted before the engine step after one finishes), steps the engine until `need` groups are complete (need: this
+rank's share of data.train_batch_size), and returns those; the rest stay in the engine and go on after the weight
+update, with the new weights. Each token carries the
 weight version that sampled it (the engine's `weight_version`: the step whose update produced the weights). A group
 whose tokens would lag the actor that trains on them by more than rollout.max_version_lag versions (split placement:
 trainer.max_staleness) is aborted and its prompt queued again.
@@ -88,13 +89,13 @@ class PartialRollouts:
         cap = need + math.ceil(need * self.oversample)
         if not self.per_request_seed:
             eng.reseed((self.seed * 1_000_003 + step) % (2**31 - 1))
-        while len(self.groups) < cap:
-            if not self.queue:
-                self._draw(next(self.sampler))
-            self._admit(*self.queue.pop(0))
         complete = lambda: [g for g in self.groups.values() if len(g.done) == self.spec.n]  # noqa: E731
         steps = generated = 0  # engine steps, and tokens of this step's version in requests finished in them
-        while len(complete()) < need:
+        while len(done := complete()) < need:
+            for _ in range(cap - (len(self.groups) - len(done))):  # a group finished: the next one starts at once
+                if not self.queue:
+                    self._draw(next(self.sampler))
+                self._admit(*self.queue.pop(0))
             for c in eng.step():
                 uid, j = c.id.split("/")
                 self.groups[int(uid)].done[int(j)] = c
