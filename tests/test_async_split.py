@@ -93,7 +93,7 @@ def test_each_token_was_sampled_by_the_weights_of_its_version(runs):
     from spmdrl.cli import app
 
     models = {0: runs.model}
-    for v in range(1, STEPS - 1):
+    for v in range(1, STEPS - 2):  # the tokens trained in 4 steps are of versions 0 and 1
         out = runs.a / f"export{v}"
         res = CliRunner().invoke(app, ["export", "--checkpoint", str(runs.a / "checkpoints" / f"step_{v:08d}"),
                                        "--out", str(out)])
@@ -120,7 +120,7 @@ def test_each_token_was_sampled_by_the_weights_of_its_version(runs):
                         checked.add(v)
                     if (~sel).any() and set(vs) - {v}:
                         best_other = min(best_other, float(diff[~sel].max()))
-    assert checked >= {0, 1, 2}
+    assert checked == {0, 1}
     assert worst_own < 1e-4 < 1e-3 < best_other, (worst_own, best_other)
 
 
