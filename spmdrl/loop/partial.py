@@ -91,11 +91,15 @@ class PartialRollouts:
             eng.reseed((self.seed * 1_000_003 + step) % (2**31 - 1))
         complete = lambda: [g for g in self.groups.values() if len(g.done) == self.spec.n]  # noqa: E731
         steps = generated = 0  # engine steps, and tokens of this step's version in requests finished in them
-        while len(done := complete()) < need:
-            for _ in range(cap - (len(self.groups) - len(done))):  # a group finished: the next one starts at once
+        def admit(count: int) -> None:
+            for _ in range(count):
                 if not self.queue:
                     self._draw(next(self.sampler))
                 self._admit(*self.queue.pop(0))
+
+        admit(cap - len(self.groups))  # groups held complete count: they are the next step's first
+        while len(done := complete()) < need:
+            admit(cap - (len(self.groups) - len(done)))  # a group finished: the next one starts at once
             for c in eng.step():
                 uid, j = c.id.split("/")
                 self.groups[int(uid)].done[int(j)] = c
