@@ -32,7 +32,7 @@ from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.collectives import reduce_max, reduce_mean, redistribute
 from spmdrl.dist.meshes import RoleMeshes
-from spmdrl.engines.loading import load_hf_config
+from spmdrl.models.model import load_hf_config
 from spmdrl.faults import graceful_stop, inject_fault_if_asked, named_failures, set_collective_timeout
 from spmdrl.hooks import HookRunner, StageHooks
 from spmdrl.loop.build import (
