@@ -180,6 +180,7 @@ def placement_bench(work_dir: str, model: str | None, nproc: int, steps: int, ov
 LONG_TAIL = [
     # a response ends at EOS or any of 13 of the tiny model's 320 tokens: most end early, several % reach 64
     "data.max_response_length=64", "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8",
+    "actor.micro_batch_size=8",
     "rollout.stop_token_ids=[" + ",".join(str(i) for i in range(40, 53)) + "]", "rollout.parity_check=false",
     "checkpoint.save_freq=-1",
 ]
