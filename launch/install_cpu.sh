@@ -10,6 +10,9 @@ python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[cpu,test]"
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# byte-compile the editable checkout once (pip compiles what it installs, not an editable source tree): where
+# PYTHONDONTWRITEBYTECODE is set, every rank of every run would otherwise compile spmdrl from source
+python -m compileall -q -j 0 spmdrl tests launch >/dev/null
 python - <<'PY'
 import torch, transformers, vllm
 from transformers import Qwen2ForCausalLM  # fails if a mismatched torchvision is left behind

@@ -15,7 +15,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP = "<!-- not run by tests/test_readme.py"
 INSTALL = "python3 -m venv .venv && . .venv/bin/activate && bash launch/install_cpu.sh && "
-GRPO_SHORT = ("trainer.total_steps=2 trainer.val_before_train=false data.train_batch_size=8 rollout.n=4 "
+GRPO_SHORT = ("trainer.total_steps=1 trainer.val_before_train=false data.train_batch_size=8 rollout.n=4 "
               "actor.ppo_mini_batch_size=8 actor.micro_batch_size=16")
 # (pattern a command starts with, what replaces it or is added after it)
 SHORTEN = [

@@ -389,8 +389,8 @@ def test_sandbox_caps_a_real_fork_bomb(sandbox_python):
         time.sleep(60)
     """)
     t0 = time.monotonic()
-    r = run_python(code, SandboxLimits(processes=8, wall_s=1.5), python=sandbox_python)
-    assert r.timed_out and time.monotonic() - t0 < 6
+    r = run_python(code, SandboxLimits(processes=8, wall_s=3.0), python=sandbox_python)
+    assert r.timed_out and time.monotonic() - t0 < 10
     group = int(r.stdout.split()[0])
     time.sleep(0.2)
     assert not [p for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == group and not _gone(int(p))]
@@ -718,9 +718,13 @@ def test_nothing_a_tool_starts_outlives_its_call(hostile):
     # a call that times out: its worker and what it started go together
     res = runner.run([[ToolCall("spawn", {"linger": 30})]])
     assert res[0][0].failure == "timeout"
-    time.sleep(0.3)
-    leftover = [p for p in os.listdir("/proc") if p.isdigit() and not _gone(int(p)) and _cmdline(p)
-                in ("sleep 60", "sleep 61")]
+    deadline = time.monotonic() + 5.0  # the kill is sent at the timeout; a loaded machine reaps a moment later
+    while True:
+        leftover = [p for p in os.listdir("/proc") if p.isdigit() and not _gone(int(p)) and _cmdline(p)
+                    in ("sleep 60", "sleep 61")]
+        if not leftover or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert not leftover, leftover
     runner.close()
 
