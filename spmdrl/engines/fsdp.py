@@ -20,7 +20,7 @@ from spmdrl.algos.token_stats import logprobs_from_hidden, logprobs_from_model_l
 from spmdrl.config.derived import resolve_dtype
 from spmdrl.engines.base import accumulate, clipped_step, forward_each, lr_lambda, resident, state_storages, step_metrics
 from spmdrl.engines.attention import HF_IMPLEMENTATION
-from spmdrl.engines.loading import backbone_of, build_meta_model, decoder_blocks, materialise
+from spmdrl.engines.loading import backbone_of, build_meta_model, decoder_blocks, is_vision_language, materialise
 from spmdrl.engines.response_index import ResponseIndex
 from spmdrl.engines.router_replay import RouterReplay, moe_routers
 from spmdrl.engines.sequence_parallel import SequenceShard
@@ -47,6 +47,10 @@ def _model_inputs(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = No
     come out as [N, hi - lo, H], and every attention layer gets the shard (it exchanges heads over the sp group)."""
     kw = {}
     ids, pos = b.input_ids, b.position_ids
+    if is_vision_language(hf.config):
+        if b.cu_seqlens is not None:  # a packed batch of text alone
+            b = relayout(b, packed=False)
+        return _vision_language_inputs(hf, b), b
     if shard is not None:
         mask, kw = None, dict(sp=shard)
         ids, pos = shard.local(ids), shard.local(pos)
@@ -60,6 +64,27 @@ def _model_inputs(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = No
             b = relayout(b, packed=False) if hf.config._attn_implementation == "eager" else dense_rows(b)
         ids, pos, mask = b.input_ids, b.position_ids, b.mask
     return dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **kw), b
+
+
+def _vision_language_inputs(hf: nn.Module, b: TokenBatch) -> dict:
+    """A vision-language model's forward arguments: padded rows with their [B, L] mask (pack_sequences lays a batch
+    with images out so; a packed text-only batch is laid out again), no position ids (the model computes each row's
+    3-D rotary positions from the mask, its image tokens and the grids, as transformers does for one sample), the
+    images' pixel values and grids."""
+    from spmdrl.data.images import token_types
+
+    if b.cu_seqlens is not None or b.mask is None or b.mask.dim() != 2:
+        raise ConfigError("a vision-language model's micro-batch must be padded rows (pack_sequences with vision)")
+    kw = dict(input_ids=b.input_ids, attention_mask=b.mask, use_cache=False,
+              mm_token_type_ids=token_types(b.input_ids, hf.config.image_token_id))
+    if b.pixel_values is not None:
+        kw.update(pixel_values=b.pixel_values, image_grid_thw=b.image_grid_thw)
+    return kw
+
+
+def vision_tower(hf: nn.Module) -> nn.Module | None:
+    """A vision-language model's vision tower (Qwen-VL's `visual`, with its merger), None for a text model."""
+    return getattr(backbone_of(hf), "visual", None) if is_vision_language(hf.config) else None
 
 
 def _backbone_hidden(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = None) -> tuple[torch.Tensor, TokenBatch]:
@@ -199,11 +224,13 @@ class FSDPEngine:
         logprob_head: str = "auto",
         router_replay: bool = False,
         router_losses: bool = False,
+        freeze_vision_tower: bool = False,
     ):
         """attn_implementation, logprob_head: model.attn_implementation and model.logprob_head ("auto": spmdrl's
         kernels, switched to transformers' own by the model's needs and by the parity check). router_replay: a mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes
         name (engines/router_replay.py); without it they only measure the agreement. router_losses: its forwards
-        under autograd keep the load-balancing and z-loss terms (moe_losses)."""
+        under autograd keep the load-balancing and z-loss terms (moe_losses). freeze_vision_tower: a vision-language
+        model's vision tower (and its merger into the language model) is not trained."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         self.device = device
         self.mesh = mesh
@@ -239,6 +266,11 @@ class FSDPEngine:
             init_fresh = lora_mod.adapter_init(self.lora)
         elif not trainable:
             hf.requires_grad_(False)
+        self.vision_tower = vision_tower(hf)
+        if freeze_vision_tower:
+            if self.vision_tower is None:
+                raise ConfigError(f"actor.freeze_vision_tower = true: model.path = {model_path!r} has no vision tower")
+            self.vision_tower.requires_grad_(False)
         if mesh.tp_size > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
@@ -259,6 +291,8 @@ class FSDPEngine:
         if self.host_offload_policy:
             kw["offload_policy"] = CPUOffloadPolicy()
         blocks = decoder_blocks(backbone_of(hf))
+        if self.vision_tower is not None:  # its own FSDP unit: gathered once per forward, frozen or not as a whole
+            fully_shard(self.vision_tower, **kw)
         for i, block in enumerate(blocks):
             if compile:  # the block's own computation; FSDP2's hooks around it stay eager
                 block.forward = torch.compile(block.forward, dynamic=True)

@@ -63,6 +63,15 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
         ) from None
 
 
+VISION_LANGUAGE = ("qwen2_5_vl", "qwen3_vl")  # the vision-language families spmdrl trains (docs/vlm.md)
+
+
+def is_vision_language(config) -> bool:
+    """Whether `config` is one of the vision-language models spmdrl trains (a language model with a vision tower
+    whose image tokens go into its prompt)."""
+    return getattr(config, "model_type", None) in VISION_LANGUAGE
+
+
 def meta_model(config, *, value_head: bool, **kw):
     """The HF causal LM of `config` (value_head: a one-label token classifier, the critic's and reward model's
     form) with every parameter on the meta device; `config` itself is left as it is."""
@@ -70,6 +79,10 @@ def meta_model(config, *, value_head: bool, **kw):
 
     config = copy.deepcopy(config)
     with torch.device("meta"):
+        if is_vision_language(config) and not value_head:
+            from transformers import AutoModelForImageTextToText
+
+            return AutoModelForImageTextToText.from_config(config, **kw)
         if value_head:
             config.num_labels = 1
             return AutoModelForTokenClassification.from_config(config, **kw)
@@ -92,7 +105,9 @@ def backbone_of(hf: nn.Module) -> nn.Module:
 
 def decoder_blocks(backbone: nn.Module) -> nn.ModuleList:
     """The backbone's list of decoder blocks (model.layers for Llama-style models, transformer.h for Falcon and
-    GPT-2, model.decoder.layers for OPT): its longest nn.ModuleList child, or a grandchild's when it has none."""
+    GPT-2, model.decoder.layers for OPT): its longest nn.ModuleList child, or a grandchild's when it has none; a
+    vision-language model's are its language model's (its vision tower's blocks are not decoder blocks)."""
+    backbone = getattr(backbone, "language_model", backbone)
     lists = [m for m in backbone.children() if isinstance(m, nn.ModuleList)]
     if not lists:
         lists = [m for c in backbone.children() for m in c.children() if isinstance(m, nn.ModuleList)]
@@ -125,7 +140,11 @@ def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bo
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
-    if not value_head and getattr(config, "get_text_config", lambda: config)() is not config:
+    if is_vision_language(config) and value_head:
+        raise ConfigError(f"model.path = {model_path!r}: a vision-language model ({config.model_type}) as a critic or "
+                          "reward model is not supported; give a text model")
+    if not value_head and not is_vision_language(config) and \
+            getattr(config, "get_text_config", lambda: config)() is not config:
         raise ConfigError(f"model.path = {model_path!r}: model type {config.model_type!r} is a multimodal model "
                           f"({', '.join(getattr(config, 'architectures', None) or [type(config).__name__])}); spmdrl "
                           "trains text models: give a checkpoint of its language model alone (its text model type, "
@@ -134,6 +153,12 @@ def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bo
     if switched_off:
         log.info("model.path = %r: dropout set to 0 for training (%s; vLLM never applies it): the update's forward "
                  "must compute the policy that sampled", model_path, ", ".join(switched_off))
+    if is_vision_language(config) and attn_implementation not in ("sdpa", "eager"):
+        # its vision tower runs bidirectional attention over each image through the same attention functions, which
+        # spmdrl's causal kernels are not
+        log.info("model.path = %r (%s, vision-language): it trains with transformers' SDPA attention and padded rows",
+                 model_path, config.model_type)
+        attn_implementation = "sdpa"
     if attn_implementation not in ("sdpa", "eager") and not _class_takes_attention_functions(config, value_head):
         attn_implementation = "sdpa" if _class_supports(config, value_head, "_supports_sdpa") else "eager"
         log.info("model.path = %r (%s) runs its own attention classes, not transformers' attention functions: it "
@@ -218,7 +243,7 @@ def _real_buffers(hf: nn.Module) -> None:
         if not any(b.is_meta for b in mod.buffers(recurse=False)):
             continue
         try:
-            fresh = type(mod)(hf.config)
+            fresh = type(mod)(getattr(mod, "config", None) or hf.config)  # a sub-model's rotary: its own config
         except TypeError as e:  # built from more than the config (Gemma 3's scaled embedding): the model's own
             # weight initialisation fills its non-persistent buffers, as transformers' loading does
             for bname, b in list(mod.named_buffers(recurse=False)):
@@ -319,6 +344,8 @@ def checkpoint_names(config):
     in-memory `.mlp.` is the checkpoint's `.block_sparse_moe.`); other names unchanged."""
     renames = [(c.target_patterns[0], c.source_patterns[0]) for c in _conversions(config)
                if not _ops(c) and len(c.source_patterns) == len(c.target_patterns) == 1]
+    if is_vision_language(config):  # Qwen-VL's published checkpoints: visual.*, and model.* for the language model
+        renames += [("model.visual.", "visual."), ("model.language_model.", "model.")]
 
     def name_of(name: str) -> str:
         for model_part, ckpt_part in renames:
