@@ -678,6 +678,7 @@ def validate_architecture(cfg) -> None:
         if hf is None:
             continue
         source = f"{key} = {path!r}"
+        _check_vision_language(cfg, source, hf.get("model_type"), megatron, vllm_loads)
         check_architecture_known(hf, source, vllm=vllm_loads)
         model_type = hf["model_type"]
         if megatron:
@@ -695,6 +696,27 @@ def validate_architecture(cfg) -> None:
                 f"{', '.join(MEGATRON_MODEL_TYPES)} only; use trainer.backend = 'fsdp' (trainer.critic_backend for the "
                 "critic) or a model of one of those architectures"
             )
+
+
+def _check_vision_language(cfg, source: str, model_type: str, megatron: bool, vllm: bool) -> None:
+    """A vision-language model (engines/loading.py VISION_LANGUAGE) trains on the FSDP2 backend only, and vLLM 0.32
+    runs one only with torchvision installed (its Qwen-VL modules import transformers' torchvision image
+    processors); actor.freeze_vision_tower needs one."""
+    import importlib.util
+
+    from spmdrl.engines.loading import VISION_LANGUAGE
+
+    if model_type not in VISION_LANGUAGE:
+        if cfg.actor.freeze_vision_tower and source.startswith("model.path"):
+            raise ConfigError(f"actor.freeze_vision_tower = true: {source} is a {model_type!r} text model without a "
+                              "vision tower; set it to false")
+        return
+    if megatron:
+        raise ConfigError(f"{source} is a vision-language model ({model_type}); the Megatron backend trains text models "
+                          "only: set trainer.backend = 'fsdp'")
+    if vllm and importlib.util.find_spec("torchvision") is None:
+        raise ConfigError(f"{source} is a vision-language model ({model_type}); vLLM builds it only with torchvision "
+                          "installed (the CPU install removes it): set rollout.engine = 'hf'")
 
 
 PARQUET_FILES = "one or more parquet files in verl's schema"
