@@ -332,7 +332,7 @@ def build_vlm(out_dir: str, arch: str = "qwen2_5_vl", *, seed: int = 0, layers: 
         setattr(v, key, value)
     ids = tok.convert_tokens_to_ids(VISION_TOKENS)
     cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id = ids
-    cfg.video_token_id = ids[2]  # no video here; an id inside the vocabulary
+    cfg.video_token_id = len(tok)  # no video here: an id inside the vocabulary that no text token has
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(cfg).float()

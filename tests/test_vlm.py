@@ -269,12 +269,38 @@ def test_config_refusals(vlm, tmp_path):
         validate_architecture(cfg("trainer.backend=megatron", "rollout.engine=hf"))
     import importlib.util
 
-    if importlib.util.find_spec("torchvision") is None:
-        with pytest.raises(ConfigError, match="vLLM builds it only with torchvision installed.*rollout.engine = 'hf'"):
-            validate_architecture(cfg("rollout.engine=vllm"))
+    why = "vLLM 0.32 builds it only with torchvision installed.*" if importlib.util.find_spec("torchvision") is None else ""
+    with pytest.raises(ConfigError, match=f"{why}transformers rollout engine only; set rollout.engine = 'hf'"):
+        validate_architecture(cfg("rollout.engine=vllm"))
     validate_architecture(cfg("rollout.engine=hf", "actor.freeze_vision_tower=true"))
     text = build_tiny(str(tmp_path / "tiny"))
     with pytest.raises(ConfigError, match="actor.freeze_vision_tower = true: .* text model without a vision tower"):
         validate_architecture(load_config(None, [f"model.path={text}", "rollout.engine=hf",
                                                  "actor.freeze_vision_tower=true"]))
     assert os.path.exists(os.path.join(vlm[0], "preprocessor_config.json"))
+
+
+# ---- GRPO through the trainer ----------------------------------------------------------------------------------
+
+def test_grpo_two_steps_on_the_count_task(vlm, tmp_path):
+    """2 ranks, rollout TP = 2 (the batch moves from the rollout layout to the actor's and its images are found
+    again from the dataset rows), 2 mini-batches per step (the second off-policy), frozen vision tower: both steps
+    update the actor, and at step 2 (after a weight sync) the rollout's log-probs equal the actor's."""
+    from launching import run
+
+    from spmdrl.data.count_shapes import make_count_shapes
+    from spmdrl.metrics import read_jsonl
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    data = make_count_shapes(str(tmp_path / "data"), n_train=16, n_val=2)
+    o = {"model.path": vlm[0], "data.train_files": f'["{data["train"]}"]', "data.max_prompt_length": 48,
+         "data.max_response_length": 4, "data.train_batch_size": 4, "rollout.n": 2, "rollout.engine": "hf",
+         "placement.rollout_tp": 2, "actor.lr": 1e-3, "actor.micro_batch_size": 2, "actor.ppo_mini_batch_size": 2,
+         "actor.freeze_vision_tower": "true", "trainer.total_steps": 2, "trainer.device": "cpu",
+         "trainer.output_dir": str(tmp_path / "out"), "logging.progress": "false", "logging.tensorboard": "false",
+         "reward.custom_fn": os.path.join(here, "dist_scripts", "reward_len.py") + ":score"}
+    run(["spmdrl.train", *[f"{k}={v}" for k, v in o.items()]], nproc=2, module=True)
+    m = read_jsonl(str(tmp_path / "out" / "metrics.jsonl"), last_per_step=True)
+    assert [r["step"] for r in m] == [1, 2]
+    assert all(r["actor/grad_norm"] > 0 for r in m)
+    assert m[1]["rollout/logprob_diff_max"] < 1e-5

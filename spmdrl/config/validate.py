@@ -699,9 +699,9 @@ def validate_architecture(cfg) -> None:
 
 
 def _check_vision_language(cfg, source: str, model_type: str, megatron: bool, vllm: bool) -> None:
-    """A vision-language model (engines/loading.py VISION_LANGUAGE) trains on the FSDP2 backend only, and vLLM 0.32
-    runs one only with torchvision installed (its Qwen-VL modules import transformers' torchvision image
-    processors); actor.freeze_vision_tower needs one."""
+    """A vision-language model (engines/loading.py VISION_LANGUAGE) trains on the FSDP2 backend with the transformers
+    rollout engine (vLLM 0.32 builds one only with torchvision installed: its Qwen-VL modules import transformers'
+    torchvision image processors); actor.freeze_vision_tower needs one."""
     import importlib.util
 
     from spmdrl.engines.loading import VISION_LANGUAGE
@@ -714,9 +714,18 @@ def _check_vision_language(cfg, source: str, model_type: str, megatron: bool, vl
     if megatron:
         raise ConfigError(f"{source} is a vision-language model ({model_type}); the Megatron backend trains text models "
                           "only: set trainer.backend = 'fsdp'")
-    if vllm and importlib.util.find_spec("torchvision") is None:
-        raise ConfigError(f"{source} is a vision-language model ({model_type}); vLLM builds it only with torchvision "
-                          "installed (the CPU install removes it): set rollout.engine = 'hf'")
+    # the images travel with the batch on the rank that sampled it (Batch.meta), through one generate call
+    for key, on in (("placement.mode = 'split'", cfg.placement.mode == "split"),
+                    ("multi_turn.enable = true", cfg.multi_turn.enable),
+                    (f"rollout.partial = {cfg.rollout.partial!r}", cfg.rollout.partial != "off")):
+        if on and source.startswith("model.path"):
+            raise ConfigError(f"{key}: {source} is a vision-language model ({model_type}), whose images go through "
+                              "colocated single-turn rollouts only for now; unset it")
+    if vllm:
+        why = ("vLLM 0.32 builds it only with torchvision installed, which the CPU install removes, and "
+               if importlib.util.find_spec("torchvision") is None else "")
+        raise ConfigError(f"{source} is a vision-language model ({model_type}): {why}spmdrl hands images to the "
+                          "transformers rollout engine only; set rollout.engine = 'hf'")
 
 
 PARQUET_FILES = "one or more parquet files in verl's schema"

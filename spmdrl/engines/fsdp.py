@@ -27,7 +27,7 @@ from spmdrl.engines.sequence_parallel import SequenceShard
 from spmdrl.engines.token_batch import TokenBatch, dense_rows, relayout
 from spmdrl.reshard.plan import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
-from spmdrl.errors import ConfigError
+from spmdrl.errors import ConfigError, SpmdrlError
 
 log = logging.getLogger("spmdrl")
 
@@ -75,8 +75,13 @@ def _vision_language_inputs(hf: nn.Module, b: TokenBatch) -> dict:
 
     if b.cu_seqlens is not None or b.mask is None or b.mask.dim() != 2:
         raise ConfigError("a vision-language model's micro-batch must be padded rows (pack_sequences with vision)")
-    kw = dict(input_ids=b.input_ids, attention_mask=b.mask, use_cache=False,
-              mm_token_type_ids=token_types(b.input_ids, hf.config.image_token_id))
+    types = token_types(b.input_ids, hf.config.image_token_id, b.resp_pos[:, 0] + 1)  # rows start at column 0
+    kw = dict(input_ids=b.input_ids, attention_mask=b.mask, use_cache=False, mm_token_type_ids=types)
+    merge = hf.config.vision_config.spatial_merge_size
+    images = 0 if b.image_grid_thw is None else int(b.image_grid_thw.prod(-1).sum()) // (merge * merge)
+    if int(types.sum()) != images:  # the model would embed the image tokens as text: say so
+        raise SpmdrlError(f"a micro-batch of {type(hf).__name__} has {int(types.sum())} image tokens but images for "
+                          f"{images}: its samples' images (Batch.meta['vision']) were lost on the way to the forward")
     if b.pixel_values is not None:
         kw.update(pixel_values=b.pixel_values, image_grid_thw=b.image_grid_thw)
     return kw
@@ -87,10 +92,20 @@ def vision_tower(hf: nn.Module) -> nn.Module | None:
     return getattr(backbone_of(hf), "visual", None) if is_vision_language(hf.config) else None
 
 
+def _images_at_prompts(hf: nn.Module, kw: dict):
+    """A vision-language forward's images go to its prompts' image tokens only (data/images.prompt_images_only)."""
+    if "mm_token_type_ids" not in kw:
+        return contextlib.nullcontext()
+    from spmdrl.data.images import prompt_images_only
+
+    return prompt_images_only(backbone_of(hf), kw["mm_token_type_ids"])
+
+
 def _backbone_hidden(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = None) -> tuple[torch.Tensor, TokenBatch]:
     """Last hidden states [N, L, H] and the batch they belong to (_model_inputs)."""
     kw, b = _model_inputs(hf, b, shard)
-    return backbone_of(hf)(**kw).last_hidden_state, b
+    with _images_at_prompts(hf, kw):
+        return backbone_of(hf)(**kw).last_hidden_state, b
 
 
 HEADS = ("fused", "model")  # the log-prob head: spmdrl's chunked kernel, or the model's own forward to logits
@@ -118,7 +133,8 @@ class _LogprobHead(nn.Module):
         computes them here. shard: sequence parallelism (this rank's tokens; results summed over sp)."""
         if self.head == "model":
             kw, laid_out = _model_inputs(self.hf, b, shard)
-            logits = self.hf(**kw).logits
+            with _images_at_prompts(self.hf, kw):
+                logits = self.hf(**kw).logits
         else:
             hidden, laid_out = _backbone_hidden(self.hf, b, shard)
         if index is None or laid_out is not b:

@@ -276,7 +276,7 @@ class HFEngine:
         """One request of a vision-language model, decoded alone: every token from a forward of the whole sequence
         so far with the prompt's images (the model's own 3-D rotary positions; no cache). Returns
         (tokens, processed log-probs, finish reason)."""
-        from spmdrl.data.images import token_types
+        from spmdrl.data.images import prompt_images_only, token_types
 
         dev, image_token = self.device, self.model.config.image_token_id
         images = {} if vision is None else dict(pixel_values=vision.pixel_values.to(dev, self.model.dtype),
@@ -286,8 +286,10 @@ class HFEngine:
         stops = self.eos_ids | set(spec.stop_token_ids)
         for _ in range(max(max_new, 0)):
             x = torch.tensor([seq], device=dev)
-            logits = self.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False,
-                                mm_token_type_ids=token_types(x, image_token), **images).logits[:, -1, :].float()
+            types = token_types(x, image_token, torch.tensor([len(prompt)], device=dev))
+            with prompt_images_only(self.model.model, types):
+                logits = self.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False,
+                                    mm_token_type_ids=types, **images).logits[:, -1, :].float()
             logits = _processed_logits(logits, spec)
             t = _sample(logits, spec, [generator])
             lps.append(float(torch.log_softmax(logits, -1)[0, t[0]]))
