@@ -214,6 +214,27 @@ def test_engine_forward_with_images_equals_each_sample_alone(vlm, actor, caplog)
         assert lp[i, len(r):].abs().sum() == 0
 
 
+def test_engine_forward_qwen3_vl(world, tmp_path):
+    """The same for Qwen3-VL (interleaved 3-D rotary sections, deepstack visual features into early layers)."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from spmdrl.data.images import VisionPrompts
+    from spmdrl.engines.fsdp import FSDPEngine
+    from spmdrl.engines.loading import load_hf_config
+    from spmdrl.engines.token_batch import pack_sequences
+
+    d = build_vlm(str(tmp_path / "qwen3_vl"), "qwen3_vl")
+    tok = AutoTokenizer.from_pretrained(d)
+    data = samples((d, tok, VisionPrompts(d, tok, load_hf_config(d))))
+    eng = FSDPEngine(d, world["ref"], torch.device("cpu"), trainable=False)
+    tb = pack_sequences([p for p, _, _ in data], [r for _, r, _ in data], 0, vision=[v for _, _, v in data])
+    lp = eng.logprobs(tb)[0]
+    ref = AutoModelForImageTextToText.from_pretrained(d).double()
+    assert type(ref).__name__ == "Qwen3VLForConditionalGeneration"
+    for i, (p, r, v) in enumerate(data):
+        assert (lp[i, : len(r)].double() - alone_logprobs(ref, ref.config.image_token_id, p, r, v)).abs().max() < 1e-5
+
+
 def test_frozen_vision_tower_does_not_move(vlm, actor):
     from spmdrl.engines.token_batch import pack_sequences
 
