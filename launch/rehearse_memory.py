@@ -99,7 +99,7 @@ def choose_layers(cfg_path: str, base_overrides: list[str], work: str, layers: i
     """(shape, layers, the config's own plan): one rank's layer shape of the config's actor, and its layer
     count (num_layers / actor pp), or the most layers whose one-GPU plan fits `gpu_gb` x memory.margin."""
     from spmdrl.config import load_config
-    from spmdrl.engines.loading import load_hf_config
+    from spmdrl.models.model import load_hf_config
     from spmdrl.plan import build_plan
 
     cfg = load_config(cfg_path, [])

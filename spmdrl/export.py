@@ -231,7 +231,7 @@ def export_lora(path: str, out_dir: str, *, dtype: str = "auto", engine: str = "
     what peft.PeftModel.from_pretrained and vLLM's LoRARequest load; dtype auto keeps the stored float32), or
     with `merged` an HF model directory: the base model (adapter_config's base_model_name_or_path, loaded whole in
     the export dtype) with W + (alpha / r) B A merged in by PEFT, so peak memory is the whole model."""
-    from spmdrl.engines.lora import is_adapter, peft_name, write_adapter
+    from spmdrl.models.lora import is_adapter, peft_name, write_adapter
 
     hf_dir = os.path.join(path, "hf")
     config = dict(read_manifest(path)["engines"][engine]["adapter"])

@@ -89,7 +89,7 @@ def localise_models(cfg):
         section = sections.get(sec, getattr(cfg, sec, None))
         if section is not None and getattr(section, key) in local:
             sections[sec] = dataclasses.replace(section, **{key: local[getattr(section, key)]})
-    from spmdrl.engines.loading import check_weights
+    from spmdrl.models.checkpoint import check_weights
 
     for repo_id, (keys, weights) in wanted.items():
         if weights:  # a download cut short

@@ -77,7 +77,7 @@ def check_model_dir(key: str, path: str, *, tokenizer: bool = False, trust_remot
     cfg_path = os.path.join(full, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"{key} = {path!r} has no config.json; give an HF model directory or a hub id")
-    from spmdrl.engines.loading import check_weights
+    from spmdrl.models.checkpoint import check_weights
 
     check_weights(key, full)
     try:

@@ -222,7 +222,7 @@ def weight_sync_first_uses(name: str, directory: str):
     from spmdrl.config import load_config
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
-    from spmdrl.engines.loading import load_hf_config
+    from spmdrl.models.model import load_hf_config
     from spmdrl.loop.build import build_weight_sync
     from spmdrl.reshard.plan import full_block
     from spmdrl.reshard.transport import bucket_calls, execute, held_shards

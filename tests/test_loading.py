@@ -18,7 +18,7 @@ def write_random_checkpoint(out: str) -> int:
     from safetensors.torch import save_file
     from transformers import Qwen2Config
 
-    from spmdrl.engines.loading import model_param_shapes
+    from spmdrl.models.model import model_param_shapes
 
     cfg = Qwen2Config(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16,
                       num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=512)

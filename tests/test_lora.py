@@ -148,7 +148,7 @@ def test_names_and_config_are_what_peft_saves(lora_run, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from spmdrl.engines.lora import LoraSettings, peft_config
+    from spmdrl.models.lora import LoraSettings, peft_config
 
     r = lora_run["res"]
     hf = AutoModelForCausalLM.from_pretrained(lora_run["model"], dtype=torch.float32)

@@ -172,7 +172,7 @@ def test_plan_accounts_for_lora(split):
     from types import SimpleNamespace
 
     from spmdrl.config import load_config
-    from spmdrl.engines.loading import load_hf_config
+    from spmdrl.models.model import load_hf_config
     from spmdrl.plan.estimate import build_plan, render
 
     overrides = (["placement.mode=split", "placement.rollout_ranks=[0,1,2,3]", "placement.rollout_tp=4"]

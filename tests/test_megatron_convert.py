@@ -154,7 +154,7 @@ def test_moe_shapes_and_expert_blocks_follow_the_contract(arch):
     gate_up_proj (two blocks; one block at tp 1) and columns t*F/tp + [0, F/tp) of down_proj; the router whole.
     Each expert-data-parallel replica (the dp ranks d // ep = x) tiles every parameter exactly once."""
     from spmdrl.dist.layout import RoleLayout
-    from spmdrl.engines.loading import model_param_shapes
+    from spmdrl.models.model import model_param_shapes
     from spmdrl.tiny import build_model
 
     cfg = build_model(arch=arch, num_layers=2).config

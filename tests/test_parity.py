@@ -183,7 +183,7 @@ def test_mismatch_watch_warns_once_and_stops_past_the_error_bound(caplog):
 def test_dropout_off_sets_every_dropout_probability_to_zero():
     from transformers import AutoConfig
 
-    from spmdrl.engines.loading import dropout_off
+    from spmdrl.models.model import dropout_off
 
     cfg = AutoConfig.for_model("gpt2", resid_pdrop=0.1, embd_pdrop=0.2, attn_pdrop=0.0, summary_first_dropout=0.3)
     changed = dropout_off(cfg)

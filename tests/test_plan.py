@@ -227,7 +227,7 @@ def test_moe_plan_counts_total_and_active_parameters():
     """The plan's parameter counts of Qwen3-30B-A3B (the model of configs/qwen3_30b_a3b.toml; 30.5B published) and of
     those active per token (8 of 128 experts; 3.3B published), each from the config's shape fields by hand here.
     (The whole plan of that config takes ~30 s here, most of it learning vLLM's reads of 128 experts at TP = 8.)"""
-    from spmdrl.engines.loading import load_hf_config, model_param_shapes
+    from spmdrl.models.model import load_hf_config, model_param_shapes
     from spmdrl.plan.estimate import moe_params
 
     hf = load_hf_config("Qwen/Qwen3-30B-A3B")
@@ -272,7 +272,7 @@ def test_megatron_expert_parallel_state_by_hand():
     dp = 2 for the dense ones and over edp = dp / ep = 1 for the experts; an MoE layer's activations count the
     all-to-all dispatch of each token's hidden state to its top_k experts and back. Each figure by hand here."""
     from spmdrl.dist.layout import RoleLayout
-    from spmdrl.engines.loading import load_hf_config, model_param_shapes
+    from spmdrl.models.model import load_hf_config, model_param_shapes
     from spmdrl.plan.estimate import layer_activation_bytes
     from spmdrl.plan.megatron import megatron_memory, megatron_stats
 

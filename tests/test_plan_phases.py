@@ -113,7 +113,7 @@ def test_transport_peak_is_the_largest_vllm_layer(tmp_path):
     largest vLLM layer's full-shaped tensors, all alive at once because vLLM's layerwise reload keeps a layer's
     loaded weights until its last one arrives; gate_proj + up_proj here (one gate_up_proj layer)."""
     from spmdrl.dist.layout import plan_layout, role_backends
-    from spmdrl.engines.loading import load_hf_config, model_param_shapes
+    from spmdrl.models.model import load_hf_config, model_param_shapes
     from spmdrl.plan.estimate import weight_sync_plan
     from spmdrl.plan.sync_memory import sync_peak
 

@@ -271,7 +271,7 @@ def model_copy(tiny, tmp_path, skip=()):
 
 def test_a_truncated_safetensors_file_is_named_before_launch(tiny, tmp_path):
     """Once a raw safetensors traceback from every rank that never named the file."""
-    from spmdrl.engines.loading import safetensors_problem
+    from spmdrl.models.checkpoint import safetensors_problem
 
     d = model_copy(tiny, tmp_path)
     size = os.path.getsize(d / "model.safetensors")

@@ -532,3 +532,50 @@ def test_every_config_key_is_read_at_runtime():
     it (with a one-line error naming the key to use instead)."""
     dead = keys_read_by_nothing(config_sections())
     assert not dead, f"config keys read by nothing at runtime: {dead}"
+
+
+def package_lines() -> dict[str, int]:
+    """{package or top-level module of spmdrl/: its line} from docs/architecture.md's "Package order" table."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## Package order", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for row in re.findall(r"^\| (\d+) \| (.*?) \|", table, flags=re.M):
+        for name in re.findall(r"`(\w+)`", row[1]):
+            out[name] = int(row[0])
+    return out
+
+
+def package_imports(root: Path) -> list[tuple[str, str, str]]:
+    """(importing file, its package, the imported package) for every import between two packages (or top-level
+    modules) of root/spmdrl, lazy imports included."""
+    out = []
+    for path in sorted((root / "spmdrl").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if len(parts) < 2 or parts[1] in ("__init__", "__main__"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                bits = name.split(".")
+                if bits[0] == "spmdrl" and len(bits) > 1 and bits[1] != parts[1] and (
+                        (root / "spmdrl" / bits[1]).is_dir() or (root / "spmdrl" / f"{bits[1]}.py").is_file()):
+                    out.append((path.relative_to(root).as_posix(), parts[1], bits[1]))
+    return out
+
+
+def back_arrows(root: Path, lines: dict[str, int]) -> list[str]:
+    return [f"{f}: {src} (line {lines.get(src)}) imports {dst} (line {lines.get(dst)})"
+            for f, src, dst in package_imports(root) if src not in lines or dst not in lines or lines[dst] >= lines[src]]
+
+
+def test_back_arrow_detection_finds_a_planted_one(tmp_path):
+    for pkg, text in (("algos", "from spmdrl.loop.trainer import Trainer\n"), ("loop", "from spmdrl.algos import x\n")):
+        (tmp_path / "spmdrl" / pkg).mkdir(parents=True)
+        (tmp_path / "spmdrl" / pkg / "m.py").write_text(text)
+    assert back_arrows(tmp_path, package_lines()) == ["spmdrl/algos/m.py: algos (line 3) imports loop (line 9)"]
+
+
+def test_packages_import_only_lower_lines_of_the_package_order():
+    hits = back_arrows(ROOT, package_lines())
+    assert not hits, "imports against docs/architecture.md's package order:\n" + "\n".join(hits)

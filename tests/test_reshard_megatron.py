@@ -222,7 +222,7 @@ def test_megatron_blocks_at_70b_scale():
     """Llama-3.3-70B (80 layers, 64 heads / 8 kv groups, vocab 128256) at TP=8 x PP=2 x DP=2 (32 ranks) ->
     vLLM TP=8 in bf16: each rollout rank receives exactly what it lacks of its vLLM shard (its own stage's
     layers are already local), and the DP replicas split the sending."""
-    from spmdrl.engines.loading import load_hf_config, model_param_shapes
+    from spmdrl.models.model import load_hf_config, model_param_shapes
     from spmdrl.reshard.vllm_reads import rollout_targets
 
     hf = load_hf_config("meta-llama/Llama-3.3-70B-Instruct")
@@ -384,7 +384,7 @@ def test_expert_blocks_are_what_megatron_expert_shards_hold(dp, tp, ep):
     megatron local experts (the reference above); the rank's expert-parallel rank is dist.layout's; the router is
     whole everywhere; and each expert-data-parallel replica's distinct blocks partition each expert tensor once."""
     from spmdrl.dist.layout import RoleLayout
-    from spmdrl.engines.loading import model_param_shapes
+    from spmdrl.models.model import model_param_shapes
 
     ps = model_param_shapes(moe_config())
     shapes = dict(ps)
@@ -432,7 +432,7 @@ def test_engine_expert_pieces_agree_with_megatron_blocks(dp, tp, ep, pp, arch):
     megatron_blocks says, rank by rank, with the ranks' expert-parallel ranks from dist.layout (the engine's weight
     sync plans with megatron_blocks). The shared expert is cut like a dense MLP and held alike by every ep rank."""
     from spmdrl.dist.layout import RoleLayout
-    from spmdrl.engines.loading import model_param_shapes
+    from spmdrl.models.model import model_param_shapes
     from spmdrl.engines.megatron.convert import dims_from_hf, hf_param_shapes
     from spmdrl.engines.megatron.convert import source_blocks as engine_blocks
 
@@ -459,7 +459,7 @@ def test_engine_expert_pieces_agree_with_megatron_blocks(dp, tp, ep, pp, arch):
 
 
 def test_expert_layouts_that_do_not_split_are_layout_errors():
-    from spmdrl.engines.loading import model_param_shapes
+    from spmdrl.models.model import model_param_shapes
 
     ps = model_param_shapes(moe_config(experts=6))
     with pytest.raises(LayoutError, match="6 experts do not split over expert parallelism ep = 4"):
@@ -471,7 +471,7 @@ def test_expert_layouts_that_do_not_split_are_layout_errors():
 
 def _moe_reads(arch: str):
     pytest.importorskip("vllm")
-    from spmdrl.engines.loading import model_param_shapes
+    from spmdrl.models.model import model_param_shapes
     from spmdrl.reshard.vllm_reads import probe_vllm_reads
 
     cfg = moe_config(arch=arch)

@@ -27,7 +27,7 @@ def vlm(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from spmdrl.data.images import VisionPrompts
-    from spmdrl.engines.loading import load_hf_config
+    from spmdrl.models.model import load_hf_config
 
     d = build_vlm(str(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl"), "qwen2_5_vl")
     tok = AutoTokenizer.from_pretrained(d)
@@ -136,7 +136,7 @@ def test_bad_rows_one_line(vlm, tmp_path, rows, kw, message):
 
 def test_missing_images_column_and_text_model(vlm, tmp_path):
     from spmdrl.data.images import VisionPrompts
-    from spmdrl.engines.loading import load_hf_config
+    from spmdrl.models.model import load_hf_config
     from spmdrl.tiny import build_tiny
 
     path = str(tmp_path / "text.parquet")
@@ -173,7 +173,7 @@ def samples(vlm):
 
 def alone_logprobs(model, image_token_id, prompt, response, v) -> torch.Tensor:
     """transformers' own forward of one sample (its processor's inputs), float64."""
-    from spmdrl.data.images import token_types
+    from spmdrl.models.vision import token_types
 
     x = torch.cat([prompt, response])[None]
     kw = dict(pixel_values=v.pixel_values.double(), image_grid_thw=v.image_grid_thw) if v is not None else {}
@@ -220,7 +220,7 @@ def test_engine_forward_qwen3_vl(world, tmp_path):
 
     from spmdrl.data.images import VisionPrompts
     from spmdrl.engines.fsdp import FSDPEngine
-    from spmdrl.engines.loading import load_hf_config
+    from spmdrl.models.model import load_hf_config
     from spmdrl.engines.token_batch import pack_sequences
 
     d = build_vlm(str(tmp_path / "qwen3_vl"), "qwen3_vl")

@@ -186,16 +186,6 @@ def megatron_router_refusal(role: str, pp: int, *, replay: bool, losses: bool, f
     return ""
 
 
-def split_backend_refusal(key: str, backend: str) -> str:
-    """Why split placement cannot take a role on `backend` ("" for FSDP2): the weight transfer is planned from the
-    FSDP2 layout. key: the config key that chose the backend. Config validation raises it before launch, the
-    weight sync when the engine's layout is not the planned one."""
-    if backend == "fsdp":
-        return ""
-    return (f"placement.mode = 'split' plans the weight transfer from the FSDP2 layout; {key} = {backend!r} needs "
-            "placement.mode = 'colocate' for now")
-
-
 # ---- batch sizes: every role's mini- and micro-batch, read by the loop, the benchmark and `spmdrl plan` --------
 AUTO_BUDGET = -1  # max_tokens_per_micro_batch = -1: the token budget follows the sample split
 

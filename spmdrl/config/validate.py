@@ -6,8 +6,7 @@ import math
 import os
 
 from spmdrl.config.derived import (builds_ref, distills, lora_sync_mode, megatron_router_refusal, micro_batch_samples,
-                                    mini_batch_prompts, moe_distributed_optimizer_refusal, replays_routes,
-                                    split_backend_refusal)
+                                    mini_batch_prompts, moe_distributed_optimizer_refusal, replays_routes)
 from spmdrl.errors import ConfigError
 
 CHOICES = {
@@ -27,7 +26,7 @@ CHOICES = {
     "trainer.backend": ("fsdp", "megatron"),
     "model.checkpoint_policy": ("full", "selective"),
     "trainer.critic_backend": ("", "fsdp", "megatron"),
-    "lora.init": ("default", "gaussian"),  # spmdrl.engines.lora.INITS
+    "lora.init": ("default", "gaussian"),  # spmdrl.models.lora.INITS
     "multi_turn.http_exec_api": ("sandbox_fusion", "piston"),  # spmdrl.tools.builtin.HTTP_APIS
     "logging.verbosity": ("info", "debug"),
     "actor.router_replay": ("off", "rollout"),
@@ -438,7 +437,7 @@ def validate_lora(cfg, layout) -> None:
     # is checked when the engine wraps it)
     paths = [cfg.model.path] + ([cfg.critic.path] if cfg.critic.enable and lo.critic and cfg.critic.path else [])
     for path in paths:
-        from spmdrl.engines.lora import unknown_targets
+        from spmdrl.models.lora import unknown_targets
 
         known = _decoder_linear_layers(path)
         why = unknown_targets(lo.target_modules, known, f" of {path} (a {hf_model_type(path)} model)") if known else ""
@@ -467,8 +466,8 @@ def _decoder_linear_layers(path: str) -> list[str]:
         return []
     from transformers import AutoConfig
 
-    from spmdrl.engines.lora import linear_targets
-    from spmdrl.engines.loading import backbone_of, meta_model
+    from spmdrl.models.lora import linear_targets
+    from spmdrl.models.model import backbone_of, meta_model
 
     d = dict(hf)
     try:
@@ -497,6 +496,8 @@ def validate_split(cfg) -> None:
     if "baseline_rewards" in getattr(ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator), "requires", ()):
         raise ConfigError(f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}' scores a greedy rollout inside "
                           "the rollout stage, which split placement does not do yet; use placement.mode = 'colocate'")
+    from spmdrl.reshard.sync import split_backend_refusal
+
     for role, backend in role_backends(cfg).items():
         key = "trainer.critic_backend" if role == "critic" and cfg.trainer.critic_backend else "trainer.backend"
         if split_backend_refusal(key, backend):
@@ -626,7 +627,7 @@ def hf_config_json(path: str) -> dict | None:
     elif full.startswith(("/", ".", "~")) or os.path.exists(full):
         return None
     else:  # a hub id
-        from spmdrl.engines.loading import BUNDLED
+        from spmdrl.models.model import BUNDLED
 
         found = os.path.join(BUNDLED, path.replace("/", "--") + ".json")
         if not os.path.isfile(found):
@@ -704,7 +705,7 @@ def _check_vision_language(cfg, source: str, model_type: str, megatron: bool, vl
     torchvision image processors); actor.freeze_vision_tower needs one."""
     import importlib.util
 
-    from spmdrl.engines.loading import VISION_LANGUAGE
+    from spmdrl.models.vision import VISION_LANGUAGE
 
     if model_type not in VISION_LANGUAGE:
         if cfg.actor.freeze_vision_tower and source.startswith("model.path"):

@@ -44,7 +44,7 @@ class TrainEngine(Protocol):
     trainable: bool
     mesh: "RoleMesh"  # the role's (dp, pp, tp) mesh (spmdrl.dist.meshes)
     device: torch.device  # where its parameters and the forward heads' results live
-    lora: object  # LoRA settings (spmdrl.engines.lora.LoraSettings) when the engine trains adapters, else None
+    lora: object  # LoRA settings (spmdrl.models.lora.LoraSettings) when the engine trains adapters, else None
 
     # ---- forward heads on a token batch (spmdrl.engines.token_batch.TokenBatch) -----------------------
     def logprobs(self, tb, *, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 1024,

@@ -20,7 +20,9 @@ from spmdrl.algos.token_stats import logprobs_from_hidden, logprobs_from_model_l
 from spmdrl.config.derived import resolve_dtype
 from spmdrl.engines.base import accumulate, clipped_step, forward_each, lr_lambda, resident, state_storages, step_metrics
 from spmdrl.engines.attention import HF_IMPLEMENTATION
-from spmdrl.engines.loading import backbone_of, build_meta_model, decoder_blocks, is_vision_language, materialise
+from spmdrl.models.model import backbone_of, decoder_blocks
+from spmdrl.models.vision import is_vision_language
+from spmdrl.engines.loading import build_meta_model, materialise
 from spmdrl.engines.response_index import ResponseIndex
 from spmdrl.engines.router_replay import RouterReplay, moe_routers
 from spmdrl.engines.sequence_parallel import SequenceShard
@@ -71,7 +73,7 @@ def _vision_language_inputs(hf: nn.Module, b: TokenBatch) -> dict:
     with images out so; a packed text-only batch is laid out again), no position ids (the model computes each row's
     3-D rotary positions from the mask, its image tokens and the grids, as transformers does for one sample), the
     images' pixel values and grids."""
-    from spmdrl.data.images import token_types
+    from spmdrl.models.vision import token_types
 
     if b.cu_seqlens is not None or b.mask is None or b.mask.dim() != 2:
         raise ConfigError("a vision-language model's micro-batch must be padded rows (pack_sequences with vision)")
@@ -96,7 +98,7 @@ def _images_at_prompts(hf: nn.Module, kw: dict):
     """A vision-language forward's images go to its prompts' image tokens only (data/images.prompt_images_only)."""
     if "mm_token_type_ids" not in kw:
         return contextlib.nullcontext()
-    from spmdrl.data.images import prompt_images_only
+    from spmdrl.models.vision import prompt_images_only
 
     return prompt_images_only(backbone_of(hf), kw["mm_token_type_ids"])
 
@@ -270,7 +272,7 @@ class FSDPEngine:
             from .recompute import enable as enable_recompute
 
             enable_recompute(hf, checkpoint_policy, checkpoint_every_n_layers, checkpoint_offload and cuda)
-        self.lora = None  # the resolved LoRA settings (spmdrl.engines.lora.LoraSettings) when adapters are trained
+        self.lora = None  # the resolved LoRA settings (spmdrl.models.lora.LoraSettings) when adapters are trained
         self.model_path = model_path
         init_fresh = None
         if lora is not None:
@@ -367,7 +369,7 @@ class FSDPEngine:
     def _runnable(self) -> list[tuple[str, str]]:
         """Every (attention, head) this model can run with, fastest first (the model's own head and transformers'
         eager attention keep [tokens, vocab] logits and [heads, L, L] scores: last)."""
-        from spmdrl.engines.loading import eager_only_attention, takes_attention_functions
+        from spmdrl.models.model import eager_only_attention, takes_attention_functions
 
         if self.mesh.sp_size > 1:  # Ulysses lives inside spmdrl's attention
             attns = ["spmdrl"]
@@ -516,7 +518,7 @@ class FSDPEngine:
         under its own name, not PEFT's `.base_layer.` one), without the adapters (adapter_tensors has those)."""
         if self.lora is None:
             return list(self.hf.named_parameters())
-        from .lora import checkpoint_name, is_adapter
+        from spmdrl.models.lora import checkpoint_name, is_adapter
 
         return [(checkpoint_name(n), p) for n, p in self.hf.named_parameters() if not is_adapter(n)]
 
@@ -566,7 +568,7 @@ class FSDPEngine:
 
         writer = self.mesh.layout.ranks[0]
         if self.lora is not None:
-            from .lora import write_adapter
+            from spmdrl.models.lora import write_adapter
 
             tensors = self.adapter_tensors(dtype)
             if self.mesh.rank == writer:
@@ -587,7 +589,7 @@ class FSDPEngine:
     def adapter_tensors(self, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
         """Every adapter tensor, whole (gathered over the mesh), on CPU, named as PEFT's save_pretrained names them
         in adapter_model.safetensors, in parameter order; on every rank. Copies: later updates leave them as they are."""
-        from .lora import is_adapter, peft_name
+        from spmdrl.models.lora import is_adapter, peft_name
 
         out = []
         for name, p in self.hf.named_parameters():
@@ -599,7 +601,7 @@ class FSDPEngine:
     def adapter_config(self) -> dict:
         """The adapter_config.json PEFT writes for these adapters (base_model_name_or_path: model.path, a local
         directory as an absolute path, so the adapter loads from any working directory)."""
-        from .lora import adapter_config
+        from spmdrl.models.lora import adapter_config
 
         base = os.path.abspath(self.model_path) if os.path.isdir(self.model_path) else self.model_path
         return adapter_config(self.lora, base)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from spmdrl.engines.loading import decoder_blocks
+from spmdrl.models.model import decoder_blocks
 
 
 def moe_routers(hf: nn.Module) -> list[tuple[int, nn.Module]]:

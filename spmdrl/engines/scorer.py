@@ -10,7 +10,7 @@ from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import ConfigError
 
 from .fsdp import tp_plan
-from .loading import backbone_of
+from spmdrl.models.model import backbone_of
 
 
 class _LastTokenScore(nn.Module):
@@ -86,7 +86,7 @@ class FSDPScoreEngine:
         mp = MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype != torch.float32 else MixedPrecisionPolicy()
         kw = dict(mesh=mesh.submesh("dp"), mp_policy=mp, reshard_after_forward=True)
         self.module = _LastTokenScore(hf, head)
-        from .loading import decoder_blocks
+        from spmdrl.models.model import decoder_blocks
 
         for block in decoder_blocks(backbone_of(hf)):
             fully_shard(block, **kw)

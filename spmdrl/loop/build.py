@@ -45,7 +45,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
         recompute.update(checkpoint_every_n_layers=m.checkpoint_every_n_layers, checkpoint_offload=m.checkpoint_offload)
     lora = {}
     if cfg.lora.enable:
-        from spmdrl.engines.lora import settings_from_config
+        from spmdrl.models.lora import settings_from_config
 
         lora = dict(lora=settings_from_config(cfg))
     backend = role_backends(cfg)

@@ -12,7 +12,7 @@ from spmdrl.dist.collectives import redistribute, reduce_max, reduce_sum
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines import TrainEngine
 from spmdrl.engines.router_replay import router_metrics
-from spmdrl.config.derived import micro_batch_limits, mini_batch_prompts, replays_routes, sampler_truncates
+from spmdrl.config.derived import micro_batch_limits, mini_batch_prompts, replays_routes
 from spmdrl.loop.correction import correct_rollout, logprob_diff
 from spmdrl.rollout.routes import route_shape
 from spmdrl.loop.update import ActorObjective, CriticObjective, forward_all, run_updates
@@ -166,22 +166,34 @@ class Learner:
     def update_critic(self, batch: Batch) -> dict[str, float]:
         return self._update(self.critic, batch, CriticObjective(self.cfg), "critic")
 
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        """The actor update, with the rollout/trainer mismatch measured (`rollout/logprob_diff_*`, in every
-        configuration) and, with [rollout_correction], corrected before the first optimizer step
-        (loop/correction.py). The actor's side of the diagnostic: with a truncating sampler its log-probs under
-        the same truncation; otherwise the old log-probs, or on-policy the update's own."""
-        r, sampled = self.cfg.rollout, batch
-        truncated = self.logprobs(self.actor, batch, top_k=r.top_k, top_p=r.top_p) if sampler_truncates(self.cfg) else None
-        batch, metrics = correct_rollout(self.cfg, self.actor, batch, self.logprobs, self.dp_sum, self.dp_max)
-        actor_lp = truncated if truncated is not None else batch.tensors.get("old_log_probs")
-        objective = ActorObjective(self.cfg, self.loss_fn, r.temperature, keep_logprobs=actor_lp is None,
-                                   distill_fn=self.distill_fn)
-        metrics.update(self._update(self.actor, batch, objective, "actor"))
+    def truncated_mismatch(self, batch: Batch) -> dict[str, float]:
+        """rollout/logprob_diff_* with a truncating sampler (top-k / top-p), whose rollout log-probs are of the
+        truncated distribution: one forward pass of the actor under the same truncation, compared with them."""
+        r = self.cfg.rollout
+        return self.mismatch(batch, self.logprobs(self.actor, batch, top_k=r.top_k, top_p=r.top_p))
+
+    def mismatch(self, batch: Batch, actor_lp: torch.Tensor) -> dict[str, float]:
+        """rollout/logprob_diff_* of the actor's log-probs `actor_lp` against the sampled ones (loop/correction.py)."""
+        return logprob_diff([(actor_lp, batch["rollout_log_probs"], batch["response_mask"])], self.dp_sum, self.dp_max)
+
+    def correct_rollout(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """[rollout_correction]: the batch the actor update trains on (importance weights, the rejection mask, and
+        on-policy the old log-probs of one forward pass) and the correction's metrics; `batch` is not modified."""
+        return correct_rollout(self.cfg, self.actor, batch, self.logprobs, self.dp_sum, self.dp_max)
+
+    def update_actor(self, batch: Batch, sampled: Batch, *, measured: bool) -> dict[str, float]:
+        """The actor update on `batch` (the step's, or correct_rollout's). Unless the mismatch was measured already
+        (measured: a truncating sampler's own pass), rollout/logprob_diff_* of the old log-probs against the
+        `sampled` batch's, or on-policy (no old-log-prob pass) of the update's own before its one optimizer step."""
+        actor_lp = None if measured else batch.tensors.get("old_log_probs")
+        objective = ActorObjective(self.cfg, self.loss_fn, self.cfg.rollout.temperature,
+                                   keep_logprobs=not measured and actor_lp is None, distill_fn=self.distill_fn)
+        metrics = self._update(self.actor, batch, objective, "actor")
         metrics.update(self.router_metrics())
-        pieces = objective.own_logprobs if actor_lp is None else [
-            (actor_lp, sampled["rollout_log_probs"], sampled["response_mask"])]
-        metrics.update(logprob_diff(pieces, self.dp_sum, self.dp_max))
+        if actor_lp is not None:
+            metrics.update(self.mismatch(sampled, actor_lp))
+        elif not measured:
+            metrics.update(logprob_diff(objective.own_logprobs, self.dp_sum, self.dp_max))
         return metrics
 
     def _update(self, engine: TrainEngine, batch: Batch, objective, role: str) -> dict[str, float]:

@@ -27,13 +27,15 @@ from spmdrl.algos.kl import AdaptiveKLController, FixedKLController
 from spmdrl.batch import Batch
 from spmdrl.checkpoint import CheckpointManager, checkpoint_root, resolve_resume, resume_advice
 from spmdrl.config import Config, to_toml
-from spmdrl.config.derived import logprob_diff_bounds, offload_kinds, on_policy, uses_ref
+from spmdrl.config.derived import (logprob_diff_bounds, offload_kinds, on_policy, rollout_correction_active,
+                                    sampler_truncates, uses_ref)
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.collectives import reduce_max, reduce_mean, redistribute
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.data.images import VisionPrompts
-from spmdrl.engines.loading import is_vision_language, load_hf_config
+from spmdrl.models.model import load_hf_config
+from spmdrl.models.vision import is_vision_language
 from spmdrl.faults import graceful_stop, inject_fault_if_asked, named_failures, set_collective_timeout
 from spmdrl.hooks import HookRunner, StageHooks
 from spmdrl.loop.build import (
@@ -127,6 +129,7 @@ class Trainer:
         )
         self.hooks = StageHooks(HookRunner(cfg.hooks.files), cfg, self.meshes, tokenizer)
         self.on_policy = on_policy(cfg)  # the update's own log-probs are the old ones
+        self.truncates, self.corrects = sampler_truncates(cfg), rollout_correction_active(cfg)
         # the reference policy's log-probs: the ref engine's, or with LoRA the actor's with its adapters disabled
         self.uses_ref = self.trains and uses_ref(cfg)
         reward_model = None
@@ -313,6 +316,9 @@ class Trainer:
             if not self.on_policy:
                 with timer("old_logprob"):
                     batch["old_log_probs"] = learner.logprobs(self.actor, batch)
+            if train_actor and self.truncates:  # top-k / top-p sampling: the actor under the same truncation
+                with timer("truncated_logprob"):
+                    metrics.update(learner.truncated_mismatch(batch))
             if self.uses_ref:
                 memory.for_training("ref" if self.ref is not None else "actor", update=False)
                 with timer("ref_logprob"):
@@ -340,8 +346,13 @@ class Trainer:
                     metrics.update(learner.update_critic(batch))
             if train_actor:
                 memory.for_training("actor")
+                actor_batch = batch
+                if self.corrects:  # [rollout_correction]: weights and rejection (on-policy after one pi_old pass)
+                    with timer("rollout_correction"):
+                        actor_batch, corrected = learner.correct_rollout(batch)
+                        metrics.update(corrected)
                 with timer("update_actor"):
-                    metrics.update(learner.update_actor(batch))
+                    metrics.update(learner.update_actor(actor_batch, batch, measured=self.truncates))
             metrics.update(hooks("after_update", step, batch))
             metrics.update(learner.batch_metrics(batch, self.actor_version))  # before the sync: the pre-update lag
             # ---- weight sync (split placement: the batches posted for the next steps in before the weights go)

@@ -4,9 +4,9 @@
 included); `megatron.py` adds what a role on the Megatron-core backend holds per pipeline stage and at
 construction; `overheads.py` the CUDA context, NCCL's buffers and vLLM's memory outside its sleep pool;
 `sync_memory.py` the weight sync's buffers bucket by bucket. Parameter shapes come from the model's config.json
-(`spmdrl.engines.loading`); no GPU, no weights and no process group are needed.
+(`spmdrl.models.model`); no GPU, no weights and no process group are needed.
 """
-from spmdrl.engines.loading import load_hf_config, model_param_shapes
+from spmdrl.models.model import load_hf_config, model_param_shapes
 
 from .estimate import build_plan, load_bytes_per_rank, render, split_figures
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from spmdrl.config.derived import (FULL_OFFLOAD, builds_ref, compute_dtype_name, distills, lora_settings,
                                     lora_sync_mode, megatron_host_optimizer, micro_batch_samples, offload_kinds,
                                     rollout_dtype_name, uses_vllm)
-from spmdrl.engines.loading import block_index, load_hf_config, model_param_shapes
+from spmdrl.models.model import block_index, load_hf_config, model_param_shapes
 from spmdrl.errors import ConfigError
 
 from .overheads import (CUDA_CONTEXT_GIB, GIB, NCCL_COMM_BYTES, NCCL_NET_PEER_BYTES, NCCL_NVLINK_PEER_BYTES,
@@ -316,7 +316,7 @@ def _role_state(cfg, r: dict, hf, layout: dict, backends: dict, offload: list, s
         st = shard_stats(r["params"], layout[role])
         adapters = None
         if cfg.lora.enable and (role == "actor" or (role == "critic" and cfg.lora.critic)):
-            from spmdrl.engines.lora import adapter_shapes
+            from spmdrl.models.lora import adapter_shapes
 
             shapes = adapter_shapes(r["params"], cfg.lora.rank, cfg.lora.target_modules)
             adapters = {**shard_stats(shapes, layout[role]), "rank": cfg.lora.rank,

@@ -49,9 +49,9 @@ def target_list(target_modules) -> tuple[str, ...]:
 def adapter_params(hf_config, rank: int, target_modules) -> list[tuple[str, tuple[int, ...]]]:
     """PEFT names and shapes of a LoRA adapter's tensors, in PEFT's order (layer, module, A then B):
     lora_A is (rank, in_features), lora_B is (out_features, rank). The engine's own shapes
-    (engines.lora.adapter_shapes over the model's parameters) under the names PEFT's files use."""
-    from spmdrl.engines.loading import model_param_shapes
-    from spmdrl.engines.lora import adapter_shapes, peft_name
+    (models.lora.adapter_shapes over the model's parameters) under the names PEFT's files use."""
+    from spmdrl.models.model import model_param_shapes
+    from spmdrl.models.lora import adapter_shapes, peft_name
 
     shapes = adapter_shapes(model_param_shapes(hf_config), rank, list(target_list(target_modules)))
     return [(peft_name(n), s) for n, s in shapes]

@@ -11,7 +11,6 @@ import logging
 import torch
 import torch.distributed as dist
 
-from spmdrl.config.derived import split_backend_refusal
 from spmdrl.dist.collectives import comm_device, reduce_max
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import LayoutError
@@ -50,6 +49,16 @@ def check_shards(plan: SyncPlan, shards: Shards, rank: int) -> None:
         raise RuntimeError(f"weight sync: rank {rank} yields {extra[:3]} that the plan does not list as its sources")
 
 
+def split_backend_refusal(key: str, backend: str) -> str:
+    """Why split placement cannot take a role on `backend` ("" for FSDP2): the weight transfer is planned from the
+    FSDP2 layout. key: the config key that chose the backend. Config validation raises it before launch, the
+    weight sync (here) when the engine's layout is not the planned one."""
+    if backend == "fsdp":
+        return ""
+    return (f"placement.mode = 'split' plans the weight transfer from the FSDP2 layout; {key} = {backend!r} needs "
+            "placement.mode = 'colocate' for now")
+
+
 class WeightSync:
     """Planned once, run after every actor update (and after a resume).
 
@@ -75,7 +84,7 @@ class WeightSync:
         if actor is not None and not split:
             params, sources = actor.param_shapes(), actor.source_blocks()
         else:
-            from spmdrl.engines.loading import model_param_shapes
+            from spmdrl.models.model import model_param_shapes
 
             params = model_param_shapes(hf_config)
             sources = fsdp_blocks(params, actor_grid)

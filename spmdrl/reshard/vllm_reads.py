@@ -252,7 +252,7 @@ def probe_rank(hf_config, params: list[tuple[str, tuple[int, ...]]], tp: int, tp
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from spmdrl.engines.loading import checkpoint_views
+    from spmdrl.models.checkpoint import checkpoint_views
     from spmdrl.rollout.vllm_classes import transformers_classes_kept
 
     cfg = _engine_config(hf_config, tp, dtype, expert_parallel, trust_remote_code)

@@ -66,7 +66,8 @@ class HFEngine:
     ):
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-        from spmdrl.engines.loading import is_vision_language, load_hf_config
+        from spmdrl.models.model import load_hf_config
+        from spmdrl.models.vision import is_vision_language
 
         _warn_slow_once()
         if device is None:
@@ -276,7 +277,7 @@ class HFEngine:
         """One request of a vision-language model, decoded alone: every token from a forward of the whole sequence
         so far with the prompt's images (the model's own 3-D rotary positions; no cache). Returns
         (tokens, processed log-probs, finish reason)."""
-        from spmdrl.data.images import prompt_images_only, token_types
+        from spmdrl.models.vision import prompt_images_only, token_types
 
         dev, image_token = self.device, self.model.config.image_token_id
         images = {} if vision is None else dict(pixel_values=vision.pixel_values.to(dev, self.model.dtype),

@@ -201,7 +201,7 @@ class VLLMEngine:
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         t0 = time.perf_counter()
         try:
-            from spmdrl.engines.loading import load_hf_config
+            from spmdrl.models.model import load_hf_config
             from spmdrl.rollout.vllm_classes import transformers_classes_kept
 
             with preserved_rng_state(), _job_unique_cpu_shm_names(), vllm_sub_world(world_size if sub_world else None), \
@@ -246,7 +246,7 @@ class VLLMEngine:
         if kept.copies:  # its Transformers modeling backend decorated a class: vLLM's instances keep the decorator
             self.llm.collective_rpc(_adopt_classes, args=(kept,))
         _quiet_reload_warnings()
-        from spmdrl.engines.loading import checkpoint_views
+        from spmdrl.models.checkpoint import checkpoint_views
 
         # the sync hands over the training model's tensors; vLLM's loaders are written for the checkpoint's names
         # and layout (Mixtral's .mlp. is .block_sparse_moe. on disk; fused experts are one tensor per expert)

@@ -66,7 +66,7 @@ def main():
         local.tensors["rollout_log_probs"] = actor_lp + delta[lo:hi]
         rank_max = float(((local["rollout_log_probs"] - actor_lp).abs() * local["response_mask"]).max())
         metrics = {}
-        metrics.update(learner.update_actor(local))  # as Trainer.step: the update, then the batch's metrics
+        metrics.update(learner.update_actor(local, local, measured=False))  # as Trainer.step: the update, then the batch's metrics
         metrics.update(learner.batch_metrics(local, 0))
         logged = reduce_mean(metrics, weight=mesh.leader_weight())  # the step's metric all-reduce
         parts = [torch.zeros_like(local["rollout_log_probs"]) for _ in range(dist.get_world_size())]

@@ -22,7 +22,7 @@ def main():
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine, pack_sequences
-    from spmdrl.engines.lora import LoraSettings, checkpoint_name, is_adapter
+    from spmdrl.models.lora import LoraSettings, checkpoint_name, is_adapter
 
     env, device = init_distributed("cpu")
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ def one_family(path: str, rollout_tp: int, actor_tp: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = plan_layout(PlacementConfig(rollout_tp=rollout_tp, actor_tp=actor_tp), world)
     meshes = RoleMeshes(layout, rank, "cpu")
-    from spmdrl.engines.loading import load_hf_config
+    from spmdrl.models.model import load_hf_config
     from spmdrl.rollout.routes import route_shape
 
     moe = route_shape(load_hf_config(path))  # (layers, top_k) of a mixture of experts: routes recorded and replayed

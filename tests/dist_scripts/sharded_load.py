@@ -23,7 +23,7 @@ def main():
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine, pack_sequences
     from spmdrl.loop.memory import host_rss_bytes
-    from spmdrl.engines.loading import model_param_shapes
+    from spmdrl.models.model import model_param_shapes
     from spmdrl.plan import load_bytes_per_rank
 
     env, device = init_distributed("cpu")

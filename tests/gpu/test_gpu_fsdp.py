@@ -27,7 +27,7 @@ from spmdrl.config.schema import PlacementConfig
 from spmdrl.dist.layout import plan_layout
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.engines.fsdp import FSDPEngine
-from spmdrl.engines.lora import LoraSettings, checkpoint_name, is_adapter
+from spmdrl.models.lora import LoraSettings, checkpoint_name, is_adapter
 from spmdrl.engines.token_batch import pack_sequences
 from spmdrl.tiny import build_tiny
 

@@ -21,7 +21,7 @@ Megatron's layouts (tp ranks t = 0..tp-1, each holding its contiguous share of d
       q / k norms (HF self_attn.q_norm / k_norm [head_dim], megatron's self_attention.q_layernorm / k_layernorm,
       qk_layernorm) are such norms: one weight shared by every head, so every tp rank holds it whole.
 Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; every decoder layer a MoE layer). HF coordinates are
-transformers 5's in-memory tensors (engines.loading.model_param_shapes; the checkpoint's per-expert tensors are read
+transformers 5's in-memory tensors (models.model.model_param_shapes; the checkpoint's per-expert tensors are read
 through loading.CheckpointReader): per layer mlp.gate.weight [E, H] (the router), mlp.experts.gate_up_proj
 [E, 2F, H] (gate rows [0, F), up rows [F, 2F)) and mlp.experts.down_proj [E, H, F], F = moe_intermediate_size
 (Mixtral: intermediate_size). With expert parallelism over ep ranks, expert-parallel rank e holds global experts

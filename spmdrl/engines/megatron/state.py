@@ -35,7 +35,7 @@ from .convert import Piece, hf_param_shapes, hf_pieces, merged_blocks
 def load_hf(engine, model_path: str) -> dict[str, int]:
     """Fill this rank's parameters from the HF safetensors slices they hold (nothing else is read). A mixture of
     experts' fused in-memory tensors are read from the checkpoint's per-expert tensors (loading.CheckpointReader)."""
-    from spmdrl.engines.loading import CheckpointReader, checkpoint_index
+    from spmdrl.models.checkpoint import CheckpointReader, checkpoint_index
 
     index = checkpoint_index(model_path)
     shapes = dict(hf_param_shapes(engine.dims))
