@@ -2,6 +2,7 @@
 
     spmdrl bench [--nproc 2] [--steps 12] [--model DIR] [overrides...]
     spmdrl bench --tools [--model SFT_MODEL_DIR]     the multi-turn turn loop on the calculator task
+    spmdrl bench --async                             colocated / split, synchronous / asynchronous, long tail
 
 Runs the real trainer (torchrun, in-process vLLM) on the quickstart setup, then reads the per-stage timings
 from metrics.jsonl. Overhead = step time - (generation + forward/backward/optimizer + weight sync): the time
@@ -171,6 +172,61 @@ def placement_bench(work_dir: str, model: str | None, nproc: int, steps: int, ov
     lines = [f"median seconds per step over steps 3..{steps}, {nproc} ranks", head, "-" * len(head)]
     for name, b in rows:
         lines.append(f"{name:<12}" + "".join(f"{b.get(k, 0.0):>13.4f}" for k, _ in PLACEMENT_COLS))
+    return "\n".join(lines)
+
+
+# ----- colocated / split, synchronous / asynchronous, on a long-tail workload -----
+
+LONG_TAIL = [
+    # a response ends at EOS or any of 13 of the tiny model's 320 tokens: most end early, several % reach 64
+    "data.max_response_length=64", "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8",
+    "actor.micro_batch_size=8",
+    "rollout.stop_token_ids=[" + ",".join(str(i) for i in range(40, 53)) + "]", "rollout.parity_check=false",
+    "checkpoint.save_freq=-1",
+]
+
+
+def async_modes(nproc: int) -> dict[str, list[str]]:
+    """The four setups `spmdrl bench --async` compares on the same world and prompts: (a) colocated synchronous,
+    (b) split one step off-policy, (c) asynchronous split (rollout.partial, max_staleness 2), (d) colocated with
+    partial rollouts."""
+    split = placements(nproc)["split_s1"][:2]
+    return {"a colocated": [], "b split k=1": [*split, "trainer.max_staleness=1"],
+            "c split async": [*split, "trainer.max_staleness=2", "rollout.partial=keep"],
+            "d colocated partial": ["rollout.partial=keep"]}
+
+
+def async_row(run_dir: str, skip: int = 2) -> dict[str, float]:
+    """Over the steps after `skip`: trained tokens, trained tokens per second (their sum over the steps' time),
+    mean busy fractions, mean version lag of the trained tokens, and the share of responses that hit max tokens."""
+    from spmdrl.metrics import read_jsonl
+
+    rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"), last_per_step=True) if "timing/step_s" in r]
+    rows = rows[skip:] or rows
+    tokens = sum(r["perf/trained_tokens_per_s"] * r["timing/step_s"] for r in rows)
+    mean = lambda k: statistics.mean(r.get(k, 0.0) for r in rows)  # noqa: E731
+    lag = "rollout/version_lag_mean" if "rollout/version_lag_mean" in rows[-1] else "train/weight_version_lag"
+    return {"tokens": tokens, "tokens_per_s": tokens / sum(r["timing/step_s"] for r in rows),
+            "rollout_busy": 100 * mean("perf/rollout_busy"), "train_busy": 100 * mean("perf/train_busy"),
+            "lag": mean(lag), "clip": 100 * mean("train/response_clip_ratio"), "steps": float(len(rows))}
+
+
+def async_bench(work_dir: str, model: str | None, nproc: int, steps: int, overrides: list[str]) -> str:
+    """Run the four setups of `async_modes` on the long-tail workload (LONG_TAIL, then the overrides); one row each."""
+    model_dir, data = prepare(work_dir, model)
+    rows = []
+    for name, extra in async_modes(nproc).items():
+        run = launch(work_dir, model_dir, data, nproc, steps, [*LONG_TAIL, *overrides, *extra],
+                     run_name=name.split()[0] + "_" + name.split()[1])
+        rows.append((name, async_row(run)))
+    cols = (("tokens", "trained tok", "{:>12.0f}"), ("tokens_per_s", "trained tok/s", "{:>14.1f}"),
+            ("rollout_busy", "rollout busy %", "{:>15.1f}"), ("train_busy", "trainer busy %", "{:>15.1f}"),
+            ("lag", "mean lag", "{:>9.2f}"), ("clip", "at max %", "{:>9.1f}"))
+    head = f"{'mode':<20}" + "".join(f"{label:>{len(fmt.format(0.0))}}" for _, label, fmt in cols)
+    lines = [f"steps 3..{steps}, {nproc} ranks, {LONG_TAIL[1].split('=')[1]} prompts x {LONG_TAIL[2].split('=')[1]} "
+             "samples per step", head, "-" * len(head)]
+    for name, r in rows:
+        lines.append(f"{name:<20}" + "".join(fmt.format(r[k]) for k, _, fmt in cols))
     return "\n".join(lines)
 
 

@@ -478,13 +478,21 @@ def bench(
                                             "split (max_staleness 1) on the same workload and world; one row each."),
     compare_lora: bool = typer.Option(False, "--lora", help="Run a LoRA actor with rollout.lora_sync adapter and merge "
                                       "on the same workload and world; one row each."),
+    compare_async: bool = typer.Option(False, "--async", help="Run colocated synchronous, split max_staleness 1, "
+                                       "asynchronous split (rollout.partial) and colocated partial rollouts on a "
+                                       "long-tail workload; one row each: trained tokens/s, busy %, version lag."),
     tools: bool = typer.Option(False, "--tools", help="Run the multi-turn turn loop on the calculator task (the tool "
                                "quickstart's GRPO; --model: its SFT model, default: trained once into the work dir) and "
                                "report the loop's time split: generation, tools, idle, turns, model tokens/s."),
 ):
     """Time a GRPO step by stage on the quickstart setup and report the SPMD overhead."""
-    from spmdrl.bench import breakdown, format_breakdown, launch, lora_bench, placement_bench, prepare, tool_bench
+    from spmdrl.bench import (
+        async_bench, breakdown, format_breakdown, launch, lora_bench, placement_bench, prepare, tool_bench,
+    )
 
+    if compare_async:
+        typer.echo(async_bench(work_dir, model, nproc, steps, _overrides(overrides)))
+        return
     if tools:
         typer.echo(tool_bench(work_dir, model, nproc, steps, _overrides(overrides)))
         return

@@ -167,7 +167,7 @@ def test_partial_rollouts_refuse_what_they_cannot_do_in_one_line():
         return c
 
     validate_partial(cfg())
-    for kw, words in (({"placement__mode": "split"}, "placement.mode = 'split'"),
+    for kw, words in (({"placement__mode": "split"}, "trainer.max_staleness >= 1"),
                       ({"multi_turn__enable": True}, "multi_turn.enable"),
                       ({"algorithm__filter_groups": True}, "algorithm.filter_groups"),
                       ({"rollout__top_p": 0.9}, "top_p = 0.9"),
@@ -179,3 +179,4 @@ def test_partial_rollouts_refuse_what_they_cannot_do_in_one_line():
         assert "\n" not in str(e.value)
     validate_partial(cfg(actor__ppo_epochs=2, rollout_correction__rollout_is="token"))
     validate_partial(cfg(trainer__device="cuda", rollout__enable_sleep_mode=False))
+    validate_partial(cfg(placement__mode="split", trainer__max_staleness=1, trainer__device="cuda"))  # asynchronous split

@@ -337,15 +337,19 @@ class RolloutConfig:
     """During training, rollout/logprob_diff_mean above this stops the run (the trainer computes another policy
     than the one that sampled); 0: 0.05 in float32, 0.5 otherwise; negative: off."""
     partial: str = "off"
-    """Partial rollouts (colocated, single-turn): off (every step's requests run to the end) | keep | recompute. A
-    step's rollout ends as soon as data.train_batch_size prompt groups are complete; the unfinished requests stay in
-    the engine and go on after the weight update with the new weights, keep: with the keys and values computed by the
+    """Partial rollouts (single-turn): off (every step's requests run to the end) | keep | recompute. A step's
+    rollout ends as soon as data.train_batch_size prompt groups are complete; the unfinished requests stay in the
+    engine and go on after the weight update with the new weights, keep: with the keys and values computed by the
     old ones | recompute: their prompt and tokens so far are prefilled again with the new weights first. Every token
     records the weight version that sampled it (the batch's `versions`), and the loss's old policy is each token's
-    behaviour log-prob, the engine's (docs/architecture.md, partial rollouts)."""
+    behaviour log-prob, the engine's (docs/architecture.md, partial rollouts). With placement.mode = "split" this is
+    asynchronous split: the rollout ranks step their engines without draining them, post each batch when its groups
+    are complete and load new weights between two engine steps, at points the config fixes (trainer.max_staleness
+    >= 1 bounds the lag)."""
     max_version_lag: int = 1
-    """With rollout.partial: a prompt group admitted more than this many weight versions ago is aborted and its
-    prompt queued again, so that no trained token is older than this."""
+    """With rollout.partial, colocated: a prompt group admitted more than this many weight versions ago is aborted
+    and its prompt queued again, so that no trained token is older than this (split placement: trainer.max_staleness
+    is the bound)."""
     oversample: float = 0.5
     """With rollout.partial: prompt groups kept in flight beyond the data.train_batch_size a step needs, as a
     fraction of it; they are what a step carries over (0 carries nothing over)."""
@@ -558,7 +562,7 @@ class TrainerConfig:
     dist_timeout_s: float = 600.0
     """Collective timeout: a rank that dies makes the others fail within about this long."""
     max_staleness: int = 0
-    """Split placement: how many steps the rollout runs ahead of training. 0: batch s is generated with the weights after step s-1 (on-policy); 1: batch s+1 is generated with the weights after step s-1 while the training ranks update on batch s (one-step off-policy); k: k steps ahead."""
+    """Split placement: how many steps the rollout runs ahead of training. 0: batch s is generated with the weights after step s-1 (on-policy); 1: batch s+1 is generated with the weights after step s-1 while the training ranks update on batch s (one-step off-policy); k: k steps ahead. With rollout.partial (asynchronous split) the rollout ranks post one batch ahead and this is the most versions a trained token may lag the actor that trains on it (>= 1): a request may go on over max_staleness - 1 weight updates before it is aborted and its prompt queued again."""
     critic_warmup: int = 0
     """Steps at the start during which only the critic trains (the actor and rollout weights stay put)."""
     max_bad_steps: int = 3

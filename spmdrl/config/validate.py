@@ -515,15 +515,19 @@ def validate_partial(cfg) -> None:
         raise ConfigError(f"{key} must be >= 0, found {_get(cfg, key)}")
     if r.partial == "off":
         return
-    why = (("placement.mode = 'split'", cfg.placement.mode == "split", "set placement.mode = 'colocate'"),
-           ("multi_turn.enable = true", cfg.multi_turn.enable, "turn multi_turn.enable off"),
+    split = cfg.placement.mode == "split"
+    if split and cfg.trainer.max_staleness < 1:
+        raise ConfigError(f"rollout.partial = '{r.partial}' with placement.mode = 'split' (asynchronous split) samples "
+                          "with weights one update behind the actor: set trainer.max_staleness >= 1 (the most versions a "
+                          "trained token may lag), or set rollout.partial = 'off'")
+    why = (("multi_turn.enable = true", cfg.multi_turn.enable, "turn multi_turn.enable off"),
            ("algorithm.filter_groups = true", cfg.algorithm.filter_groups, "turn dynamic sampling off"),
            (f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}' (a greedy baseline rollout)",
             "baseline_rewards" in getattr(ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator), "requires", ()),
             "choose another estimator"))
     for what, bad, fix in why:
         if bad:
-            raise ConfigError(f"rollout.partial = '{r.partial}' is colocated single-turn rollouts only; {what} is not "
+            raise ConfigError(f"rollout.partial = '{r.partial}' is single-turn rollouts only; {what} is not "
                               f"supported with it: {fix} or set rollout.partial = 'off'")
     if on_policy(cfg) and sampler_truncates(cfg):
         raise ConfigError(f"rollout.partial = '{r.partial}' makes each token's rollout log-prob the loss's old policy, "
@@ -533,7 +537,7 @@ def validate_partial(cfg) -> None:
         raise ConfigError(f"rollout.partial = '{r.partial}' with an old-log-prob pass (several epochs or mini-batches, "
                           "KL in the reward or distillation) needs the behaviour log-probs in the loss: set "
                           "rollout_correction.rollout_is = 'token' (decoupled PPO) or train on-policy")
-    if r.enable_sleep_mode and _on_cuda(cfg):
+    if r.enable_sleep_mode and not split and _on_cuda(cfg):  # split: the rollout ranks' engine never sleeps
         raise ConfigError(f"rollout.partial = '{r.partial}' keeps requests in the engine across the update, and vLLM's "
                           "sleep mode drops their KV cache while training: set rollout.enable_sleep_mode = false")
 

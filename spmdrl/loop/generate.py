@@ -143,13 +143,15 @@ class Generator:
                      ("multi_turn/loop_turns", float(st.turns))):
             m[k] = m.get(k, 0.0) + v
 
-    def generate(self, prompt_idx: list[int], step: int, round_: int = 0, version: int = 0) -> Batch:
+    def generate(self, prompt_idx: list[int], step: int, round_: int = 0, version: int = 0,
+                 trained_by: int | None = None) -> Batch:
         """The samples of dataset rows `prompt_idx` (this rollout dp rank's share of a step's prompts): same
         prompts and seeds on every rank of the TP group. The caller has put the memory in its rollout phase
         (MemoryLifecycle.for_rollout). With rollout.partial, as many complete groups as `prompt_idx` has, the
-        oldest in flight first (the prompts join the queue), sampled by weights `version` and older."""
+        oldest in flight first (the prompts join the queue), sampled by weights `version` and older, for the actor
+        version `trained_by` (default `version`) to train on."""
         if self.partial is not None:
-            return self._partial(prompt_idx, step, version)
+            return self._partial(prompt_idx, step, version, trained_by)
         r = self.mesh
         first = round_ * self.cfg.data.train_batch_size + r.dp_offset(len(prompt_idx))
         seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompt_idx))
@@ -167,9 +169,9 @@ class Generator:
             batch["baseline_rewards"] = gb["scores"].repeat_interleave(n)
         return batch
 
-    def _partial(self, prompt_idx: list[int], step: int, version: int) -> Batch:
+    def _partial(self, prompt_idx: list[int], step: int, version: int, trained_by: int | None) -> Batch:
         n = self.specs.train.n
-        groups, metrics = self.partial.rollout(prompt_idx, step, version)
+        groups, metrics = self.partial.rollout(prompt_idx, step, version, trained_by)
         self.loop_time.update(metrics)
         out, versions = groups_output(groups, n)
         batch = rollout_to_batch([g.prompt for g in groups], [g.row for g in groups], out, n, self.pad_id)

@@ -1,10 +1,13 @@
-"""Partial rollouts (rollout.partial = keep | recompute), colocated: the rollout engine stepped by the loop.
+"""Partial rollouts (rollout.partial = keep | recompute): the rollout engine stepped by the loop, colocated or on
+the rollout ranks of an asynchronous split run (loop/split.py).
 
-A step's rollout admits prompt groups (rollout.n requests each) until `need + oversample` groups are in flight,
-steps the engine until `need` groups are complete (need: this rank's share of data.train_batch_size), and returns
-those; the rest stay in the engine and go on after the weight update, with the new weights. Each token carries the
+A step's rollout keeps `need + oversample` prompt groups (rollout.n requests each) generating (the next one is
+admitted before the engine step after one finishes), steps the engine until `need` groups are complete (need: this
+rank's share of data.train_batch_size), and returns those; the rest stay in the engine and go on after the weight
+update, with the new weights. Each token carries the
 weight version that sampled it (the engine's `weight_version`: the step whose update produced the weights). A group
-admitted more than rollout.max_version_lag versions before the current one is aborted and its prompt queued again.
+whose tokens would lag the actor that trains on them by more than rollout.max_version_lag versions (split placement:
+trainer.max_staleness) is aborted and its prompt queued again.
 
 The schedule depends on the config and seed only (engine steps, never wall-clock time), and every rank of a rollout
 TP group makes the same admissions (the engine checks them).
@@ -32,6 +35,12 @@ class Group:
     done: dict = field(default_factory=dict)  # sample index -> Completion
 
 
+def version_bound(cfg) -> int:
+    """The most versions a trained token may lag the actor that trains on it: rollout.max_version_lag colocated,
+    trainer.max_staleness in split placement (loop/split.py, asynchronous split)."""
+    return cfg.trainer.max_staleness if cfg.placement.mode == "split" else cfg.rollout.max_version_lag
+
+
 class PartialRollouts:
     """The groups in flight on this rank's rollout engine between steps, and the per-step rollout over them."""
 
@@ -39,7 +48,7 @@ class PartialRollouts:
         r = cfg.rollout
         self.rollout_engine, self.dataset, self.sampler, self.spec = rollout, dataset, sampler, spec
         self.keep = r.partial == "keep"
-        self.max_lag, self.oversample = r.max_version_lag, r.oversample
+        self.max_lag, self.oversample = version_bound(cfg), r.oversample
         self.per_request_seed, self.seed = r.per_request_seed, cfg.trainer.seed
         self.batch_size, self.dp_offset = cfg.data.train_batch_size, dp_offset
         self.one = SamplingSpec(**{**vars(spec), "n": 1})
@@ -60,15 +69,19 @@ class PartialRollouts:
         seeds = [sample_seed(g.seed, j) if self.per_request_seed else None for j in range(self.spec.n)]
         self.rollout_engine.admit(ids, [prompt] * self.spec.n, self.one, seeds)
 
-    def rollout(self, rows: list[int], step: int, version: int) -> tuple[list[Group], dict[str, float]]:
+    def rollout(self, rows: list[int], step: int, version: int, trained_by: int | None = None
+                ) -> tuple[list[Group], dict[str, float]]:
         """This step's complete groups (len(rows) of them, the oldest first) and the step's metrics. rows: this
-        rank's newly drawn prompts; version: the weights the engine holds now."""
+        rank's newly drawn prompts; version: the weights the engine holds now; trained_by: the actor version that
+        trains on these groups (colocated: `version`; split placement: the version before the update of the step
+        the batch is for), from which a token's lag counts."""
         t0, eng, need = time.perf_counter(), self.rollout_engine, len(rows)
+        trained_by = version if trained_by is None else trained_by
         if version != self.version:  # new weights since the last rollout
             self.version = eng.weight_version = version
             if not self.keep:
                 eng.rebuild_kv()
-        stale = sorted(u for u, g in self.groups.items() if version - g.version > self.max_lag)
+        stale = sorted(u for u, g in self.groups.items() if trained_by - g.version > self.max_lag)
         if stale:
             eng.abort([f"{u}/{j}" for u in stale for j in range(self.spec.n)])
             self.queue = [(u, self.groups.pop(u).row) for u in stale] + self.queue
@@ -76,13 +89,17 @@ class PartialRollouts:
         cap = need + math.ceil(need * self.oversample)
         if not self.per_request_seed:
             eng.reseed((self.seed * 1_000_003 + step) % (2**31 - 1))
-        while len(self.groups) < cap:
-            if not self.queue:
-                self._draw(next(self.sampler))
-            self._admit(*self.queue.pop(0))
         complete = lambda: [g for g in self.groups.values() if len(g.done) == self.spec.n]  # noqa: E731
         steps = generated = 0  # engine steps, and tokens of this step's version in requests finished in them
-        while len(complete()) < need:
+        def admit(count: int) -> None:
+            for _ in range(count):
+                if not self.queue:
+                    self._draw(next(self.sampler))
+                self._admit(*self.queue.pop(0))
+
+        admit(cap - len(self.groups))  # groups held complete count: they are the next step's first
+        while len(done := complete()) < need:
+            admit(cap - (len(self.groups) - len(done)))  # a group finished: the next one starts at once
             for c in eng.step():
                 uid, j = c.id.split("/")
                 self.groups[int(uid)].done[int(j)] = c
@@ -92,7 +109,7 @@ class PartialRollouts:
         for g in out:
             del self.groups[g.uid]
         carried = len(self.groups) * self.spec.n  # requests left for the next step: unfinished, or in an unfinished group
-        lags = torch.tensor([version - v for g in out for c in g.done.values() for v in c.versions], dtype=torch.float64)
+        lags = torch.tensor([trained_by - v for g in out for c in g.done.values() for v in c.versions], dtype=torch.float64)
         elapsed = time.perf_counter() - t0
         metrics = {"rollout/requests_carried_over": float(carried), "rollout/requests_aborted_stale": float(len(stale) * self.spec.n),
                    "rollout/engine_steps": float(steps), "rollout/generated_tokens_per_s": generated / max(elapsed, 1e-9)}

@@ -22,6 +22,20 @@ generated it (`weight_version`): s-1-k in steady state; the training ranks log t
 In flight across a checkpoint: at a checkpoint after step s the training ranks hold every batch the rollout
 ranks already posted (steps s+1 .. s+k) and save them with the checkpoint (per rank, safetensors); a resumed
 run trains on those and the rollout ranks go on from batch s+k+1, so resume is exact.
+
+Asynchronous split (rollout.partial = keep | recompute with split placement): the rollout ranks' engines are never
+drained. Each rollout rank keeps data.train_batch_size * (1 + rollout.oversample) prompt groups in flight (its
+share), steps its engine, and posts batch s as soon as its first `need` groups are complete (groups kept whole;
+loop/partial.py); the unfinished requests stay in the engine. The rollout ranks run one batch ahead: in step s they
+complete and post batch s+1, then load the weights of step s between two engine steps, without draining or
+recomputing anything (keep; recompute prefills the requests in flight again with the new weights). The point where
+version v is loaded is the engine step at which batch v+1 is complete: a function of the config and seed, never of
+wall-clock time, so two runs with the same config give the same metrics. Every token records the version that
+sampled it (`versions`); the training ranks' loss takes each token's behaviour log-prob as its old policy. A group
+whose tokens would lag the actor that trains on them by more than trainer.max_staleness versions (>= 1) is aborted
+and its prompt queued again, so a long request may go on over max_staleness - 1 weight updates. The meeting point
+and its order stay as above (with k = 1: batch s+1 is taken in before the weights of step s go out). A checkpoint
+keeps the posted batch, not the requests in the engine: a resumed asynchronous run starts with an empty engine.
 """
 from __future__ import annotations
 
@@ -54,12 +68,21 @@ ROUTE_KEYS = {"routed_experts": (torch.int16, True)}
 (rollout/routes.py)."""
 
 
-def rollout_keys(multi_turn: bool, routes: bool = False) -> dict[str, tuple[torch.dtype, bool]]:
-    return {**ROLLOUT_KEYS, **(MULTI_TURN_KEYS if multi_turn else {}), **(ROUTE_KEYS if routes else {})}
+VERSION_KEYS = {"versions": (torch.long, True)}
+"""What a rollout batch carries besides in asynchronous split: each token's weight version (loop/partial.py)."""
+
+
+def rollout_keys(multi_turn: bool, routes: bool = False, versions: bool = False) -> dict[str, tuple[torch.dtype, bool]]:
+    return {**ROLLOUT_KEYS, **(MULTI_TURN_KEYS if multi_turn else {}), **(ROUTE_KEYS if routes else {}),
+            **(VERSION_KEYS if versions else {})}
 
 
 def empty_rollout_batch(keys: dict[str, tuple[torch.dtype, bool]] = ROLLOUT_KEYS) -> Batch:
     return Batch({k: torch.zeros((0, 1) if two_d else (0,), dtype=dt) for k, (dt, two_d) in keys.items()})
+
+
+LAST_BATCH_METRICS = ("rollout/requests_carried_over", "rollout/generated_tokens_per_s")
+"""Asynchronous split's rollout metrics that describe one batch (when a step posts two, the later one's)."""
 
 
 class BatchStream:
@@ -74,10 +97,12 @@ class BatchStream:
                  weight_sync: WeightSync, memory: MemoryLifecycle):
         t = cfg.trainer
         self.k, self.total_steps, self.critic_warmup = t.max_staleness, t.total_steps, t.critic_warmup
+        self.asynchronous = cfg.rollout.partial != "off"  # the engine stepped continuously (see the module doc)
+        self.ahead = 1 if self.asynchronous else self.k  # batches the rollout ranks post ahead of training
         self.samples_per_step = cfg.data.train_batch_size * cfg.rollout.n
         self.meshes, self.generator, self.sampler, self.weight_sync = meshes, generator, sampler, weight_sync
         self.memory = memory
-        self.keys = rollout_keys(cfg.multi_turn.enable, replays_routes(cfg))
+        self.keys = rollout_keys(cfg.multi_turn.enable, replays_routes(cfg), versions=self.asynchronous)
         self.loop_metrics: dict[str, float] = {}  # rollout ranks: the multi-turn loop's time split this step
         self.rollout_mesh, self.actor_mesh = meshes["rollout"], meshes["actor"]
         self.next_batch = 1  # rollout ranks: the next step whose batch is generated
@@ -85,19 +110,23 @@ class BatchStream:
         self.sent: list[PendingSends] = []  # rollout ranks: batch sends posted this step
         self.inbox: dict[int, tuple[Batch, int]] = {}  # training ranks: batches taken in ahead or restored, bytes
         self.batch_bytes = 0  # training ranks: bytes received this step
+        self.lags: torch.Tensor | None = None  # training ranks, asynchronous: this step's trained tokens' version lags
 
     # ---- rollout ranks ---------------------------------------------------------------------------------
     def produce(self, step: int, timer) -> None:
-        """Generate and post every batch up to step + k (the last step at most)."""
-        last = min(step + self.k, self.total_steps)
+        """Generate and post every batch up to step + k (the last step at most); asynchronous: up to step + 1, each
+        batch the first groups complete, for the actor after step s-1 to train on."""
+        last = min(step + self.ahead, self.total_steps)
         while self.next_batch <= last:
             s = self.next_batch
             self.memory.for_rollout()
             with timer("rollout"):
-                batch = self.generator.generate(next(self.sampler), s, 0)
-            for k, v in self.generator.take_metrics().items():
-                self.loop_metrics[k] = self.loop_metrics.get(k, 0.0) + v
-            batch["weight_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
+                batch = self.generator.generate(next(self.sampler), s, 0, self.version, self.version_after(s - 1))
+            for k, v in self.generator.take_metrics().items():  # counts add up; a state or rate is the last batch's
+                if not k.startswith("rollout/version_lag"):  # the training ranks log the lags of the batch they train
+                    self.loop_metrics[k] = v if k in LAST_BATCH_METRICS else self.loop_metrics.get(k, 0.0) + v
+            if "weight_version" not in batch:  # asynchronous: the oldest version each sample saw (loop/generate.py)
+                batch["weight_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
             if set(batch.tensors) != set(self.keys):  # the training ranks unpack by this list
                 raise SpmdrlError(f"a rollout batch has tensors {sorted(batch.tensors)} but spmdrl.loop.split.ROLLOUT_KEYS "
                                   f"(and MULTI_TURN_KEYS, ROUTE_KEYS) list {sorted(self.keys)}: add new rollout "
@@ -106,15 +135,20 @@ class BatchStream:
                 self.sent.append(post_batch(batch, self.rollout_mesh, self.actor_mesh, self.meshes.batch_group, tag=s))
             self.next_batch += 1
 
+    def version_after(self, step: int) -> int:
+        """The actor's weight version after `step` (critic warmup steps keep version 0)."""
+        return step if step > self.critic_warmup else 0
+
     def take_metrics(self) -> dict[str, float]:
-        """The multi-turn loop's time split over this step's rollouts (rollout ranks)."""
+        """The multi-turn loop's time split over this step's rollouts, and asynchronous split's rollout metrics
+        (rollout ranks)."""
         m, self.loop_metrics = self.loop_metrics, {}
         return m
 
     def load_weights(self, step: int) -> dict[str, float]:
         """Receive and load the weights of this step's actor update (rollout ranks; the caller has put the memory
         in its sync phase): vLLM holds version `step` from here."""
-        got = self.weight_sync()
+        got = self.weight_sync()  # asynchronous: between two engine steps, with the requests left in flight
         self.version = step
         return {"weight_sync/bytes_recv": got["weight_sync/bytes_recv"],
                 "timing/weight_sync_transport_s": got["timing/weight_sync_transport_s"]}
@@ -134,6 +168,8 @@ class BatchStream:
         else:
             batch, nbytes = self.fetch(step)
         self.batch_bytes += nbytes
+        if "versions" in batch:  # lag: the actor version that trains on it (after step - 1) minus the token's
+            self.lags = (self.version_after(step - 1) - batch["versions"])[batch["response_mask"] > 0].double()
         return batch
 
     def fetch(self, step: int) -> tuple[Batch, int]:
@@ -145,8 +181,9 @@ class BatchStream:
 
     def take_in(self, step: int) -> None:
         """Training ranks, before the weights of `step` go out: receive every batch the rollout ranks posted for
-        the next steps (step+1 .. step+k), so that no transfer is pending at the meeting point."""
-        for s in range(step + 1, min(step + self.k, self.total_steps) + 1):
+        the next steps (step+1 .. step+k; asynchronous: step+1), so that no transfer is pending at the meeting
+        point."""
+        for s in range(step + 1, min(step + self.ahead, self.total_steps) + 1):
             if s not in self.inbox:
                 self.inbox[s] = self.fetch(s)  # its bytes count in the step that trains on it
 
@@ -155,7 +192,7 @@ class BatchStream:
         during the step) as flat tensors to save."""
         self.take_in(step)
         out = {}
-        for s in range(step + 1, min(step + self.k, self.total_steps) + 1):
+        for s in range(step + 1, min(step + self.ahead, self.total_steps) + 1):
             out.update({f"{s}/{k}": v.contiguous() for k, v in self.inbox[s][0].tensors.items()})
         return out
 
@@ -167,8 +204,14 @@ class BatchStream:
             s, key = name.split("/", 1)
             by_step.setdefault(int(s), {})[key] = v
         self.inbox = {s: (Batch(d), _wire_bytes(Batch(d))) for s, d in by_step.items()}
-        self.next_batch = min(step + self.k, self.total_steps) + 1
-        self.version = step if step > self.critic_warmup else 0
+        self.next_batch = min(step + self.ahead, self.total_steps) + 1
+        self.version = self.version_after(step)
+
+    def take_lags(self) -> torch.Tensor | None:
+        """Asynchronous split: the version lag of every token of the batch this training rank trains on this step
+        (None otherwise)."""
+        lags, self.lags = self.lags, None
+        return lags
 
     def take_bytes(self) -> int:
         """Batch bytes this training rank received for the current step's batch (float64 rows, as sent)."""

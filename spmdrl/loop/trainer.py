@@ -386,6 +386,7 @@ class Trainer:
             metrics["_seq_tokens"] = float(batch["response_len"].sum() + batch["prompt_len"].sum())
             metrics["_seq_sq"] = float(((batch["response_len"] + batch["prompt_len"]).double() ** 2).sum())
             metrics["_response_tokens"] = float(batch["response_len"].sum())
+            metrics["_trained_tokens"] = float(batch["response_mask"].sum())
         metrics["_since_save_s"] = self.checkpointer.since_save()  # checkpoint.save_every_min: one clock for all ranks
         mesh = self.actor_mesh if self.trains else self.rollout_mesh
         split = self.stream is not None
@@ -393,6 +394,7 @@ class Trainer:
             with timer("train_wait" if self.trains else "rollout_wait"):
                 split_max = self.split_maxima(metrics)
             metrics.update(timer.as_metrics())
+            metrics.update(self.busy(metrics, time.perf_counter() - t0))
         metrics = extra_means(reduce_mean(metrics, weight=mesh.leader_weight()))
         if split:
             metrics.update(split_max)
@@ -400,11 +402,15 @@ class Trainer:
         seq_tokens = metrics.pop("_seq_tokens") * self.actor_mesh.dp_size
         seq_sq = metrics.pop("_seq_sq") * self.actor_mesh.dp_size
         response_tokens = metrics.pop("_response_tokens") * self.actor_mesh.dp_size
+        trained_tokens = metrics.pop("_trained_tokens") * self.actor_mesh.dp_size
         if not split:
             metrics.update(timer.as_metrics())
         step_s = time.perf_counter() - t0
+        if not split:
+            metrics.update(self.busy(metrics, step_s))
         metrics["timing/step_s"] = step_s
         metrics["perf/tokens_per_s"] = tokens / step_s
+        metrics["perf/trained_tokens_per_s"] = trained_tokens / step_s
         metrics.update(flops_metrics(
             self.weight_sync.hf_config, seq_lens_sum=seq_tokens, seq_sq_sum=seq_sq, head_tokens=response_tokens,
             update_s=metrics.get("timing/update_actor_s", 0.0), rollout_s=metrics.get("timing/rollout_s", 0.0),
@@ -414,13 +420,31 @@ class Trainer:
         metrics["perf/peak_memory_gb"] = peak_memory_gb(self.device)
         return metrics
 
+    def busy(self, metrics: dict, elapsed: float) -> dict[str, float]:
+        """The fraction of the step each role's devices work for it: perf/rollout_busy (generating) and
+        perf/train_busy (everything but waiting for the other role; colocated: everything but the rollout)."""
+        rollout_s = metrics.get("timing/rollout_s", 0.0)
+        if self.stream is None:
+            return {"perf/rollout_busy": rollout_s / elapsed, "perf/train_busy": 1.0 - rollout_s / elapsed}
+        if self.trains:
+            waits = metrics.get("timing/wait_batch_s", 0.0) + metrics.get("timing/train_wait_s", 0.0)
+            return {"perf/train_busy": 1.0 - waits / elapsed}
+        return {"perf/rollout_busy": rollout_s / elapsed}
+
     def split_maxima(self, metrics: dict) -> dict[str, float]:
         """Split placement, at the meeting point: per step, the most weight bytes a rollout rank received and the
-        most batch bytes a training rank received (one max all-reduce over the world, which is also where the
-        roles wait for each other)."""
+        most batch bytes a training rank received, and in asynchronous split the trained tokens' least and most
+        version lag (one max all-reduce over the world, which is also where the roles wait for each other)."""
         recv = metrics.pop("weight_sync/bytes_recv", 0.0)
         metrics.pop("weight_sync/bytes_sent", None)
         batch_bytes = float(self.stream.take_bytes()) if self.trains else 0.0
-        weights_max, batch_max = reduce_max(torch.tensor([recv, batch_bytes], dtype=torch.float64))
-        return {"weight_sync/bytes_recv_max": weights_max, "weight_sync/bytes_lower_bound": float(self.weight_sync.lower_bound),
-                "batch_move/bytes_recv_max": batch_max}
+        lags = self.stream.take_lags() if self.trains else None
+        lo, hi = (-float(lags.min()), float(lags.max())) if lags is not None and len(lags) else (-1e9, -1e9)
+        if lags is not None and len(lags):
+            metrics["rollout/version_lag_mean"] = float(lags.mean())
+        weights_max, batch_max, neg_lo, hi = reduce_max(torch.tensor([recv, batch_bytes, lo, hi], dtype=torch.float64))
+        out = {"weight_sync/bytes_recv_max": weights_max, "weight_sync/bytes_lower_bound": float(self.weight_sync.lower_bound),
+               "batch_move/bytes_recv_max": batch_max}
+        if hi > -1e9:
+            out.update({"rollout/version_lag_min": -neg_lo, "rollout/version_lag_max": hi})
+        return out
