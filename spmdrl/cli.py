@@ -369,6 +369,25 @@ def data_synthetic(
         typer.echo(f"{name}: {path}")
 
 
+@data_app.command("count-shapes")
+@user_errors
+def data_count_shapes(
+    out: str = typer.Option(..., "--out", "-o", help="Output directory."),
+    n_train: int = typer.Option(1024, "--n-train", min=1, help="Training pictures."),
+    n_val: int = typer.Option(64, "--n-val", min=0, help="Validation pictures."),
+    seed: int = typer.Option(0, "--seed", help="The files are a function of the seed."),
+    max_count: int = typer.Option(4, "--max-count", min=1, max=16, help="Most shapes in a picture."),
+    size: int = typer.Option(56, "--size", min=16, help="Picture side in pixels."),
+):
+    """Write the synthetic image task (pictures of 1..max-count shapes, "How many shapes?") as verl multimodal
+    parquet (train.parquet, val.parquet), for vision-language models."""
+    from spmdrl.data.count_shapes import make_count_shapes
+
+    for split, path in make_count_shapes(out, n_train=n_train, n_val=n_val, seed=seed, max_count=max_count,
+                                         size=size).items():
+        typer.echo(f"{split}: {path}")
+
+
 @data_app.command("tool-sums")
 @user_errors
 def data_tool_sums(
@@ -400,7 +419,8 @@ def model_tiny(
     out: str = typer.Option(..., "--out", "-o", help="Output HF model directory."),
     seed: int = typer.Option(0, "--seed", help="Initialisation seed."),
     arch: str = typer.Option("qwen2", "--arch", help="Architecture: llama, qwen2, qwen3, mistral, gemma3, mixtral, "
-                             "qwen3_moe, qwen2_moe, phi3 or falcon (sizes chosen by hand), or any other model type "
+                             "qwen3_moe, qwen2_moe, phi3 or falcon (sizes chosen by hand), qwen2_5_vl or qwen3_vl (vision-language, with "
+                             "an image processor), or any other model type "
                              "transformers knows (its published defaults scaled down)."),
 ):
     """Build a tiny random model (Qwen2 by default, the quickstart's) with the byte-level tokenizer, for smoke

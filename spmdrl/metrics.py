@@ -355,7 +355,9 @@ _PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
 def forward_flops_per_token(hf_config, context: float, head: bool = True) -> float:
     """Forward FLOPs of one token of a decoder-only transformer (Qwen2/Llama layout) that attends to `context`
     earlier tokens on average: 2 x (q, k, v, o, gate, up, down weights, and the lm_head's when `head`) + 2 x 2 x
-    hidden x context per layer for QK^T and AV. Embedding lookups, norms and activations are not counted."""
+    hidden x context per layer for QK^T and AV. Embedding lookups, norms and activations are not counted; nor is a
+    vision-language model's vision tower (its language model's are)."""
+    hf_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     h = hf_config.hidden_size
     layers = hf_config.num_hidden_layers
     heads = hf_config.num_attention_heads

@@ -253,10 +253,13 @@ def tiny_config(model_type: str, *, layers: int = TINY_LAYERS):
 
 def build_any(out_dir: str, model_type: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> str:
     """Write a tiny random `model_type` (tiny_config) with the byte-level tokenizer into out_dir; returns it.
-    Raises whatever transformers raises when the scaled config cannot be built."""
+    A vision-language type of VLM_ARCHS goes to build_vlm. Raises whatever transformers raises when the scaled
+    config cannot be built."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if model_type in VLM_ARCHS:
+        return build_vlm(out_dir, model_type, seed=seed, layers=layers)
     cfg = tiny_config(model_type, layers=layers)
     os.makedirs(out_dir, exist_ok=True)
     build_tokenizer(out_dir)
@@ -265,4 +268,76 @@ def build_any(out_dir: str, model_type: str, *, seed: int = 0, layers: int = TIN
         model = AutoModelForCausalLM.from_config(cfg).float()
     model.save_pretrained(out_dir, safe_serialization=True)
     AutoConfig.from_pretrained(out_dir)  # the saved config.json must load again (not every scaled config does)
+    return out_dir
+
+
+# ---- vision-language: Qwen2.5-VL / Qwen3-VL ---------------------------------------------------------------------
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+# the tiny chat template for messages whose content is a string or a list of {"type": "image"} / {"type": "text"}
+# parts, rendering an image as Qwen-VL's chat templates do: <|vision_start|><|image_pad|><|vision_end|>
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# per family: the rotary sections of the 3-D (temporal, height, width) positions (their sum is head_dim / 2 = 16)
+# and what the vision tower sets beyond its sizes
+VLM_ARCHS = {
+    "qwen2_5_vl": ({"mrope_section": [4, 6, 6]}, {"patch_size": 14, "fullatt_block_indexes": [1], "window_size": 56}),
+    "qwen3_vl": ({"mrope_section": [6, 5, 5], "mrope_interleaved": True},
+                 {"patch_size": 16, "deepstack_visual_indexes": [0], "num_position_embeddings": 64}),
+}
+
+
+def build_vlm_tokenizer(out_dir: str | None = None):
+    """build_tokenizer's byte-level tokenizer (same ids for text) with Qwen-VL's vision tokens after the bytes and a
+    chat template that renders image parts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet + VISION_TOKENS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=SPECIAL_TOKENS[1:] + VISION_TOKENS)
+    hf.chat_template = VLM_CHAT_TEMPLATE
+    if out_dir is not None:
+        hf.save_pretrained(out_dir)
+    return hf
+
+
+def build_vlm(out_dir: str, arch: str = "qwen2_5_vl", *, seed: int = 0, layers: int = TINY_LAYERS) -> str:
+    """Write a tiny random Qwen2.5-VL or Qwen3-VL (its language model as tiny_config's, a 2-block vision tower of
+    width 64, patches merged 2 x 2 into one image token) with build_vlm_tokenizer and Qwen2-VL's image processor
+    (images resized to between 1 and 16 image tokens) into out_dir; returns it."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if arch not in VLM_ARCHS:
+        raise ValueError(f"unknown tiny vision-language architecture {arch!r}; choose one of {', '.join(VLM_ARCHS)}")
+    rope, vision = VLM_ARCHS[arch]
+    os.makedirs(out_dir, exist_ok=True)
+    tok = build_vlm_tokenizer(out_dir)
+    cfg = tiny_config(arch, layers=layers)
+    text = cfg.text_config
+    text.rope_parameters = {**text.rope_parameters, **rope}
+    v = cfg.vision_config
+    v.depth, v.hidden_size, v.num_heads, v.intermediate_size, v.out_hidden_size = 2, 64, 2, 128, text.hidden_size
+    for key, value in vision.items():
+        setattr(v, key, value)
+    ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+    cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id = ids
+    cfg.video_token_id = len(tok)  # no video here: an id inside the vocabulary that no text token has
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(cfg).float()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    side = v.patch_size * 2  # one image token per side x side pixels
+    Qwen2VLImageProcessorPil(patch_size=v.patch_size, temporal_patch_size=2, merge_size=2, min_pixels=side * side,
+                             max_pixels=16 * side * side).save_pretrained(out_dir)
     return out_dir

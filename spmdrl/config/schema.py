@@ -18,6 +18,9 @@ class DataConfig:
     """Validation files, same schema; empty disables validation."""
     prompt_key: str = "prompt"
     """Column holding the chat messages (list of {role, content})."""
+    image_key: str = "images"
+    """A vision-language model's column of each prompt's images (verl's multimodal schema: a list of {bytes, path},
+    bytes or paths; an `<image>` placeholder in the prompt per image). Read only when model.path is one."""
     max_prompt_length: int = 512
     """Longest prompt in tokens, after the chat template."""
     max_response_length: int = 512
@@ -120,6 +123,8 @@ class ActorConfig:
     """Floor of the cosine/linear schedule as a fraction of lr."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    freeze_vision_tower: bool = False
+    """A vision-language model's vision tower (and its merger) is not trained (FSDP2 backend)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     ppo_mini_batch_size: int = 0

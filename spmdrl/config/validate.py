@@ -683,6 +683,7 @@ def validate_architecture(cfg) -> None:
         if hf is None:
             continue
         source = f"{key} = {path!r}"
+        _check_vision_language(cfg, source, hf.get("model_type"), megatron, vllm_loads)
         check_architecture_known(hf, source, vllm=vllm_loads)
         model_type = hf["model_type"]
         if megatron:
@@ -700,6 +701,36 @@ def validate_architecture(cfg) -> None:
                 f"{', '.join(MEGATRON_MODEL_TYPES)} only; use trainer.backend = 'fsdp' (trainer.critic_backend for the "
                 "critic) or a model of one of those architectures"
             )
+
+
+def _check_vision_language(cfg, source: str, model_type: str, megatron: bool, vllm: bool) -> None:
+    """A vision-language model (engines/loading.py VISION_LANGUAGE) trains on the FSDP2 backend with the transformers
+    rollout engine (vLLM 0.32 builds one only with torchvision installed: its Qwen-VL modules import transformers'
+    torchvision image processors); actor.freeze_vision_tower needs one."""
+    import importlib.util
+
+    from spmdrl.models.vision import VISION_LANGUAGE
+
+    if model_type not in VISION_LANGUAGE:
+        if cfg.actor.freeze_vision_tower and source.startswith("model.path"):
+            raise ConfigError(f"actor.freeze_vision_tower = true: {source} is a {model_type!r} text model without a "
+                              "vision tower; set it to false")
+        return
+    if megatron:
+        raise ConfigError(f"{source} is a vision-language model ({model_type}); the Megatron backend trains text models "
+                          "only: set trainer.backend = 'fsdp'")
+    # the images travel with the batch on the rank that sampled it (Batch.meta), through one generate call
+    for key, on in (("placement.mode = 'split'", cfg.placement.mode == "split"),
+                    ("multi_turn.enable = true", cfg.multi_turn.enable),
+                    (f"rollout.partial = {cfg.rollout.partial!r}", cfg.rollout.partial != "off")):
+        if on and source.startswith("model.path"):
+            raise ConfigError(f"{key}: {source} is a vision-language model ({model_type}), whose images go through "
+                              "colocated single-turn rollouts only for now; unset it")
+    if vllm:
+        why = ("vLLM 0.32 builds it only with torchvision installed, which the CPU install removes, and "
+               if importlib.util.find_spec("torchvision") is None else "")
+        raise ConfigError(f"{source} is a vision-language model ({model_type}): {why}spmdrl hands images to the "
+                          "transformers rollout engine only; set rollout.engine = 'hf'")
 
 
 PARQUET_FILES = "one or more parquet files in verl's schema"

@@ -14,6 +14,7 @@ KEY_MAP: dict[str, str | None] = {
     "data.train_files": "data.train_files",
     "data.val_files": "data.val_files",
     "data.prompt_key": "data.prompt_key",
+    "data.image_key": "data.image_key",
     "data.max_prompt_length": "data.max_prompt_length",
     "data.max_response_length": "data.max_response_length",
     "data.truncation": "data.truncation",

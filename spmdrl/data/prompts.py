@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from spmdrl.data import schema
+from spmdrl.data import images, schema
 from spmdrl.data.io import as_file_list, read_table
 from spmdrl.errors import ConfigError, DataError
 
@@ -35,6 +36,8 @@ class PromptBatch:
     extra_info: list[dict]
     raw_prompt: list[list[dict]]
     index: list[int]
+    vision: list | None = None  # per prompt its images' VisionInputs (data/images.py), None for a text prompt
+
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -67,8 +70,12 @@ class PromptDataset:
         prompt_key: str = schema.PROMPT,
         apply_chat_template: bool = True,
         tools: list[dict] | None = None,
+        vision=None,
+        image_key: str = images.IMAGE_KEY,
     ):
-        """tools: tool schemas the chat template renders into every prompt (`tools=`; multi-turn rollouts)."""
+        """tools: tool schemas the chat template renders into every prompt (`tools=`; multi-turn rollouts).
+        vision: a vision-language model's images.VisionPrompts; each row's images (column `image_key`, verl's
+        multimodal schema) then go into its prompt (data/images.py)."""
         if truncation not in TRUNCATION_MODES:
             raise ConfigError(f"data.truncation={truncation!r} is not one of {', '.join(TRUNCATION_MODES)}")
         if max_prompt_length <= 0:
@@ -86,14 +93,20 @@ class PromptDataset:
         self.prompt_key = prompt_key
         self.apply_chat_template = apply_chat_template
         self.tools = list(tools) if tools else None
+        self.vision = vision
+        self.image_key = image_key
         self.num_filtered = 0
         self.num_truncated = 0
+        self._image_tokens: dict[tuple[str, int], int] = {}  # (file, row) -> its image tokens (rows with images)
 
         self._tables: list[pa.Table] = []
         flats, lengths, file_of, row_of = [], [], [], []
         for f, path in enumerate(self.files):
             table = read_table(path)
             schema.validate_table(table, path, prompt_key=prompt_key)
+            if vision is not None and image_key not in table.column_names:
+                raise DataError(f"file {path}: no column {image_key!r} with the prompts' images (found "
+                                f"{', '.join(table.column_names)}); set data.image_key to the images column")
             self._tables.append(self._keep_columns(table))
             flat, lens = self._tokenize_file(table, path)
             flat, lens, rows = self._fit_lengths(flat, lens, path, table)
@@ -137,9 +150,13 @@ class PromptDataset:
         }
         if schema.EXTRA_INFO in table.column_names:
             cols[schema.EXTRA_INFO] = table.column(schema.EXTRA_INFO)
+        if self.vision is not None:
+            cols[images.IMAGE_KEY] = table.column(self.image_key)
         return pa.table(cols)
 
     def _tokenize_file(self, table: pa.Table, path) -> tuple[np.ndarray, np.ndarray]:
+        if self.vision is not None:
+            return self._tokenize_with_images(table, path)
         col = table.column(self.prompt_key)
         flats, lens = [np.zeros(0, dtype=np.int32)], [np.zeros(0, dtype=np.int64)]
         for start in range(0, len(col), _CHUNK_ROWS):
@@ -150,6 +167,32 @@ class PromptDataset:
             flats.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(n.sum())))
             lens.append(n)
         return np.concatenate(flats), np.concatenate(lens)
+
+    def _tokenize_with_images(self, table: pa.Table, path) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's prompt with its images' tokens (images.VisionPrompts); a row whose images do not match its
+        placeholders or do not decode is a row error; the image tokens of a row are counted in self._image_tokens."""
+        if not self.apply_chat_template:
+            raise ConfigError("data.apply_chat_template = false with images: the image placeholders become image "
+                              "parts of the chat messages, which only a chat template renders; set it to true")
+        col, items = table.column(self.prompt_key), table.column(self.image_key)
+        base = os.path.dirname(os.path.abspath(str(path)))
+        flats, lens = [np.zeros(0, dtype=np.int32)], []
+        for start in range(0, len(col), _CHUNK_ROWS):
+            convs = [images.image_messages(as_messages(p)) for p in col.slice(start, _CHUNK_ROWS).to_pylist()]
+            texts = render_chat(self.tokenizer, [c for c, _ in convs], path=path, start=start, column=self.prompt_key,
+                                tools=self.tools)
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            for k, (row_items, (_, n)) in enumerate(zip(items.slice(start, _CHUNK_ROWS).to_pylist(), convs)):
+                row = start + k
+                pics = images.row_images(path, row, self.image_key, row_items, n, base)
+                x = ids[k]
+                if pics:
+                    grid = self.vision.process(pics).image_grid_thw
+                    x = self.vision.expand(x, grid)
+                    self._image_tokens[(str(path), row)] = sum(self.vision.tokens_per_image(grid))
+                flats.append(np.asarray(x, dtype=np.int32))
+                lens.append(len(x))
+        return np.concatenate(flats), np.asarray(lens, dtype=np.int64)
 
     def _render(self, msgs: list[list[dict]], path, start: int) -> list[str]:
         if not self.apply_chat_template:
@@ -169,6 +212,15 @@ class PromptDataset:
             self.num_filtered += int(over.sum())
             keep = np.repeat(~over, lens)
             return flat[keep], lens[~over], rows[~over]
+        with_images = [int(r) for r in np.flatnonzero(over) if (str(path), int(r)) in self._image_tokens]
+        if with_images:  # cutting would cut an image's tokens: refused whatever data.truncation says
+            r = with_images[0]
+            raise schema.row_error(
+                path, r, self.image_key,
+                f"prompt is {int(lens[r])} tokens, {self._image_tokens[(str(path), r)]} of them image tokens, over "
+                f"data.max_prompt_length={limit}; raise data.max_prompt_length, send smaller images, or set "
+                "data.filter_overlong=true",
+            )
         if self.truncation == "error":
             bad = np.flatnonzero(over)
             more = f" ({len(bad) - 1} more rows are too long)" if len(bad) > 1 else ""
@@ -237,6 +289,7 @@ class PromptDataset:
         n = len(idx)
         data_source, ground_truth = [None] * n, [None] * n
         extra_info, raw_prompt = [None] * n, [None] * n
+        vision = [None] * n
         files = self._file_of[idx]
         for f in np.unique(files):
             pos = np.flatnonzero(files == f)
@@ -246,9 +299,15 @@ class PromptDataset:
             pr = sub.column("prompt").to_pylist()
             has_extra = schema.EXTRA_INFO in sub.column_names
             ei = sub.column(schema.EXTRA_INFO).to_pylist() if has_extra else [None] * len(pos)
+            pics = sub.column(images.IMAGE_KEY).to_pylist() if self.vision is not None else None
             for j, p in enumerate(pos):
                 data_source[p], ground_truth[p] = ds[j], gt[j]
                 raw_prompt[p], extra_info[p] = as_messages(pr[j]), _as_dict(ei[j])
+                if pics is not None and pics[j]:
+                    path = self.files[f]
+                    decoded = [images.decode_image(item, os.path.dirname(os.path.abspath(str(path))))
+                               for item in pics[j]]
+                    vision[p] = self.vision.process(decoded)
         return PromptBatch(
             input_ids=[self.prompt_ids(int(i)) for i in idx],
             data_source=data_source,
@@ -256,6 +315,7 @@ class PromptDataset:
             extra_info=extra_info,
             raw_prompt=raw_prompt,
             index=idx.tolist(),
+            vision=vision if self.vision is not None else None,
         )
 
 

@@ -21,6 +21,7 @@ from spmdrl.config.derived import resolve_dtype
 from spmdrl.engines.base import accumulate, clipped_step, forward_each, lr_lambda, resident, state_storages, step_metrics
 from spmdrl.engines.attention import HF_IMPLEMENTATION
 from spmdrl.models.model import backbone_of, decoder_blocks
+from spmdrl.models.vision import is_vision_language
 from spmdrl.engines.loading import build_meta_model, materialise
 from spmdrl.engines.response_index import ResponseIndex
 from spmdrl.engines.router_replay import RouterReplay, moe_routers
@@ -28,7 +29,7 @@ from spmdrl.engines.sequence_parallel import SequenceShard
 from spmdrl.engines.token_batch import TokenBatch, dense_rows, relayout
 from spmdrl.reshard.plan import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
-from spmdrl.errors import ConfigError
+from spmdrl.errors import ConfigError, SpmdrlError
 
 log = logging.getLogger("spmdrl")
 
@@ -48,6 +49,10 @@ def _model_inputs(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = No
     come out as [N, hi - lo, H], and every attention layer gets the shard (it exchanges heads over the sp group)."""
     kw = {}
     ids, pos = b.input_ids, b.position_ids
+    if is_vision_language(hf.config):
+        if b.cu_seqlens is not None:  # a packed batch of text alone
+            b = relayout(b, packed=False)
+        return _vision_language_inputs(hf, b), b
     if shard is not None:
         mask, kw = None, dict(sp=shard)
         ids, pos = shard.local(ids), shard.local(pos)
@@ -63,10 +68,46 @@ def _model_inputs(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = No
     return dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **kw), b
 
 
+def _vision_language_inputs(hf: nn.Module, b: TokenBatch) -> dict:
+    """A vision-language model's forward arguments: padded rows with their [B, L] mask (pack_sequences lays a batch
+    with images out so; a packed text-only batch is laid out again), no position ids (the model computes each row's
+    3-D rotary positions from the mask, its image tokens and the grids, as transformers does for one sample), the
+    images' pixel values and grids."""
+    from spmdrl.models.vision import token_types
+
+    if b.cu_seqlens is not None or b.mask is None or b.mask.dim() != 2:
+        raise ConfigError("a vision-language model's micro-batch must be padded rows (pack_sequences with vision)")
+    types = token_types(b.input_ids, hf.config.image_token_id, b.resp_pos[:, 0] + 1)  # rows start at column 0
+    kw = dict(input_ids=b.input_ids, attention_mask=b.mask, use_cache=False, mm_token_type_ids=types)
+    merge = hf.config.vision_config.spatial_merge_size
+    images = 0 if b.image_grid_thw is None else int(b.image_grid_thw.prod(-1).sum()) // (merge * merge)
+    if int(types.sum()) != images:  # the model would embed the image tokens as text: say so
+        raise SpmdrlError(f"a micro-batch of {type(hf).__name__} has {int(types.sum())} image tokens but images for "
+                          f"{images}: its samples' images (Batch.meta['vision']) were lost on the way to the forward")
+    if b.pixel_values is not None:
+        kw.update(pixel_values=b.pixel_values, image_grid_thw=b.image_grid_thw)
+    return kw
+
+
+def vision_tower(hf: nn.Module) -> nn.Module | None:
+    """A vision-language model's vision tower (Qwen-VL's `visual`, with its merger), None for a text model."""
+    return getattr(backbone_of(hf), "visual", None) if is_vision_language(hf.config) else None
+
+
+def _images_at_prompts(hf: nn.Module, kw: dict):
+    """A vision-language forward's images go to its prompts' image tokens only (data/images.prompt_images_only)."""
+    if "mm_token_type_ids" not in kw:
+        return contextlib.nullcontext()
+    from spmdrl.models.vision import prompt_images_only
+
+    return prompt_images_only(backbone_of(hf), kw["mm_token_type_ids"])
+
+
 def _backbone_hidden(hf: nn.Module, b: TokenBatch, shard: SequenceShard | None = None) -> tuple[torch.Tensor, TokenBatch]:
     """Last hidden states [N, L, H] and the batch they belong to (_model_inputs)."""
     kw, b = _model_inputs(hf, b, shard)
-    return backbone_of(hf)(**kw).last_hidden_state, b
+    with _images_at_prompts(hf, kw):
+        return backbone_of(hf)(**kw).last_hidden_state, b
 
 
 HEADS = ("fused", "model")  # the log-prob head: spmdrl's chunked kernel, or the model's own forward to logits
@@ -94,7 +135,8 @@ class _LogprobHead(nn.Module):
         computes them here. shard: sequence parallelism (this rank's tokens; results summed over sp)."""
         if self.head == "model":
             kw, laid_out = _model_inputs(self.hf, b, shard)
-            logits = self.hf(**kw).logits
+            with _images_at_prompts(self.hf, kw):
+                logits = self.hf(**kw).logits
         else:
             hidden, laid_out = _backbone_hidden(self.hf, b, shard)
         if index is None or laid_out is not b:
@@ -200,11 +242,13 @@ class FSDPEngine:
         logprob_head: str = "auto",
         router_replay: bool = False,
         router_losses: bool = False,
+        freeze_vision_tower: bool = False,
     ):
         """attn_implementation, logprob_head: model.attn_implementation and model.logprob_head ("auto": spmdrl's
         kernels, switched to transformers' own by the model's needs and by the parity check). router_replay: a mixture-of-experts model's forwards route each token to the experts its TokenBatch.routes
         name (engines/router_replay.py); without it they only measure the agreement. router_losses: its forwards
-        under autograd keep the load-balancing and z-loss terms (moe_losses)."""
+        under autograd keep the load-balancing and z-loss terms (moe_losses). freeze_vision_tower: a vision-language
+        model's vision tower (and its merger into the language model) is not trained."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         self.device = device
         self.mesh = mesh
@@ -240,6 +284,11 @@ class FSDPEngine:
             init_fresh = lora_mod.adapter_init(self.lora)
         elif not trainable:
             hf.requires_grad_(False)
+        self.vision_tower = vision_tower(hf)
+        if freeze_vision_tower:
+            if self.vision_tower is None:
+                raise ConfigError(f"actor.freeze_vision_tower = true: model.path = {model_path!r} has no vision tower")
+            self.vision_tower.requires_grad_(False)
         if mesh.tp_size > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
@@ -260,6 +309,8 @@ class FSDPEngine:
         if self.host_offload_policy:
             kw["offload_policy"] = CPUOffloadPolicy()
         blocks = decoder_blocks(backbone_of(hf))
+        if self.vision_tower is not None:  # its own FSDP unit: gathered once per forward, frozen or not as a whole
+            fully_shard(self.vision_tower, **kw)
         for i, block in enumerate(blocks):
             if compile:  # the block's own computation; FSDP2's hooks around it stay eager
                 block.forward = torch.compile(block.forward, dynamic=True)

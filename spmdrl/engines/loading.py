@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from spmdrl.errors import ConfigError
 from spmdrl.models.checkpoint import CheckpointReader, checkpoint_index
 from spmdrl.models.model import class_supports, class_takes_attention_functions, dropout_off, eager_only_attention, meta_model
+from spmdrl.models.vision import is_vision_language
 
 log = logging.getLogger("spmdrl")
 
@@ -37,7 +38,11 @@ def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bo
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path = {model_path!r}: cannot load the model ({e}); give an HF model directory or hub id") from None
-    if not value_head and getattr(config, "get_text_config", lambda: config)() is not config:
+    if is_vision_language(config) and value_head:
+        raise ConfigError(f"model.path = {model_path!r}: a vision-language model ({config.model_type}) as a critic or "
+                          "reward model is not supported; give a text model")
+    if not value_head and not is_vision_language(config) and \
+            getattr(config, "get_text_config", lambda: config)() is not config:
         raise ConfigError(f"model.path = {model_path!r}: model type {config.model_type!r} is a multimodal model "
                           f"({', '.join(getattr(config, 'architectures', None) or [type(config).__name__])}); spmdrl "
                           "trains text models: give a checkpoint of its language model alone (its text model type, "
@@ -46,6 +51,12 @@ def build_meta_model(model_path: str, *, value_head: bool, trust_remote_code: bo
     if switched_off:
         log.info("model.path = %r: dropout set to 0 for training (%s; vLLM never applies it): the update's forward "
                  "must compute the policy that sampled", model_path, ", ".join(switched_off))
+    if is_vision_language(config) and attn_implementation not in ("sdpa", "eager"):
+        # its vision tower runs bidirectional attention over each image through the same attention functions, which
+        # spmdrl's causal kernels are not
+        log.info("model.path = %r (%s, vision-language): it trains with transformers' SDPA attention and padded rows",
+                 model_path, config.model_type)
+        attn_implementation = "sdpa"
     if attn_implementation not in ("sdpa", "eager") and not class_takes_attention_functions(config, value_head):
         attn_implementation = "sdpa" if class_supports(config, value_head, "_supports_sdpa") else "eager"
         log.info("model.path = %r (%s) runs its own attention classes, not transformers' attention functions: it "
@@ -72,7 +83,7 @@ def _real_buffers(hf: nn.Module) -> None:
         if not any(b.is_meta for b in mod.buffers(recurse=False)):
             continue
         try:
-            fresh = type(mod)(hf.config)
+            fresh = type(mod)(getattr(mod, "config", None) or hf.config)  # a sub-model's rotary: its own config
         except TypeError as e:  # built from more than the config (Gemma 3's scaled embedding): the model's own
             # weight initialisation fills its non-persistent buffers, as transformers' loading does
             for bname, b in list(mod.named_buffers(recurse=False)):

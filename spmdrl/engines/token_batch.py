@@ -20,7 +20,9 @@ class TokenBatch:
     state that predicts response token j of sequence b (its start + prompt_len - 1 + j); resp_ids [B, R];
     resp_mask [B, R]. routes (rollout routing replay): int64 [N, L, layers, top_k], the experts the rollout engine
     routed each token of input_ids to, -1 where it routed none (padding, a sequence's last token); None without
-    replay.
+    replay. pixel_values [patches, D] and image_grid_thw [images, 3] (a vision-language model's batch): the images
+    of its sequences, in sequence order, as the image processor made them (data/images.py); such a batch is always
+    padded rows (pack_sequences).
     """
 
     input_ids: torch.Tensor
@@ -33,6 +35,8 @@ class TokenBatch:
     cu_seqlens: torch.Tensor | None = None  # packed: int32 [n + 1]
     max_seqlen: int = 0  # packed: the longest sequence
     routes: torch.Tensor | None = None  # replay: [N, L, layers, top_k], -1 = none
+    pixel_values: torch.Tensor | None = None  # images of the sequences, in order: [patches, D]
+    image_grid_thw: torch.Tensor | None = None  # [images, 3]
 
     def to(self, device) -> "TokenBatch":
         return TokenBatch(*(
@@ -60,17 +64,44 @@ class TokenBatch:
 
 def pack_sequences(
     prompts: list[torch.Tensor], responses: list[torch.Tensor], pad_id: int, *, packed: bool = False, row_len: int = 0,
-    routes: list[torch.Tensor] | None = None,
+    routes: list[torch.Tensor] | None = None, vision: list | None = None,
 ) -> TokenBatch:
     """Build a TokenBatch from ragged prompt and response token tensors (1-D int64 each): one right-padded
     sequence per row; with `packed`, all sequences in one row with cu_seqlens (packing.pack_varlen), or with
     `packed` and row_len > 0 the row-packed reference layout, whole sequences first-fit into rows of row_len
     tokens with a block-diagonal causal mask (packing.pack_rows). routes: per sequence, the rollout's routes
-    [len(prompt) + len(response), layers, top_k] (-1 = none), laid out like input_ids in TokenBatch.routes."""
+    [len(prompt) + len(response), layers, top_k] (-1 = none), laid out like input_ids in TokenBatch.routes.
+    vision: per sequence, its images' inputs (an object with pixel_values and image_grid_thw, data/images.py) or
+    None; with any images the batch is padded rows whatever `packed` says (a vision-language model's 3-D rotary
+    positions are computed by the model from each row's image tokens and grids, which packing cannot express)."""
+    if vision is not None and any(v is not None for v in vision):
+        if packed:
+            _log_padded_once()
+        tb = _pack(prompts, responses, pad_id, False, 0)
+        mine = [v for v in vision if v is not None]
+        tb.pixel_values = torch.cat([v.pixel_values for v in mine])
+        tb.image_grid_thw = torch.cat([v.image_grid_thw for v in mine]).long()
+        if routes is not None:
+            tb.routes = _place(tb, [len(p) for p in prompts], routes)
+        return tb
     tb = _pack(prompts, responses, pad_id, packed, row_len)
     if routes is not None:
         tb.routes = _place(tb, [len(p) for p in prompts], routes)
     return tb
+
+
+_padded_logged = False
+
+
+def _log_padded_once() -> None:
+    global _padded_logged
+    if not _padded_logged:
+        _padded_logged = True
+        import logging
+
+        logging.getLogger("spmdrl").info(
+            "micro-batches with images are laid out as padded rows, not packed: the model computes each row's 3-D "
+            "rotary positions from its image tokens and grids")
 
 
 def _place(tb: TokenBatch, prompt_lens: list[int], routes: list[torch.Tensor]) -> torch.Tensor:

@@ -70,7 +70,7 @@ def build_engines(cfg: Config, meshes: RoleMeshes, device: torch.device, on_buil
                    lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio, grad_clip=a.grad_clip),
         **recompute, defer_grad_sync=cfg.memory.defer_grad_sync,
         total_steps=cfg.trainer.total_steps * updates_per_step, **common, **lora, **attn("actor"), **replay("actor"),
-        **host_optimizer("actor"),
+        **host_optimizer("actor"), **({"freeze_vision_tower": True} if a.freeze_vision_tower else {}),
     )
     on_built("actor", actor)
     ref = None

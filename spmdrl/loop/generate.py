@@ -55,6 +55,16 @@ def rollout_to_batch(prompts: list[list[int]], prompt_idx: list[int], out, n: in
     return batch
 
 
+def generate_with_images(rollout, dataset: PromptDataset, prompts: list[list[int]], prompt_idx: list[int], spec,
+                         seeds: list[int], pad_id: int) -> Batch:
+    """A generate call whose prompts carry their images (data/images.py VisionInputs, per prompt or None); the batch
+    keeps each sample's in meta["vision"], which the forwards' micro-batches take (loop/update.py)."""
+    vision = dataset.batch(prompt_idx).vision
+    batch = rollout_to_batch(prompts, prompt_idx, rollout.generate(prompts, spec, seeds, vision=vision), spec.n, pad_id)
+    batch.meta["vision"] = [v for v in vision for _ in range(spec.n)]
+    return batch
+
+
 def trajectories_to_batch(trajs: list[Trajectory], prompt_idx: list[int], n: int, pad_id: int) -> Batch:
     """Multi-turn trajectories (n per prompt, prompt-major) as padded tensors: responses = every id after the
     prompt, response_mask 1 on model tokens only, rollout_log_probs 0 on tool/glue tokens, response_len the full
@@ -91,6 +101,8 @@ def sample(rollout, agent: AgentLoop | None, dataset: PromptDataset, prompt_idx:
     with `agent` the multi-turn loop."""
     if agent is None:
         prompts = [dataset.prompt_ids(i) for i in prompt_idx]
+        if dataset.vision is not None:  # a vision-language model: each prompt's images go with it
+            return generate_with_images(rollout, dataset, prompts, prompt_idx, spec, seeds, pad_id)
         return rollout_to_batch(prompts, prompt_idx, rollout.generate(prompts, spec, seeds), spec.n, pad_id)
     pb = dataset.batch(prompt_idx)
     kwargs = [(e or {}).get("tools_kwargs") or {} for e in pb.extra_info]

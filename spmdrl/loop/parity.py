@@ -96,8 +96,9 @@ class ParityCheck:
         spec = SamplingSpec(n=1, temperature=self.cfg.rollout.temperature or 1.0,
                             max_tokens=min(MAX_TOKENS, self.cfg.data.max_response_length))
         seeds = request_seeds(self.cfg.trainer.seed, 0, 0, len(idx))
+        vision = self.dataset.batch(idx).vision  # a vision-language model's images (None for text)
         try:
-            out = self.rollout.generate(prompts, spec, seeds)
+            out = self.rollout.generate(prompts, spec, seeds, **({"vision": vision} if vision is not None else {}))
         except SpmdrlError:
             raise
         except Exception as e:  # the run's first generation: a model the engine builds but cannot run here
@@ -105,7 +106,10 @@ class ParityCheck:
             raise ConfigError(f"parity check: the rollout engine cannot generate with model.path = "
                               f"{self.cfg.model.path!r} here ({summary(e)}); try rollout.model_impl = "
                               "'transformers' or rollout.engine = 'hf'") from None
-        return rollout_to_batch(prompts, idx, out, 1, self.pad_id)
+        batch = rollout_to_batch(prompts, idx, out, 1, self.pad_id)
+        if vision is not None:
+            batch.meta["vision"] = vision
+        return batch
 
     def run(self, memory, synced: bool) -> dict[str, float]:
         """Check, switch the actor's compute path if that closes the gap, or raise ConfigError. Returns the
@@ -198,7 +202,8 @@ class ParityCheck:
 
         rows = [(batch["prompts"][i, : batch["prompt_len"][i]], batch["responses"][i, : batch["response_len"][i]])
                 for i in range(len(batch))]
-        tb = pack_sequences([p for p, _ in rows], [r for _, r in rows], self.pad_id, packed=False)
+        tb = pack_sequences([p for p, _ in rows], [r for _, r in rows], self.pad_id, packed=False,
+                            vision=batch.meta.get("vision"))
         out = self.actor.reference_logprobs(tb, temperature=temperature)
         if out is None:
             return None

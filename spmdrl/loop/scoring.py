@@ -41,6 +41,8 @@ class Scorer:
         batch.meta["ground_truth"] = [pb.ground_truth[pos[r]] for r in rows]
         batch.meta["extra_info"] = [pb.extra_info[pos[r]] for r in rows]
         batch.meta["raw_prompt"] = [pb.raw_prompt[pos[r]] for r in rows]
+        if pb.vision is not None:  # a vision-language model's images, for the training forwards (loop/update.py)
+            batch.meta["vision"] = [pb.vision[pos[r]] for r in rows]
         mine = mesh.tp_range(len(batch))
         if "trajectory" in batch:  # multi-turn: the turns, and the final turn's text as the solution
             infos = decode_infos(batch["trajectory"])

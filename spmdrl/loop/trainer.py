@@ -33,7 +33,9 @@ from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.collectives import reduce_max, reduce_mean, redistribute
 from spmdrl.dist.meshes import RoleMeshes
+from spmdrl.data.images import VisionPrompts
 from spmdrl.models.model import load_hf_config
+from spmdrl.models.vision import is_vision_language
 from spmdrl.faults import graceful_stop, inject_fault_if_asked, named_failures, set_collective_timeout
 from spmdrl.hooks import HookRunner, StageHooks
 from spmdrl.loop.build import (
@@ -102,6 +104,9 @@ class Trainer:
             max_prompt_length=d.max_prompt_length, truncation=d.truncation, filter_overlong=d.filter_overlong,
             prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template, tools=tool_schemas(tools),
         )
+        if is_vision_language(load_hf_config(cfg.model.path, cfg.model.trust_remote_code)):  # images in the prompts
+            ds_kw.update(vision=VisionPrompts(cfg.model.path, tokenizer, load_hf_config(cfg.model.path)),
+                         image_key=d.image_key)
         train_ds = self.train_ds = PromptDataset(d.train_files, tokenizer, **ds_kw)
         val_ds = PromptDataset(d.val_files, tokenizer, **ds_kw) if d.val_files else None
         sampler = self.sampler = DistributedPromptSampler(  # training ranks of a split layout only count its draws

@@ -71,7 +71,8 @@ def micro_batches(
         if route_shape is not None and "routed_experts" in mb:
             routes = [decode_routes(mb["routed_experts"][i], len(p) + len(r), route_shape)
                       for i, (p, r) in enumerate(zip(prompts, resps))]
-        out.append((mb, pack_sequences(prompts, resps, pad_id, packed=packed, routes=routes)))
+        out.append((mb, pack_sequences(prompts, resps, pad_id, packed=packed, routes=routes,
+                                       vision=mb.meta.get("vision"))))
     return out
 
 
@@ -271,7 +272,7 @@ def forward_all(
     Forward-only passes keep no activations for backward, so they can take larger micro-batches than the
     update (actor.forward_micro_batch_size / forward_max_tokens_per_micro_batch)."""
     engine.eval()
-    batch = Batch({**batch.tensors, "_row": torch.arange(len(batch))})  # where each sample goes back to
+    batch = Batch({**batch.tensors, "_row": torch.arange(len(batch))}, batch.meta)  # where each sample goes back to
     group = engine.mesh.group("dp") if max_tokens > 0 else None
     mbs = micro_batches(batch, micro_size, pad_id, max_tokens=max_tokens, packed=packed, group=group,
                         route_shape=route_shape)

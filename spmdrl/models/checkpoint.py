@@ -94,8 +94,12 @@ def _ops(conversion) -> list[tuple[str, int | None]]:
 def checkpoint_names(config):
     """name -> the name a checkpoint uses for it: transformers' renames of this model type undone (Mixtral's
     in-memory `.mlp.` is the checkpoint's `.block_sparse_moe.`); other names unchanged."""
+    from spmdrl.models.vision import is_vision_language
+
     renames = [(c.target_patterns[0], c.source_patterns[0]) for c in _conversions(config)
                if not _ops(c) and len(c.source_patterns) == len(c.target_patterns) == 1]
+    if is_vision_language(config):  # Qwen-VL's published checkpoints: visual.*, and model.* for the language model
+        renames += [("model.visual.", "visual."), ("model.language_model.", "model.")]
 
     def name_of(name: str) -> str:
         for model_part, ckpt_part in renames:

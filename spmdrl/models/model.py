@@ -57,8 +57,14 @@ def meta_model(config, *, value_head: bool, **kw):
     form) with every parameter on the meta device; `config` itself is left as it is."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+    from spmdrl.models.vision import is_vision_language
+
     config = copy.deepcopy(config)
     with torch.device("meta"):
+        if is_vision_language(config) and not value_head:
+            from transformers import AutoModelForImageTextToText
+
+            return AutoModelForImageTextToText.from_config(config, **kw)
         if value_head:
             config.num_labels = 1
             return AutoModelForTokenClassification.from_config(config, **kw)
@@ -81,7 +87,9 @@ def backbone_of(hf: nn.Module) -> nn.Module:
 
 def decoder_blocks(backbone: nn.Module) -> nn.ModuleList:
     """The backbone's list of decoder blocks (model.layers for Llama-style models, transformer.h for Falcon and
-    GPT-2, model.decoder.layers for OPT): its longest nn.ModuleList child, or a grandchild's when it has none."""
+    GPT-2, model.decoder.layers for OPT): its longest nn.ModuleList child, or a grandchild's when it has none; a
+    vision-language model's are its language model's (its vision tower's blocks are not decoder blocks)."""
+    backbone = getattr(backbone, "language_model", backbone)
     lists = [m for m in backbone.children() if isinstance(m, nn.ModuleList)]
     if not lists:
         lists = [m for c in backbone.children() for m in c.children() if isinstance(m, nn.ModuleList)]

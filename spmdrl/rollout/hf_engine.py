@@ -5,6 +5,11 @@ the whole model, so in a "TP group" each rank simply computes the same samples. 
 `max_num_seqs`; by default one generator per call, seeded with `call_seed(seeds)`, samples every row at once
 (the same on every rank passing the same seeds); with `per_request_seed` each sample has its own generator
 seeded by `sample_seed(seeds[i], j)` and rows are sampled one by one.
+
+A vision-language model's prompts may come with images (`vision`: per prompt its data.images.VisionInputs): such
+a request decodes alone, each token from a forward of the whole sequence with the prompt's pixel values, the
+model computing its 3-D rotary positions as the training engines' forward does (no KV cache: for tests and tiny
+models).
 """
 from __future__ import annotations
 
@@ -59,7 +64,10 @@ class HFEngine:
         trust_remote_code: bool = False,
         seed: int = 0,
     ):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+        from spmdrl.models.model import load_hf_config
+        from spmdrl.models.vision import is_vision_language
 
         _warn_slow_once()
         if device is None:
@@ -71,8 +79,10 @@ class HFEngine:
             raise ConfigError(f"rollout dtype={dtype!r}: use auto, float32, bfloat16 or float16")
         if max_num_seqs < 1:
             raise ConfigError(f"rollout.max_num_seqs={max_num_seqs}: must be >= 1")
+        self.vision_language = is_vision_language(load_hf_config(model_path, trust_remote_code))
+        auto = AutoModelForImageTextToText if self.vision_language else AutoModelForCausalLM
         with preserved_rng_state():
-            self.model = AutoModelForCausalLM.from_pretrained(
+            self.model = auto.from_pretrained(
                 model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
             ).to(self.device)
         self.model.eval()
@@ -89,22 +99,27 @@ class HFEngine:
         self._queue: list = []  # admitted requests: (RequestLog, prompt, seed, spec), in admission order
         self._stash: list[Completion] = []  # finished while generate stepped the engine; the next step() returns them
         self._shared: torch.Generator | None = None  # the unseeded requests' stream (reseed)
+        self._vision: dict = {}  # request id -> its images' inputs (queued requests with images)
         self.weight_version = 0
 
     # ----------------------------------------------------------------------------------------------- generate
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> RolloutOutput:
+    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int],
+                 vision: list | None = None) -> RolloutOutput:
         """spec.n samples per prompt, prompt-major; draws seeded by call_seed(seeds) (one generator for the
         call), or with per_request_seed sample j of prompt i by sample_seed(seeds[i], j). A drain of the
-        request-level interface: every sample admitted, stepped until none is in flight."""
+        request-level interface: every sample admitted, stepped until none is in flight. vision: per prompt its
+        images' inputs or None (module docstring)."""
         check_generate_args(prompt_ids, spec, seeds)
         self._check_lengths(prompt_ids)
+        self._check_vision(prompt_ids, vision)
         ids = [f"{GENERATE_ID}{i}.{j}" for i in range(len(prompt_ids)) for j in range(spec.n)]
         prompts = [list(p) for p in prompt_ids for _ in range(spec.n)]
         sample_seeds = [sample_seed(s, j) if self.per_request_seed else None for s in seeds for j in range(spec.n)]
         self.reseed(call_seed(seeds))
-        self._enqueue(ids, prompts, replace(spec, n=1), sample_seeds)
+        per_sample = [v for v in vision for _ in range(spec.n)] if vision is not None else None
+        self._enqueue(ids, prompts, replace(spec, n=1), sample_seeds, per_sample)
         done: dict[str, Completion] = {}
         while len(done) < len(ids):  # requests admitted before finish meanwhile: the next step() returns them
             for c in self._step():
@@ -117,16 +132,31 @@ class HFEngine:
 
     # ------------------------------------------------------------------------------------ request-level interface
 
-    def admit(self, ids: list[str], prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int | None]) -> None:
-        """Queue one request per id (spec.n = 1); seed None draws from the engine's generator (reseed)."""
+    def admit(self, ids: list[str], prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list[int | None],
+              vision: list | None = None) -> None:
+        """Queue one request per id (spec.n = 1); seed None draws from the engine's generator (reseed). vision:
+        per request its images' inputs or None."""
         if any(i.startswith(GENERATE_ID) for i in ids):
             raise ConfigError(f"admit: request ids starting with {GENERATE_ID!r} are generate's own")
         check_admission([log.id for log, _, _, _ in self._queue], ids, prompt_ids, spec, seeds)
         self._check_lengths(prompt_ids)
-        self._enqueue(ids, prompt_ids, spec, seeds)
+        self._check_vision(prompt_ids, vision)
+        self._enqueue(ids, prompt_ids, spec, seeds, vision)
 
-    def _enqueue(self, ids: list[str], prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list) -> None:
+    def _enqueue(self, ids: list[str], prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list,
+                 vision: list | None = None) -> None:
+        vision = vision if vision is not None else [None] * len(ids)
         self._queue += [(RequestLog(rid), list(p), seed, spec) for rid, p, seed in zip(ids, prompt_ids, seeds)]
+        self._vision.update({rid: v for rid, v in zip(ids, vision) if v is not None})
+
+    def _check_vision(self, prompt_ids: list[list[int]], vision: list | None) -> None:
+        if vision is None:
+            return
+        if len(vision) != len(prompt_ids):
+            raise ConfigError(f"rollout: {len(vision)} image inputs for {len(prompt_ids)} prompts")
+        if not self.vision_language and any(v is not None for v in vision):
+            raise ConfigError("rollout: prompts with images need a vision-language model (Qwen2.5-VL, Qwen3-VL); "
+                              f"this one is a {type(self.model).__name__}")
 
     def step(self) -> list[Completion]:
         """Decode the next max_num_seqs queued requests of one sampling spec to the end, as one batch (no
@@ -154,7 +184,12 @@ class HFEngine:
         else:
             gens = [shared if seed is None else torch.Generator(device=self.device).manual_seed(seed)
                     for _, _, seed, _ in chunk]
-        ids, lps, reasons = self._generate_batch([p for _, p, _, _ in chunk], gens, spec)
+        if any(log.id in self._vision for log, _, _, _ in chunk):  # with images: each request alone
+            rows = [self._generate_vision(p, self._vision.pop(log.id, None), gens[min(k, len(gens) - 1)], spec)
+                    for k, (log, p, _, _) in enumerate(chunk)]
+            ids, lps, reasons = (list(x) for x in zip(*rows))
+        else:
+            ids, lps, reasons = self._generate_batch([p for _, p, _, _ in chunk], gens, spec)
         out = []
         for (log, _, _, _), t, lp, reason in zip(chunk, ids, lps, reasons):
             log.extend(t, lp if spec.logprobs else [], self.weight_version)
@@ -167,6 +202,8 @@ class HFEngine:
         out = [log.done("abort") for log, _, _, _ in self._queue if log.id in gone]
         self._stash = [c for c in self._stash if c.id not in gone]
         self._queue = [item for item in self._queue if item[0].id not in gone]
+        for rid in gone:
+            self._vision.pop(rid, None)
         return out
 
     @property
@@ -235,6 +272,34 @@ class HFEngine:
         responses = [row[:n] for row, n in zip(toks, lengths)]
         logprobs = [row[:n] for row, n in zip(lps, lengths)]
         return responses, logprobs, ["stop" if s else "length" for s in stopped.tolist()]
+
+    def _generate_vision(self, prompt: list[int], vision, generator: torch.Generator, spec: SamplingSpec):
+        """One request of a vision-language model, decoded alone: every token from a forward of the whole sequence
+        so far with the prompt's images (the model's own 3-D rotary positions; no cache). Returns
+        (tokens, processed log-probs, finish reason)."""
+        from spmdrl.models.vision import prompt_images_only, token_types
+
+        dev, image_token = self.device, self.model.config.image_token_id
+        images = {} if vision is None else dict(pixel_values=vision.pixel_values.to(dev, self.model.dtype),
+                                                image_grid_thw=vision.image_grid_thw.to(dev))
+        max_new = spec.max_tokens if self.max_model_len is None else min(spec.max_tokens, self.max_model_len - len(prompt))
+        seq, tokens, lps, reason = list(prompt), [], [], "length"
+        stops = self.eos_ids | set(spec.stop_token_ids)
+        for _ in range(max(max_new, 0)):
+            x = torch.tensor([seq], device=dev)
+            types = token_types(x, image_token, torch.tensor([len(prompt)], device=dev))
+            with prompt_images_only(self.model.model, types):
+                logits = self.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False,
+                                    mm_token_type_ids=types, **images).logits[:, -1, :].float()
+            logits = _processed_logits(logits, spec)
+            t = _sample(logits, spec, [generator])
+            lps.append(float(torch.log_softmax(logits, -1)[0, t[0]]))
+            tokens.append(int(t[0]))
+            seq.append(tokens[-1])
+            if tokens[-1] in stops or (spec.stop and self._hit_stop_string(tokens, spec.stop)):
+                reason = "stop"
+                break
+        return tokens, lps, reason
 
     def _hit_stop_string(self, response: list[int], stops: list[str]) -> bool:
         text = self.tokenizer.decode(response, skip_special_tokens=True)
