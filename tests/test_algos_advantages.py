@@ -8,6 +8,8 @@ import torch
 from spmdrl.algos import ADV_ESTIMATORS, discounted_returns, group_stats
 from spmdrl.errors import ConfigError, SpmdrlError
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 NAN = float("nan")
 H = math.sqrt(3) / 2  # (1 - 0.5) / stdev([1, 0, 0, 1])
 

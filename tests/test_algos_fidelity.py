@@ -10,6 +10,8 @@ import torch
 from spmdrl.algos import ADV_ESTIMATORS, POLICY_LOSSES
 from spmdrl.algos.losses import resolve_agg_mode
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 D = torch.float64
 
 

@@ -12,6 +12,8 @@ from spmdrl.algos.losses import resolve_agg_mode
 from spmdrl.algos.sampling import dynamic_sampling_quota
 from spmdrl.errors import ConfigError
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 D = torch.float64
 
 

@@ -15,6 +15,8 @@ from spmdrl.algos import (
 )
 from spmdrl.errors import ConfigError, SpmdrlError
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 LN2 = math.log(2)
 NAN = float("nan")
 

@@ -16,6 +16,8 @@ from spmdrl.algos import (
 )
 from spmdrl.errors import ConfigError, SpmdrlError
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 NAN = float("nan")
 
 # ------------------------------------------------------------------ masked reductions and agg_loss

@@ -42,6 +42,7 @@ def reference_attention(q, k, v, lengths, scale, window=None):
                          ids=["per-sequence", "one-call"])
 @pytest.mark.parametrize("heads, kv_heads, window", [(4, 2, None), (6, 1, None), (2, 2, None), (4, 2, 3)],
                          ids=["gqa", "mqa", "mha", "gqa-window3"])
+@pytest.mark.quick
 def test_varlen_kernel_equals_float64_reference(heads, kv_heads, window, lengths, path, monkeypatch):
     """Both CPU forms: one SDPA call per sequence (lengths that differ a lot) and one call over rows (similar
     lengths); a sliding window of 3 (Gemma 3's local layers) in both and in the padded form."""
@@ -163,6 +164,7 @@ def test_packed_varlen_metadata_and_a_wrong_boundary(varlen_model):
         check_varlen_metadata(bad, prompts, resps)
 
 
+@pytest.mark.quick
 def test_varlen_path_builds_no_dense_mask(varlen_model, monkeypatch):
     """A packed batch reaches every attention layer as one row with its boundaries and attention_mask None;
     the block-diagonal mask builder never runs."""
@@ -331,6 +333,7 @@ def cuda_call(monkeypatch, kernel, heads, kv_heads, scale, dtype=torch.bfloat16)
     return q, out, list(CALLS)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("scale", [None, 16 ** -0.5, 0.1], ids=["none", "default", "custom"])
 def test_cuda_varlen_call_fits_each_signature(kv_heads, scale, monkeypatch):
@@ -350,6 +353,7 @@ def test_cuda_varlen_call_fits_each_signature(kv_heads, scale, monkeypatch):
     assert args[0] is q and args[7:10] == (True, scale, [-1, 0]) and enable_gqa == (kv_heads != 4), args
 
 
+@pytest.mark.quick
 def test_cuda_varlen_folds_a_custom_scale_into_q_exactly():
     """Without a scale keyword, q * scale * sqrt(D) under the kernel's default 1/sqrt(D) is attention with
     `scale` (checked on CPU through SDPA, the same arithmetic the kernel does)."""
@@ -360,6 +364,7 @@ def test_cuda_varlen_folds_a_custom_scale_into_q_exactly():
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("kernel", [first_release, intermediate, None], ids=["first", "intermediate", "2.13"])
 def test_cuda_varlen_leaves_float32_to_sdpa(kernel, kv_heads, monkeypatch):

@@ -1,7 +1,11 @@
 """spmdrl.bench's reading of a run: completion tokens/s from the response length and the config's batch shape."""
 import json
 
+import pytest
+
 from spmdrl.bench import breakdown, compare
+
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
 
 
 def test_breakdown_counts_completion_tokens(tmp_path):

@@ -58,6 +58,7 @@ def saved(tmp_path):
     return tmp_path / "ckpt", save(tmp_path / "ckpt", 3, eng), eng
 
 
+@pytest.mark.quick
 def test_round_trip_is_exact_and_training_continues_identically(saved):
     _, path, eng = saved
     fresh = make_engine(seed=5)
@@ -77,6 +78,7 @@ def test_round_trip_is_exact_and_training_continues_identically(saved):
         assert torch.equal(a, b)
 
 
+@pytest.mark.quick
 def test_rng_state_survives_json():
     import random
 
@@ -116,6 +118,7 @@ def test_retention_and_auto_resume_skip_incomplete(tmp_path):
     assert not os.path.exists(root / ".tmp-step_00000010")
 
 
+@pytest.mark.quick
 def test_retention_deletes_only_this_runs_checkpoints(tmp_path):
     """An older run left steps 7 and 8; this run's saves at 1..3 keep its own newest two and all of the other's
     (retention once sorted by step and deleted this run's just-saved checkpoints)."""
@@ -211,6 +214,7 @@ def _distcp(path):
     ("rng_garbage_rehashed", r"RNG state is malformed"),
     ("metadata_garbage_rehashed", r"DCP metadata is corrupted"),
 ])
+@pytest.mark.quick
 def test_damaged_checkpoint_is_a_one_line_error(saved, damage, message):
     _, path, _ = saved
     shard = os.path.join(path, _distcp(path))
@@ -265,6 +269,7 @@ class _Payload:
         return (os.system, ("touch PWNED",))
 
 
+@pytest.mark.quick
 def test_loading_never_unpickles_arbitrary_objects(saved, tmp_path, monkeypatch):
     _, path, _ = saved
     calls = []

@@ -16,6 +16,8 @@ from spmdrl.cli import app
 from spmdrl.config import config_reference, load_config
 from spmdrl.errors import SpmdrlError
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(REPO, "configs", "grpo.toml")
 runner = CliRunner()

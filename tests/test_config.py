@@ -10,6 +10,8 @@ from spmdrl.config import Config, config_reference, load_config, to_toml, valida
 from spmdrl.config.docs import missing_docs
 from spmdrl.errors import ConfigError, LayoutError
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REGENERATE = "python -c \"from spmdrl.config import config_reference; open('docs/config.md','w').write(config_reference())\""
 

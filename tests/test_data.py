@@ -15,6 +15,8 @@ from spmdrl.errors import ConfigError, DataError
 from spmdrl.rewards import default_compute_score
 from spmdrl.tiny import build_tokenizer
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 @pytest.fixture(scope="module")
 def tok():

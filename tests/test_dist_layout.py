@@ -6,6 +6,8 @@ from spmdrl.dist.init import detect_env, expand_nodelist
 from spmdrl.dist.layout import RoleLayout, plan_layout
 from spmdrl.errors import LayoutError
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def test_colocated_layout_degrees_and_coords():
     lay = plan_layout(PlacementConfig(actor_tp=2, rollout_tp=4), 8)

@@ -42,6 +42,7 @@ def split_run() -> dict[int, list[dict]]:
     return logs
 
 
+@pytest.mark.quick
 def test_split_run_is_fine_unbound_and_hangs_device_bound():
     logs = split_run()
     assert check_nccl_rules(logs, device_bound=False) == []
@@ -53,6 +54,7 @@ def test_split_run_is_fine_unbound_and_hangs_device_bound():
     assert binds_device(split=True) is False and binds_device(split=False) is True
 
 
+@pytest.mark.quick
 def test_colocated_run_is_fine_either_way():
     logs = {r: [world_sync(g) for g in ([0, 1], [2, 3], WORLD, [0, 2], [1, 3])] for r in WORLD}
     assert check_nccl_rules(logs, device_bound=True) == []
@@ -71,6 +73,7 @@ def test_world_synchronised_creation_on_some_ranks_only():
                              "rank 2 creates [2, 3] (world-synchronised, other at ")
 
 
+@pytest.mark.quick
 def test_member_local_creations_in_another_order_or_name():
     logs = split_run()
     logs[1][-1]["name"] = "other"
@@ -105,6 +108,7 @@ def test_gloo_groups_under_a_device_bound_default_group():
     assert check_nccl_rules(lone, device_bound=False) == []  # unbound: gloo groups split nothing
 
 
+@pytest.mark.quick
 def test_split_group_takes_part_over_its_parent():
     logs = {r: [{"api": "split_group", "ranks": [r % 2, r % 2 + 2], "parent": WORLD, "splits": [[0, 2], [1, 3]],
                  "local": False, "caller": "spmdrl", "site": "x"}] for r in WORLD}
@@ -113,6 +117,7 @@ def test_split_group_takes_part_over_its_parent():
     assert len(check_nccl_rules(logs, device_bound=True)) == 3
 
 
+@pytest.mark.quick
 def test_recording_in_a_real_process_group(tmp_path):
     """One gloo process: new_group, world-synchronised and member-local, is recorded with its ranks, mode,
     name and caller, and torch's functions are given back after. (DeviceMesh, megatron-core and vLLM

@@ -74,6 +74,7 @@ def test_register_from_file_in_file_then_definition_order(tmp_path):
     assert not HookRunner([])
 
 
+@pytest.mark.quick
 def test_register_from_module_twice_in_one_process(tmp_path, monkeypatch):
     write(tmp_path / "spmdrl_test_hooks_mod.py", """
         from spmdrl.hooks import hook
@@ -91,6 +92,7 @@ def test_register_from_module_twice_in_one_process(tmp_path, monkeypatch):
         sys.modules.pop("spmdrl_test_hooks_mod", None)
 
 
+@pytest.mark.quick
 def test_unknown_stage_names_it_and_the_stages(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="unknown hook stage 'after_rollot'.*after_rollout, after_reward"):
         hook("after_rollot")
@@ -110,6 +112,7 @@ def test_unknown_stage_names_it_and_the_stages(tmp_path, monkeypatch):
         sys.modules.pop("bad", None)
 
 
+@pytest.mark.quick
 def test_file_that_registers_nothing_or_is_missing(tmp_path):
     empty = write(tmp_path / "empty.py", "def not_a_hook(ctx):\n    pass\n")
     with pytest.raises(ConfigError, match=r"empty\.py' registers no hooks"):
@@ -257,6 +260,7 @@ def test_example_sample_filter():
     assert m["filter/uniform_frac"] == pytest.approx(1 / 4)
 
 
+@pytest.mark.quick
 def test_example_custom_metric():
     runner = HookRunner([os.path.join(EXAMPLES, "custom_metric.py")])
     assert runner.run("after_step", ctx_for("after_step", toy_batch())) == {"custom/digits_only_frac": 4 / 6}
@@ -359,6 +363,7 @@ def test_examples_shape_filter_and_measure_a_real_step(hooked_run):
     assert "val/accuracy" in m and m["actor/grad_norm"] > 0
 
 
+@pytest.mark.quick
 @pytest.mark.dist
 def test_a_raising_hook_stops_the_run_naming_it(hooked_run):
     proc = hooked_run.proc
@@ -389,6 +394,7 @@ def test_validation_accuracy_stays_the_rule_score_beside_a_custom_reward(hooked_
                                                      zip(d["meta"]["response_text"], d["meta"]["ground_truth"])]
 
 
+@pytest.mark.quick
 def test_docs_batch_key_table_is_generated_from_batch_keys():
     """docs/hooks.md's "What the batch holds" is spmdrl.batch.BATCH_KEYS rendered, and the table's after_rollout
     tensors are what a rollout batch carries (spmdrl.loop.split.ROLLOUT_KEYS; weight_version is split-only,

@@ -12,6 +12,8 @@ from spmdrl.engines.megatron.convert import (dims_from_hf, hf_param_shapes, hf_p
                                              source_blocks, stage_layers, stage_megatron_names)
 from spmdrl.errors import ConfigError  # noqa: E402
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def _config(**kw):
     from transformers import Qwen2Config

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 pytest.importorskip("megatron.core")
 
 

@@ -10,6 +10,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from spmdrl.errors import DataError
 from spmdrl.metrics import MetricsLogger, StageTimer, peak_memory_gb, read_jsonl
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 STEPS = [
     {"train/reward_mean": 0.25, "actor/pg_loss": -0.5, "timing/step_s": 1.5, "perf/tokens_per_s": 1234.0},
     {"train/reward_mean": 0.5, "actor/pg_loss": -0.25, "val/accuracy": 0.75, "timing/step_s": 1.25},

@@ -223,6 +223,7 @@ def test_budget_overflow_truncates(hf_loop):
 
 # ---- config ----------------------------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_multi_turn_config_errors_name_the_key(tmp_path):
     from spmdrl.config import load_config
     from spmdrl.config.validate import validate_multi_turn
@@ -271,6 +272,7 @@ def test_generator_sample_renders_tools_and_passes_tools_kwargs(hf_loop, tool_mo
         assert t["turns"][0]["results"][0]["text"] == "41"
 
 
+@pytest.mark.quick
 def test_a_tool_result_cannot_forge_turns_and_a_huge_one_is_cut_first(tok):
     """Control tokens inside a tool result (`<|im_end|>...<|im_start|>user`) became real control-token ids, so
     the policy's context held a forged user turn; a 10 MB result was tokenized whole before it was cut."""

@@ -50,6 +50,7 @@ def test_bins_and_partitions():
         first_fit_decreasing(lengths, 8)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("row_len", [0, 96])
 def test_packed_forward_equals_padded_and_unpadded(model, row_len):
     prompts, resps = ragged(1, 9)
@@ -69,6 +70,7 @@ def test_packed_forward_equals_padded_and_unpadded(model, row_len):
         assert lp_pack[i, len(r):].abs().sum() == 0
 
 
+@pytest.mark.quick
 def test_packed_gradients_equal_padded(model):
     prompts, resps = ragged(2, 6)
     head = _LogprobHead(model)
@@ -82,6 +84,7 @@ def test_packed_gradients_equal_padded(model):
     assert (grads[0] - grads[1]).abs().max().item() < 1e-5
 
 
+@pytest.mark.quick
 def test_entropy_without_autograd_equals_differentiable():
     torch.manual_seed(0)
     h = torch.randn(37, 16, requires_grad=True)
@@ -98,6 +101,7 @@ def test_entropy_without_autograd_equals_differentiable():
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
+@pytest.mark.quick
 def test_micro_batches_token_budget_cover_the_batch_once():
     from spmdrl.loop.update import micro_batches
 
@@ -155,6 +159,7 @@ def test_update_gradient_is_layout_independent(tmp_path):
         assert err < 1e-5 * max(scale, 1.0), f"{layout}: max gradient error {err} (scale {scale})"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("row_len", [0, 64])
 def test_packed_metadata_restarts_positions_and_masks_each_sequence(row_len):
     """The row-packed reference layout (rows of row_len tokens; 0: dense_rows of a packed varlen batch, rows of

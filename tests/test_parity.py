@@ -16,6 +16,7 @@ from spmdrl.errors import ConfigError
 # ---- the model head's log-probs --------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.8)])
 def test_model_logits_head_equals_float64_and_the_fused_kernel(temperature, top_k, top_p):
     g = torch.Generator().manual_seed(0)
@@ -156,6 +157,7 @@ def test_soft_capped_attention_trains_with_eager_and_dropout_off(world, caplog):
 
 # ---- bounds, defaults, tiny builder ------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_mismatch_watch_warns_once_and_stops_past_the_error_bound(caplog):
     from spmdrl.config import Config
     from spmdrl.config.derived import logprob_diff_bounds
@@ -180,6 +182,7 @@ def test_mismatch_watch_warns_once_and_stops_past_the_error_bound(caplog):
         watch.check(6, {"rollout/logprob_diff_max": float("nan"), "rollout/logprob_diff_mean": float("nan")})
 
 
+@pytest.mark.quick
 def test_dropout_off_sets_every_dropout_probability_to_zero():
     from transformers import AutoConfig
 
@@ -192,6 +195,7 @@ def test_dropout_off_sets_every_dropout_probability_to_zero():
     assert dropout_off(cfg) == []
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("arch", ["olmo2", "deepseek_v3", "jamba", "gpt_oss", "granitemoe"])
 def test_tiny_config_scales_a_published_default_down(arch):
     """The sweep's tiny builder: transformers' defaults (a published model) scaled to a few hundred thousand to a

@@ -165,6 +165,7 @@ def test_split_plan_shows_the_roles_and_their_bytes():
     assert "vllm_pool" in p["memory"]["sync_rollout_ranks"]["gpu"]
 
 
+@pytest.mark.quick
 def test_plan_on_an_uncached_hub_id_fails_at_once_in_one_line(tmp_path):
     """No network retries: a hub id whose config.json is not in the HF cache is one line naming the fix."""
     import time
@@ -223,6 +224,7 @@ def test_plan_header_world_size_no_tracker_check_and_min_gpus(tmp_path):
     assert "# tried 2 GPU(s) memory.actor_offload=" in r.stderr
 
 
+@pytest.mark.quick
 def test_moe_plan_counts_total_and_active_parameters():
     """The plan's parameter counts of Qwen3-30B-A3B (the model of configs/qwen3_30b_a3b.toml; 30.5B published) and of
     those active per token (8 of 128 experts; 3.3B published), each from the config's shape fields by hand here.
@@ -265,6 +267,7 @@ def test_long_sequence_plan_divides_activations_by_sp_and_shows_the_longest_sequ
     assert p2["nccl"]["communicators"]["role_meshes"] == p1["nccl"]["communicators"]["role_meshes"] + 3
 
 
+@pytest.mark.quick
 def test_megatron_expert_parallel_state_by_hand():
     """The actor layout of configs/qwen3_30b_a3b.toml (Megatron tp 4 x ep 2), here on one node of 8 ranks, planned from Qwen3-30B-A3B's
     shapes: a rank holds the dense parameters / tp (router and norms whole, the vocabulary padded) plus the expert

@@ -49,6 +49,7 @@ def megatron_nccl_groups(tp: int, pp: int, dp: int) -> int:
     return sum(s > 1 for s in sizes)
 
 
+@pytest.mark.quick
 def test_build_phase_70b_by_hand(p70):
     """Engines built one at a time and fully offloaded after their build: the peak is one trainable engine at
     construction (bf16 weights, float32 DDP grad buffer, float32 main-param shard over dp = 2; Adam moments not
@@ -87,6 +88,7 @@ def test_nccl_communicators_70b(p70):
     assert t["nccl_p2p"] > 0 and "nccl_p2p" not in p70["memory"]["resume"]["gpu"]  # resume: no sync has run yet
 
 
+@pytest.mark.quick
 def test_fsdp_masters_are_float32_under_bf16():
     """FSDPEngine keeps float32 master shards for a trainable role whatever model.dtype; only the ref is stored in
     the compute dtype. Qwen2.5-7B over 8 ranks (configs/grpo.toml) with model.dtype = bfloat16."""
@@ -108,6 +110,7 @@ def tiny_llama(tmp_path, **dims) -> str:
     return str(tmp_path)
 
 
+@pytest.mark.quick
 def test_transport_peak_is_the_largest_vllm_layer(tmp_path):
     """One parameter per bucket, nothing moving (FSDP2 actor at TP=2 = vLLM TP=2 on 2 ranks): the peak is the
     largest vLLM layer's full-shaped tensors, all alive at once because vLLM's layerwise reload keeps a layer's
@@ -135,6 +138,7 @@ def test_transport_peak_is_the_largest_vllm_layer(tmp_path):
     assert peak["send_buffers"] == peak["recv_buffers"] == 0
 
 
+@pytest.mark.quick
 def test_transport_peak_counts_received_and_sent(tmp_path):
     """Actor dp=2 -> vLLM TP=2: each rank receives the half of its TP slice the other rank holds, in one bucket
     (the tiny model is below 1 MiB), and sends as much (twice: slices and their concatenation)."""

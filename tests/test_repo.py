@@ -6,6 +6,10 @@ import tokenize
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -579,3 +583,24 @@ def test_back_arrow_detection_finds_a_planted_one(tmp_path):
 def test_packages_import_only_lower_lines_of_the_package_order():
     hits = back_arrows(ROOT, package_lines())
     assert not hits, "imports against docs/architecture.md's package order:\n" + "\n".join(hits)
+
+
+def quick_modules(root: Path) -> dict[str, set[str]]:
+    """{test file with quick tests: the spmdrl packages (and top-level modules) it imports}."""
+    out = {}
+    for path in sorted((root / "tests").glob("test_*.py")):
+        text = path.read_text()
+        if "pytest.mark.quick" in text:
+            names = set(re.findall(r"\bspmdrl\.(\w+)", text))
+            for line in re.findall(r"^\s*from spmdrl import (.+)$", text, flags=re.M):
+                names |= {n.split(" as ")[0].strip(" ()") for n in line.split(",")} - {""}
+            out[path.name] = names
+    return out
+
+
+def test_the_quick_tier_touches_every_package():
+    """`pytest -m quick` (README) imports every package of spmdrl/ in at least one of its test files."""
+    packages = sorted(p.name for p in (ROOT / "spmdrl").iterdir() if (p / "__init__.py").is_file())
+    touched = set().union(*quick_modules(ROOT).values())
+    missing = [p for p in packages if p not in touched]
+    assert not missing, f"no quick test imports spmdrl.{missing}: mark one of its tests @pytest.mark.quick"

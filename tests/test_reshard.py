@@ -15,6 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---- the plan, pure ----------------------------------------------------------------------------------------
 
+@pytest.mark.quick
 @pytest.mark.parametrize("shape", [(12, 8), (10, 6), (7, 5), (3, 4)])
 @pytest.mark.parametrize("style", [None, "col", "row"])
 @pytest.mark.parametrize("dp,tp", [(1, 2), (2, 2), (3, 2), (2, 1), (4, 1)])
@@ -42,6 +43,7 @@ def test_fsdp_block_matches_dtensor_arithmetic(shape, style, dp, tp):
                 assert tuple(offs) == tuple(offset), (d, t)
 
 
+@pytest.mark.quick
 def test_vllm_reads_learnt_from_the_loaders_match_the_rules_by_hand():
     """What vLLM's Llama loaders read per TP rank, learnt by running them on meta tensors, against the slicing
     rules written out by hand from vLLM's layer classes (QKVParallelLinear with kv heads replicated below tp,
@@ -77,6 +79,7 @@ def _params():
             ("model.layers.0.input_layernorm.weight", (16,)), ("lm_head.weight", (100, 16))]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world,actor_tp,rollout_tp", [(2, 1, 2), (2, 2, 2), (4, 1, 2), (4, 2, 2), (4, 2, 4), (8, 4, 2)])
 def test_plan_covers_each_needed_element_once_at_the_lower_bound(world, actor_tp, rollout_tp):
     dims = ModelDims(num_heads=8, num_kv_heads=2, head_dim=4, vocab_size=100)

@@ -10,6 +10,8 @@ from spmdrl.rewards import REWARD_FNS, compute_rewards, default_compute_score, l
 from spmdrl.rewards.arith import arith_reward
 from spmdrl.rewards.gsm8k import compute_score, extract_solution
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def one_line(err, *needles):
     msg = str(err.value)

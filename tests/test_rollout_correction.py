@@ -12,6 +12,8 @@ from spmdrl.algos.token_stats import logprobs_from_hidden, truncate_logits
 from spmdrl.config import Config, validate
 from spmdrl.errors import ConfigError
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def batch(seed=0, B=6, T=7, spread=0.3):
     g = torch.Generator().manual_seed(seed)

@@ -40,6 +40,7 @@ def forward_logprobs(model, prompt, response):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
+@pytest.mark.quick
 def test_greedy_matches_argmax_decoding(engine):
     prompts = prompts_of(engine)  # different lengths: exercises left padding and the KV cache
     out = engine.generate(prompts, SamplingSpec(n=1, temperature=0.0, max_tokens=12), [0, 1, 2])
@@ -223,6 +224,7 @@ def test_auto_falls_back_to_hf_without_vllm(model_dir, monkeypatch):
         build_engine("vllm", model_path=model_dir)
 
 
+@pytest.mark.quick
 def test_sample_seed_is_deterministic_and_spread():
     assert sample_seed(7, 0) == sample_seed(7, 0)
     seeds = {sample_seed(s, j) for s in range(50) for j in range(8)}

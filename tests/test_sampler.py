@@ -6,6 +6,8 @@ import pytest
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.errors import CheckpointError, ConfigError
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def make(rank=0, size=1, n=23, batch=8, seed=7, **kw):
     return DistributedPromptSampler(n, dp_rank=rank, dp_size=size, batch_size=batch, seed=seed, **kw)

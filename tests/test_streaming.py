@@ -90,6 +90,7 @@ def test_requests_carried_across_a_weight_update_keep_and_recompute(engine_run, 
     assert min(gaps["keep"]) > 1e-3, gaps  # the old weights' keys and values kept
 
 
+@pytest.mark.quick
 def test_mixed_version_loss_is_ppo_on_behaviour_logprobs_float64():
     from spmdrl.algos import POLICY_LOSSES
     from spmdrl.batch import Batch

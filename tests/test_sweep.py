@@ -69,6 +69,7 @@ seeds = [0, 1]
 """
 
 
+@pytest.mark.quick
 def test_grid_runs_names_and_overrides(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     sw = sweep.load_sweep(write_sweep(tmp_path, GRID))
@@ -147,6 +148,7 @@ seeds = [7]
 ], ids=["unknown-key", "wrong-type", "empty-axis", "axis-not-list", "no-axes", "empty-axes", "missing-base",
         "no-base", "no-output-dir", "zip-unequal", "bad-mode", "unknown-top-key", "bad-override", "owned-override",
         "invalid-run", "layout", "seed-twice", "slurm-type", "bad-toml"])
+@pytest.mark.quick
 def test_errors_are_one_line_and_name_file_and_key(tmp_path, body, needles):
     path = write_sweep(tmp_path, body)
     assert_user_error(cli_run("sweep", "plan", path), path, *needles)
@@ -305,6 +307,7 @@ def test_report_without_any_run_is_an_error(tmp_path):
     assert_user_error(cli_run("sweep", "report", path), "no run has metrics", "spmdrl sweep run")
 
 
+@pytest.mark.quick
 def test_example_sweep_plans():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sw = sweep.load_sweep(os.path.join(repo, "configs", "ablations", "estimators.toml"))

@@ -52,6 +52,7 @@ def hang(seconds: float = 3) -> str:
     return "woke"
 
 
+@pytest.mark.quick
 def test_every_failure_kind_gives_one_error_result_and_the_other_calls_run():
     runner = ThreadToolRunner(
         [tool(add), tool(boom), tool(hang), tool(lambda: object(), "obj"), tool(lambda: None, "none"),
@@ -156,6 +157,7 @@ def test_async_tools_share_a_loop_concurrently_and_are_cancelled_on_timeout():
     runner.close()
 
 
+@pytest.mark.quick
 def test_per_trajectory_kwargs_from_the_data_row():
     seen = []
 
@@ -225,6 +227,7 @@ def tools_file(tmp_path):
     return str(path)
 
 
+@pytest.mark.quick
 def test_load_tools_from_files_modules_and_builtins(tools_file):
     tools = load_tools([f"{tools_file}:multiply", f"{tools_file}:lookup", f"{tools_file}:make_echo", "calculator"])
     assert [t.name for t in tools] == ["multiply", "lookup", "echo", "calculator"]
@@ -288,6 +291,7 @@ def test_validate_loads_the_tools_before_anything_is_built(tools_file, tmp_path)
 
 # ---------------------------------------------------------------------------------------------- the calculator
 
+@pytest.mark.quick
 def test_calculator_matches_python_integer_arithmetic():
     rng = random.Random(0)
     for _ in range(300):  # sums and differences of products of long integers, as Python's ints compute them
@@ -311,6 +315,7 @@ def test_calculator_matches_python_integer_arithmetic():
     ("7 / 2", "3.5"), ("10 / 5", "2"), ("0.1 + 0.2", "0.3"), ("1.5e3 * 2", "3000"), ("2 ** -2", "0.25"),
     ("1 / 3", "0." + "3" * 50), ("(1.25)", "1.25"),
 ])
+@pytest.mark.quick
 def test_calculator_decimals(expr, value):
     assert calculate(expr) == value
 
@@ -321,6 +326,7 @@ def test_calculator_decimals(expr, value):
     ("2 +", "cannot parse"), ("", "give an arithmetic expression"), ("(-8) ** 0.5", "undefined"),
     ("1 < 2", "not arithmetic"), ("(" * 200 + "1" + ")" * 200, ""),
 ])
+@pytest.mark.quick
 def test_calculator_errors_say_what_is_wrong(expr, needle):
     res = ThreadToolRunner([calculator_tool()], timeout_s=5).run([[ToolCall("calculator", {"expression": expr})]])
     r = res[0][0]

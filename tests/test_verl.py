@@ -2,11 +2,14 @@
 verl keys on spmdrl's command line answered with their spmdrl names, and docs/verl.md's key table."""
 import os
 
+import pytest
 from typer.testing import CliRunner
 
 from spmdrl.cli import app
 from spmdrl.config import load_config
 from spmdrl.config.verl import KEY_MAP, key_table
+
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 runner = CliRunner()
