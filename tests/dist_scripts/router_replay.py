@@ -175,7 +175,11 @@ def routes_as_on_cuda(rollout, prompts) -> dict:
     torch.manual_seed(5)  # the same draws on both ranks
     outs = rollout.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                 SamplingParams(n=2, temperature=1.0, max_tokens=6), use_tqdm=False)
-    recorded = rollout._take_routes()  # this rank's recorder: {(caller id, sample): routes}
+    from spmdrl.rollout import routes
+
+    # this rank's CPU recorder, read directly (the engine keeps only its own admitted requests' routes; these
+    # requests went to LLM.generate around it): {(caller id, sample): routes}
+    recorded = rollout.llm.collective_rpc(routes.take)[0]
     reference = [recorded] if rollout.tp_rank == 0 else [None]
     dist.broadcast_object_list(reference, src=dist.get_global_rank(dist.group.WORLD, 0))
     got = {"completions": 0, "with_routes": 0, "rank0_routes": 0}
