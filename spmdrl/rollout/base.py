@@ -119,6 +119,19 @@ class RequestLog:
         return Completion(self.id, self.token_ids, self.logprobs, self.versions, reason, routes)
 
 
+def drain(step, ids: list[str], stash: list["Completion"]) -> list["Completion"]:
+    """generate's requests `ids` to the end: `step()` (an engine's own step) until every one has finished; other
+    requests that finish meanwhile go to `stash`, which the engine's next public step() returns. In `ids` order."""
+    done: dict[str, Completion] = {}
+    while len(done) < len(ids):
+        for c in step():
+            if c.id.startswith(GENERATE_ID):
+                done[c.id] = c
+            else:
+                stash.append(c)
+    return [done[i] for i in ids]
+
+
 def check_admission(live_ids, ids: list[str], prompt_ids: list[list[int]], spec: SamplingSpec, seeds: list) -> None:
     """The checks both engines make before admitting: one sample per request, one seed (or None) per request, ids
     new and distinct, prompts non-empty."""

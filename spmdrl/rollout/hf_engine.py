@@ -24,6 +24,7 @@ from spmdrl.errors import ConfigError, SpmdrlError
 from spmdrl.rollout.base import (
     GENERATE_ID,
     Completion,
+    drain,
     RequestLog,
     RolloutOutput,
     SamplingSpec,
@@ -120,14 +121,7 @@ class HFEngine:
         self.reseed(call_seed(seeds))
         per_sample = [v for v in vision for _ in range(spec.n)] if vision is not None else None
         self._enqueue(ids, prompts, replace(spec, n=1), sample_seeds, per_sample)
-        done: dict[str, Completion] = {}
-        while len(done) < len(ids):  # requests admitted before finish meanwhile: the next step() returns them
-            for c in self._step():
-                if c.id.startswith(GENERATE_ID):
-                    done[c.id] = c
-                else:
-                    self._stash.append(c)
-        outs = [done[i] for i in ids]
+        outs = drain(self._step, ids, self._stash)
         return RolloutOutput([c.token_ids for c in outs], [c.logprobs for c in outs], [c.finish_reason for c in outs])
 
     # ------------------------------------------------------------------------------------ request-level interface

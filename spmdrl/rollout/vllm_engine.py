@@ -69,6 +69,7 @@ from spmdrl.rollout.vllm_world import vllm_sub_world
 from spmdrl.rollout.base import (
     GENERATE_ID,
     Completion,
+    drain,
     EngineRng,
     LoRASpec,
     RequestLog,
@@ -307,14 +308,7 @@ class VLLMEngine:
         # and V1 samplers), numpy (Model Runner V2's request seeds, vllm/v1/worker/gpu/sample/states.py:54-58)
         self.reseed(call_seed(seeds))
         self._admit(ids, prompts, replace(spec, n=1), sample_seeds)
-        done: dict[str, Completion] = {}
-        while len(done) < len(ids):  # requests admitted before finish meanwhile: the next step() returns them
-            for c in self._step():
-                if c.id.startswith(GENERATE_ID):
-                    done[c.id] = c
-                else:
-                    self._stash.append(c)
-        outs = [done[i] for i in ids]
+        outs = drain(self._step, ids, self._stash)
         return RolloutOutput([c.token_ids for c in outs], [c.logprobs for c in outs], [c.finish_reason for c in outs],
                              [c.routes for c in outs] if self.capture_routes else None)
 
