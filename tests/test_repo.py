@@ -265,19 +265,17 @@ def test_loop_reshard_checkpoint_call_engine_protocol_members_only():
                       "TrainEngine or AdapterEngine):\n" + "\n".join(hits))
 
 
-# The calls of Trainer.step that docs/architecture.md's "One step" lists, line for line (colocated path).
+# The calls of the training role that docs/architecture.md's "One step" lists, line for line (colocated path):
+# Trainer.take_batch, then Trainer.training_role, then step's metric reduction.
 STEP_OBJECTS = {"memory", "generator", "scorer", "rounds", "learner"}
 STEP_FUNCTIONS = {"SampleRounds", "redistribute", "weight_sync", "reduce_step_metrics"}
 
 
 def step_calls(fn: ast.FunctionDef) -> list[str]:
-    """The tracked calls of a step function in source order (a hook as its quoted name), skipping the
-    `if rolls:` blocks (split placement's rollout ranks)."""
+    """The tracked calls of a step function in source order (a hook as its quoted name)."""
     calls = []
 
     def visit(node):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "rolls":
-            return
         if isinstance(node, ast.Call):
             f = node.func
             base = f.value.attr if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Attribute) else (
@@ -297,7 +295,7 @@ def step_calls(fn: ast.FunctionDef) -> list[str]:
 
 
 def doc_step_calls(text: str) -> list[str]:
-    block = re.search(r"`Trainer\.step`, line for line.*?```\n(.*?)```", text, flags=re.S).group(1)
+    block = re.search(r"The training role, line for line.*?```\n(.*?)```", text, flags=re.S).group(1)
     out = []
     for line in block.splitlines():
         code = re.split(r"\s{2,}", line.strip())[0]  # the annotation follows two or more spaces
@@ -308,8 +306,8 @@ def doc_step_calls(text: str) -> list[str]:
 def test_architecture_one_step_matches_trainer_step_line_for_line():
     tree = ast.parse((ROOT / "spmdrl" / "loop" / "trainer.py").read_text())
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
-    step = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "step")
-    code = step_calls(step)
+    method = {n.name: n for n in trainer.body if isinstance(n, ast.FunctionDef)}
+    code = step_calls(method["take_batch"]) + step_calls(method["training_role"]) + step_calls(method["step"])
     assert len(code) > 20 and '"after_rollout"' in code and "learner.update_actor" in code
     assert doc_step_calls((ROOT / "docs" / "architecture.md").read_text()) == code
 

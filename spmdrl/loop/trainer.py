@@ -1,8 +1,12 @@
-"""The RL loop. Every rank runs this same code; `Trainer.step` is the whole step, in order, each stage one
-visible, timed call:
+"""The RL loop. Every rank runs this same code. `Trainer.step` runs one of two role loops, each on one screen and
+each stage in it one visible, timed call:
 
-    rollout -> batch move -> reward -> old logprobs -> ref logprobs -> teacher logprobs -> values -> advantages
-    -> updates -> weight sync -> metrics
+    training role:  take a batch (rollout -> batch move -> reward) -> old logprobs -> ref logprobs
+                    -> teacher logprobs -> values -> advantages -> updates -> send weights
+    rollout role:   generate and post batches -> load weights -> see the sends complete
+
+and both end in the same metric reduction. Colocated, every rank runs the training role, whose first stage
+generates the batch (the two roles interleaved in one process).
 
 with every memory phase change on the line before the stage it serves. The Trainer builds every component
 once, in `__init__`, and calls each through a named attribute: `generator` (rollouts, loop/generate.py),
@@ -11,9 +15,9 @@ once, in `__init__`, and calls each through a named attribute: `generator` (roll
 `weight_sync` (reshard/sync.py), `hooks` (hooks.py); dynamic sampling's arithmetic is `SampleRounds`
 (loop/collect.py).
 
-Split placement (placement.mode = "split"): the rollout ranks run `stream.produce`, `stream.load_weights` and
-`stream.wait_sends` (loop/split.py) and the training ranks everything from the reward on; they meet at the
-metric reduction, with no transfer pending on either side.
+Split placement (placement.mode = "split"): the rollout ranks run the rollout role (loop/split.py) and the
+training ranks the training role, taking each batch from the stream; they meet at the metric reduction, with no
+transfer pending on either side.
 """
 from __future__ import annotations
 
@@ -273,108 +277,124 @@ class Trainer:
         return last
 
     def step(self, step: int) -> dict[str, float]:
-        """One RL step, every stage in order. Colocated: every rank does every stage. Split placement: the
-        rollout ranks produce (generate up to step + max_staleness, post the batches) while the training ranks
-        train on this step's batch; the training ranks take in the posted batches and send the new weights, the
-        rollout ranks load them, and both meet at the metric reduction with nothing in flight."""
-        cfg, memory, learner, hooks = self.cfg, self.memory, self.learner, self.hooks
+        """One RL step: the rollout role's loop body on the rollout ranks of a split layout, the training role's on
+        the training ranks; colocated, every rank runs the training role, whose first stage generates the batch
+        (the two roles interleaved in one process). Both meet at the metric reduction with nothing in flight."""
         timer, t0 = StageTimer(self.device), time.perf_counter()
-        train_actor = step > cfg.trainer.critic_warmup
-        batch, metrics = None, {}
-        rolls = self.stream is not None and self.rollout_mesh.active
-        if rolls:  # split placement, rollout ranks: generate and post the batches up to step + k (loop/split.py)
-            self.stream.produce(step, timer)
-        if self.trains:
-            # ---- rollout -> batch move -> reward, in rounds while dynamic sampling lacks informative groups
-            rounds = SampleRounds(cfg, self.meshes, self.scorer, self.train_ds)
-            while rounds.more():
-                if self.stream is None:
-                    memory.for_rollout()
-                    with timer("rollout"):
-                        batch = self.generator.generate(next(self.sampler), step, rounds.index, self.actor_version)
-                    with timer("reshard_batch"):  # from the rollout layout to the actor's
-                        batch = redistribute(batch, self.rollout_mesh, self.actor_mesh)
-                    for k, v in self.generator.take_metrics().items():  # the multi-turn loop's time, summed
-                        metrics[k] = metrics.get(k, 0.0) + v
-                else:  # split placement: this step's batch, posted by the rollout ranks
-                    with timer("wait_batch"):
-                        batch = self.stream.receive(step)
-                self.scorer.attach_meta(batch, self.train_ds, self.actor_mesh)
-                if "trajectory" in batch:  # multi-turn: turns, tool calls and failures, of the last round
-                    metrics.update(trajectory_metrics(batch, self.tool_names, self.actor_mesh))
-                metrics.update(hooks("after_rollout", step, batch))
-                with timer("reward"):
-                    metrics.update(self.scorer.score(batch, self.actor_mesh))
-                metrics.update(hooks("after_reward", step, batch))
-                self.scorer.place_token_scores(batch)
-                rounds.add(batch)
-            batch, sampled = rounds.batch(step)
-            metrics.update(sampled)
-            self.generations.record(step, "train", batch, self.actor_mesh)
-            # ---- forward passes: old log-probs, ref log-probs, values
-            memory.for_training("actor", update=False, keep_rollout_weights=not train_actor)
-            if not self.on_policy:
-                with timer("old_logprob"):
-                    batch["old_log_probs"] = learner.logprobs(self.actor, batch)
-            if train_actor and self.truncates:  # top-k / top-p sampling: the actor under the same truncation
-                with timer("truncated_logprob"):
-                    metrics.update(learner.truncated_mismatch(batch))
-            if self.uses_ref:
-                memory.for_training("ref" if self.ref is not None else "actor", update=False)
-                with timer("ref_logprob"):
-                    batch["ref_log_probs"] = learner.ref_logprobs(batch)
-            if self.teacher is not None:  # on-policy distillation: the teacher scores the student's tokens
-                memory.for_training("teacher", update=False)
-                with timer("teacher_logprob"):
-                    batch["teacher_log_probs"] = learner.teacher_logprobs(batch)
-            if self.critic is not None:
-                memory.for_training("critic", update=False)
-                with timer("values"):
-                    batch["values"] = learner.values(batch)
-            # ---- advantages
-            with timer("advantage"):
-                metrics.update(learner.kl_in_reward(batch))
-                metrics.update(learner.advantages(batch))
-                if self.teacher is not None:
-                    metrics.update(learner.distill(batch))
-            metrics.update(hooks("after_advantage", step, batch))
-            metrics.update(hooks("before_update", step, batch))
-            # ---- updates
-            if self.critic is not None:
-                memory.for_training("critic")
-                with timer("update_critic"):
-                    metrics.update(learner.update_critic(batch))
-            if train_actor:
-                memory.for_training("actor")
-                actor_batch = batch
-                if self.corrects:  # [rollout_correction]: weights and rejection (on-policy after one pi_old pass)
-                    with timer("rollout_correction"):
-                        actor_batch, corrected = learner.correct_rollout(batch)
-                        metrics.update(corrected)
-                with timer("update_actor"):
-                    metrics.update(learner.update_actor(actor_batch, batch, measured=self.truncates))
-            metrics.update(hooks("after_update", step, batch))
-            metrics.update(learner.batch_metrics(batch, self.actor_version))  # before the sync: the pre-update lag
-            # ---- weight sync (split placement: the batches posted for the next steps in before the weights go)
-            if self.stream is not None:
-                with timer("wait_batch"):
-                    self.stream.take_in(step)
-            if train_actor:
-                memory.for_sync()
-                with timer("weight_sync"):
-                    metrics.update(self.weight_sync())
-                self.actor_version = step
-            metrics.update(memory.step_metrics())
-            metrics.update(hooks("after_step", step, batch, metrics=dict(metrics)))
-        if rolls:  # split placement, rollout ranks: this step's weights in, every batch sent
-            metrics.update(self.stream.take_metrics())
-            if train_actor:
-                memory.for_sync()
-                with timer("wait_weights"):
-                    metrics.update(self.stream.load_weights(step))
-            with timer("rollout_wait"):
-                self.stream.wait_sends()
+        if self.stream is not None and self.rollout_mesh.active:
+            batch, metrics = None, self.rollout_role(step, timer)
+        else:
+            batch, metrics = self.training_role(step, timer)
         return self.reduce_step_metrics(batch, metrics, timer, t0)
+
+    def rollout_role(self, step: int, timer: StageTimer) -> dict[str, float]:
+        """Split placement, the rollout ranks (loop/split.py): generate and post the batches up to step + k (the
+        asynchronous stream: admit, step the engine, post each batch as its groups complete), then load this
+        step's weights and see every batch send complete."""
+        self.stream.produce(step, timer)
+        metrics = self.stream.take_metrics()
+        if step > self.cfg.trainer.critic_warmup:
+            self.memory.for_sync()
+            with timer("wait_weights"):
+                metrics.update(self.stream.load_weights(step))
+        with timer("rollout_wait"):
+            self.stream.wait_sends()
+        return metrics
+
+    def training_role(self, step: int, timer: StageTimer) -> tuple[Batch, dict[str, float]]:
+        """The training ranks: take a batch, score it, forward passes, advantages, updates, send the weights."""
+        cfg, memory, learner, hooks = self.cfg, self.memory, self.learner, self.hooks
+        train_actor = step > cfg.trainer.critic_warmup
+        batch, metrics = self.take_batch(step, timer)
+        self.generations.record(step, "train", batch, self.actor_mesh)
+        # ---- forward passes: old log-probs, ref log-probs, values
+        memory.for_training("actor", update=False, keep_rollout_weights=not train_actor)
+        if not self.on_policy:
+            with timer("old_logprob"):
+                batch["old_log_probs"] = learner.logprobs(self.actor, batch)
+        if train_actor and self.truncates:  # top-k / top-p sampling: the actor under the same truncation
+            with timer("truncated_logprob"):
+                metrics.update(learner.truncated_mismatch(batch))
+        if self.uses_ref:
+            memory.for_training("ref" if self.ref is not None else "actor", update=False)
+            with timer("ref_logprob"):
+                batch["ref_log_probs"] = learner.ref_logprobs(batch)
+        if self.teacher is not None:  # on-policy distillation: the teacher scores the student's tokens
+            memory.for_training("teacher", update=False)
+            with timer("teacher_logprob"):
+                batch["teacher_log_probs"] = learner.teacher_logprobs(batch)
+        if self.critic is not None:
+            memory.for_training("critic", update=False)
+            with timer("values"):
+                batch["values"] = learner.values(batch)
+        # ---- advantages
+        with timer("advantage"):
+            metrics.update(learner.kl_in_reward(batch))
+            metrics.update(learner.advantages(batch))
+            if self.teacher is not None:
+                metrics.update(learner.distill(batch))
+        metrics.update(hooks("after_advantage", step, batch))
+        metrics.update(hooks("before_update", step, batch))
+        # ---- updates
+        if self.critic is not None:
+            memory.for_training("critic")
+            with timer("update_critic"):
+                metrics.update(learner.update_critic(batch))
+        if train_actor:
+            memory.for_training("actor")
+            actor_batch = batch
+            if self.corrects:  # [rollout_correction]: weights and rejection (on-policy after one pi_old pass)
+                with timer("rollout_correction"):
+                    actor_batch, corrected = learner.correct_rollout(batch)
+                    metrics.update(corrected)
+            with timer("update_actor"):
+                metrics.update(learner.update_actor(actor_batch, batch, measured=self.truncates))
+        metrics.update(hooks("after_update", step, batch))
+        metrics.update(learner.batch_metrics(batch, self.actor_version))  # before the sync: the pre-update lag
+        # ---- send the weights (split placement: the batches posted for the next steps taken in first)
+        if self.stream is not None:
+            with timer("wait_batch"):
+                self.stream.take_in(step)
+        if train_actor:
+            memory.for_sync()
+            with timer("weight_sync"):
+                metrics.update(self.weight_sync())
+            self.actor_version = step
+        metrics.update(memory.step_metrics())
+        metrics.update(hooks("after_step", step, batch, metrics=dict(metrics)))
+        return batch, metrics
+
+    def take_batch(self, step: int, timer: StageTimer) -> tuple[Batch, dict[str, float]]:
+        """This step's scored batch: colocated, generated now and moved from the rollout layout to the actor's;
+        split placement, the one the rollout ranks posted. In rounds while dynamic sampling lacks informative
+        groups (loop/collect.py)."""
+        metrics: dict[str, float] = {}
+        hooks = self.hooks
+        rounds = SampleRounds(self.cfg, self.meshes, self.scorer, self.train_ds)
+        while rounds.more():
+            if self.stream is None:
+                self.memory.for_rollout()
+                with timer("rollout"):
+                    batch = self.generator.generate(next(self.sampler), step, rounds.index, self.actor_version)
+                with timer("reshard_batch"):  # from the rollout layout to the actor's
+                    batch = redistribute(batch, self.rollout_mesh, self.actor_mesh)
+                for k, v in self.generator.take_metrics().items():  # the multi-turn loop's time, summed
+                    metrics[k] = metrics.get(k, 0.0) + v
+            else:
+                with timer("wait_batch"):
+                    batch = self.stream.receive(step)
+            self.scorer.attach_meta(batch, self.train_ds, self.actor_mesh)
+            if "trajectory" in batch:  # multi-turn: turns, tool calls and failures, of the last round
+                metrics.update(trajectory_metrics(batch, self.tool_names, self.actor_mesh))
+            metrics.update(hooks("after_rollout", step, batch))
+            with timer("reward"):
+                metrics.update(self.scorer.score(batch, self.actor_mesh))
+            metrics.update(hooks("after_reward", step, batch))
+            self.scorer.place_token_scores(batch)
+            rounds.add(batch)
+        batch, sampled = rounds.batch(step)
+        metrics.update(sampled)
+        return batch, metrics
 
     def reduce_step_metrics(self, batch: Batch | None, metrics: dict, timer: StageTimer, t0: float) -> dict[str, float]:
         """One all-reduce of every metric (tp copies weighted out); the token count rides along. Split placement:
