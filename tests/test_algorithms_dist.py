@@ -2,6 +2,7 @@
 batches (together: the global batch) the advantages, the in-reward KL and the logged policy loss are recomputed
 in float64 over the WHOLE global batch with formulas written out here, independently of spmdrl.algos: a
 per-rank computation (e.g. whitening each rank's shard) would not match."""
+import json
 import os
 
 import pytest
@@ -39,30 +40,36 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def runs(tmp_path_factory):
+    """Every case's 1-step run, all in one 2-process launch (tests/dist_scripts/train_runs.py): case -> (its
+    output directory, its overrides, the launch's output)."""
     root = tmp_path_factory.mktemp("algos")
     build_reward_model(str(root / "rm"), seed=3)
-    return build_tiny(str(root / "model"), seed=0), make_arith(str(root / "data"), n_train=64, n_val=8, seed=0)
+    model, data = build_tiny(str(root / "model"), seed=0), make_arith(str(root / "data"), n_train=64, n_val=8, seed=0)
+    out, specs = {}, []
+    for case, extra in CASES.items():
+        n = int(extra.get("rollout.n", 4))
+        o = {
+            "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.max_prompt_length": 32,
+            "data.max_response_length": 8, "data.train_batch_size": 4, "rollout.n": n, "rollout.kv_cache_gb": 0.1,
+            "actor.lr": 1e-3, "actor.micro_batch_size": 2 * n, "trainer.total_steps": 1, "trainer.device": "cpu",
+            "trainer.output_dir": str(root / case), "logging.progress": "false", "logging.tensorboard": "false",
+            "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
+            "hooks.files": f'["{os.path.join(HERE, "dist_scripts", "dump_hook.py")}"]',
+        }
+        o.update({k: str(root / "rm") if v == "<rm>" else v for k, v in extra.items()})
+        specs.append({"overrides": [f"{k}={v}" for k, v in o.items()], "env": {"SPMDRL_TEST_DUMP": str(root / case)}})
+        out[case] = (root / case, o)
+    (root / "runs.json").write_text(json.dumps(specs))
+    proc = run([os.path.join(HERE, "dist_scripts", "train_runs.py"), str(root / "runs.json")], nproc=2, timeout=900)
+    return {case: (d, o, proc.stdout[-3000:] + proc.stderr[-6000:]) for case, (d, o) in out.items()}
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_algorithm_step(assets, tmp_path, case):
-    model, data = assets
-    n = int(CASES[case].get("rollout.n", 4))
-    o = {
-        "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.max_prompt_length": 32,
-        "data.max_response_length": 8, "data.train_batch_size": 4, "rollout.n": n, "rollout.kv_cache_gb": 0.1,
-        "actor.lr": 1e-3, "actor.micro_batch_size": 2 * n, "trainer.total_steps": 1, "trainer.device": "cpu",
-        "trainer.output_dir": str(tmp_path), "logging.progress": "false", "logging.tensorboard": "false",
-        "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
-        "hooks.files": f'["{os.path.join(HERE, "dist_scripts", "dump_hook.py")}"]',
-    }
-    o.update({k: (str(os.path.join(os.path.dirname(model), "rm")) if v == "<rm>" else v) for k, v in CASES[case].items()})
-    os.environ["SPMDRL_TEST_DUMP"] = str(tmp_path)
-    try:
-        run(["spmdrl.train", *[f"{k}={v}" for k, v in o.items()]], nproc=2, module=True)
-    finally:
-        del os.environ["SPMDRL_TEST_DUMP"]
+def test_algorithm_step(runs, case):
+    tmp_path, o, log = runs[case]
+    n = int(o["rollout.n"])
+    assert (tmp_path / "rc").read_text() == "0", log
     (m,) = read_jsonl(str(tmp_path / "metrics.jsonl"))
     b = _global([torch.load(tmp_path / f"batch_rank{r}.pt", weights_only=True) for r in range(2)])
     alg = {k.split(".")[1]: v for k, v in o.items() if k.startswith("algorithm.")}

@@ -5,11 +5,9 @@ import torch
 
 from spmdrl.hooks import hook
 
-OUT = os.environ["SPMDRL_TEST_DUMP"]
-
 
 @hook("before_update")
 def dump_batch(ctx):
     if ctx.step == 1:
         rank = torch.distributed.get_rank()
-        torch.save(dict(ctx.batch.tensors), os.path.join(OUT, f"batch_rank{rank}.pt"))
+        torch.save(dict(ctx.batch.tensors), os.path.join(os.environ["SPMDRL_TEST_DUMP"], f"batch_rank{rank}.pt"))
