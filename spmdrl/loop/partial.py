@@ -129,14 +129,14 @@ class PartialRollouts:
         while len(done := complete()) < need:
             admit(cap - (len(self.groups) - len(done)))  # a group finished: the next one starts at once
             t1 = time.perf_counter()
-            done = eng.step()
+            finished = eng.step()
             stepping += time.perf_counter() - t1
-            generated += sum(v == version for c in done for v in c.versions)
-            if self.agent is not None:
-                ended, done = self.agent.advance(done)
+            generated += sum(v == version for c in finished for v in c.versions)
+            if self.agent is not None:  # the turns that ended: tools run, next turns admitted, trajectories ended
+                ended, finished = self.agent.advance(finished)
                 for t in ended:
                     self.groups[self.owner[id(t)]].done[t.sample] = t
-            for c in done:
+            for c in finished:
                 uid, j = c.id.split("/")
                 self.groups[int(uid)].done[int(j)] = c
             steps += 1

@@ -11,7 +11,8 @@ Triton), so spmdrl records them in the worker that lives in this process:
 - after the forward the routes are filed per request and sequence position.
 
 A request's routes cover every position the engine computed: the prompt, and each sampled token but the last
-(which is never fed back). With prefix caching on, a request whose prompt hits the cache would not compute those
+(which is never fed back). A position computed twice (vLLM preempted the request and prefilled it again, as
+`rebuild_kv` makes it do after a weight update) keeps the routes of its first computation (merge_routes). With prefix caching on, a request whose prompt hits the cache would not compute those
 positions, so an engine that records routes is built without it (`VLLMEngine(capture_routes=True)`).
 
 vLLM names a request `<id>-<8 random chars>` and the samples of an n > 1 request `<k>_<id>-<random>`; `take`
