@@ -266,28 +266,33 @@ def routes_as_on_cuda(rollout, prompts) -> dict:
 
 
 class Recording:
-    """The rollout engine, with each generate call's requests and recorded routes kept."""
+    """The rollout engine, with each request's prompt and recorded routes kept (in the order they finished)."""
 
     def __init__(self, engine):
-        self.engine, self.calls = engine, []
+        self.engine, self.requests, self._prompts = engine, [], {}
 
-    def generate(self, prompts, spec, seeds):
-        out = self.engine.generate(prompts, spec, seeds)
-        self.calls.append([(list(p), s, None if r is None else np.asarray(r).copy())
-                           for p, s, r in zip(prompts, seeds, out.routed_experts or [None] * len(prompts))])
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def admit(self, ids, prompts, spec, seeds):
+        self.engine.admit(ids, prompts, spec, seeds)
+        self._prompts.update({i: list(p) for i, p in zip(ids, prompts)})
+
+    def step(self):
+        out = self.engine.step()
+        self.requests += [(self._prompts.pop(c.id), None if c.routes is None else np.asarray(c.routes).copy())
+                          for c in out]
         return out
 
 
-def composed(traj, calls, length: int, shape, first: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+def composed(traj, requests, length, shape, first: bool) -> tuple[np.ndarray, list[np.ndarray]]:
     """The reference routes of one trajectory, each position taking the routes of the first (or last) of its
-    requests that computed it, and those requests' routes in turn order (found by their seeds, turn_seed)."""
-    from spmdrl.rollout.multi_turn import turn_seed
-
+    requests that computed it, and those requests' routes in turn order (its requests: those whose prompt is
+    the trajectory's prompt and a part of what followed; the two test prompts differ)."""
     out = np.full((length, *shape), -1, dtype=np.int64)
     seq = traj.prompt + traj.ids
-    mine = []
-    for turn, call in enumerate(calls):
-        mine += [r for p, s, r in call if s == turn_seed(traj.seed, traj.sample, turn) and p == seq[: len(p)]]
+    mine = [r for p, r in sorted((x for x in requests if x[0] == seq[: len(x[0])] and len(x[0]) >= len(traj.prompt)),
+                                 key=lambda x: len(x[0]))]
     for r in (reversed(mine) if first else mine):
         n = min(length, len(r))
         out[:n] = r[:n]
@@ -324,8 +329,8 @@ def multi_turn_model(path: str, out: str) -> None:
     for i, t in enumerate(trajs):
         length = len(t.prompt) + len(t.ids)
         got = decode_routes(batch["routed_experts"][i], length, shape).numpy()
-        first, requests = composed(t, engine.calls, length, shape, True)
-        last, _ = composed(t, engine.calls, length, shape, False)
+        first, requests = composed(t, engine.requests, length, shape, True)
+        last, _ = composed(t, engine.requests, length, shape, False)
         for k, r in enumerate(requests[1:], 1):  # positions a later request computed again
             n = min(len(r), len(requests[k - 1]), length)
             recomputed += n
