@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("vllm")
 
 from launching import run  # noqa: E402
+from spmdrl.rollout.base import sample_seed  # noqa: E402
 from spmdrl.rollout.multi_turn import turn_seed  # noqa: E402
 from tool_agent import shared_tool_model  # noqa: E402
 
@@ -67,26 +68,58 @@ def test_tp2_and_tp1_give_identical_trajectories_with_per_request_seeds(tp2, dp2
 
 def test_trained_ids_are_the_sampled_ids(tp2, dp2):
     """The model tokens of every trajectory (and of the batch built from it) are, turn by turn, exactly the ids
-    vLLM returned for that trajectory's requests; the rest of the sequence is glue with mask 0."""
+    vLLM returned for that trajectory's request of the turn (found by its prompt, the trajectory so far, and its
+    seed), which sampled at most what was left of the response budget; the rest of the sequence is glue with
+    mask 0."""
     for res in (tp2[0], dp2[0], dp2[1]):
         seeded = res["seeded"]
         trajs = seeded["trajs"]
         assert seeded["batch_responses"] == [t["ids"] for t in trajs]
         assert seeded["batch_mask"] == [[float(m) for m in t["mask"]] for t in trajs]
+        requests = [(r["prompt"], r["seed"]) for r in seeded["requests"]]
         for t in trajs:
             sampled, pos = [], 0
-            for turn, call in enumerate(seeded["generate_calls"]):
-                request = (t["prompt"] + t["ids"][:pos], turn_seed(t["seed"], t["sample"], turn))
-                requests = list(zip(call["prompts"], call["seeds"]))
-                if request in requests:  # this trajectory's request in that turn
-                    ids = call["ids"][requests.index(request)][: 300 - pos]
-                    assert t["ids"][pos: pos + len(ids)] == ids
-                    assert t["mask"][pos: pos + len(ids)] == [1] * len(ids)
-                    sampled += ids
-                    pos += len(ids)
-                    while pos < len(t["ids"]) and t["mask"][pos] == 0:
-                        pos += 1
+            for turn in range(len(t["info"]["turns"])):
+                r = seeded["requests"][requests.index((t["prompt"] + t["ids"][:pos],
+                                                       sample_seed(turn_seed(t["seed"], t["sample"], turn), 0)))]
+                assert r["max_tokens"] == 300 - pos and len(r["ids"]) <= r["max_tokens"]
+                assert t["ids"][pos: pos + len(r["ids"])] == r["ids"]
+                assert t["mask"][pos: pos + len(r["ids"])] == [1] * len(r["ids"])
+                sampled += r["ids"]
+                pos += len(r["ids"])
+                while pos < len(t["ids"]) and t["mask"][pos] == 0:
+                    pos += 1
             assert pos == len(t["ids"]) and sampled == [i for i, m in zip(t["ids"], t["mask"]) if m]
+        assert len(requests) == sum(len(t["info"]["turns"]) for t in trajs)  # one request per turn, no other
+
+
+def test_the_stepped_loop_samples_what_a_turn_by_turn_loop_samples(tp2, dp2):
+    """Greedy, and sampled with per-request seeds: the agent loop on the stepped engine gives the trajectories
+    (ids, mask, turns, tool results, finish) of a turn-synchronous loop making one generate call per turn for the
+    whole batch (the script's by_turns), and their log-probs within 1e-5."""
+    for res in (tp2[0], tp2[1], dp2[0], dp2[1]):
+        for case in ("uneven", "seeded"):
+            got, want = res[case]["trajs"], res["by_turns"][case]
+            assert len(got) == len(want) > 0
+            for g, w in zip(got, want):
+                assert (g["ids"], g["mask"], g["finish"]) == (w["ids"], w["mask"], w["finish"]), case
+                for a, b in zip(g["info"]["turns"], w["info"]["turns"]):  # a call's seconds are measured
+                    for x in (a, b):
+                        x["results"] = [{**r, "seconds": 0} for r in x["results"]]
+                assert g["info"] == w["info"], case
+                assert torch.allclose(torch.tensor(g["logprobs"]), torch.tensor(w["logprobs"]), atol=1e-5, rtol=0)
+
+
+def test_a_trajectory_s_next_turn_starts_while_other_first_turns_run(tp2, dp2):
+    """A trajectory's next turn is admitted as soon as its tools returned, not when the batch's turn ends: some
+    second-turn request was admitted at an engine step before another trajectory's first turn finished (prompt c's
+    malformed call is shorter than d's call)."""
+    for res in (tp2[0], dp2[1]):
+        seeded = res["seeded"]
+        first = {tuple(t["prompt"]) for t in seeded["trajs"]}
+        firsts = [r for r in seeded["requests"] if tuple(r["prompt"]) in first]
+        later = [r for r in seeded["requests"] if tuple(r["prompt"]) not in first]
+        assert later and min(r["admitted"] for r in later) < max(r["done"] for r in firsts)
 
 
 def test_whole_trajectory_logprobs_equal_vllms_per_turn_logprobs(tp2, tool_model):
@@ -224,3 +257,44 @@ def test_grpo_with_tools_through_the_trainer(tool_model, tmp_path, monkeypatch):
         if any(turn["appended"] for turn in t["turns"]):
             assert (mask == 0).any() and torch.tensor(t["logprobs"])[mask == 0].abs().sum() == 0
         assert t["response_text"] == t["turns"][-1]["text"].replace("<|im_end|>", "")
+
+
+PARTIAL = {
+    "colocated": {"rollout.partial": "recompute", "rollout.oversample": 1.0, "actor.ppo_mini_batch_size": 4},
+    "split": {"rollout.partial": "keep", "rollout.oversample": 1.0, "actor.ppo_mini_batch_size": 4,
+              "placement.mode": "split", "placement.rollout_ranks": "[0]", "placement.rollout_tp": 1,
+              "trainer.max_staleness": 1, "actor.micro_batch_size": 8},
+}
+
+
+@pytest.mark.parametrize("mode", list(PARTIAL))
+def test_grpo_with_tools_under_partial_rollouts(tool_model, tmp_path, monkeypatch, mode):
+    """Partial rollouts with tools, two steps of GRPO: colocated (rollout.partial = recompute, rollout TP = 2 over
+    both ranks) and asynchronous split (keep; rank 0 rolls out, rank 1 trains, max_staleness 1). A step's batch is
+    taken once 4 groups of multi-turn trajectories are complete; the other groups' trajectories stay in the engine
+    over the weight update and go on turn by turn, so a later step trains on tokens the previous weights sampled
+    (lag 1, never more than the bound). Colocated, step 1's batch was sampled entirely by the weights it trains, so
+    vLLM's per-turn log-probs of its model tokens equal the FSDP2 actor's over the whole trajectories within 1e-5
+    (one fp32 forward, tool tokens as context). The turns reach the reward and the hooks (which see the tool
+    results as mask-0 tokens)."""
+    from spmdrl.metrics import read_jsonl
+
+    monkeypatch.setenv("SPMDRL_TEST_DUMP", str(tmp_path))
+    extra = {**PARTIAL[mode], "rollout.parity_check": "false"}
+    run(["spmdrl.train", *_trainer_overrides(tool_model, tmp_path, **extra)], nproc=2, module=True)
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    _, s1, s2 = rows
+    assert s1["rollout/requests_carried_over"] > 0
+    assert max(s1["rollout/version_lag_max"], s2["rollout/version_lag_max"]) == 1
+    if mode == "colocated":
+        assert s1["rollout/version_lag_max"] == 0 and s2["train/weight_version_lag"] > 0
+        assert s1["rollout/logprob_diff_mean"] < 1e-5 and s1["rollout/logprob_diff_max"] < 1e-4
+    assert max(s1["multi_turn/turns_max"], s2["multi_turn/turns_max"]) == 3
+    assert s1["tools/calls"] + s2["tools/calls"] > 0 and s1["actor/grad_norm"] > 0 and s2["actor/grad_norm"] > 0
+    turns = sum((json.load(open(f)) for f in tmp_path.glob("turns_rank*.json")), [])
+    called = [t for t in turns if any(turn["appended"] for turn in t["turns"])]
+    assert called
+    for t in called:
+        mask = torch.tensor(t["mask"])
+        assert (mask == 0).any() and torch.tensor(t["logprobs"])[mask == 0].abs().sum() == 0

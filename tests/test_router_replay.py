@@ -136,6 +136,22 @@ def test_every_tp_rank_gets_the_routes_on_model_runner_v2(replay_runs):
 
 
 @pytest.mark.dist
+def test_a_request_carried_over_a_weight_update_keeps_its_routes_as_generated(replay_runs):
+    """Partial rollouts: 3 requests stepped 4 times, new weights (every router's experts reversed) loaded between
+    two engine steps, then stepped to the end, in keep and in recompute mode (rebuild_kv: vLLM prefills every
+    request again with the new weights). Each request's routes are, position by position, transformers' routing
+    as the position was first computed: the old model's before the update, the new model's after (over the old
+    model's cache in keep mode, over the whole sequence in recompute mode). Route agreement 1.0, in both modes;
+    in recompute mode the new weights route the earlier positions differently when prefilling them again, so
+    keeping the second prefill's routes would fail it."""
+    for arch in ARCHS:
+        carried = results(replay_runs, arch)["carried_over"]
+        for mode, c in carried.items():
+            assert c["carried"] == 3 and c["agree"] == c["positions"] > c["before_update"] > 0, (arch, mode, c)
+        assert carried["recompute"]["prefix_routed_differently"] > 0, (arch, carried)
+
+
+@pytest.mark.dist
 def test_multi_turn_trajectories_replay_the_routes_of_every_turn(replay_runs):
     """A multi-turn rollout on real vLLM (TP = 2, routes recorded) with a real tool: prompt a calls the tool in each
     of its 3 turns (two tool outputs go into the sequence), prompt b answers at once. Each trajectory's routes

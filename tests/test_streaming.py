@@ -169,7 +169,6 @@ def test_partial_rollouts_refuse_what_they_cannot_do_in_one_line():
 
     validate_partial(cfg())
     for kw, words in (({"placement__mode": "split"}, "trainer.max_staleness >= 1"),
-                      ({"multi_turn__enable": True}, "multi_turn.enable"),
                       ({"algorithm__filter_groups": True}, "algorithm.filter_groups"),
                       ({"rollout__top_p": 0.9}, "top_p = 0.9"),
                       ({"actor__ppo_epochs": 2}, "rollout_correction.rollout_is"),
@@ -178,6 +177,7 @@ def test_partial_rollouts_refuse_what_they_cannot_do_in_one_line():
         with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("(", r"\(")) as e:
             validate_partial(cfg(**kw))
         assert "\n" not in str(e.value)
+    validate_partial(cfg(multi_turn__enable=True))  # the agent loop on the stepped engine
     validate_partial(cfg(actor__ppo_epochs=2, rollout_correction__rollout_is="token"))
     validate_partial(cfg(trainer__device="cuda", rollout__enable_sleep_mode=False))
     validate_partial(cfg(placement__mode="split", trainer__max_staleness=1, trainer__device="cuda"))  # asynchronous split

@@ -337,15 +337,15 @@ class RolloutConfig:
     """During training, rollout/logprob_diff_mean above this stops the run (the trainer computes another policy
     than the one that sampled); 0: 0.05 in float32, 0.5 otherwise; negative: off."""
     partial: str = "off"
-    """Partial rollouts (single-turn): off (every step's requests run to the end) | keep | recompute. A step's
-    rollout ends as soon as data.train_batch_size prompt groups are complete; the unfinished requests stay in the
-    engine and go on after the weight update with the new weights, keep: with the keys and values computed by the
-    old ones | recompute: their prompt and tokens so far are prefilled again with the new weights first. Every token
-    records the weight version that sampled it (the batch's `versions`), and the loss's old policy is each token's
-    behaviour log-prob, the engine's (docs/architecture.md, partial rollouts). With placement.mode = "split" this is
-    asynchronous split: the rollout ranks step their engines without draining them, post each batch when its groups
-    are complete and load new weights between two engine steps, at points the config fixes (trainer.max_staleness
-    >= 1 bounds the lag)."""
+    """Partial rollouts (single- and multi-turn): off (every step's requests run to the end) | keep | recompute. A
+    step's rollout ends as soon as data.train_batch_size prompt groups are complete; the unfinished requests stay in
+    the engine and go on after the weight update with the new weights, keep: with the keys and values computed by
+    the old ones | recompute: their prompt and tokens so far are prefilled again with the new weights first. Every
+    token records the weight version that sampled it (the batch's `versions`), and the loss's old policy is each
+    token's behaviour log-prob, the engine's (docs/architecture.md, partial rollouts). With placement.mode = "split"
+    this is asynchronous split: the rollout ranks step their engines without draining them, post each batch when its
+    groups are complete and load new weights between two engine steps, at points the config fixes
+    (trainer.max_staleness >= 1 bounds the lag)."""
     max_version_lag: int = 1
     """With rollout.partial, colocated: a prompt group admitted more than this many weight versions ago is aborted
     and its prompt queued again, so that no trained token is older than this (split placement: trainer.max_staleness

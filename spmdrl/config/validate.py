@@ -520,14 +520,13 @@ def validate_partial(cfg) -> None:
         raise ConfigError(f"rollout.partial = '{r.partial}' with placement.mode = 'split' (asynchronous split) samples "
                           "with weights one update behind the actor: set trainer.max_staleness >= 1 (the most versions a "
                           "trained token may lag), or set rollout.partial = 'off'")
-    why = (("multi_turn.enable = true", cfg.multi_turn.enable, "turn multi_turn.enable off"),
-           ("algorithm.filter_groups = true", cfg.algorithm.filter_groups, "turn dynamic sampling off"),
+    why = (("algorithm.filter_groups = true", cfg.algorithm.filter_groups, "turn dynamic sampling off"),
            (f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}' (a greedy baseline rollout)",
             "baseline_rewards" in getattr(ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator), "requires", ()),
             "choose another estimator"))
     for what, bad, fix in why:
         if bad:
-            raise ConfigError(f"rollout.partial = '{r.partial}' is single-turn rollouts only; {what} is not "
+            raise ConfigError(f"rollout.partial = '{r.partial}' samples each group once; {what} is not "
                               f"supported with it: {fix} or set rollout.partial = 'off'")
     if on_policy(cfg) and sampler_truncates(cfg):
         raise ConfigError(f"rollout.partial = '{r.partial}' makes each token's rollout log-prob the loss's old policy, "

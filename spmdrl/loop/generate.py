@@ -123,7 +123,7 @@ class Generator:
         self.dataset, self.pad_id, self.scorer, self.greedy_baseline = dataset, pad_id, scorer, greedy_baseline
         self.agent = agent
         self.loop_time: dict[str, float] = {}
-        self.partial = PartialRollouts(cfg, rollout, dataset, sampler, specs.train, mesh.dp_offset) \
+        self.partial = PartialRollouts(cfg, rollout, dataset, sampler, specs.train, mesh.dp_offset, agent) \
             if cfg.rollout.partial != "off" else None
 
     def take_metrics(self) -> dict[str, float]:
@@ -173,8 +173,14 @@ class Generator:
         n = self.specs.train.n
         groups, metrics = self.partial.rollout(prompt_idx, step, version, trained_by)
         self.loop_time.update(metrics)
-        out, versions = groups_output(groups, n)
-        batch = rollout_to_batch([g.prompt for g in groups], [g.row for g in groups], out, n, self.pad_id)
+        if self.agent is not None:  # multi-turn: each group's trajectories
+            trajs = [g.done[j] for g in groups for j in range(n)]
+            self._note_loop()
+            batch = trajectories_to_batch(trajs, [g.row for g in groups], n, self.pad_id)
+            versions = [t.versions for t in trajs]
+        else:
+            out, versions = groups_output(groups, n)
+            batch = rollout_to_batch([g.prompt for g in groups], [g.row for g in groups], out, n, self.pad_id)
         R = batch["responses"].shape[1]
         v = torch.full((len(versions), R), version, dtype=torch.long)
         for i, vs in enumerate(versions):

@@ -1,40 +1,52 @@
-"""The turn-synchronous agent loop: multi-turn rollouts with tool calls on any RolloutEngine.
+"""The agent loop: multi-turn rollouts with tool calls on any RolloutEngine, on its request-level interface.
 
-Per turn, a rollout TP group makes ONE `engine.generate` call for all its trajectories still running (each is
-prompt + everything so far, re-prefilled; vLLM's prefix cache keeps that cheap, except on CPU with route capture,
-where every turn recomputes the history). A turn ends at the model's stop token (EOS) or at the tool-call stop
-string (`</tool_call>`). The calls in the turn's text are run once
-per TP group, on its first rank, by a ToolRunner, and the results are broadcast to the group's other ranks;
-then the chat template's glue (the end of the assistant message the model did not sample, the tool messages,
-the next generation prompt; rollout/chat.py) is appended as token ids with mask 0, and the next turn starts.
+Every turn of a trajectory is one request (prompt + everything so far, re-prefilled; vLLM's prefix cache keeps that
+cheap, except on CPU with route capture, where every turn recomputes the history). The loop steps the engine; when
+a turn's request finishes, at the model's stop token (EOS) or at the tool-call stop string (`</tool_call>`), its
+calls are run and the trajectory's next turn is admitted before the next engine step: a trajectory never waits for
+the other trajectories' turns, only for its own tools. The calls of the turns that ended in one engine step are run
+together, once per TP group, on its first rank, by a ToolRunner, and the results are broadcast to the group's other
+ranks; then the chat template's glue (the end of the assistant message the model did not sample, the tool
+messages, the next generation prompt; rollout/chat.py) is appended as token ids with mask 0, and the next turn is
+admitted. The engine does not step while the tools run.
 
 Token-in, token-out: a trajectory's ids are exactly the sampled ids plus the glue ids; nothing the model
 sampled is re-tokenized. Limits: multi_turn.max_turns, max_calls_per_turn (the runner's: further calls get an
-error result), max_tool_response_tokens (a longer result is cut; tool_text), and the response budget (data.max_response_length): a turn
-is cut where the budget ends and a trajectory whose next glue would not leave room for one more token ends
-before it; both are flagged `truncated`.
+error result), max_tool_response_tokens (a longer result is cut; tool_text), and the response budget
+(data.max_response_length): a turn's request may sample at most what is left of it, and a trajectory whose next
+glue would not leave room for one more token ends before it; both are flagged `truncated`.
 
 Group-uniform by construction: every rank of a TP group holds the same trajectories (the same sampled ids, the
-same broadcast tool results), so every loop condition is the same on all of them. Before each turn the group
-checks it (one all-reduce of the active count and a digest of the active trajectories) and raises a clear error
-instead of hanging in vLLM if the ranks ever disagree. Different rollout DP groups are independent: they may take
-different numbers of turns and meet again only after the rollout.
+same broadcast tool results), and its engine finishes the same requests at the same engine step, so every rank
+makes the same admissions at the same step (the engine checks each admission). At every engine step where turns
+end, the group also checks the loop's own decisions (one all-reduce of a digest of which trajectories ended,
+answered or called tools) and raises a clear error instead of hanging in vLLM if the ranks ever disagree.
+Different rollout DP groups are independent: they may take different numbers of turns and meet again only after
+the rollout.
+
+The loop can be drained (`run`: every trajectory to its end, what a synchronous rollout does) or driven by a
+caller that steps the engine itself and hands the loop its completions (`admit` and `advance`): partial rollouts
+(loop/partial.py) keep trajectories in flight across weight updates that way, each token tagged with the weight
+version that sampled it (`Trajectory.versions`).
 
 Routes: with an engine that records the experts it routed each position to (routing replay), each trajectory
 keeps, per position, the routes of the first turn that computed it (Trajectory.add_turn_routes).
 
-Seeds: the request of sample j of a prompt in turn t is seeded by turn_seed(prompt seed, j, t), so with
-rollout.per_request_seed a trajectory depends only on its own seeds (TP=1 and TP=2 sample the same ones).
+Seeds: with per-request seeding (the engine's `per_request_seed`), the request of sample j of a prompt in turn t is
+seeded by sample_seed(turn_seed(prompt seed, j, t), 0), so a trajectory depends only on its own seeds (TP=1 and
+TP=2 sample the same ones) and it samples what a turn-by-turn loop calling `generate` once per turn would. Without
+it, the requests draw from the engine's stream, which `run` seeds once from the prompts' seeds (call_seed).
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from dataclasses import dataclass, replace
 
 from spmdrl.dist.collectives import broadcast_from_leader, group_agrees, is_group_leader
 from spmdrl.errors import SpmdrlError
-from spmdrl.rollout.base import RolloutEngine, SamplingSpec, sample_seed
+from spmdrl.rollout.base import Completion, RolloutEngine, SamplingSpec, call_seed, sample_seed
 from spmdrl.rollout.chat import ChatGlue, tool_message
 from spmdrl.rollout.trajectory import Trajectory, Turn
 from spmdrl.tools.base import ToolResult, ToolRunner
@@ -84,8 +96,8 @@ class LoopStats:
 
 
 class AgentLoop:
-    """engine: this rank's rollout engine; glue: the chat-template glue (with the tool schemas); runner: runs a
-    turn's calls (used on the TP group's first rank only); tp_group: the rollout TP group (None: one rank)."""
+    """engine: this rank's rollout engine; glue: the chat-template glue (with the tool schemas); runner: runs the
+    calls (used on the TP group's first rank only); tp_group: the rollout TP group (None: one rank)."""
 
     def __init__(self, engine: RolloutEngine, glue: ChatGlue, runner: ToolRunner, limits: TurnLimits, *,
                  fmt: str = "hermes", tp_group=None):
@@ -93,79 +105,150 @@ class AgentLoop:
         self.fmt, self.tp_group = fmt, tp_group
         self.tokenizer = glue.tokenizer
         self.stats = LoopStats()
+        self._requests = itertools.count()  # request ids: the same sequence on every rank of the TP group
+        self._steps = 0  # engine steps this loop handed completions of (the agreement check names them)
+        self._live: dict[str, tuple[Trajectory, SamplingSpec]] = {}  # request id -> its trajectory and sampling
+        self._held: list[Completion] = []  # finished while `run` stepped the engine, not run's: the next advance's
+
+    def trajectories(self, prompts: list[list[int]], messages: list[list[dict]], seeds: list[int], n: int,
+                     tool_kwargs: list[dict] | None = None) -> list[Trajectory]:
+        """n fresh trajectories per prompt, prompt-major. messages: each prompt's chat messages (what its ids were
+        rendered from); tool_kwargs: per-prompt keyword arguments for the tools (verl's extra_info.tools_kwargs)."""
+        kwargs = tool_kwargs or [{} for _ in prompts]
+        return [Trajectory(prompt=list(p), messages=[dict(m) for m in msgs], seed=s, sample=j, tool_kwargs=kw or {})
+                for p, msgs, s, kw in zip(prompts, messages, seeds, kwargs) for j in range(n)]
 
     def run(self, prompts: list[list[int]], messages: list[list[dict]], seeds: list[int], spec: SamplingSpec,
             tool_kwargs: list[dict] | None = None) -> list[Trajectory]:
-        """spec.n trajectories per prompt, prompt-major (as RolloutEngine.generate orders samples). messages: each
-        prompt's chat messages (what its ids were rendered from); tool_kwargs: per-prompt keyword arguments for
-        the tools (verl's extra_info.tools_kwargs)."""
-        lim = self.limits
-        kwargs = tool_kwargs or [{} for _ in prompts]
-        trajs = [Trajectory(prompt=list(p), messages=[dict(m) for m in msgs], seed=s, sample=j, tool_kwargs=kw or {})
-                 for p, msgs, s, kw in zip(prompts, messages, seeds, kwargs) for j in range(spec.n)]
-        stop_ids = set(spec.stop_token_ids) | ({self.tokenizer.eos_token_id} - {None})
-        base = replace(spec, n=1, stop=list(dict.fromkeys([*spec.stop, *stop_strings(self.fmt)])))
-        self.stats = stats = LoopStats()
-        for turn in range(lim.max_turns):
-            t0 = time.perf_counter()
-            active = [t for t in trajs if not t.done]
-            self._check_agreement(turn, trajs, "are still running")
-            if not active:
-                break
-            stats.turns += 1
-            left = [lim.max_response_tokens - len(t.ids) for t in active]
-            tspec = replace(base, max_tokens=max(left))
-            t1 = time.perf_counter()
-            out = self.engine.generate([t.prompt + t.ids for t in active], tspec,
-                                       [turn_seed(t.seed, t.sample, turn) for t in active])
-            t2 = time.perf_counter()
-            calling = []
-            for k, t in enumerate(active):
-                ids, lps, reason = list(out.response_ids[k]), list(out.logprobs[k]), out.finish_reason[k]
-                if len(ids) > left[k]:  # the request ran with the longest budget of the turn: cut to this one's
-                    ids, lps, reason = ids[: left[k]], lps[: left[k]], "length"
-                t.ids += ids
-                t.mask += [1] * len(ids)
-                t.logprobs += lps if lps else [0.0] * len(ids)
-                if out.routed_experts is not None:  # routing replay (rollout/routes.py)
-                    t.add_turn_routes(out.routed_experts[k])
-                end = ids[-1] if ids and reason == "stop" and ids[-1] in stop_ids else None
-                text = self.tokenizer.decode(ids[:-1] if end is not None else ids, skip_special_tokens=False)
-                calls = parse_tool_calls(text, self.fmt) if reason == "stop" else []
-                t.turns.append(Turn(text=text, calls=calls))
-                t.messages.append({"role": "assistant", "content": text})
-                if reason == "length" or len(t.ids) >= lim.max_response_tokens and calls:
-                    t.finish = "length"
-                elif not calls:
-                    t.finish = "answer"
-                elif turn == lim.max_turns - 1:
-                    t.finish = "turn_limit"
-                else:
-                    calling.append((t, "" if end is None else self.tokenizer.decode([end], skip_special_tokens=False)))
-            t3 = time.perf_counter()
-            self._check_agreement(turn, [t for t, _ in calling], "called tools")
-            results = self._run_tools([t for t, _ in calling])
-            t4 = time.perf_counter()
-            for (t, sampled_end), res in zip(calling, results):
-                self._append_results(t, res, sampled_end)
-            stats.generate_s += t2 - t1
-            stats.tools_s += t4 - t3
-            stats.other_s += (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
+        """spec.n trajectories per prompt, prompt-major (as RolloutEngine.generate orders samples), each run to its
+        end: admit the first turns, then step the engine until every trajectory has ended."""
+        trajs = self.trajectories(prompts, messages, seeds, spec.n, tool_kwargs)
+        self.stats = LoopStats()
+        if not self.seeded:
+            self.engine.reseed(call_seed(seeds))
+        # requests admitted before (a partial rollout's, in flight across steps) are another caller's here: what
+        # they finish meanwhile is held for the next advance
+        outer, self._live, held = self._live, {}, []
+        try:
+            self.admit(trajs, spec)
+            while any(not t.done for t in trajs):
+                t0 = time.perf_counter()
+                done = self.engine.step()
+                self.stats.generate_s += time.perf_counter() - t0
+                held += self.advance(done)[1]
+        finally:
+            self._live = outer
+            self._held += held
         return trajs
 
-    def _check_agreement(self, turn: int, trajs: list[Trajectory], what: str) -> None:
-        """Every rank of the TP group must hold the same running trajectories (before a turn's generate) and the
-        same calling ones (before its tools): a rank that skips a step its peers take hangs the group."""
-        mine = [(t.seed, t.sample, len(t.ids)) for t in trajs if not t.done or what == "called tools"]
+    @property
+    def seeded(self) -> bool:
+        """Whether each request is seeded by its trajectory's seeds (the engine's per_request_seed)."""
+        return bool(getattr(self.engine, "per_request_seed", False))
+
+    def admit(self, trajs: list[Trajectory], spec: SamplingSpec) -> None:
+        """Admit the next turn of each of `trajs` (fresh ones: their first) with `spec` (its n is ignored; a
+        request samples at most what is left of the response budget)."""
+        self._admit([(t, spec) for t in trajs])
+
+    def _admit(self, pending: list[tuple[Trajectory, SamplingSpec]]) -> None:
+        lim = self.limits
+        reqs = []  # (request id, prompt, seed, the request's spec)
+        for t, spec in pending:
+            rid = f"turn:{next(self._requests)}"
+            self._live[rid] = (t, spec)
+            stop = list(dict.fromkeys([*spec.stop, *stop_strings(self.fmt)]))
+            seed = sample_seed(turn_seed(t.seed, t.sample, len(t.turns)), 0) if self.seeded else None
+            reqs.append((rid, t.prompt + t.ids, seed, replace(spec, n=1, stop=stop,
+                                                                max_tokens=lim.max_response_tokens - len(t.ids))))
+        for _, run in itertools.groupby(reqs, key=lambda r: r[3]):  # one admit per run of equal specs, in order
+            rids, prompts, seeds, specs = zip(*run)
+            self.engine.admit(list(rids), list(prompts), specs[0], list(seeds))
+
+    def advance(self, completions: list[Completion]) -> tuple[list[Trajectory], list[Completion]]:
+        """Take one engine step's completions: those of this loop's requests end a turn of their trajectory; a
+        trajectory that called tools gets their results and its next turn is admitted. Returns the trajectories
+        that ended and the completions that were not this loop's."""
+        completions, self._held = self._held + completions, []
+        mine = [c for c in completions if c.id in self._live]
+        others = [c for c in completions if c.id not in self._live]
+        if not mine:
+            return [], others
+        t0 = time.perf_counter()
+        self._steps += 1
+        ended, calling = [], []
+        for c in mine:
+            t, spec = self._live.pop(c.id)
+            sampled_end = self._end_turn(t, c, spec)
+            if t.done:
+                ended.append(t)
+            else:
+                calling.append((t, spec, sampled_end))
+        self._check_agreement([*ended, *(t for t, _, _ in calling)], len(calling))
+        t1 = time.perf_counter()
+        results = self._run_tools([t for t, _, _ in calling])
+        t2 = time.perf_counter()
+        pending = []
+        for (t, spec, sampled_end), res in zip(calling, results):
+            self._append_results(t, res, sampled_end)
+            if t.done:  # the glue left no room for another turn
+                ended.append(t)
+            else:
+                pending.append((t, spec))
+        self._admit(pending)
+        self.stats.tools_s += t2 - t1
+        self.stats.other_s += (t1 - t0) + (time.perf_counter() - t2)
+        return ended, others
+
+    def abort(self, trajs: list[Trajectory]) -> None:
+        """Take back the requests of `trajs` still in flight (the trajectories are dropped, not finished)."""
+        gone = {id(t) for t in trajs}
+        rids = [rid for rid, (t, _) in self._live.items() if id(t) in gone]
+        self.engine.abort(rids)
+        for rid in rids:
+            del self._live[rid]
+
+    def _end_turn(self, t: Trajectory, c: Completion, spec: SamplingSpec) -> str:
+        """A turn's completion into its trajectory: its tokens, log-probs, versions and routes, its text and calls,
+        and whether the trajectory ended (t.finish). Returns the sampled end of the turn as text (for the glue)."""
+        lim = self.limits
+        ids, lps, reason = list(c.token_ids), list(c.logprobs), c.finish_reason
+        t.ids += ids
+        t.mask += [1] * len(ids)
+        t.logprobs += lps if lps else [0.0] * len(ids)
+        t.versions += list(c.versions)
+        if c.routes is not None:  # routing replay (rollout/routes.py)
+            t.add_turn_routes(c.routes)
+        stop_ids = set(spec.stop_token_ids) | ({self.tokenizer.eos_token_id} - {None})
+        end = ids[-1] if ids and reason == "stop" and ids[-1] in stop_ids else None
+        text = self.tokenizer.decode(ids[:-1] if end is not None else ids, skip_special_tokens=False)
+        calls = parse_tool_calls(text, self.fmt) if reason == "stop" else []
+        t.turns.append(Turn(text=text, calls=calls))
+        t.messages.append({"role": "assistant", "content": text})
+        self.stats.turns = max(self.stats.turns, len(t.turns))
+        if reason == "length" or len(t.ids) >= lim.max_response_tokens and calls:
+            t.finish = "length"
+        elif not calls:
+            t.finish = "answer"
+        elif len(t.turns) == lim.max_turns:
+            t.finish = "turn_limit"
+        return "" if end is None else self.tokenizer.decode([end], skip_special_tokens=False)
+
+    def _check_agreement(self, trajs: list[Trajectory], calling: int) -> None:
+        """Every rank of the TP group must end the same turns in an engine step and send the same trajectories to
+        the tools: a rank that skips a broadcast or an admission its peers make hangs the group."""
+        mine = [(t.seed, t.sample, len(t.ids), t.finish) for t in trajs]
         digest = int.from_bytes(hashlib.blake2b(repr(mine).encode(), digest_size=8).digest(), "little")
-        if not group_agrees([turn, len(mine), digest], self.tp_group):
+        if not group_agrees([self._steps, len(mine), calling, digest], self.tp_group):
+            turn = min(len(t.turns) for t in trajs)
             raise SpmdrlError(
-                f"multi-turn rollout, turn {turn + 1}: the ranks of a rollout TP group disagree on which trajectories "
-                f"{what} ({len(mine)} here); they must issue the same requests or vLLM hangs: check that every rank "
-                "gets the same prompts, seeds and tool results")
+                f"multi-turn rollout, turn {turn} (engine step {self._steps} of the loop): the ranks of a rollout TP "
+                f"group disagree on which trajectories ended a turn and which called tools ({len(mine)} ended a turn, "
+                f"{calling} called tools here); they must issue the same requests or vLLM hangs: check that every "
+                "rank gets the same prompts, seeds and tool results")
 
     def _run_tools(self, trajs: list[Trajectory]) -> list[list[ToolResult]]:
-        """The calls of this turn: run on the TP group's first rank, broadcast to the others."""
+        """The calls of the turns that just ended: run on the TP group's first rank, broadcast to the others."""
         if not trajs:
             return []
         calls = [t.turns[-1].calls for t in trajs]  # the runner caps the calls per turn
@@ -193,5 +276,6 @@ class AgentLoop:
         t.ids += glue
         t.mask += [0] * len(glue)
         t.logprobs += [0.0] * len(glue)
+        t.versions += t.versions[-1:] * len(glue)  # glue is no model's: it goes with the turn before it
         t.messages += msgs
         turn.appended = True

@@ -11,7 +11,8 @@ Triton), so spmdrl records them in the worker that lives in this process:
 - after the forward the routes are filed per request and sequence position.
 
 A request's routes cover every position the engine computed: the prompt, and each sampled token but the last
-(which is never fed back). With prefix caching on, a request whose prompt hits the cache would not compute those
+(which is never fed back). A position computed twice (vLLM preempted the request and prefilled it again, as
+`rebuild_kv` makes it do after a weight update) keeps the routes of its first computation (merge_routes). With prefix caching on, a request whose prompt hits the cache would not compute those
 positions, so an engine that records routes is built without it (`VLLMEngine(capture_routes=True)`).
 
 vLLM names a request `<id>-<8 random chars>` and the samples of an n > 1 request `<k>_<id>-<random>`; `take`
@@ -66,7 +67,7 @@ class RouteRecorder:
         for rid, chunks in self.by_request.items():
             length = max(p + len(r) for p, r in chunks)
             routes = np.full((length, self.num_layers, self.top_k), NO_ROUTE, dtype=np.int16)
-            for pos, r in chunks:  # in step order: a position computed again (a preempted request) keeps the last
+            for pos, r in reversed(chunks):  # a position computed again keeps its FIRST routes (merge_routes)
                 routes[pos: pos + len(r)] = r
             out[caller_key(rid)] = routes
         self.by_request = {}
@@ -84,14 +85,19 @@ def caller_key(internal_id: str) -> tuple[str, int]:
 
 
 def merge_routes(old, new):
-    """One request's routes recorded in two windows (RouteRecorder.take before and after): `new` wherever it has a
-    route, `old` elsewhere, over the longer of the two."""
+    """One request's routes recorded in two windows (RouteRecorder.take before and after): `old` wherever it has a
+    route, `new` elsewhere, over the longer of the two.
+
+    A position keeps the routes of the forward that first computed it: the token after it was sampled from that
+    forward (the routes "as generated"). A request computes a position again when vLLM preempts it and prefills
+    it again, which `rebuild_kv` does on purpose after a weight update (rollout.partial = "recompute"): the
+    positions before the update keep the old weights' routes, those after get the new weights'."""
     if old is None:
         return new
     out = np.full((max(len(old), len(new)), *new.shape[1:]), NO_ROUTE, dtype=np.int16)
-    out[: len(old)] = old
-    seen = new != NO_ROUTE
-    out[: len(new)][seen] = new[seen]
+    out[: len(new)] = new
+    seen = old != NO_ROUTE
+    out[: len(old)][seen] = old[seen]
     return out
 
 

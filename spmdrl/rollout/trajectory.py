@@ -48,6 +48,9 @@ class Trajectory:
     """1 where the model sampled the token, 0 on tool results and template glue."""
     logprobs: list[float] = field(default_factory=list)
     """The rollout log-prob of each model token, 0.0 on tool/glue tokens."""
+    versions: list[int] = field(default_factory=list)
+    """The rollout engine's weight version that sampled each model token (Completion.versions); a glue token
+    carries the version of the token before it."""
     turns: list[Turn] = field(default_factory=list)
     finish: str = ""
     routes: np.ndarray | None = None

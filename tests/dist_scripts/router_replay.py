@@ -120,9 +120,78 @@ def one_model(path: str, out: str) -> None:
     m = Measure(actor, batch, shape, meshes["actor"].group("dp"), 0)
     result = {"routed_expected": computed * shape[0] * shape[1], "top_k": shape[1]}
     result["cases"] = m.all_cases()
+    result["carried_over"] = {mode: carried_over_routes(rollout, path, prompts, mode) for mode in ("keep", "recompute")}
     result["model_runner_v2"] = routes_as_on_cuda(rollout, prompts)
     write(out, path, result)
     rollout.close()
+
+
+def hf_routes(model, ids: list[int], top_k: int, past=None) -> tuple[np.ndarray, object]:
+    """transformers' own routing of `ids` (after the cached `past`, if any): the top-k experts of every layer's
+    router logits, sorted, int [positions, layers, top_k]; and the cache after them."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True, output_router_logits=True)
+    routes = np.stack([lg.topk(top_k, dim=-1).indices.sort(-1).values.numpy() for lg in out.router_logits], 1)
+    return routes, out.past_key_values
+
+
+def carried_over_routes(rollout, path: str, prompts, mode: str) -> dict:
+    """Requests carried over a weight update (rollout.partial = `mode`): 3 requests admitted and stepped 4 times
+    with the checkpoint's weights (version 0), then new weights loaded between two engine steps (every router's
+    expert rows reversed: other experts) as version 1, with `rebuild_kv` in recompute mode, then stepped to the
+    end. Each position's routes vLLM returned are compared with transformers' routing of the same tokens as each
+    position was computed: positions computed before the update (prompt + version-0 tokens but the last) by the
+    old model; the rest by the new model, after the old model's cache of the earlier positions (keep: vLLM kept
+    their keys and values) or over the whole sequence (recompute: vLLM prefilled it again with the new weights).
+    `prefix_routed_differently`: earlier positions whose routes the new weights change (what a recomputed
+    request would show, were the routes of its second prefill kept)."""
+    from transformers import AutoModelForCausalLM
+
+    from spmdrl.engines.router_replay import moe_routers
+    from spmdrl.rollout import SamplingSpec
+
+    old = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+    new = copy.deepcopy(old)
+    with torch.no_grad():
+        for _, gate in moe_routers(new):
+            gate.weight.copy_(gate.weight.flip(0))
+    top_k = int(old.config.num_experts_per_tok)
+    rollout.update_weights(old.state_dict().items())  # version 0: the checkpoint's (again, for the second mode)
+    rollout.finish_weight_update()
+    rollout.weight_version = 0
+    ids = [f"carry-{mode}/{i}" for i in range(len(prompts))]
+    rollout.admit(ids, prompts, SamplingSpec(n=1, temperature=1.0, max_tokens=12), [31 + i for i in range(len(prompts))])
+    done = {}
+    for _ in range(4):
+        done.update({c.id: c for c in rollout.step()})
+    rollout.update_weights(new.state_dict().items())
+    rollout.finish_weight_update()
+    rollout.weight_version = 1
+    if mode == "recompute":
+        rollout.rebuild_kv()
+    while rollout.in_flight:
+        done.update({c.id: c for c in rollout.step()})
+    res = {"carried": 0, "positions": 0, "agree": 0, "before_update": 0, "prefix_routed_differently": 0}
+    for rid, p in zip(ids, prompts):
+        c = done[rid]
+        seq = list(p) + c.token_ids
+        u = len(p) + c.versions.count(0) - 1  # positions computed before the update
+        if c.versions.count(0) == 0 or c.versions.count(1) == 0:
+            continue
+        res["carried"] += 1
+        ref_old, past = hf_routes(old, seq[:u], top_k)
+        if mode == "keep":
+            ref_new, _ = hf_routes(new, seq[u:-1], top_k, past)
+        else:
+            full, _ = hf_routes(new, seq[:-1], top_k)
+            ref_new = full[u:]
+            res["prefix_routed_differently"] += int((full[:u] != ref_old).any(-1).any(-1).sum())
+        want = np.concatenate([ref_old, ref_new])
+        got = np.sort(np.asarray(c.routes)[: len(seq) - 1], -1)
+        res["positions"] += len(want)
+        res["before_update"] += u
+        res["agree"] += int((got == want).all(-1).all(-1).sum()) if got.shape == want.shape else 0
+    return res
 
 
 def as_model_runner_v2(rollout) -> None:
@@ -197,28 +266,33 @@ def routes_as_on_cuda(rollout, prompts) -> dict:
 
 
 class Recording:
-    """The rollout engine, with each generate call's requests and recorded routes kept."""
+    """The rollout engine, with each request's prompt and recorded routes kept (in the order they finished)."""
 
     def __init__(self, engine):
-        self.engine, self.calls = engine, []
+        self.engine, self.requests, self._prompts = engine, [], {}
 
-    def generate(self, prompts, spec, seeds):
-        out = self.engine.generate(prompts, spec, seeds)
-        self.calls.append([(list(p), s, None if r is None else np.asarray(r).copy())
-                           for p, s, r in zip(prompts, seeds, out.routed_experts or [None] * len(prompts))])
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def admit(self, ids, prompts, spec, seeds):
+        self.engine.admit(ids, prompts, spec, seeds)
+        self._prompts.update({i: list(p) for i, p in zip(ids, prompts)})
+
+    def step(self):
+        out = self.engine.step()
+        self.requests += [(self._prompts.pop(c.id), None if c.routes is None else np.asarray(c.routes).copy())
+                          for c in out]
         return out
 
 
-def composed(traj, calls, length: int, shape, first: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+def composed(traj, requests, length, shape, first: bool) -> tuple[np.ndarray, list[np.ndarray]]:
     """The reference routes of one trajectory, each position taking the routes of the first (or last) of its
-    requests that computed it, and those requests' routes in turn order (found by their seeds, turn_seed)."""
-    from spmdrl.rollout.multi_turn import turn_seed
-
+    requests that computed it, and those requests' routes in turn order (its requests: those whose prompt is
+    the trajectory's prompt and a part of what followed; the two test prompts differ)."""
     out = np.full((length, *shape), -1, dtype=np.int64)
     seq = traj.prompt + traj.ids
-    mine = []
-    for turn, call in enumerate(calls):
-        mine += [r for p, s, r in call if s == turn_seed(traj.seed, traj.sample, turn) and p == seq[: len(p)]]
+    mine = [r for p, r in sorted((x for x in requests if x[0] == seq[: len(x[0])] and len(x[0]) >= len(traj.prompt)),
+                                 key=lambda x: len(x[0]))]
     for r in (reversed(mine) if first else mine):
         n = min(length, len(r))
         out[:n] = r[:n]
@@ -255,8 +329,8 @@ def multi_turn_model(path: str, out: str) -> None:
     for i, t in enumerate(trajs):
         length = len(t.prompt) + len(t.ids)
         got = decode_routes(batch["routed_experts"][i], length, shape).numpy()
-        first, requests = composed(t, engine.calls, length, shape, True)
-        last, _ = composed(t, engine.calls, length, shape, False)
+        first, requests = composed(t, engine.requests, length, shape, True)
+        last, _ = composed(t, engine.requests, length, shape, False)
         for k, r in enumerate(requests[1:], 1):  # positions a later request computed again
             n = min(len(r), len(requests[k - 1]), length)
             recomputed += n
