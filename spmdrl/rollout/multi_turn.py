@@ -153,6 +153,11 @@ class AgentLoop:
             stats.other_s += (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
         return trajs
 
+    def rollout(self, pb, seeds: list[int], spec: SamplingSpec) -> list[Trajectory]:
+        """`run` over a PromptBatch: its ids, messages and per-row tool kwargs (extra_info.tools_kwargs)."""
+        kwargs = [(e or {}).get("tools_kwargs") or {} for e in pb.extra_info]
+        return self.run(pb.input_ids, pb.raw_prompt, seeds, spec, kwargs)
+
     def _check_agreement(self, turn: int, trajs: list[Trajectory], what: str) -> None:
         """Every rank of the TP group must hold the same running trajectories (before a turn's generate) and the
         same calling ones (before its tools): a rank that skips a step its peers take hangs the group."""
