@@ -120,3 +120,222 @@ def test_refusals_are_one_line_call_errors(tok):
         with pytest.raises(CallError, match=what) as e:
             s.prepare(bad, None, None)
         assert e.value.status == 400 and "\n" not in str(e.value)
+
+
+# ---- sessions through a real engine, in this process ------------------------------------------------------------
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEMPERATURE = 0.3  # the run's; the agent asks for 0.7
+ENGINE = os.environ.get("SPMDRL_AGENT_TEST_ENGINE", "vllm")
+
+
+class Recorder:
+    """The engine, with every completion it hands out kept (what was sampled, independently of the capture)."""
+
+    def __init__(self, engine):
+        self.engine, self.completions, self.admitted = engine, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    @property
+    def in_flight(self):
+        return self.engine.in_flight
+
+    def admit(self, ids, prompts, spec, seeds):
+        self.admitted.append((ids[0], list(prompts[0]), spec.temperature))
+        return self.engine.admit(ids, prompts, spec, seeds)
+
+    def step(self):
+        out = self.engine.step()
+        self.completions += out
+        return out
+
+    def abort(self, ids):
+        out = self.engine.abort(ids)
+        self.completions += out
+        return out
+
+
+def _batch(rows):
+    from spmdrl.data.prompts import PromptBatch
+
+    return PromptBatch(input_ids=[[1, 2, 3]] * len(rows), data_source=["t"] * len(rows),
+                       ground_truth=[r.get("answer", "") for r in rows], extra_info=[r.get("extra", {}) for r in rows],
+                       raw_prompt=[[{"role": "user", "content": r["letter"]}] for r in rows],
+                       index=list(range(len(rows))))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, caplog_module):
+    pytest.importorskip("openai")
+    if ENGINE == "vllm":
+        pytest.importorskip("vllm")
+    import logging
+    import time
+
+    from launching import world_of_one
+    from spmdrl.agents.endpoint import Limits
+    from spmdrl.agents.sessions import AgentRollout, AgentSpec
+    from spmdrl.rollout import SamplingSpec, build_engine
+    from tool_agent import shared_tool_model
+
+    model = shared_tool_model(tmp_path_factory)
+    out = tmp_path_factory.mktemp("agent_runs")
+    entry = os.path.join(HERE, "agent_programs.py") + ":run"
+    res = {"model": model, "out": out}
+    with world_of_one():
+        engine = build_engine(ENGINE, model_path=model, max_model_len=512, seed=0, kv_cache_gb=0.2, tp_size=1)
+        tok = engine.tokenizer
+        spec = SamplingSpec(n=2, temperature=TEMPERATURE, max_tokens=300, stop_token_ids=[tok.eos_token_id])
+        try:
+            rec = Recorder(engine)
+            react = AgentRollout(rec, tok, AgentSpec("python", entry, sessions=3, timeout_s=120),
+                                 max_prompt_tokens=64, max_response_tokens=300)
+            t0 = time.monotonic()
+            res["react"] = react.rollout(_batch([{"letter": "b", "answer": "7"}, {"letter": "a"}, {"letter": "d"}]),
+                                         [1, 2, 3], spec)
+            res["react_s"], res["react_stats"] = time.monotonic() - t0, react.stats.extra
+            res["react_completions"], res["react_admitted"] = list(rec.completions), list(rec.admitted)
+            react.close()
+            rec.completions.clear()
+            caplog_module.clear()
+            faulty = AgentRollout(rec, tok, AgentSpec("python", entry, sessions=4, timeout_s=15,
+                                                      limits=Limits(max_request_bytes=64 * 1024, max_calls=5)),
+                                  max_prompt_tokens=64, max_response_tokens=300)
+            rows = [{"letter": "b", "extra": {"mode": m, "out": str(out / f"{m}.json")}}
+                    for m in ("faults", "flood", "crash", "hang")]
+            t0 = time.monotonic()
+            res["faults"] = faulty.rollout(_batch(rows), [4, 5, 6, 7], replace_n(spec, 1))
+            res["faults_s"], res["faults_stats"] = time.monotonic() - t0, faulty.stats.extra
+            res["fault_log"] = [r.getMessage() for r in caplog_module.records if r.name == "spmdrl.agents"
+                                and r.levelno >= logging.WARNING]
+            res["in_flight_after"] = engine.in_flight
+            faulty.close()
+            curl = AgentRollout(rec, tok, AgentSpec("command", os.path.join(HERE, "agent_curl.sh"), timeout_s=60),
+                                max_prompt_tokens=64, max_response_tokens=300)
+            res["curl"] = curl.rollout(_batch([{"letter": "b", "answer": "7"}]), [8], replace_n(spec, 1))
+            curl.close()
+        finally:
+            engine.close()
+    yield res
+
+
+def replace_n(spec, n):
+    from dataclasses import replace
+
+    return replace(spec, n=n)
+
+
+@pytest.fixture(scope="module")
+def caplog_module():
+    """Log records of the module's fixture (pytest's caplog is per test)."""
+    import logging
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+        def clear(self):
+            self.records = []
+
+    h = Keep()
+    logging.getLogger("spmdrl.agents").addHandler(h)
+    yield h
+    logging.getLogger("spmdrl.agents").removeHandler(h)
+
+
+def _model_runs(t):
+    """(start, ids) of each run of mask-1 tokens."""
+    runs = []
+    for k, m in enumerate(t.mask):
+        if m and (k == 0 or not t.mask[k - 1]):
+            runs.append((k, []))
+        if m:
+            runs[-1][1].append(t.ids[k])
+    return runs
+
+
+def test_react_agent_sessions_train_exactly_what_was_sampled(served):
+    """Six sessions of a ReAct agent (openai client, one streamed call each) through the endpoint: every model-token
+    run of a trajectory is one completion the engine returned, with its log-probs; the tool and glue tokens between
+    are the context the next request was admitted with; the agent's temperature 0.7 was overridden by the run's."""
+    trajs, comps = served["react"], served["react_completions"]
+    assert len(trajs) == 6 and all(t.finish == "answer" for t in trajs), [(t.finish, t.agent.get("error"), [x.text[:60] for x in t.turns]) for t in trajs]
+    context = {rid: tuple(p) for rid, p, _ in served["react_admitted"]}
+    assert {temp for _, _, temp in served["react_admitted"]} == {TEMPERATURE}
+    sampled = {}  # (context, token ids, log-probs) of every request the engine finished
+    for c in comps:
+        sampled.setdefault((context[c.id], tuple(c.token_ids)), []).append(c.logprobs)
+    for t in trajs:
+        runs = _model_runs(t)
+        assert runs and len(runs) == len(t.turns)
+        for at, run in runs:
+            # admitted on exactly this context, sampled as a whole, byte for byte, with these log-probs
+            assert t.logprobs[at: at + len(run)] in sampled[(tuple(t.prompt + t.ids[:at]), tuple(run))]
+    b, a, d = trajs[0], trajs[2], trajs[4]
+    assert b.agent["reward"] == 1.0 and len(b.turns) == 1 and b.turns[0].text == "7"
+    assert len(a.turns) == 3 and a.agent["reward"] == 0.0 and all(turn.calls for turn in a.turns)
+    assert [r.text for r in a.turns[0].results] == ["3"] and a.turns[0].appended
+    assert len(d.turns) == 2 and d.turns[0].calls[0].name == "boom"
+    stats = served["react_stats"]
+    assert stats["agent/sessions"] == 6 and stats["agent/failed_sessions"] == 0 and stats["agent/branches"] == 6
+    assert stats["agent/calls"] == sum(len(t.turns) for t in trajs) and stats["agent/endpoint_errors"] == 0
+
+
+def test_trajectory_logprobs_equal_a_transformers_forward_over_the_whole_trajectory(served):
+    """Independent of the engine's own bookkeeping: one fp32 forward of the model over prompt + ids gives, at every
+    model token, the log-prob the engine sampled it with at the run's temperature (so the context every call ran on is the trajectory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(served["model"], dtype=torch.float32).eval()
+    worst = 0.0
+    for t in served["react"]:
+        ids = torch.tensor([t.prompt + t.ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(t.prompt) - 1: -1]
+        lp = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, torch.tensor(t.ids)[:, None])[:, 0]
+        mask = torch.tensor(t.mask, dtype=torch.bool)
+        worst = max(worst, float((lp[mask] - torch.tensor(t.logprobs)[mask]).abs().max()))
+    assert worst < 1e-4, worst
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie waiting for init to reap it is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_faults_each_give_one_line_and_no_hang(served):
+    faults, flood, crash, hang = served["faults"]
+    out = served["out"]
+    codes = json.load(open(out / "faults.json"))
+    assert codes == {"malformed": 400, "no_secret": 401, "wrong_secret": 401, "too_big": 413, "too_long": 400,
+                     "n2": 400, "good": 200}
+    assert faults.agent["reward"] == 0.5 and faults.finish == "answer" and sum(faults.mask) > 0
+    assert json.load(open(out / "flood.json")) == [200] * 5 + [429] * 3
+    assert crash.finish == "error" and "RuntimeError: the agent fell over" in crash.agent["error"]
+    assert hang.finish == "error" and "timeout_s" in hang.agent["error"] and sum(hang.mask) == 0
+    child = json.load(open(out / "hang.json"))["child"]
+    assert not _running(child)  # what the hanging agent started died with it
+    assert crash.agent["reward"] == 0.0 and sum(crash.mask) == 0
+    assert served["faults_s"] < 60 and served["in_flight_after"] == 0
+    log = served["fault_log"]
+    assert all("\n" not in line for line in log)
+    for what in ("400 the request body is not valid JSON", "401 missing or wrong API key", "413 the request has",
+                 "400 the prompt renders to", "429 session", "failed: raised RuntimeError", "ran past agent.timeout_s"):
+        assert sum(what in line for line in log) >= 1, (what, log)
+    assert served["faults_stats"]["agent/failed_sessions"] == 2
+
+
+def test_a_bash_and_curl_agent_runs_a_session(served):
+    (t,) = served["curl"]
+    assert t.finish == "answer" and t.agent["reward"] == 1.0 and t.turns[0].text == "7" and sum(t.mask) == 2
