@@ -216,9 +216,58 @@ def served(tmp_path_factory, caplog_module):
                                 max_prompt_tokens=64, max_response_tokens=300)
             res["curl"] = curl.rollout(_batch([{"letter": "b", "answer": "7"}]), [8], replace_n(spec, 1))
             curl.close()
+            res["serve"] = _serve_calls(engine)
         finally:
             engine.close()
     yield res
+
+
+def _serve_calls(engine):
+    """spmdrl serve's loop on the fixture's engine, called with the openai client from a thread."""
+    import threading
+
+    from openai import OpenAI
+
+    from agent_programs import TOOLS as AGENT_TOOLS
+    from spmdrl.rollout import SamplingSpec
+    from spmdrl.serve import serve_model
+
+    stop, out, ready = threading.Event(), {}, threading.Event()
+
+    def client_calls():
+        try:
+            ready.wait(60)
+            client = OpenAI(base_url=out["url"], api_key="k3y", max_retries=0, timeout=60)
+            out["models"] = [m.id for m in client.models.list().data]
+            r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "b"}],
+                                               tools=AGENT_TOOLS)
+            out["chat"] = r.choices[0].message.content
+            r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}],
+                                               tools=AGENT_TOOLS)
+            out["call"] = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
+            out["finish"] = r.choices[0].finish_reason
+            text = "".join(c.choices[0].text for c in [client.completions.create(
+                model="x", prompt="<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n", max_tokens=4)])
+            out["completion"] = text
+            try:
+                OpenAI(base_url=out["url"], api_key="wrong", max_retries=0).models.list()
+            except Exception as e:
+                out["wrong_key"] = getattr(e, "status_code", None)
+        except Exception as e:
+            out["error"] = repr(e)
+        finally:
+            stop.set()
+
+    def on_ready(url):
+        out["url"] = url
+        ready.set()
+
+    t = threading.Thread(target=client_calls)
+    t.start()
+    serve_model("tool_model", secret="k3y", port=0, spec=SamplingSpec(temperature=0.0, max_tokens=120), max_model_len=512,
+                engine=engine, stop=stop, on_ready=on_ready)
+    t.join()
+    return out
 
 
 def replace_n(spec, n):
@@ -336,6 +385,77 @@ def test_faults_each_give_one_line_and_no_hang(served):
     assert served["faults_stats"]["agent/failed_sessions"] == 2
 
 
+def test_serve_answers_the_openai_client_without_sessions(served):
+    """spmdrl serve's endpoint (greedy): /v1/models, a chat answer, a parsed tool call, /v1/completions, and 401."""
+    out = served["serve"]
+    assert "error" not in out, out["error"]
+    assert out["models"] == ["policy"] and out["chat"] == "7" and out["wrong_key"] == 401
+    assert out["call"] == [("add", {"x": 1, "y": 2})] and out["finish"] == "tool_calls"
+    assert out["completion"] == "7"
+
+
 def test_a_bash_and_curl_agent_runs_a_session(served):
     (t,) = served["curl"]
     assert t.finish == "answer" and t.agent["reward"] == 1.0 and t.turns[0].text == "7" and sum(t.mask) == 2
+
+
+# ---- through the Trainer: 2 ranks, rollout TP = 2 ---------------------------------------------------------------
+
+def _letters_data(root):
+    import pyarrow as pa
+
+    from spmdrl.data import schema
+
+    def row(letter, i):
+        return {schema.DATA_SOURCE: "agenttest", schema.PROMPT: [{"role": "user", "content": letter}],
+                schema.ABILITY: "tools", schema.REWARD_MODEL: {"style": "rule", schema.GROUND_TRUTH: "7" if letter == "b" else ""},
+                schema.EXTRA_INFO: {"letter": letter, "index": i}}
+
+    info = pa.struct([("letter", pa.string()), ("index", pa.int64())])
+    root.mkdir(parents=True, exist_ok=True)
+    return {split: schema.write_verl_parquet([row(x, i) for i, x in enumerate(letters)], root / f"{split}.parquet",
+                                             extra_info_type=info)
+            for split, letters in (("train", "badbbadb"), ("val", "ba"))}
+
+
+@pytest.mark.dist
+def test_agent_sessions_train_through_the_trainer(tmp_path_factory, tmp_path):
+    """Two GRPO steps on 2 ranks with rollout TP = 2, every rollout an agent session (the openai-client ReAct
+    agent) through rank 0's endpoint while rank 1 steps the same requests: the agent's rewards are the scores, the
+    trajectories train (the actor moved), and at step 2 vLLM's log-probs of the trained tokens equal the actor's
+    over the whole trajectories (the trained ids are the sampled ids, in the contexts they were sampled in)."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("openai")
+    from launching import run
+    from spmdrl.metrics import read_jsonl
+    from tool_agent import shared_tool_model
+
+    model = shared_tool_model(tmp_path_factory)
+    data = _letters_data(tmp_path / "data")
+    o = {
+        "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.val_files": f'["{data["val"]}"]',
+        "data.max_prompt_length": 64, "data.max_response_length": 300, "data.train_batch_size": 2,
+        "data.shuffle": "false", "rollout.n": 2, "rollout.kv_cache_gb": 0.2, "rollout.temperature": TEMPERATURE,
+        "rollout.val_temperature": 0.0, "placement.rollout_tp": 2, "actor.lr": 1e-4, "actor.micro_batch_size": 4,
+        "actor.ppo_mini_batch_size": 2, "trainer.total_steps": 2, "trainer.device": "cpu",
+        "trainer.output_dir": str(tmp_path), "logging.progress": "false",
+        "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_const.py") + ":score",
+        "agent.enable": "true", "agent.entry": os.path.join(HERE, "agent_programs.py") + ":run",
+        "agent.sessions": 4, "agent.timeout_s": 120,
+    }
+    run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--out", str(tmp_path), *[f"{k}={v}" for k, v in o.items()]],
+        nproc=2)
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    val, s1, s2 = rows
+    assert val["val/accuracy"] == 0.5  # greedy: b answers 7 (the agent's reward 1), a never answers (0)
+    for s in (s1, s2):
+        assert s["agent/sessions"] == 4 and s["agent/failed_sessions"] == 0 and s["agent/calls"] >= 4
+        assert s["multi_turn/turns_max"] >= 2 and s["multi_turn/tool_tokens_mean"] > 0
+    assert s1["actor/grad_norm"] > 0
+    assert s1["train/reward_mean"] < 1  # the agents' rewards, not the run's reward function's constant 1
+    assert s2["rollout/logprob_diff_max"] < 1e-4
+    documented = open(os.path.join(os.path.dirname(HERE), "docs", "metrics.md")).read()
+    assert all(f"`{k}`" in documented for k in s1 if k.startswith("agent/"))
+    checks = [json.load(open(tmp_path / f"check_rank{r}.json")) for r in range(2)]
+    assert checks[0]["param_change"] > 0 and checks[0]["weight_sync_max_diff"] < 1e-4

@@ -107,7 +107,8 @@ class Scorer:
         batch["rule_scores"] = scores  # before weighting, reward model and shaping: dynamic sampling's default signal
         if not shaping:
             batch["scores"] = scores
-            batch["accuracy"] = scores if self.accuracy_fn is None else self._scores(self.accuracy_fn, batch, mesh)
+            batch["accuracy"] = scores if self.accuracy_fn is None else \
+                agent_rewards(batch, self._scores(self.accuracy_fn, batch, mesh))
             return metrics
         if self.reward_model is not None:  # a weighted sum with the rule score
             lens = batch["prompt_len"].tolist(), batch["response_len"].tolist()
