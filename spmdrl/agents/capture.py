@@ -192,14 +192,21 @@ class Session:
     """The calls of one agent session (thread-safe: an agent may call concurrently)."""
 
     def __init__(self, render: ChatRender, *, max_prompt_tokens: int, max_response_tokens: int, fmt: str = "hermes",
-                 prompt_fallback: list[int] | None = None, messages: list[dict] | None = None, sample: int = 0):
+                 sample: int = 0):
         self.render, self.fmt = render, fmt
         self.max_prompt_tokens, self.max_response_tokens = max_prompt_tokens, max_response_tokens
         self.branches: list[Branch] = []
         self.last: Branch | None = None
         """The branch of the last call that finished: the session's final transcript."""
         self.lock = threading.Lock()
-        self.prompt_fallback, self.messages, self.sample = prompt_fallback or [], messages or [], sample
+        self.sample = sample
+        self.closed = False
+
+    def close(self) -> None:
+        """The session ended: its branches take no more calls or completions (what a call still running brings
+        back is dropped)."""
+        with self.lock:
+            self.closed = True
 
     def prepare(self, messages: list, tools, max_tokens: int | None) -> Call:
         """Match `messages` against the branches; extend one or start a new one; the ids to sample after."""
@@ -208,6 +215,8 @@ class Session:
         norm = [normalize(m) for m in messages]
         tools_key = json.dumps(tools, sort_keys=True)
         with self.lock:
+            if self.closed:
+                raise CallError(404, "the session ended")
             best = None
             for b in self.branches:
                 k = len(b.seen)
@@ -262,6 +271,8 @@ class Session:
         elif not isinstance(prompt, str) or not prompt:
             raise CallError(400, "prompt must be a non-empty string or a list of token ids")
         with self.lock:
+            if self.closed:
+                raise CallError(404, "the session ended")
             best, key = None, None
             for b in self.branches:
                 if b.tools_key != TEXT or not b.traj.turns:
@@ -315,6 +326,8 @@ class Session:
         """Record a completion on its branch; (text returned, parsed tool calls, finish_reason)."""
         b, t = call.branch, call.branch.traj
         with self.lock:
+            if self.closed:
+                raise CallError(408, "the session ended while this call was sampled")
             t.ids += token_ids
             t.mask += [1] * len(token_ids)
             t.logprobs += logprobs if logprobs else [0.0] * len(token_ids)

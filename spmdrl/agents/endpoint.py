@@ -85,6 +85,12 @@ class Admissions:
             self._aborts.update(r for r in rids if r in self.futures)
         self.wake.set()
 
+    def drop_stale(self) -> None:
+        """Fail whatever is queued and not admitted (a request that raced its session's end): before a rollout."""
+        new, _ = self.take()
+        for rid, _, _ in new:
+            self.fail(rid, RuntimeError("its session ended before it was admitted"))
+
     def take(self) -> tuple[list, list[str]]:
         new = []
         while True:
@@ -164,6 +170,7 @@ class Endpoint:
             st = self.sessions.pop(sid)
             st.closed = True
             rids = list(st.rids)
+        st.session.close()
         self.admissions.abort(rids)
         return st
 
@@ -274,11 +281,12 @@ class Endpoint:
     def _sample(self, call: Call, spec: SamplingSpec, st: SessionState | None) -> Completion:
         if call.max_tokens < 1:
             raise CallError(400, "no tokens left in this trajectory's budget (data.max_response_length)")
-        if st is not None and st.closed:
-            raise CallError(404, "the session ended")
-        rid, fut = self.admissions.submit(call.context, spec)
-        if st is not None:
-            st.rids.add(rid)
+        with self._lock:  # with close_session: a request is either refused here or aborted there
+            if st is not None and st.closed:
+                raise CallError(404, "the session ended")
+            rid, fut = self.admissions.submit(call.context, spec)
+            if st is not None:
+                st.rids.add(rid)
         try:
             left = None if st is None else max(0.0, st.deadline - time.monotonic())
             c = fut.result(timeout=left)

@@ -147,6 +147,7 @@ class AgentRollout:
             return trajs
         stop_ids = set(spec.stop_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         ep.spec, ep.stop_ids = replace(spec, n=1), stop_ids
+        ep.admissions.drop_stale()
         results: list = [None] * len(samples)
         sessions: list[Session] = []
         for i, j in samples:
