@@ -57,6 +57,7 @@ def _three_turns(tok):
     return s, sampled, calls
 
 
+@pytest.mark.quick
 def test_three_turn_session_trains_the_sampled_ids_with_the_mask_on_them(tok):
     s, sampled, calls = _three_turns(tok)
     (traj,) = s.trajectories()
@@ -79,6 +80,7 @@ def test_three_turn_session_trains_the_sampled_ids_with_the_mask_on_them(tok):
     assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.mask) if not m)
 
 
+@pytest.mark.quick
 def test_a_template_that_rewrites_earlier_assistant_turns_does_not_change_the_trained_ids(tok, tmp_path):
     plain, sampled, _ = _three_turns(tok)
     rewriting = copy.deepcopy(tok)
@@ -92,6 +94,7 @@ def test_a_template_that_rewrites_earlier_assistant_turns_does_not_change_the_tr
     assert rerender[len(b.prompt): len(b.prompt) + len(sampled[0])] != sampled[0]
 
 
+@pytest.mark.quick
 def test_an_edited_history_becomes_a_branch_and_a_repeat_call_forks(tok):
     s, sampled, calls = _three_turns(tok)
     msgs = calls[2][1]
@@ -113,6 +116,7 @@ def test_an_edited_history_becomes_a_branch_and_a_repeat_call_forks(tok):
     assert s.prepare(copy.deepcopy(msgs), TOOLS, None).context == first.context
 
 
+@pytest.mark.quick
 def test_refusals_are_one_line_call_errors(tok):
     s = _session(tok, max_prompt=20)
     for bad, what in (([], "non-empty"), ([{"role": "wizard", "content": "x"}], "role"),
@@ -436,7 +440,7 @@ def test_agent_sessions_train_through_the_trainer(tmp_path_factory, tmp_path):
         "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.val_files": f'["{data["val"]}"]',
         "data.max_prompt_length": 64, "data.max_response_length": 300, "data.train_batch_size": 2,
         "data.shuffle": "false", "rollout.n": 2, "rollout.kv_cache_gb": 0.2, "rollout.temperature": TEMPERATURE,
-        "rollout.val_temperature": 0.0, "placement.rollout_tp": 2, "actor.lr": 1e-4, "actor.micro_batch_size": 4,
+        "rollout.val_temperature": 0.0, "placement.rollout_tp": 2, "actor.lr": 1e-4, "actor.micro_batch_size": 2,
         "actor.ppo_mini_batch_size": 2, "trainer.total_steps": 2, "trainer.device": "cpu",
         "trainer.output_dir": str(tmp_path), "logging.progress": "false",
         "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_const.py") + ":score",
@@ -459,3 +463,27 @@ def test_agent_sessions_train_through_the_trainer(tmp_path_factory, tmp_path):
     assert all(f"`{k}`" in documented for k in s1 if k.startswith("agent/"))
     checks = [json.load(open(tmp_path / f"check_rank{r}.json")) for r in range(2)]
     assert checks[0]["param_change"] > 0 and checks[0]["weight_sync_max_diff"] < 1e-4
+
+
+@pytest.mark.quick
+def test_agent_config_refusals():
+    from spmdrl.config import load_config
+    from spmdrl.config.validate import validate_agent
+    from spmdrl.errors import ConfigError
+
+    entry = os.path.join(HERE, "agent_programs.py") + ":run"
+    ok = load_config(None, ["agent.enable=true", f"agent.entry={entry}"])
+    validate_agent(ok)
+    for overrides, what in (
+        ([], "exactly one of agent.entry"),
+        ([f"agent.entry={entry}", "agent.command=bash x.sh"], "exactly one of agent.entry"),
+        (["agent.entry=missing.py:run"], "file missing.py not found"),
+        (["agent.entry=nocolon"], "expected 'path/to/file.py:run'"),
+        ([f"agent.entry={entry}", "agent.sessions=0"], "agent.sessions must be >= 1"),
+        ([f"agent.entry={entry}", "agent.timeout_s=0"], "agent.timeout_s must be > 0"),
+        ([f"agent.entry={entry}", "agent.tool_format=xml"], "agent.tool_format must be one of"),
+        ([f"agent.entry={entry}", "multi_turn.enable=true"], "two ways to roll out"),
+        ([f"agent.entry={entry}", "rollout.partial=keep"], "rollout.partial = 'off'"),
+    ):
+        with pytest.raises(ConfigError, match=what):
+            validate_agent(load_config(None, ["agent.enable=true", *overrides]))
