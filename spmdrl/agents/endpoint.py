@@ -320,6 +320,7 @@ class _Handler(BaseHTTPRequestHandler):
     endpoint: Endpoint
     protocol_version = "HTTP/1.1"
     server_version = "spmdrl"
+    timeout = 60  # seconds a client may take to send its request (a stalled one costs its own thread only)
 
     def log_message(self, fmt, *args):  # the endpoint logs its own faults, one line each
         pass
@@ -347,11 +348,11 @@ class _Handler(BaseHTTPRequestHandler):
             st = ep.sessions.get(sid)
             ep.fault(f"session {sid}", e.status, str(e), st)
             return self._json(e.status, {"error": {"message": str(e), "type": "invalid_request_error",
-                                                   "code": e.status}}, close=e.status == 413)
+                                                   "code": e.status}}, close=True)
         except Exception as e:  # a bug here must cost one request, never the rank
             logger.debug("agent endpoint request failed", exc_info=True)
             ep.fault(f"session {sid}", 500, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
-            return self._json(500, {"error": {"message": f"internal error ({type(e).__name__})", "code": 500}})
+            return self._json(500, {"error": {"message": f"internal error ({type(e).__name__})", "code": 500}}, close=True)
         if isinstance(payload, list):
             return self._stream(payload)
         self._json(status, payload)
