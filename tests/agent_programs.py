@@ -117,7 +117,12 @@ def hang(base_url: str, api_key: str, sample: dict):
     time.sleep(1000)
 
 
-MODES = {"react": react, "faults": faults, "flood": flood, "crash": crash, "hang": hang}
+def graded(base_url: str, api_key: str, sample: dict) -> float:
+    """react's reward plus 0.5 for the second session of a prompt: a GRPO group whose rewards differ."""
+    return react(base_url, api_key, sample) + 0.5 * sample["sample"]
+
+
+MODES = {"react": react, "graded": graded, "faults": faults, "flood": flood, "crash": crash, "hang": hang}
 
 
 def run(base_url: str, api_key: str, sample: dict):

@@ -204,7 +204,7 @@ def served(tmp_path_factory, caplog_module):
             react.close()
             rec.completions.clear()
             caplog_module.clear()
-            faulty = AgentRollout(rec, tok, AgentSpec("python", entry, sessions=4, timeout_s=15,
+            faulty = AgentRollout(rec, tok, AgentSpec("python", entry, sessions=4, timeout_s=10,
                                                       limits=Limits(max_request_bytes=64 * 1024, max_calls=5)),
                                   max_prompt_tokens=64, max_response_tokens=300)
             rows = [{"letter": "b", "extra": {"mode": m, "out": str(out / f"{m}.json")}}
@@ -413,9 +413,9 @@ def _letters_data(root):
     def row(letter, i):
         return {schema.DATA_SOURCE: "agenttest", schema.PROMPT: [{"role": "user", "content": letter}],
                 schema.ABILITY: "tools", schema.REWARD_MODEL: {"style": "rule", schema.GROUND_TRUTH: "7" if letter == "b" else ""},
-                schema.EXTRA_INFO: {"letter": letter, "index": i}}
+                schema.EXTRA_INFO: {"letter": letter, "index": i, "mode": "graded"}}
 
-    info = pa.struct([("letter", pa.string()), ("index", pa.int64())])
+    info = pa.struct([("letter", pa.string()), ("index", pa.int64()), ("mode", pa.string())])
     root.mkdir(parents=True, exist_ok=True)
     return {split: schema.write_verl_parquet([row(x, i) for i, x in enumerate(letters)], root / f"{split}.parquet",
                                              extra_info_type=info)
@@ -425,7 +425,7 @@ def _letters_data(root):
 @pytest.mark.dist
 def test_agent_sessions_train_through_the_trainer(tmp_path_factory, tmp_path):
     """Two GRPO steps on 2 ranks with rollout TP = 2, every rollout an agent session (the openai-client ReAct
-    agent) through rank 0's endpoint while rank 1 steps the same requests: the agent's rewards are the scores, the
+    agent, graded so that the two sessions of a prompt differ) through rank 0's endpoint while rank 1 steps the same requests: the agent's rewards are the scores, the
     trajectories train (the actor moved), and at step 2 vLLM's log-probs of the trained tokens equal the actor's
     over the whole trajectories (the trained ids are the sampled ids, in the contexts they were sampled in)."""
     pytest.importorskip("vllm")
@@ -457,7 +457,9 @@ def test_agent_sessions_train_through_the_trainer(tmp_path_factory, tmp_path):
         assert s["agent/sessions"] == 4 and s["agent/failed_sessions"] == 0 and s["agent/calls"] >= 4
         assert s["multi_turn/turns_max"] >= 2 and s["multi_turn/tool_tokens_mean"] > 0
     assert s1["actor/grad_norm"] > 0
-    assert s1["train/reward_mean"] < 1  # the agents' rewards, not the run's reward function's constant 1
+    # the agents' rewards (the second session of a prompt gets 0.5 more), not the reward function's constant 1:
+    # step 1 is b, b, a, a: (1 + 1.5 + 0 + 0.5) / 4; step 2 is d, d, b, b: (0 + 0.5 + 1 + 1.5) / 4
+    assert s1["train/reward_mean"] == s2["train/reward_mean"] == 0.75
     assert s2["rollout/logprob_diff_max"] < 1e-4
     documented = open(os.path.join(os.path.dirname(HERE), "docs", "metrics.md")).read()
     assert all(f"`{k}`" in documented for k in s1 if k.startswith("agent/"))
