@@ -681,7 +681,7 @@ def serve(
                                    "checkpoint) or an HF model directory."),
     port: int = typer.Option(8000, "--port", help="Port on 127.0.0.1 (loopback only)."),
     export_to: Optional[str] = typer.Option(None, "--export-to", help="Where a checkpoint is exported first "
-                                            "(default <checkpoint's run>/serve_model)."),
+                                            "(default <the checkpoint's run>/serve_model, replaced)."),
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (agents' values are ignored)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus threshold (agents' values are ignored)."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Longest completion; an agent's max_tokens may lower it."),
@@ -697,7 +697,7 @@ def serve(
     from spmdrl.serve import model_dir, serve_model
 
     key = os.environ.get("SPMDRL_SERVE_KEY") or _secrets.token_urlsafe(24)
-    model = model_dir(checkpoint, export_to or os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "serve_model"))
+    model = model_dir(checkpoint, export_to)
     spec = SamplingSpec(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
     spec.validate()
 

@@ -15,15 +15,24 @@ from spmdrl.rollout.base import SamplingSpec
 logger = logging.getLogger(__name__)
 
 
-def model_dir(checkpoint: str, export_to: str) -> str:
-    """An HF model directory as is; a checkpoint (or a run's output_dir: its latest) exported to `export_to`."""
+def model_dir(checkpoint: str, export_to: str | None = None) -> str:
+    """An HF model directory as is; a checkpoint (or a run's output_dir: its latest) exported to `export_to`
+    (default <the checkpoint's run>/serve_model, replacing an earlier export there)."""
     if os.path.isfile(os.path.join(checkpoint, "config.json")):
         return checkpoint
+    import shutil
+
     from spmdrl.checkpoint import find_checkpoint, read_manifest
     from spmdrl.export import export_hf
 
     path = find_checkpoint(checkpoint)
+    if export_to is None:  # <run>/checkpoints/step_N -> <run>/serve_model
+        parent = os.path.dirname(os.path.abspath(path))
+        run = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
+        export_to = os.path.join(run, "serve_model")
+        shutil.rmtree(export_to, ignore_errors=True)
     lora = "adapter" in read_manifest(path)["engines"].get("actor", {})
+    logger.info("exporting %s to %s", path, export_to)
     export_hf(path, export_to, merged=lora)
     return export_to
 
