@@ -674,6 +674,39 @@ def export(
     typer.echo(export_hf(checkpoint, out, dtype=dtype, merged=merged))
 
 
+@app.command()
+@user_errors
+def serve(
+    checkpoint: str = typer.Option(..., "--checkpoint", help="A checkpoint directory, a run's output_dir (its latest "
+                                   "checkpoint) or an HF model directory."),
+    port: int = typer.Option(8000, "--port", help="Port on 127.0.0.1 (loopback only)."),
+    export_to: Optional[str] = typer.Option(None, "--export-to", help="Where a checkpoint is exported first "
+                                            "(default <the checkpoint's run>/serve_model, replaced)."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (agents' values are ignored)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus threshold (agents' values are ignored)."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Longest completion; an agent's max_tokens may lower it."),
+    max_model_len: int = typer.Option(4096, "--max-model-len", help="Prompt + completion, in tokens."),
+    engine: str = typer.Option("auto", "--engine", help="vllm | hf | auto."),
+):
+    """An OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions, /v1/models) for a trained model, the one
+    agent rollouts train through, without capture (docs/agents.md). The API key is SPMDRL_SERVE_KEY, or a random
+    one printed at start."""
+    import secrets as _secrets
+
+    from spmdrl.rollout import SamplingSpec
+    from spmdrl.serve import model_dir, serve_model
+
+    key = os.environ.get("SPMDRL_SERVE_KEY") or _secrets.token_urlsafe(24)
+    model = model_dir(checkpoint, export_to)
+    spec = SamplingSpec(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+    spec.validate()
+
+    def ready(url):
+        typer.echo(f"serving {model}\nOPENAI_BASE_URL={url}\nOPENAI_API_KEY={key}", err=True)
+
+    serve_model(model, secret=key, port=port, spec=spec, max_model_len=max_model_len, engine_kind=engine, on_ready=ready)
+
+
 def main() -> None:
     app(prog_name="spmdrl")
 

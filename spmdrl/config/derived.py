@@ -47,6 +47,12 @@ def rollout_correction_active(cfg) -> bool:
     return rc.rollout_is != "none" or rc.rollout_rs != "none" or rc.rollout_token_veto_threshold > 0
 
 
+def rolls_out_trajectories(cfg) -> bool:
+    """Whether rollouts are trajectories with holes in the loss mask (multi_turn.enable or agent.enable): the
+    batch carries each sample's turns (`trajectory`)."""
+    return bool(cfg.multi_turn.enable or cfg.agent.enable)
+
+
 def uses_vllm(cfg) -> bool:
     """Whether the rollout engine is vLLM (rollout.engine = "vllm", or "auto" where vLLM is installed) rather than
     the transformers fallback; vLLM loads TP shards, the fallback whole tensors."""

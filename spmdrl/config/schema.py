@@ -693,6 +693,34 @@ class MultiTurnConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Black-box agents (docs/agents.md): each rollout is an agent program of yours, pointed at an OpenAI-compatible
+    endpoint on its rollout group's leader rank; its calls are captured token-in/token-out and trained. n sessions
+    per prompt (rollout.n) form a group."""
+
+    enable: bool = False
+    """Roll out with agent sessions (training and validation) instead of one generation per sample."""
+    entry: str = ""
+    """A Python agent: 'path/to/file.py:run' or 'module:run', called as run(base_url, api_key, sample) in a
+    process of its own; it returns the reward (a number), a transcript (a list of messages) or None."""
+    command: str = ""
+    """An agent in any language: a shell command run with OPENAI_BASE_URL and OPENAI_API_KEY in its environment
+    and the sample as JSON on its stdin; its last stdout line is the reward, a JSON transcript, or empty."""
+    sessions: int = 4
+    """Sessions running at once per rollout group."""
+    timeout_s: float = 120.0
+    """Wall-clock limit of one session; the agent and everything it started are killed then."""
+    max_calls: int = 64
+    """Calls one session may make to the endpoint; later ones get HTTP 429."""
+    max_request_kb: int = 1024
+    """Largest request body the endpoint reads, in KiB; larger ones get HTTP 413."""
+    tool_format: str = "hermes"
+    """How the model writes tool calls (what the endpoint parses into OpenAI tool_calls): hermes."""
+    port: int = 0
+    """The endpoint's port on 127.0.0.1 (0: a free one)."""
+
+
+@dataclass
 class HooksConfig:
     """User Python hooks run at the stages of the loop."""
 
@@ -721,6 +749,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     hooks: HooksConfig = field(default_factory=HooksConfig)
 
 

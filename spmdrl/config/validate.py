@@ -242,6 +242,7 @@ def validate(cfg, world_size: int, *, trackers: bool = True):
     validate_rollout_length(cfg)
     validate_lora_sync(cfg)
     validate_multi_turn(cfg)
+    validate_agent(cfg)
     validate_tools(cfg)
     return layout
 
@@ -339,6 +340,41 @@ def validate_multi_turn(cfg) -> None:
     if not cfg.data.apply_chat_template:
         raise ConfigError("multi_turn.enable = true needs data.apply_chat_template = true: tool results are rendered "
                           "with the chat template")
+
+
+def validate_agent(cfg) -> None:
+    """The [agent] section (docs/agents.md; spmdrl/agents/)."""
+    import os
+
+    from spmdrl.tools.parse import FORMATS
+
+    a = cfg.agent
+    if not a.enable:
+        return
+    if bool(a.entry) == bool(a.command):
+        raise ConfigError("agent.enable = true needs exactly one of agent.entry ('file.py:run') and agent.command "
+                          f"(a shell command); found entry={a.entry!r}, command={a.command!r}")
+    if a.entry:
+        target = a.entry.rpartition(":")[0]
+        if ":" not in a.entry or not target or not a.entry.rpartition(":")[2]:
+            raise ConfigError(f"agent.entry = {a.entry!r}: expected 'path/to/file.py:run' or 'module:run'")
+        if (target.endswith(".py") or "/" in target) and not os.path.isfile(os.path.expanduser(target)):
+            raise ConfigError(f"agent.entry = {a.entry!r}: file {target} not found")
+    for key in ("sessions", "max_calls", "max_request_kb"):
+        if getattr(a, key) < 1:
+            raise ConfigError(f"agent.{key} must be >= 1, found {getattr(a, key)}")
+    if not a.timeout_s > 0:
+        raise ConfigError(f"agent.timeout_s must be > 0, found {a.timeout_s}")
+    if a.tool_format not in FORMATS:
+        raise ConfigError(f"agent.tool_format must be one of {', '.join(FORMATS)}, found {a.tool_format!r}")
+    if not 0 <= a.port <= 65535:
+        raise ConfigError(f"agent.port must be in [0, 65535], found {a.port}")
+    if cfg.multi_turn.enable:
+        raise ConfigError("agent.enable and multi_turn.enable are two ways to roll out: turn one off (an agent "
+                          "calls its own tools; multi_turn runs spmdrl's)")
+    if cfg.rollout.partial != "off":
+        raise ConfigError(f"agent.enable = true with rollout.partial = {cfg.rollout.partial!r}: agent sessions run "
+                          "whole within a step; set rollout.partial = 'off'")
 
 
 def validate_rollout_correction(cfg) -> None:

@@ -195,8 +195,21 @@ def tool_schemas(tools: list) -> list[dict] | None:
 
 
 def build_agent(cfg: Config, tokenizer, engine, mesh: RoleMeshes, tools: list):
-    """The multi-turn agent loop on this rollout rank's engine (rollout/multi_turn.py), None without
-    multi_turn.enable. The tool runner runs calls on the first rank of each rollout TP group only."""
+    """The multi-turn agent loop on this rollout rank's engine (rollout/multi_turn.py), or with agent.enable the
+    black-box agent sessions and their endpoint (agents/sessions.py); None without either. The tool runner and
+    the endpoint run on the first rank of each rollout TP group only."""
+    rollout = mesh["rollout"]
+    tp_group = rollout.group("tp") if rollout.tp_size > 1 else None
+    if cfg.agent.enable:
+        from spmdrl.agents.endpoint import Limits
+        from spmdrl.agents.sessions import AgentRollout, AgentSpec
+
+        a = cfg.agent
+        spec = AgentSpec("python" if a.entry else "command", a.entry or a.command, sessions=a.sessions,
+                         timeout_s=a.timeout_s, fmt=a.tool_format, port=a.port,
+                         limits=Limits(max_request_bytes=a.max_request_kb * 1024, max_calls=a.max_calls))
+        return AgentRollout(engine, tokenizer, spec, max_prompt_tokens=cfg.data.max_prompt_length,
+                            max_response_tokens=cfg.data.max_response_length, tp_group=tp_group)
     if not cfg.multi_turn.enable:
         return None
     from spmdrl.rollout.chat import ChatGlue
@@ -207,6 +220,5 @@ def build_agent(cfg: Config, tokenizer, engine, mesh: RoleMeshes, tools: list):
     limits = TurnLimits(max_turns=mt.max_turns, max_tool_response_tokens=mt.max_tool_response_tokens,
                         max_response_tokens=cfg.data.max_response_length)
     runner = build_tool_runner(mt, tools, hidden_dirs=(cfg.trainer.output_dir,))  # the sandbox cannot read it
-    rollout = mesh["rollout"]
     return AgentLoop(engine, ChatGlue(tokenizer, tool_schemas(tools)), runner, limits, fmt=mt.format,
-                     tp_group=rollout.group("tp") if rollout.tp_size > 1 else None)
+                     tp_group=tp_group)

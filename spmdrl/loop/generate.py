@@ -12,7 +12,7 @@ import torch
 
 from spmdrl.batch import Batch
 from spmdrl.data.prompts import PromptDataset
-from spmdrl.dist.collectives import reduce_max
+from spmdrl.dist.collectives import reduce_max, reduce_sum
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.loop.build import Specs
 from spmdrl.loop.partial import PartialRollouts, groups_output
@@ -98,15 +98,13 @@ def trajectories_to_batch(trajs: list[Trajectory], prompt_idx: list[int], n: int
 def sample(rollout, agent: AgentLoop | None, dataset: PromptDataset, prompt_idx: list[int], spec, seeds: list[int],
            pad_id: int) -> Batch:
     """One rollout of dataset rows `prompt_idx` with `spec` (spec.n samples each): a single generate call, or
-    with `agent` the multi-turn loop."""
+    with `agent` the multi-turn loop or the black-box agent sessions ([agent])."""
     if agent is None:
         prompts = [dataset.prompt_ids(i) for i in prompt_idx]
         if dataset.vision is not None:  # a vision-language model: each prompt's images go with it
             return generate_with_images(rollout, dataset, prompts, prompt_idx, spec, seeds, pad_id)
         return rollout_to_batch(prompts, prompt_idx, rollout.generate(prompts, spec, seeds), spec.n, pad_id)
-    pb = dataset.batch(prompt_idx)
-    kwargs = [(e or {}).get("tools_kwargs") or {} for e in pb.extra_info]
-    trajs = agent.run(pb.input_ids, pb.raw_prompt, seeds, spec, kwargs)
+    trajs = agent.rollout(dataset.batch(prompt_idx), seeds, spec)
     return trajectories_to_batch(trajs, prompt_idx, spec.n, pad_id)
 
 
@@ -138,6 +136,13 @@ class Generator:
         busy = st.generate_s + st.tools_s + st.other_s
         # idle: this rank's wait for the rollout rank whose loop took longest (one max over the rollout dp ranks)
         slowest = reduce_max(torch.tensor([busy]), group=self.mesh.group("dp"))[0] if self.mesh.dp_size > 1 else busy
+        extra = getattr(st, "extra", {})  # [agent]: the sessions' counts (agents/sessions.py), summed over the groups
+        if extra:
+            total = torch.tensor(list(extra.values()), dtype=torch.float64)
+            if self.mesh.dp_size > 1:
+                total = reduce_sum(total, group=self.mesh.group("dp"))
+            for k, v in zip(extra, total.tolist()):
+                m[k] = m.get(k, 0.0) + v
         for k, v in (("timing/turn_generate_s", st.generate_s), ("timing/turn_tools_s", st.tools_s),
                      ("timing/turn_other_s", st.other_s), ("timing/turn_idle_s", slowest - busy),
                      ("multi_turn/loop_turns", float(st.turns))):

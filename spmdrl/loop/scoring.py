@@ -18,6 +18,18 @@ from spmdrl.rewards.registry import accuracy_score_fn
 from spmdrl.rollout.trajectory import decode_infos, messages_of
 
 
+def agent_rewards(batch: Batch, scores: torch.Tensor) -> torch.Tensor:
+    """[agent] rollouts: the reward a session's agent returned replaces the reward function's score of it."""
+    given = [(i, (t.get("agent") or {}).get("reward")) for i, t in enumerate(batch.meta.get("trajectory") or [])]
+    given = [(i, r) for i, r in given if r is not None]
+    if not given:
+        return scores
+    scores = scores.clone()
+    for i, r in given:
+        scores[i] = float(r)
+    return scores
+
+
 class Scorer:
     """reward_fn: the rule or custom score (GuardedReward when reward.on_error / timeout_s guard it);
     reward_model: a RewardModelScorer whose score is added with reward.model_weight, or None."""
@@ -91,11 +103,12 @@ class Scorer:
         r = self.cfg.reward
         meta = batch.meta
         metrics = {}
-        scores = self._scores(self.reward_fn, batch, mesh, extras=metrics if shaping else None)
+        scores = agent_rewards(batch, self._scores(self.reward_fn, batch, mesh, extras=metrics if shaping else None))
         batch["rule_scores"] = scores  # before weighting, reward model and shaping: dynamic sampling's default signal
         if not shaping:
             batch["scores"] = scores
-            batch["accuracy"] = scores if self.accuracy_fn is None else self._scores(self.accuracy_fn, batch, mesh)
+            batch["accuracy"] = scores if self.accuracy_fn is None else \
+                agent_rewards(batch, self._scores(self.accuracy_fn, batch, mesh))
             return metrics
         if self.reward_model is not None:  # a weighted sum with the rule score
             lens = batch["prompt_len"].tolist(), batch["response_len"].tolist()

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from spmdrl.batch import Batch
-from spmdrl.config.derived import replays_routes
+from spmdrl.config.derived import replays_routes, rolls_out_trajectories
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.meshes import RoleMeshes
 from spmdrl.dist.transfer import PendingSends, post_batch, recv_batch
@@ -102,7 +102,7 @@ class BatchStream:
         self.samples_per_step = cfg.data.train_batch_size * cfg.rollout.n
         self.meshes, self.generator, self.sampler, self.weight_sync = meshes, generator, sampler, weight_sync
         self.memory = memory
-        self.keys = rollout_keys(cfg.multi_turn.enable, replays_routes(cfg), versions=self.asynchronous)
+        self.keys = rollout_keys(rolls_out_trajectories(cfg), replays_routes(cfg), versions=self.asynchronous)
         self.loop_metrics: dict[str, float] = {}  # rollout ranks: the multi-turn loop's time split this step
         self.rollout_mesh, self.actor_mesh = meshes["rollout"], meshes["actor"]
         self.next_batch = 1  # rollout ranks: the next step whose batch is generated

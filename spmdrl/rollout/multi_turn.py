@@ -234,6 +234,11 @@ class AgentLoop:
             t.finish = "turn_limit"
         return "" if end is None else self.tokenizer.decode([end], skip_special_tokens=False)
 
+    def rollout(self, pb, seeds: list[int], spec: SamplingSpec) -> list[Trajectory]:
+        """`run` over a PromptBatch: its ids, messages and per-row tool kwargs (extra_info.tools_kwargs)."""
+        kwargs = [(e or {}).get("tools_kwargs") or {} for e in pb.extra_info]
+        return self.run(pb.input_ids, pb.raw_prompt, seeds, spec, kwargs)
+
     def _check_agreement(self, trajs: list[Trajectory], calling: int) -> None:
         """Every rank of the TP group must end the same turns in an engine step and send the same trajectories to
         the tools: a rank that skips a broadcast or an admission its peers make hangs the group."""

@@ -16,9 +16,10 @@ import torch
 
 from spmdrl.tools.base import ToolCall, ToolResult
 
-FINISHES = ("answer", "turn_limit", "length")
+FINISHES = ("answer", "turn_limit", "length", "error")
 """How a trajectory ended: the model answered without a call, it still called tools after multi_turn.max_turns
-turns, or the response budget (data.max_response_length) ran out (the trajectory is `truncated`)."""
+turns, the response budget (data.max_response_length) ran out (the trajectory is `truncated`), or its agent
+session failed ([agent]: crashed, timed out; it trains nothing)."""
 
 _BYTES_PER_ELEMENT = 6  # float64 (what batch moves pack into) holds 48-bit integers exactly
 
@@ -53,6 +54,9 @@ class Trajectory:
     carries the version of the token before it."""
     turns: list[Turn] = field(default_factory=list)
     finish: str = ""
+    agent: dict = field(default_factory=dict)
+    """[agent] rollouts: the session's "reward" (None: the run's reward function scores it), "transcript" (what
+    the agent returned, if it did), "branches" (the session's trajectories; this is the last) and "error"."""
     routes: np.ndarray | None = None
     """With route capture: the experts of every position of prompt + ids the rollout engine computed, int16
     [positions, layers, top_k] (rollout/routes.py; positions it never computed are left for the batch to fill
@@ -91,7 +95,10 @@ class Trajectory:
 
     def info(self) -> dict:
         """The turns as plain JSON-able data (what the batch carries)."""
-        return {"finish": self.finish, "turns": [turn_info(t) for t in self.turns]}
+        out = {"finish": self.finish, "turns": [turn_info(t) for t in self.turns]}
+        if self.agent:
+            out["agent"] = self.agent
+        return out
 
 
 def turn_info(t: Turn) -> dict:
@@ -104,7 +111,9 @@ def turn_info(t: Turn) -> dict:
 
 def messages_of(prompt_messages: list[dict], info: dict) -> list[dict]:
     """The whole conversation: the prompt's messages, then each turn's assistant message and, where they went
-    into the sequence, its tool messages."""
+    into the sequence, its tool messages; for an [agent] session the transcript its agent returned, if it did."""
+    if (info.get("agent") or {}).get("transcript") is not None:
+        return [dict(m) for m in info["agent"]["transcript"]]
     out = [dict(m) for m in prompt_messages]
     for t in info["turns"]:
         out.append({"role": "assistant", "content": t["text"]})

@@ -1,0 +1,491 @@
+"""Black-box agents (spmdrl/agents/): token-in/token-out capture of a session's calls against the tokenizer's own
+rendering, the endpoint's refusals, and sessions through a real in-process vLLM engine with the openai client."""
+import copy
+import json
+import os
+
+import pytest
+
+from spmdrl.agents.capture import CallError, ChatRender, Session
+from spmdrl.tiny import CHAT_TEMPLATE, build_tokenizer
+
+CALL = '<tool_call>{"name": "add", "arguments": {"x": 1, "y": 2}}</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "add", "parameters": {"type": "object"}}}]
+# a template that rewrites earlier assistant turns: every double quote of an assistant message becomes a single one
+REWRITING = CHAT_TEMPLATE.replace("{{ m['content'] }}", "{% if m['role'] == 'assistant' %}{{ m['content'] | "
+                                  "replace('\"', \"'\") }}{% else %}{{ m['content'] }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(str(tmp_path_factory.mktemp("agent_tok")))
+
+
+def _enc(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _session(tok, **kw):
+    return Session(ChatRender(tok), max_prompt_tokens=kw.pop("max_prompt", 400),
+                   max_response_tokens=kw.pop("max_response", 600), **kw)
+
+
+def _sample(session, call, text, tok, end=True):
+    """What the engine would return for `call`: the ids of `text` (plus EOS, sampled, when `end`)."""
+    ids = _enc(tok, text) + ([tok.convert_tokens_to_ids("<|im_end|>")] if end else [])
+    lps = [-0.5 - 0.01 * k for k in range(len(ids))]
+    stop = {tok.convert_tokens_to_ids("<|im_end|>")}
+    return ids, lps, session.finish(call, ids, lps, "stop", stop, [])
+
+
+def _three_turns(tok):
+    """A 3-call session: the model calls add twice (stopping at </tool_call>), gets "3" each time, then answers.
+    Returns the session, the sampled ids per call, the messages of each call."""
+    s = _session(tok)
+    msgs = [{"role": "user", "content": "a"}]
+    sampled, calls = [], []
+    for k, text in enumerate([CALL, CALL, "7"]):
+        call = s.prepare(copy.deepcopy(msgs), TOOLS, None)
+        calls.append((call.context, copy.deepcopy(msgs)))
+        ids, _, (shown, tcalls, reason) = _sample(s, call, text, tok, end=text == "7")
+        sampled.append(ids)
+        if tcalls:  # what an OpenAI client sends back: its assistant message, then the tool's result
+            assert reason == "tool_calls" and shown == CALL
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{k}", "type": "function", "function": {"name": "add", "arguments": '{"y": 2, "x": 1}'}}]})
+            msgs.append({"role": "tool", "tool_call_id": f"call_{k}", "content": "3"})
+    return s, sampled, calls
+
+
+@pytest.mark.quick
+def test_three_turn_session_trains_the_sampled_ids_with_the_mask_on_them(tok):
+    s, sampled, calls = _three_turns(tok)
+    (traj,) = s.trajectories()
+    assert len(traj.turns) == 3 and traj.turns[0].calls[0].name == "add"
+    model = [i for i, m in zip(traj.ids, traj.mask) if m]
+    assert model == sampled[0] + sampled[1] + sampled[2]  # byte for byte, in order
+    # the rest is exactly the template's glue: the conversation as the template writes it, rendered in one piece
+    glue = "<|im_end|>\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n"
+    expected = sampled[0] + _enc(tok, glue) + sampled[1] + _enc(tok, glue) + sampled[2]
+    assert traj.ids == expected
+    assert traj.mask == [1] * len(sampled[0]) + [0] * len(_enc(tok, glue)) + [1] * len(sampled[1]) + \
+        [0] * len(_enc(tok, glue)) + [1] * len(sampled[2])
+    reference = tok.apply_chat_template([{"role": "user", "content": "a"}], tools=TOOLS, tokenize=False,
+                                        add_generation_prompt=True)
+    assert traj.prompt == _enc(tok, reference)
+    assert [c for c, _ in calls] == [traj.prompt, traj.prompt + expected[: len(sampled[0]) + len(_enc(tok, glue))],
+                                     traj.prompt + expected[: -len(sampled[2])]]
+    assert [lp for lp, m in zip(traj.logprobs, traj.mask) if m] == [-0.5 - 0.01 * k for ids in sampled
+                                                                    for k in range(len(ids))]
+    assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.mask) if not m)
+
+
+@pytest.mark.quick
+def test_a_template_that_rewrites_earlier_assistant_turns_does_not_change_the_trained_ids(tok, tmp_path):
+    plain, sampled, _ = _three_turns(tok)
+    rewriting = copy.deepcopy(tok)
+    rewriting.chat_template = REWRITING
+    s, sampled2, calls = _three_turns(rewriting)
+    (a,), (b,) = plain.trajectories(), s.trajectories()
+    assert sampled2 == sampled and b.ids == a.ids and b.mask == a.mask and b.prompt == a.prompt
+    # re-rendering the history through that template would have trained other ids than the sampled ones
+    rerender = _enc(rewriting, rewriting.apply_chat_template(calls[2][1][:2] + [{"role": "assistant", "content": CALL}],
+                                                             tools=TOOLS, tokenize=False))
+    assert rerender[len(b.prompt): len(b.prompt) + len(sampled[0])] != sampled[0]
+
+
+@pytest.mark.quick
+def test_an_edited_history_becomes_a_branch_and_a_repeat_call_forks(tok):
+    s, sampled, calls = _three_turns(tok)
+    msgs = calls[2][1]
+    edited = copy.deepcopy(msgs)
+    edited[2]["content"] = "4"  # the agent rewrote the first tool result
+    call = s.prepare(edited, TOOLS, None)
+    assert call.context == call.branch.traj.prompt  # not an extension: rendered whole, a new trajectory
+    _sample(s, call, "8", tok)
+    trajs = s.trajectories()
+    assert len(trajs) == 2 and trajs[-1] is call.branch.traj
+    assert [i for i, m in zip(trajs[-1].ids, trajs[-1].mask) if m] == _enc(tok, "8") + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert trajs[-1].mask == [1] * len(trajs[-1].ids) and trajs[0].ids == _three_turns(tok)[0].trajectories()[0].ids
+    # two concurrent calls from the same point: the second forks the branch at that point
+    first = s.prepare(copy.deepcopy(msgs), TOOLS, None)
+    second = s.prepare(copy.deepcopy(msgs), TOOLS, None)
+    assert second.branch is not first.branch and second.context == first.context
+    # a call that gets no completion is rolled back: the same call again asks for the same context
+    s.release(first)
+    assert s.prepare(copy.deepcopy(msgs), TOOLS, None).context == first.context
+
+
+@pytest.mark.quick
+def test_refusals_are_one_line_call_errors(tok):
+    s = _session(tok, max_prompt=20)
+    for bad, what in (([], "non-empty"), ([{"role": "wizard", "content": "x"}], "role"),
+                      ([{"role": "user", "content": 3}], "content"), ([{"role": "user", "content": "x" * 50}], "max_prompt_length")):
+        with pytest.raises(CallError, match=what) as e:
+            s.prepare(bad, None, None)
+        assert e.value.status == 400 and "\n" not in str(e.value)
+
+
+# ---- sessions through a real engine, in this process ------------------------------------------------------------
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEMPERATURE = 0.3  # the run's; the agent asks for 0.7
+ENGINE = os.environ.get("SPMDRL_AGENT_TEST_ENGINE", "vllm")
+
+
+class Recorder:
+    """The engine, with every completion it hands out kept (what was sampled, independently of the capture)."""
+
+    def __init__(self, engine):
+        self.engine, self.completions, self.admitted = engine, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    @property
+    def in_flight(self):
+        return self.engine.in_flight
+
+    def admit(self, ids, prompts, spec, seeds):
+        self.admitted.append((ids[0], list(prompts[0]), spec.temperature))
+        return self.engine.admit(ids, prompts, spec, seeds)
+
+    def step(self):
+        out = self.engine.step()
+        self.completions += out
+        return out
+
+    def abort(self, ids):
+        out = self.engine.abort(ids)
+        self.completions += out
+        return out
+
+
+def _batch(rows):
+    from spmdrl.data.prompts import PromptBatch
+
+    return PromptBatch(input_ids=[[1, 2, 3]] * len(rows), data_source=["t"] * len(rows),
+                       ground_truth=[r.get("answer", "") for r in rows], extra_info=[r.get("extra", {}) for r in rows],
+                       raw_prompt=[[{"role": "user", "content": r["letter"]}] for r in rows],
+                       index=list(range(len(rows))))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, caplog_module):
+    pytest.importorskip("openai")
+    if ENGINE == "vllm":
+        pytest.importorskip("vllm")
+    import logging
+    import time
+
+    from launching import world_of_one
+    from spmdrl.agents.endpoint import Limits
+    from spmdrl.agents.sessions import AgentRollout, AgentSpec
+    from spmdrl.rollout import SamplingSpec, build_engine
+    from tool_agent import shared_tool_model
+
+    model = shared_tool_model(tmp_path_factory)
+    out = tmp_path_factory.mktemp("agent_runs")
+    entry = os.path.join(HERE, "agent_programs.py") + ":run"
+    res = {"model": model, "out": out}
+    with world_of_one():
+        engine = build_engine(ENGINE, model_path=model, max_model_len=512, seed=0, kv_cache_gb=0.2, tp_size=1)
+        tok = engine.tokenizer
+        spec = SamplingSpec(n=2, temperature=TEMPERATURE, max_tokens=300, stop_token_ids=[tok.eos_token_id])
+        try:
+            rec = Recorder(engine)
+            react = AgentRollout(rec, tok, AgentSpec("python", entry, sessions=3, timeout_s=120),
+                                 max_prompt_tokens=64, max_response_tokens=300)
+            t0 = time.monotonic()
+            res["react"] = react.rollout(_batch([{"letter": "b", "answer": "7"}, {"letter": "a"}, {"letter": "d"}]),
+                                         [1, 2, 3], spec)
+            res["react_s"], res["react_stats"] = time.monotonic() - t0, react.stats.extra
+            res["react_completions"], res["react_admitted"] = list(rec.completions), list(rec.admitted)
+            react.close()
+            rec.completions.clear()
+            caplog_module.clear()
+            faulty = AgentRollout(rec, tok, AgentSpec("python", entry, sessions=4, timeout_s=10,
+                                                      limits=Limits(max_request_bytes=64 * 1024, max_calls=5)),
+                                  max_prompt_tokens=64, max_response_tokens=300)
+            rows = [{"letter": "b", "extra": {"mode": m, "out": str(out / f"{m}.json")}}
+                    for m in ("faults", "flood", "crash", "hang")]
+            t0 = time.monotonic()
+            res["faults"] = faulty.rollout(_batch(rows), [4, 5, 6, 7], replace_n(spec, 1))
+            res["faults_s"], res["faults_stats"] = time.monotonic() - t0, faulty.stats.extra
+            res["fault_log"] = [r.getMessage() for r in caplog_module.records if r.name == "spmdrl.agents"
+                                and r.levelno >= logging.WARNING]
+            res["in_flight_after"] = engine.in_flight
+            faulty.close()
+            curl = AgentRollout(rec, tok, AgentSpec("command", os.path.join(HERE, "agent_curl.sh"), timeout_s=60),
+                                max_prompt_tokens=64, max_response_tokens=300)
+            res["curl"] = curl.rollout(_batch([{"letter": "b", "answer": "7"}]), [8], replace_n(spec, 1))
+            curl.close()
+            res["serve"] = _serve_calls(engine)
+        finally:
+            engine.close()
+    yield res
+
+
+def _serve_calls(engine):
+    """spmdrl serve's loop on the fixture's engine, called with the openai client from a thread."""
+    import threading
+
+    from openai import OpenAI
+
+    from agent_programs import TOOLS as AGENT_TOOLS
+    from spmdrl.rollout import SamplingSpec
+    from spmdrl.serve import serve_model
+
+    stop, out, ready = threading.Event(), {}, threading.Event()
+
+    def client_calls():
+        try:
+            ready.wait(60)
+            client = OpenAI(base_url=out["url"], api_key="k3y", max_retries=0, timeout=60)
+            out["models"] = [m.id for m in client.models.list().data]
+            r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "b"}],
+                                               tools=AGENT_TOOLS)
+            out["chat"] = r.choices[0].message.content
+            r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}],
+                                               tools=AGENT_TOOLS)
+            out["call"] = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
+            out["finish"] = r.choices[0].finish_reason
+            text = "".join(c.choices[0].text for c in [client.completions.create(
+                model="x", prompt="<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n", max_tokens=4)])
+            out["completion"] = text
+            try:
+                OpenAI(base_url=out["url"], api_key="wrong", max_retries=0).models.list()
+            except Exception as e:
+                out["wrong_key"] = getattr(e, "status_code", None)
+        except Exception as e:
+            out["error"] = repr(e)
+        finally:
+            stop.set()
+
+    def on_ready(url):
+        out["url"] = url
+        ready.set()
+
+    t = threading.Thread(target=client_calls)
+    t.start()
+    serve_model("tool_model", secret="k3y", port=0, spec=SamplingSpec(temperature=0.0, max_tokens=120), max_model_len=512,
+                engine=engine, stop=stop, on_ready=on_ready)
+    t.join()
+    return out
+
+
+def replace_n(spec, n):
+    from dataclasses import replace
+
+    return replace(spec, n=n)
+
+
+@pytest.fixture(scope="module")
+def caplog_module():
+    """Log records of the module's fixture (pytest's caplog is per test)."""
+    import logging
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+        def clear(self):
+            self.records = []
+
+    h = Keep()
+    logging.getLogger("spmdrl.agents").addHandler(h)
+    yield h
+    logging.getLogger("spmdrl.agents").removeHandler(h)
+
+
+def _model_runs(t):
+    """(start, ids) of each run of mask-1 tokens."""
+    runs = []
+    for k, m in enumerate(t.mask):
+        if m and (k == 0 or not t.mask[k - 1]):
+            runs.append((k, []))
+        if m:
+            runs[-1][1].append(t.ids[k])
+    return runs
+
+
+def test_react_agent_sessions_train_exactly_what_was_sampled(served):
+    """Six sessions of a ReAct agent (openai client, one streamed call each) through the endpoint: every model-token
+    run of a trajectory is one completion the engine returned, with its log-probs; the tool and glue tokens between
+    are the context the next request was admitted with; the agent's temperature 0.7 was overridden by the run's."""
+    trajs, comps = served["react"], served["react_completions"]
+    assert len(trajs) == 6 and all(t.finish == "answer" for t in trajs), [(t.finish, t.agent.get("error"), [x.text[:60] for x in t.turns]) for t in trajs]
+    context = {rid: tuple(p) for rid, p, _ in served["react_admitted"]}
+    assert {temp for _, _, temp in served["react_admitted"]} == {TEMPERATURE}
+    sampled = {}  # (context, token ids, log-probs) of every request the engine finished
+    for c in comps:
+        sampled.setdefault((context[c.id], tuple(c.token_ids)), []).append(c.logprobs)
+    for t in trajs:
+        runs = _model_runs(t)
+        assert runs and len(runs) == len(t.turns)
+        for at, run in runs:
+            # admitted on exactly this context, sampled as a whole, byte for byte, with these log-probs
+            assert t.logprobs[at: at + len(run)] in sampled[(tuple(t.prompt + t.ids[:at]), tuple(run))]
+    b, a, d = trajs[0], trajs[2], trajs[4]
+    assert b.agent["reward"] == 1.0 and len(b.turns) == 1 and b.turns[0].text == "7"
+    assert len(a.turns) == 3 and a.agent["reward"] == 0.0 and all(turn.calls for turn in a.turns)
+    assert [r.text for r in a.turns[0].results] == ["3"] and a.turns[0].appended
+    assert len(d.turns) == 2 and d.turns[0].calls[0].name == "boom"
+    stats = served["react_stats"]
+    assert stats["agent/sessions"] == 6 and stats["agent/failed_sessions"] == 0 and stats["agent/branches"] == 6
+    assert stats["agent/calls"] == sum(len(t.turns) for t in trajs) and stats["agent/endpoint_errors"] == 0
+
+
+def test_trajectory_logprobs_equal_a_transformers_forward_over_the_whole_trajectory(served):
+    """Independent of the engine's own bookkeeping: one fp32 forward of the model over prompt + ids gives, at every
+    model token, the log-prob the engine sampled it with at the run's temperature (so the context every call ran on is the trajectory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(served["model"], dtype=torch.float32).eval()
+    worst = 0.0
+    for t in served["react"]:
+        ids = torch.tensor([t.prompt + t.ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(t.prompt) - 1: -1]
+        lp = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, torch.tensor(t.ids)[:, None])[:, 0]
+        mask = torch.tensor(t.mask, dtype=torch.bool)
+        worst = max(worst, float((lp[mask] - torch.tensor(t.logprobs)[mask]).abs().max()))
+    assert worst < 1e-4, worst
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie waiting for init to reap it is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_faults_each_give_one_line_and_no_hang(served):
+    faults, flood, crash, hang = served["faults"]
+    out = served["out"]
+    codes = json.load(open(out / "faults.json"))
+    assert codes == {"malformed": 400, "no_secret": 401, "wrong_secret": 401, "too_big": 413, "too_long": 400,
+                     "n2": 400, "good": 200}
+    assert faults.agent["reward"] == 0.5 and faults.finish == "answer" and sum(faults.mask) > 0
+    assert json.load(open(out / "flood.json")) == [200] * 5 + [429] * 3
+    assert crash.finish == "error" and "RuntimeError: the agent fell over" in crash.agent["error"]
+    assert hang.finish == "error" and "timeout_s" in hang.agent["error"] and sum(hang.mask) == 0
+    child = json.load(open(out / "hang.json"))["child"]
+    assert not _running(child)  # what the hanging agent started died with it
+    assert crash.agent["reward"] == 0.0 and sum(crash.mask) == 0
+    assert served["faults_s"] < 60 and served["in_flight_after"] == 0
+    log = served["fault_log"]
+    assert all("\n" not in line for line in log)
+    for what in ("400 the request body is not valid JSON", "401 missing or wrong API key", "413 the request has",
+                 "400 the prompt renders to", "429 session", "failed: raised RuntimeError", "ran past agent.timeout_s"):
+        assert sum(what in line for line in log) >= 1, (what, log)
+    assert served["faults_stats"]["agent/failed_sessions"] == 2
+
+
+def test_serve_answers_the_openai_client_without_sessions(served):
+    """spmdrl serve's endpoint (greedy): /v1/models, a chat answer, a parsed tool call, /v1/completions, and 401."""
+    out = served["serve"]
+    assert "error" not in out, out["error"]
+    assert out["models"] == ["policy"] and out["chat"] == "7" and out["wrong_key"] == 401
+    assert out["call"] == [("add", {"x": 1, "y": 2})] and out["finish"] == "tool_calls"
+    assert out["completion"] == "7"
+
+
+def test_a_bash_and_curl_agent_runs_a_session(served):
+    (t,) = served["curl"]
+    assert t.finish == "answer" and t.agent["reward"] == 1.0 and t.turns[0].text == "7" and sum(t.mask) == 2
+
+
+# ---- through the Trainer: 2 ranks, rollout TP = 2 ---------------------------------------------------------------
+
+def _letters_data(root):
+    import pyarrow as pa
+
+    from spmdrl.data import schema
+
+    def row(letter, i):
+        return {schema.DATA_SOURCE: "agenttest", schema.PROMPT: [{"role": "user", "content": letter}],
+                schema.ABILITY: "tools", schema.REWARD_MODEL: {"style": "rule", schema.GROUND_TRUTH: "7" if letter == "b" else ""},
+                schema.EXTRA_INFO: {"letter": letter, "index": i, "mode": "graded"}}
+
+    info = pa.struct([("letter", pa.string()), ("index", pa.int64()), ("mode", pa.string())])
+    root.mkdir(parents=True, exist_ok=True)
+    return {split: schema.write_verl_parquet([row(x, i) for i, x in enumerate(letters)], root / f"{split}.parquet",
+                                             extra_info_type=info)
+            for split, letters in (("train", "badbbadb"), ("val", "ba"))}
+
+
+@pytest.mark.dist
+def test_agent_sessions_train_through_the_trainer(tmp_path_factory, tmp_path):
+    """Two GRPO steps on 2 ranks with rollout TP = 2, every rollout an agent session (the openai-client ReAct
+    agent, graded so that the two sessions of a prompt differ) through rank 0's endpoint while rank 1 steps the same requests: the agent's rewards are the scores, the
+    trajectories train (the actor moved), and at step 2 vLLM's log-probs of the trained tokens equal the actor's
+    over the whole trajectories (the trained ids are the sampled ids, in the contexts they were sampled in)."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("openai")
+    from launching import run
+    from spmdrl.metrics import read_jsonl
+    from tool_agent import shared_tool_model
+
+    model = shared_tool_model(tmp_path_factory)
+    data = _letters_data(tmp_path / "data")
+    o = {
+        "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.val_files": f'["{data["val"]}"]',
+        "data.max_prompt_length": 64, "data.max_response_length": 300, "data.train_batch_size": 2,
+        "data.shuffle": "false", "rollout.n": 2, "rollout.kv_cache_gb": 0.2, "rollout.temperature": TEMPERATURE,
+        "rollout.val_temperature": 0.0, "placement.rollout_tp": 2, "actor.lr": 1e-4, "actor.micro_batch_size": 2,
+        "actor.ppo_mini_batch_size": 2, "trainer.total_steps": 2, "trainer.device": "cpu",
+        "trainer.output_dir": str(tmp_path), "logging.progress": "false",
+        "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_const.py") + ":score",
+        "agent.enable": "true", "agent.entry": os.path.join(HERE, "agent_programs.py") + ":run",
+        "agent.sessions": 4, "agent.timeout_s": 120,
+    }
+    run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--out", str(tmp_path), *[f"{k}={v}" for k, v in o.items()]],
+        nproc=2)
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    val, s1, s2 = rows
+    assert val["val/accuracy"] == 0.5  # greedy: b answers 7 (the agent's reward 1), a never answers (0)
+    for s in (s1, s2):
+        assert s["agent/sessions"] == 4 and s["agent/failed_sessions"] == 0 and s["agent/calls"] >= 4
+        assert s["multi_turn/turns_max"] >= 2 and s["multi_turn/tool_tokens_mean"] > 0
+    assert s1["actor/grad_norm"] > 0
+    # the agents' rewards (the second session of a prompt gets 0.5 more), not the reward function's constant 1:
+    # step 1 is b, b, a, a: (1 + 1.5 + 0 + 0.5) / 4; step 2 is d, d, b, b: (0 + 0.5 + 1 + 1.5) / 4
+    assert s1["train/reward_mean"] == s2["train/reward_mean"] == 0.75
+    assert s2["rollout/logprob_diff_max"] < 1e-4
+    documented = open(os.path.join(os.path.dirname(HERE), "docs", "metrics.md")).read()
+    assert all(f"`{k}`" in documented for k in s1 if k.startswith("agent/"))
+    checks = [json.load(open(tmp_path / f"check_rank{r}.json")) for r in range(2)]
+    assert checks[0]["param_change"] > 0 and checks[0]["weight_sync_max_diff"] < 1e-4
+
+
+@pytest.mark.quick
+def test_agent_config_refusals():
+    from spmdrl.config import load_config
+    from spmdrl.config.validate import validate_agent
+    from spmdrl.errors import ConfigError
+
+    entry = os.path.join(HERE, "agent_programs.py") + ":run"
+    ok = load_config(None, ["agent.enable=true", f"agent.entry={entry}"])
+    validate_agent(ok)
+    for overrides, what in (
+        ([], "exactly one of agent.entry"),
+        ([f"agent.entry={entry}", "agent.command=bash x.sh"], "exactly one of agent.entry"),
+        (["agent.entry=missing.py:run"], "file missing.py not found"),
+        (["agent.entry=nocolon"], "expected 'path/to/file.py:run'"),
+        ([f"agent.entry={entry}", "agent.sessions=0"], "agent.sessions must be >= 1"),
+        ([f"agent.entry={entry}", "agent.timeout_s=0"], "agent.timeout_s must be > 0"),
+        ([f"agent.entry={entry}", "agent.tool_format=xml"], "agent.tool_format must be one of"),
+        ([f"agent.entry={entry}", "multi_turn.enable=true"], "two ways to roll out"),
+        ([f"agent.entry={entry}", "rollout.partial=keep"], "rollout.partial = 'off'"),
+    ):
+        with pytest.raises(ConfigError, match=what):
+            validate_agent(load_config(None, ["agent.enable=true", *overrides]))
