@@ -21,7 +21,7 @@ MODEL=()  # spmdrl model tiny's architecture (default: the text model)
 case "$TASK" in
   arith) SUFFIX= ; DATA=(synthetic --n-sft 4096) ;;
   tools) SUFFIX=_tools ; DATA=(tool-sums) ;;
-  vlm) SUFFIX=_vlm ; DATA=(count-shapes --n-train 1024 --n-val 128 --n-sft 4096) ; MODEL=(--arch qwen2_5_vl) ;;
+  vlm) SUFFIX=_vlm ; DATA=(count-shapes --n-train 1024 --n-val 128 --n-sft 2048) ; MODEL=(--arch qwen2_5_vl) ;;
   distill) SUFFIX= ; DATA=(synthetic --n-sft 4096) ;;  # the arithmetic task's model, data and SFT warm start
   *) echo "error: TASK=$TASK is not one of arith, tools, vlm, distill" >&2; exit 2 ;;
 esac

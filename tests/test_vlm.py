@@ -149,6 +149,31 @@ def test_missing_images_column_and_text_model(vlm, tmp_path):
         VisionPrompts(text, vlm[1], load_hf_config(text))
 
 
+def test_sft_rows_with_images(vlm, tmp_path):
+    """SFT's prompt + response rows with images: the prompt holds the image's tokens, the loss is on the answer and
+    the end token only, each item carries its image's pixel values; a row whose images do not match its
+    placeholders is refused with one line."""
+    from spmdrl.data.count_shapes import make_count_shapes
+    from spmdrl.data.sft import SFTDataset
+
+    _, tok, vision = vlm
+    files = make_count_shapes(str(tmp_path), n_train=1, n_val=1, n_sft=3)
+    ds = SFTDataset(files["sft"], tok, 64, vision=vision)
+    rows = pq.read_table(files["sft"]).to_pylist()
+    for i, row in enumerate(rows):
+        item = ds[i]
+        answer = tok(row["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        first = item["loss_mask"].index(1)
+        assert item["input_ids"][first:] == answer and sum(item["loss_mask"]) == len(answer)
+        assert item["input_ids"][:first].count(vision.image_token_id) == 4
+        assert item["vision"].image_grid_thw.tolist() == [[1, 4, 4]] and item["vision"].pixel_values.shape[0] == 16
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{**rows[0], "prompt": [{"role": "user", "content": "How many shapes?"}]}]),
+                   bad)
+    with pytest.raises(DataError, match=r"row 0, column 'images': 1 image\(s\) but 0 <image> placeholder"):
+        SFTDataset(str(bad), tok, 64, vision=vision)
+
+
 def geo3k_file(path, rows):
     """A file in Geometry3K's layout: (problem, answer, image items) per row."""
     items = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
@@ -388,6 +413,26 @@ def test_config_refusals(vlm, tmp_path):
         validate_architecture(load_config(None, [f"model.path={text}", "rollout.engine=hf",
                                                  "actor.freeze_vision_tower=true"]))
     assert os.path.exists(os.path.join(vlm[0], "preprocessor_config.json"))
+
+
+def test_vlm_quickstart_configs_validate(vlm):
+    """The VLM quickstart's configs (launch/quickstart.sh TASK=vlm, run shortened by tests/test_readme.py) on 2 ranks,
+    and the SFT refusal of freeze_vision_tower on a text model."""
+    from spmdrl.config import load_config
+    from spmdrl.config.schema import SFTConfig
+    from spmdrl.config.validate import validate
+    from spmdrl.sft import validate_sft
+    from spmdrl.tiny import build_tiny
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(repo, "configs", "quickstart", "grpo_vlm.toml"), [f"model.path={vlm[0]}"])
+    validate(cfg, 2)
+    assert cfg.rollout.engine == "hf" and cfg.actor.freeze_vision_tower
+    sft = os.path.join(repo, "configs", "quickstart", "sft_vlm.toml")
+    validate_sft(load_config(sft, [f"model.path={vlm[0]}"], root_cls=SFTConfig), 2)
+    text = build_tiny(os.path.join(os.path.dirname(vlm[0]), "text"))
+    with pytest.raises(ConfigError, match="sft.freeze_vision_tower = true: .* is a text model without a vision tower"):
+        validate_sft(load_config(sft, [f"model.path={text}"], root_cls=SFTConfig), 2)
 
 
 # ---- GRPO through the trainer ----------------------------------------------------------------------------------

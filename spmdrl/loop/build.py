@@ -158,7 +158,8 @@ def build_weight_sync(cfg: Config, actor, rollout, meshes: RoleMeshes, device: t
         MergedActor(actor) if mode == "merge" and actor is not None else actor, rollout, meshes["rollout"],
         dtype=dtype, bucket_mb=r.weight_sync_bucket_mb, memory=memory, split=split, actor_grid=actor_grid,
         hf_config=hf_config if split else None, rollout_shards=uses_vllm(cfg), group=meshes.weight_group,
-        verify=r.verify_sync, frozen=in_vision_tower if cfg.actor.freeze_vision_tower else None,
+        # a frozen vision tower (so also under LoRA, whose adapters are the language model's) goes at the first sync only
+        verify=r.verify_sync, frozen=in_vision_tower if cfg.actor.freeze_vision_tower or cfg.lora.enable else None,
     )
 
 
