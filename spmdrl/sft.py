@@ -39,14 +39,15 @@ def validate_sft(cfg: SFTConfig, world_size: int):
     if cfg.placement.actor_sp != 1:
         raise ConfigError(f"placement.actor_sp = {cfg.placement.actor_sp}: spmdrl sft trains without sequence "
                           "parallelism; set placement.actor_sp = 1")
-    if s.freeze_vision_tower:
+    if s.freeze_vision_tower and os.path.isdir(cfg.model.path):
+        from spmdrl.config.validate import no_vision_tower
         from spmdrl.models.model import load_hf_config
         from spmdrl.models.vision import is_vision_language
 
-        if os.path.isdir(cfg.model.path) and not is_vision_language(load_hf_config(cfg.model.path,
-                                                                                    cfg.model.trust_remote_code)):
-            raise ConfigError(f"sft.freeze_vision_tower = true: model.path = {cfg.model.path!r} is a text model "
-                              "without a vision tower; set it to false")
+        hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
+        if not is_vision_language(hf_config):
+            raise ConfigError(no_vision_tower("sft.freeze_vision_tower", f"model.path = {cfg.model.path!r}",
+                                              getattr(hf_config, "model_type", None)))
     layout = plan_layout(cfg.placement, world_size)
     dp = layout["actor"].dp
     if s.batch_size % dp or (s.batch_size // dp) % s.micro_batch_size:

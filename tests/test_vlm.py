@@ -333,7 +333,7 @@ def test_frozen_vision_tower_does_not_move(vlm, actor):
     assert "model.language_model.layers.0.self_attn.q_proj.weight" in moved and "lm_head.weight" in moved
 
 
-def test_lora_on_the_language_model_trains_adapters_only(vlm, world):
+def test_lora_on_the_language_model_trains_adapters_only(vlm, world, tmp_path):
     """LoRA on a vision-language model: adapters on the language model's linear layers only (none in the vision
     tower, whose MLP has layers of the same names); a step with images moves the adapters and nothing else, and
     with the adapters off the engine computes the base model (the reference policy)."""
@@ -361,6 +361,17 @@ def test_lora_on_the_language_model_trains_adapters_only(vlm, world):
     ref = FSDPEngine(vlm[0], world["ref"], torch.device("cpu"), trainable=False)
     with eng.adapters_disabled():
         assert (eng.logprobs(tb)[0].detach() - ref.logprobs(tb)[0].detach()).abs().max() < 1e-6
+    # the exported adapter loads in PEFT onto the model as trained: the same layers, the same log-probs
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    eng.export_hf(str(tmp_path / "adapter"))
+    peft = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(vlm[0]), str(tmp_path / "adapter"))
+    assert sorted(n.removeprefix("base_model.model.") for n, _ in peft.named_parameters() if ".lora_" in n) == sorted(adapters)
+    lp = eng.logprobs(tb)[0].detach()
+    for i, (p, r, v) in enumerate(data):
+        want = alone_logprobs(peft.base_model.model.double(), vlm[2].image_token_id, p, r, v)
+        assert (lp[i, : len(r)].double() - want).abs().max() < 1e-5, i
 
 
 # ---- rollout with images ---------------------------------------------------------------------------------------
@@ -431,7 +442,8 @@ def test_vlm_quickstart_configs_validate(vlm):
     sft = os.path.join(repo, "configs", "quickstart", "sft_vlm.toml")
     validate_sft(load_config(sft, [f"model.path={vlm[0]}"], root_cls=SFTConfig), 2)
     text = build_tiny(os.path.join(os.path.dirname(vlm[0]), "text"))
-    with pytest.raises(ConfigError, match="sft.freeze_vision_tower = true: .* is a text model without a vision tower"):
+    with pytest.raises(ConfigError, match="sft.freeze_vision_tower = true: model.path = .* is a .qwen2. text model "
+                       "without a vision tower; set it to false"):
         validate_sft(load_config(sft, [f"model.path={text}"], root_cls=SFTConfig), 2)
 
 
