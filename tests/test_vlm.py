@@ -174,6 +174,34 @@ def test_sft_rows_with_images(vlm, tmp_path):
         SFTDataset(str(bad), tok, 64, vision=vision)
 
 
+def test_sft_on_pictures_trains_the_language_model_only(vlm, world, tmp_path):
+    """`spmdrl sft` as the VLM quickstart runs it (its config, 3 steps, world of one): the loss falls, the saved model
+    is a vision-language model directory (image processor included) whose frozen tower is the original's."""
+    from transformers import AutoModelForImageTextToText
+
+    from spmdrl.config import load_config
+    from spmdrl.config.schema import SFTConfig
+    from spmdrl.data.count_shapes import make_count_shapes
+    from spmdrl.metrics import read_jsonl
+    from spmdrl.sft import run_sft, validate_sft
+
+    data = make_count_shapes(str(tmp_path / "data"), n_train=1, n_val=1, n_sft=24)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(repo, "configs", "quickstart", "sft_vlm.toml"), [
+        f"model.path={vlm[0]}", f'sft.train_files=["{data["sft"]}"]', "sft.max_steps=3", "sft.batch_size=8",
+        "sft.micro_batch_size=4", "sft.warmup_steps=0", f"sft.save_dir={tmp_path / 'model'}",
+        f"trainer.output_dir={tmp_path / 'out'}", "logging.progress=false", "logging.tensorboard=false"],
+        root_cls=SFTConfig)
+    saved = run_sft(cfg, validate_sft(cfg, 1), 0, torch.device("cpu"))
+    losses = [r["sft/loss"] for r in read_jsonl(str(tmp_path / "out" / "metrics.jsonl"))]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert os.path.exists(os.path.join(saved, "preprocessor_config.json"))
+    before = dict(AutoModelForImageTextToText.from_pretrained(vlm[0]).named_parameters())
+    after = dict(AutoModelForImageTextToText.from_pretrained(saved).named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before if n.startswith("model.visual."))
+    assert not torch.equal(before["lm_head.weight"], after["lm_head.weight"])
+
+
 def geo3k_file(path, rows):
     """A file in Geometry3K's layout: (problem, answer, image items) per row."""
     items = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
