@@ -491,8 +491,8 @@ def test_grpo_two_steps_on_the_count_task(vlm, tmp_path):
     o = {"model.path": vlm[0], "data.train_files": f'["{data["train"]}"]', "data.max_prompt_length": 48,
          "data.max_response_length": 4, "data.train_batch_size": 4, "rollout.n": 2, "rollout.engine": "hf",
          "placement.rollout_tp": 2, "actor.lr": 1e-3, "actor.micro_batch_size": 2, "actor.ppo_mini_batch_size": 2,
-         "actor.freeze_vision_tower": "true", "trainer.total_steps": 2,
-         "rollout.parity_check": "false",  # its sync would be the first (the VLM quickstart runs the check) "trainer.device": "cpu",
+         "actor.freeze_vision_tower": "true", "trainer.total_steps": 2, "trainer.device": "cpu",
+         "rollout.parity_check": "false",  # its sync would be the first (the VLM quickstart runs the check)
          "trainer.output_dir": str(tmp_path / "out"), "logging.progress": "false", "logging.tensorboard": "false",
          "reward.custom_fn": os.path.join(here, "dist_scripts", "reward_len.py") + ":score"}
     run(["spmdrl.train", *[f"{k}={v}" for k, v in o.items()]], nproc=2, module=True)
