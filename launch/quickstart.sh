@@ -6,6 +6,9 @@
 #   GRPO_CONFIG=configs/quickstart/grpo_split.toml bash launch/quickstart.sh   # split placement, one step off-policy
 #   TASK=tools bash launch/quickstart.sh   # long sums the tiny model solves only by calling the calculator
 #     (its own data, SFT on tool-call conversations and GRPO with multi-turn rollouts; OUT=outputs/quickstart_tools)
+#   TASK=vlm bash launch/quickstart.sh   # a tiny vision-language model (Qwen2.5-VL) counting shapes in pictures: its
+#     own data (count-shapes), SFT on pictures with their answers, GRPO with the transformers rollout engine
+#     (docs/vlm.md; OUT=outputs/quickstart_vlm)
 #   TASK=distill bash launch/quickstart.sh   # on-policy distillation: the GRPO quickstart's result (run first when
 #     $OUT/grpo has no checkpoint) exported as the teacher, the SFT model as the student; distillation and plain
 #     GRPO from the same start over the same steps, side by side (DISTILL_STEPS, default 20)
@@ -14,11 +17,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TASK=${TASK:-arith}
+MODEL=()  # spmdrl model tiny's architecture (default: the text model)
 case "$TASK" in
   arith) SUFFIX= ; DATA=(synthetic --n-sft 4096) ;;
   tools) SUFFIX=_tools ; DATA=(tool-sums) ;;
+  vlm) SUFFIX=_vlm ; DATA=(count-shapes --n-train 1024 --n-val 128 --n-sft 2048) ; MODEL=(--arch qwen2_5_vl) ;;
   distill) SUFFIX= ; DATA=(synthetic --n-sft 4096) ;;  # the arithmetic task's model, data and SFT warm start
-  *) echo "error: TASK=$TASK is not one of arith, tools, distill" >&2; exit 2 ;;
+  *) echo "error: TASK=$TASK is not one of arith, tools, vlm, distill" >&2; exit 2 ;;
 esac
 OUT=${OUT:-outputs/quickstart$SUFFIX}
 NPROC=${NPROC:-2}
@@ -32,7 +37,7 @@ if [ -f "$OUT/sft_model/config.json" ]; then
   echo "== 1-3/4 reusing the tiny model, data and SFT model in $OUT (delete $OUT/sft_model to retrain)"
 else
   echo "== 1/4 tiny model and tokenizer -> $OUT/tiny"
-  spmdrl model tiny --out "$OUT/tiny"
+  spmdrl model tiny "${MODEL[@]}" --out "$OUT/tiny"
   echo "== 2/4 synthetic data ($TASK) -> $OUT/data"
   spmdrl data "${DATA[@]}" --out "$OUT/data"
   echo "== 3/4 SFT warm start ($NPROC processes)"
@@ -69,7 +74,7 @@ if [ "$TASK" = distill ]; then
   echo "distillation and GRPO $(( $(date +%s) - t_grpo )) s; quickstart finished in $(( $(date +%s) - start )) s"
   exit 0
 fi
-echo "== 4/4 GRPO ($NPROC processes, in-process vLLM) -> $RUN"
+echo "== 4/4 GRPO ($NPROC processes, $([ "$TASK" = vlm ] && echo "transformers rollout engine" || echo "in-process vLLM")) -> $RUN"
 t_grpo=$(date +%s)
 # the quickstart starts its GRPO run over: checkpoint.resume=off, and trainer.overwrite=true deletes an earlier
 # run of this config in $RUN (without it a fresh run into a used directory is refused); pass

@@ -378,13 +378,30 @@ def data_count_shapes(
     seed: int = typer.Option(0, "--seed", help="The files are a function of the seed."),
     max_count: int = typer.Option(4, "--max-count", min=1, max=16, help="Most shapes in a picture."),
     size: int = typer.Option(56, "--size", min=16, help="Picture side in pixels."),
+    n_sft: int = typer.Option(0, "--n-sft", min=0, help="Rows of sft.parquet (prompt, response, images); 0: none."),
 ):
     """Write the synthetic image task (pictures of 1..max-count shapes, "How many shapes?") as verl multimodal
-    parquet (train.parquet, val.parquet), for vision-language models."""
+    parquet (train.parquet, val.parquet, and with --n-sft sft.parquet for `spmdrl sft`), for vision-language
+    models."""
     from spmdrl.data.count_shapes import make_count_shapes
 
     for split, path in make_count_shapes(out, n_train=n_train, n_val=n_val, seed=seed, max_count=max_count,
-                                         size=size).items():
+                                         size=size, n_sft=n_sft).items():
+        typer.echo(f"{split}: {path}")
+
+
+@data_app.command("geo3k")
+@user_errors
+def data_geo3k(
+    input: str = typer.Option(..., "--input", "-i", help="A Geometry3K .parquet/.jsonl file, or a directory of "
+                              "train/validation/test files (or with them in data/, as the hub's snapshot has)."),
+    out: str = typer.Option(..., "--out", "-o", help="Output directory for {split}.parquet."),
+):
+    """Convert a geometry-QA dataset in Geometry3K's layout (problem, answer, images) to verl's multimodal parquet,
+    for vision-language models (docs/vlm.md)."""
+    from spmdrl.data.geo3k import convert_geo3k
+
+    for split, path in convert_geo3k(input, out).items():
         typer.echo(f"{split}: {path}")
 
 

@@ -21,6 +21,7 @@ from spmdrl.checkpoint.dcp import dcp_error, param_hash, safe_reader, single_pro
 from spmdrl.checkpoint.files import find_checkpoint, sha256, state_dir
 from spmdrl.checkpoint.verify import check_files, read_manifest
 from spmdrl.errors import CheckpointError
+from spmdrl.models.vision import copy_image_processor
 
 log = logging.getLogger("spmdrl")
 
@@ -100,6 +101,7 @@ def _save_tokenizer(path: str, hf_dir: str, out_dir: str) -> None:
         AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
     except (OSError, ValueError) as e:
         log.warning("checkpoint %s: no tokenizer exported (%s)", path, e)
+    copy_image_processor(hf_dir, out_dir)
 
 
 def check_out_dir(out_dir: str) -> None:

@@ -39,6 +39,15 @@ def validate_sft(cfg: SFTConfig, world_size: int):
     if cfg.placement.actor_sp != 1:
         raise ConfigError(f"placement.actor_sp = {cfg.placement.actor_sp}: spmdrl sft trains without sequence "
                           "parallelism; set placement.actor_sp = 1")
+    if s.freeze_vision_tower and os.path.isdir(cfg.model.path):
+        from spmdrl.config.validate import no_vision_tower
+        from spmdrl.models.model import load_hf_config
+        from spmdrl.models.vision import is_vision_language
+
+        hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
+        if not is_vision_language(hf_config):
+            raise ConfigError(no_vision_tower("sft.freeze_vision_tower", f"model.path = {cfg.model.path!r}",
+                                              getattr(hf_config, "model_type", None)))
     layout = plan_layout(cfg.placement, world_size)
     dp = layout["actor"].dp
     if s.batch_size % dp or (s.batch_size // dp) % s.micro_batch_size:
@@ -52,26 +61,32 @@ def validate_sft(cfg: SFTConfig, world_size: int):
 def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
     from transformers import AutoTokenizer
 
+    from spmdrl.data.images import VisionPrompts
     from spmdrl.data.sampler import DistributedPromptSampler
     from spmdrl.data.sft import SFTDataset
     from spmdrl.dist.collectives import reduce_sum
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine, pack_sequences
     from spmdrl.metrics import logger_for
+    from spmdrl.models.model import load_hf_config
+    from spmdrl.models.vision import is_vision_language
     from spmdrl.rng import seed_everything
 
     s = cfg.sft
     seed_everything(cfg.trainer.seed)
     mesh = RoleMeshes(layout, rank, device.type)["actor"]
     tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
+    vision = VisionPrompts(cfg.model.path, tok, hf_config) if is_vision_language(hf_config) else None
     ds = SFTDataset(s.train_files, tok, s.max_length, s.prompt_key, s.response_key, s.truncation,
-                    messages_key=s.messages_key, tools_key=s.tools_key)
+                    messages_key=s.messages_key, tools_key=s.tools_key, vision=vision, image_key=s.image_key)
     sampler = DistributedPromptSampler(len(ds), dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, batch_size=s.batch_size, seed=cfg.trainer.seed)
     total = s.max_steps or s.epochs * sampler.steps_per_epoch
     engine = build_train_engine(
         "fsdp", cfg.model.path, mesh, device, trainable=True, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
         gradient_checkpointing=cfg.model.gradient_checkpointing, total_steps=total, attn_implementation=cfg.model.attn_implementation,
         optim=dict(lr=s.lr, weight_decay=s.weight_decay, warmup_steps=s.warmup_steps, lr_scheduler=s.lr_scheduler, grad_clip=s.grad_clip),
+        **({"freeze_vision_tower": True} if s.freeze_vision_tower else {}),
     )
     logger = logger_for(cfg, rank, resume=False, progress_total=total)
     dp_group = mesh.group("dp")
@@ -86,9 +101,11 @@ def run_sft(cfg: SFTConfig, layout, rank: int, device: torch.device) -> str:
         resps = [torch.tensor(x["input_ids"][f:]) for x, f in zip(items, first)]
         masks = [torch.tensor(x["loss_mask"][f:]) for x, f in zip(items, first)]
         n_tokens = float(reduce_sum(torch.tensor([float(sum(int(m.sum()) for m in masks))]), group=dp_group)[0])
+        vision = [x["vision"] for x in items] if vision is not None else None  # a prompt's images, or None
         micro = []
         for i in range(0, len(items), s.micro_batch_size):
-            tb = pack_sequences(prompts[i: i + s.micro_batch_size], resps[i: i + s.micro_batch_size], ds.pad_id)
+            tb = pack_sequences(prompts[i: i + s.micro_batch_size], resps[i: i + s.micro_batch_size], ds.pad_id,
+                                vision=vision[i: i + s.micro_batch_size] if vision is not None else None)
             for b, m in enumerate(masks[i: i + s.micro_batch_size]):
                 tb.resp_mask[b, : len(m)] = m
             micro.append(tb)

@@ -772,6 +772,9 @@ class SFTSection:
     tools_key: str = "tools"
     """Optional column of a conversation file: the tool schemas (a JSON string or a list of objects) passed to the
     chat template's `tools`."""
+    image_key: str = "images"
+    """Optional column of a prompt + response file for a vision-language model: each prompt's images, as in verl's
+    multimodal parquet (data.image_key; docs/vlm.md)."""
     max_length: int = 512
     """Longest prompt + response (or conversation) in tokens."""
     truncation: str = "error"
@@ -796,6 +799,9 @@ class SFTSection:
     """Gradient-norm clip; 0 disables."""
     save_dir: str = ""
     """Where the HF model is written; empty means trainer.output_dir/hf_model."""
+    freeze_vision_tower: bool = False
+    """A vision-language model's vision tower (and its merger) is not trained (as actor.freeze_vision_tower); a text
+    model is refused."""
 
 
 @dataclass

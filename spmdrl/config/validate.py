@@ -738,6 +738,12 @@ def validate_architecture(cfg) -> None:
             )
 
 
+def no_vision_tower(key: str, source: str, model_type: str) -> str:
+    """The refusal of `key` (a switch about the vision tower) on a text model; RL validation and `spmdrl sft` raise
+    it."""
+    return f"{key} = true: {source} is a {model_type!r} text model without a vision tower; set it to false"
+
+
 def _check_vision_language(cfg, source: str, model_type: str, megatron: bool, vllm: bool) -> None:
     """A vision-language model (engines/loading.py VISION_LANGUAGE) trains on the FSDP2 backend with the transformers
     rollout engine (vLLM 0.32 builds one only with torchvision installed: its Qwen-VL modules import transformers'
@@ -748,8 +754,7 @@ def _check_vision_language(cfg, source: str, model_type: str, megatron: bool, vl
 
     if model_type not in VISION_LANGUAGE:
         if cfg.actor.freeze_vision_tower and source.startswith("model.path"):
-            raise ConfigError(f"actor.freeze_vision_tower = true: {source} is a {model_type!r} text model without a "
-                              "vision tower; set it to false")
+            raise ConfigError(no_vision_tower("actor.freeze_vision_tower", source, model_type))
         return
     if megatron:
         raise ConfigError(f"{source} is a vision-language model ({model_type}); the Megatron backend trains text models "

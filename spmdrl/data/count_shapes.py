@@ -56,9 +56,10 @@ def _row(count: int, png: bytes, split: str, index: int) -> dict:
 
 
 def make_count_shapes(out_dir: str, *, n_train: int = 1024, n_val: int = 64, seed: int = 0, max_count: int = 4,
-                      size: int = 56) -> dict[str, str]:
+                      size: int = 56, n_sft: int = 0) -> dict[str, str]:
     """Write train.parquet and val.parquet (verl's multimodal schema, 1..max_count shapes per picture of size x
-    size pixels); returns {"train": path, "val": path}."""
+    size pixels), and with n_sft > 0 sft.parquet: prompt + response rows with their images for `spmdrl sft`
+    (pictures drawn after the training ones, the response the count); returns {split: path}."""
     if max_count < 1:
         raise ConfigError(f"max_count={max_count} must be at least 1")
     rng = random.Random(seed)
@@ -75,4 +76,14 @@ def make_count_shapes(out_dir: str, *, n_train: int = 1024, n_val: int = 64, see
         path = os.path.join(out_dir, f"{split}.parquet")
         pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema(fields)), path)
         written[split] = path
+    if n_sft > 0:
+        rows = []
+        for _ in range(n_sft):
+            count = rng.randint(1, max_count)
+            rows.append({"prompt": [{"role": "user", "content": QUESTION}], "response": str(count),
+                         "images": [{"bytes": draw(count, rng, size), "path": None}]})
+        written["sft"] = os.path.join(out_dir, "sft.parquet")
+        pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([
+            ("prompt", pa.list_(schema.MESSAGE_TYPE)), ("response", pa.string()), ("images", _IMAGE_TYPE)])),
+            written["sft"])
     return written

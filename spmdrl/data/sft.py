@@ -12,19 +12,25 @@ token. The turns' boundaries come from rendering the conversation's prefixes, so
 prefix-preserving (an earlier turn renders the same whether or not later turns follow); a row where it does
 not is refused.
 
+With a vision-language model (`vision`, data/images.VisionPrompts), a prompt + response file may carry the prompts'
+images in an `image_key` column, as verl's multimodal RL rows do: each `<image>` placeholder of the prompt becomes
+the image's tokens, and each item's pixel values and grids come with it (`__getitem__`'s "vision"). A conversation
+file takes no images.
+
 Tokenised once at construction into a flat array, like PromptDataset.
 """
 from __future__ import annotations
 
 import itertools
 import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from spmdrl.data import schema
+from spmdrl.data import images, schema
 from spmdrl.data.io import as_file_list, read_table
 from spmdrl.data.prompts import as_messages, render_chat
 from spmdrl.errors import ConfigError, DataError
@@ -52,6 +58,8 @@ class SFTDataset:
         truncation: str = "error",
         messages_key: str = "messages",
         tools_key: str = "tools",
+        vision=None,
+        image_key: str = images.IMAGE_KEY,
     ):
         if truncation not in ("error", "right"):
             raise ConfigError(f"sft truncation={truncation!r} is not one of error, right")
@@ -70,15 +78,20 @@ class SFTDataset:
         self.tools_key = tools_key
         self.truncation = truncation
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.vision, self.image_key = vision, image_key
+        self._images: dict[int, tuple[list, str]] = {}  # row index -> (its image items, their base folder)
 
         flats, masks, lens = [], [], []
         for path in self.files:
             table = read_table(path)
             if messages_key in table.column_names:
+                if vision is not None and image_key in table.column_names:
+                    raise DataError(f"file {path}: images (column {image_key!r}) go with prompt + response rows; "
+                                    f"a conversation file ({messages_key!r}) takes none: drop the column")
                 f, m, n = self._tokenize_conversations(table, path)
             else:
                 self._validate(table, path)
-                f, m, n = self._tokenize_file(table, path)
+                f, m, n = self._tokenize_file(table, path, sum(len(x) for x in lens))
             flats.append(f)
             masks.append(m)
             lens.append(n)
@@ -106,14 +119,19 @@ class SFTDataset:
             row, more = schema.first_row(np.asarray(resp.is_null(), dtype=bool))
             raise schema.row_error(path, row, self.response_key, f"is null{more}; fill in the response")
 
-    def _tokenize_file(self, table: pa.Table, path):
+    def _tokenize_file(self, table: pa.Table, path, first_index: int):
         prompts, responses = table.column(self.prompt_key), table.column(self.response_key)
         eos = self.tokenizer.eos_token_id
+        with_images = self.vision is not None and self.image_key in table.column_names
         flats, masks, lens = [np.zeros(0, dtype=np.int32)], [np.zeros(0, dtype=np.int8)], [np.zeros(0, dtype=np.int64)]
         for start in range(0, len(table), _CHUNK_ROWS):
             msgs = [as_messages(p) for p in prompts.slice(start, _CHUNK_ROWS).to_pylist()]
-            texts = render_chat(self.tokenizer, msgs, path=path, start=start, column=self.prompt_key)
+            if with_images:
+                msgs, counts = zip(*(images.image_messages(m) for m in msgs)) if msgs else ((), ())
+            texts = render_chat(self.tokenizer, list(msgs), path=path, start=start, column=self.prompt_key)
             p_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            if with_images:
+                p_ids = self._expand_images(p_ids, counts, table, path, start, first_index)
             r_texts = responses.slice(start, _CHUNK_ROWS).to_pylist()
             r_ids = self.tokenizer(r_texts, add_special_tokens=False)["input_ids"]
             rows, chunk_plens = [], []
@@ -132,6 +150,20 @@ class SFTDataset:
                 chunk_plens.append(min(len(p), len(ids)))
             _append(flats, masks, lens, rows, [[0] * p + [1] * (len(ids) - p) for ids, p in zip(rows, chunk_plens)])
         return np.concatenate(flats), np.concatenate(masks), np.concatenate(lens)
+
+    def _expand_images(self, p_ids, counts, table: pa.Table, path, start: int, first_index: int) -> list[list[int]]:
+        """Each prompt's ids with its images' tokens; the rows' images (checked and decoded once here) are kept
+        for __getitem__."""
+        base = os.path.dirname(os.path.abspath(str(path)))
+        items = table.column(self.image_key).slice(start, _CHUNK_ROWS).to_pylist()
+        out = []
+        for k, (ids, row_items, n) in enumerate(zip(p_ids, items, counts)):
+            pics = images.row_images(path, start + k, self.image_key, row_items, n, base)
+            if pics:
+                ids = self.vision.expand(ids, self.vision.process(pics).image_grid_thw)
+                self._images[first_index + start + k] = (list(row_items), base)
+            out.append(ids)
+        return out
 
     # ----- the messages form -----
 
@@ -244,12 +276,17 @@ class SFTDataset:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
+    def __getitem__(self, i: int) -> dict:
+        """input_ids and loss_mask (lists), and vision: the row's images' VisionInputs, or None."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"SFT index {i} out of range for {len(self)} rows")
         i %= len(self)
         lo, hi = self._offsets[i], self._offsets[i + 1]
-        return {"input_ids": self._tokens[lo:hi].tolist(), "loss_mask": self._mask[lo:hi].tolist()}
+        vision = None
+        if i in self._images:
+            items, base = self._images[i]
+            vision = self.vision.process([images.decode_image(item, base) for item in items])
+        return {"input_ids": self._tokens[lo:hi].tolist(), "loss_mask": self._mask[lo:hi].tolist(), "vision": vision}
 
     def batch(self, indices) -> SFTBatch:
         rows = [self[int(i)] for i in indices]

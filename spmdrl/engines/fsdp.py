@@ -21,7 +21,7 @@ from spmdrl.config.derived import resolve_dtype
 from spmdrl.engines.base import accumulate, clipped_step, forward_each, lr_lambda, resident, state_storages, step_metrics
 from spmdrl.engines.attention import HF_IMPLEMENTATION
 from spmdrl.models.model import backbone_of, decoder_blocks
-from spmdrl.models.vision import is_vision_language
+from spmdrl.models.vision import copy_image_processor, is_vision_language
 from spmdrl.engines.loading import build_meta_model, materialise
 from spmdrl.engines.response_index import ResponseIndex
 from spmdrl.engines.router_replay import RouterReplay, moe_routers
@@ -584,6 +584,7 @@ class FSDPEngine:
             config.save_pretrained(out_dir)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
+            copy_image_processor(self.model_path, out_dir)
 
     # ---- LoRA adapters out (collective over the mesh: every rank calls these in the same order) -------------
     def adapter_tensors(self, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:

@@ -16,8 +16,10 @@ import torch
 import torch.nn as nn
 
 from spmdrl.errors import ConfigError
-from spmdrl.models.lora import ADAPTER, LoraSettings, is_adapter, linear_targets, peft_config, unknown_targets
+from spmdrl.models.lora import (ADAPTER, VISION_TOWER_MODULES, LoraSettings, is_adapter, linear_targets, peft_config,
+                                unknown_targets)
 from spmdrl.models.model import backbone_of
+from spmdrl.models.vision import is_vision_language
 
 
 def inject(hf: nn.Module, s: LoraSettings, *, trainable_head: bool) -> LoraSettings:
@@ -32,7 +34,9 @@ def inject(hf: nn.Module, s: LoraSettings, *, trainable_head: bool) -> LoraSetti
     why = unknown_targets(targets, present)
     if why:
         raise ConfigError(why)
-    s = replace(s, target_modules=targets)
+    # a vision-language model's vision tower has linear layers of the same names (its MLP's): adapters go on the
+    # language model only
+    s = replace(s, target_modules=targets, exclude_modules=VISION_TOWER_MODULES if is_vision_language(hf.config) else "")
     inject_adapter_in_model(peft_config(s), hf, adapter_name=ADAPTER)
     hf.requires_grad_(False)
     for name, p in hf.named_parameters():

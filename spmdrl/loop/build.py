@@ -136,6 +136,7 @@ def build_weight_sync(cfg: Config, actor, rollout, meshes: RoleMeshes, device: t
     resharding (rollout.lora_sync = merge). hf_config: the model's (every rank; the rollout ranks of a split run
     have no actor to ask)."""
     from spmdrl.reshard.adapter import AdapterSync, MergedActor, adapter_params, check_served_config, peft_adapter_config
+    from spmdrl.models.vision import in_vision_tower
     from spmdrl.reshard.sync import WeightSync
 
     mode, r = lora_sync_mode(cfg, device.type == "cuda"), cfg.rollout
@@ -157,7 +158,8 @@ def build_weight_sync(cfg: Config, actor, rollout, meshes: RoleMeshes, device: t
         MergedActor(actor) if mode == "merge" and actor is not None else actor, rollout, meshes["rollout"],
         dtype=dtype, bucket_mb=r.weight_sync_bucket_mb, memory=memory, split=split, actor_grid=actor_grid,
         hf_config=hf_config if split else None, rollout_shards=uses_vllm(cfg), group=meshes.weight_group,
-        verify=r.verify_sync,
+        # a frozen vision tower (so also under LoRA, whose adapters are the language model's) goes at the first sync only
+        verify=r.verify_sync, frozen=in_vision_tower if cfg.actor.freeze_vision_tower or cfg.lora.enable else None,
     )
 
 

@@ -14,6 +14,7 @@ from spmdrl.errors import SpmdrlError, Stopped
 from spmdrl.faults import at_step_boundary, is_bad_step
 from spmdrl.loop.memory import MemoryLifecycle
 from spmdrl.loop.split import BatchStream
+from spmdrl.models.vision import copy_image_processor
 from spmdrl.reshard.sync import WeightSync
 from spmdrl.rng import rng_state, seed_everything, set_rng_state
 
@@ -122,6 +123,7 @@ class RunCheckpointer:
             config.use_cache = True  # the engine turns the KV cache off for training; an exported model wants it
             config.save_pretrained(out_dir)
             self.tokenizer.save_pretrained(out_dir)
+            copy_image_processor(self.cfg.model.path, out_dir)  # a vision-language model's, for spmdrl export
 
         if self.memory is not None:  # vLLM asleep (weights kept), configured state parked: spmdrl/loop/memory.py
             self.memory.for_checkpoint("checkpoint_save", keep_rollout_weights=True)

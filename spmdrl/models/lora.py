@@ -4,15 +4,18 @@ Wrapping a model with adapters is the training engine's (spmdrl/engines/lora.py)
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from spmdrl.models.model import block_index, decoder_blocks
+from spmdrl.models.vision import VISION_TOWER_PREFIX, in_vision_tower
 
 
 INITS = ("default", "gaussian")
+VISION_TOWER_MODULES = re.escape(VISION_TOWER_PREFIX) + ".*"  # exclude_modules of a vision-language model
 
 
 ADAPTER_KEYS = (".lora_A.", ".lora_B.")
@@ -32,6 +35,7 @@ class LoraSettings:
     target_modules: list[str] = field(default_factory=list)
     init: str = "default"
     seed: int = 0
+    exclude_modules: str = ""  # a regex of module names PEFT leaves alone (a vision-language model's vision tower)
 
     @property
     def scaling(self) -> float:
@@ -78,11 +82,12 @@ def linear_targets(backbone: nn.Module) -> list[str]:
 def adapter_shapes(params: list[tuple[str, tuple[int, ...]]], rank: int, targets: list[str]) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of the adapters LoRA adds to a model with parameters `params` (HF names and shapes, e.g.
     models.model.model_param_shapes): r x in for A and out x r for B of every 2-D weight in a decoder block
-    whose module name is in `targets` (empty: every one), for plans made without building the model."""
+    whose module name is in `targets` (empty: every one), for plans made without building the model. A
+    vision-language model's adapters are its language model's: none in the vision tower."""
     out = []
     for name, shape in params:
         module, _, leaf = name.rpartition(".")
-        if block_index(name) is None or leaf != "weight" or len(shape) != 2:
+        if block_index(name) is None or leaf != "weight" or len(shape) != 2 or in_vision_tower(name):
             continue
         if targets and module.rsplit(".", 1)[-1] not in targets:
             continue
@@ -96,7 +101,8 @@ def peft_config(s: LoraSettings, base_model: str = ""):
 
     return LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=list(s.target_modules),
                       init_lora_weights=True if s.init == "default" else "gaussian", bias="none",
-                      task_type="CAUSAL_LM", base_model_name_or_path=base_model or None)
+                      task_type="CAUSAL_LM", base_model_name_or_path=base_model or None,
+                      exclude_modules=s.exclude_modules or None)
 
 
 def unknown_targets(targets, present: list[str], model: str = "") -> str:

@@ -3,16 +3,37 @@ training engine and the transformers rollout engine share."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 
 import torch
 
 VISION_LANGUAGE = ("qwen2_5_vl", "qwen3_vl")  # the vision-language families spmdrl trains (docs/vlm.md)
+VISION_TOWER_PREFIX = "model.visual."  # the vision tower's parameters (with its merger), by transformers' names
+
+
+def in_vision_tower(name: str) -> bool:
+    """Whether the HF parameter `name` (transformers' module names, as the training engines yield them) belongs to a
+    vision-language model's vision tower."""
+    return name.startswith(VISION_TOWER_PREFIX)
 
 
 def is_vision_language(config) -> bool:
     """Whether `config` is one of the vision-language models spmdrl trains (a language model with a vision tower
     whose image tokens go into its prompt)."""
     return getattr(config, "model_type", None) in VISION_LANGUAGE
+
+
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json",)  # what data/images.VisionPrompts loads besides the tokenizer
+
+
+def copy_image_processor(src_dir: str, out_dir: str) -> None:
+    """Copy a model directory's image processor config into an exported model directory (the tokenizer and the
+    model config are saved by their own classes); nothing for a text model or a hub id."""
+    for name in IMAGE_PROCESSOR_FILES:
+        src = os.path.join(src_dir, name)
+        if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, name)):
+            shutil.copyfile(src, os.path.join(out_dir, name))
 
 
 def token_types(input_ids: torch.Tensor, image_token_id: int, prompt_len: torch.Tensor | None = None) -> torch.Tensor:

@@ -70,11 +70,15 @@ class WeightSync:
     engine holds exactly those blocks, so both sides execute the same plan.
     `verify=True` (rollout.verify_sync, debug) checks after every sync that each rollout rank's engine holds the
     actor's weights (reshard/verify.py); every rank of the sync takes part.
+    `frozen(name)`: the parameters that never change (a frozen vision tower). The first sync sends them with the
+    rest (the rollout engine may hold other weights: a dummy load, a resumed actor); every later sync executes the
+    plan without them (`self.steady`), and its lower bound is that plan's, since the rollout already holds them.
+    The rollout engine's update_weights must take a subset of the weights (the transformers engine does).
     """
 
     def __init__(self, actor, rollout, rollout_mesh: RoleMesh, *, dtype: torch.dtype, bucket_mb: int, memory=None,
                  split: bool = False, actor_grid=None, hf_config=None, rollout_shards: bool | None = None, group=None,
-                 verify: bool = False):
+                 verify: bool = False, frozen=None):
         self.actor, self.rollout, self.dtype, self.memory, self.verify = actor, rollout, dtype, memory, verify
         self.split, self.group = split, group
         self.bucket_bytes = bucket_mb << 20
@@ -98,6 +102,15 @@ class WeightSync:
         self.plan: SyncPlan = plan_sync(params, sources, targets, elem)
         self.plan.reads = reads
         self.lower_bound = max(self.plan.lower_bound().values(), default=0)
+        fixed = {n for n, _ in params if frozen is not None and frozen(n)}
+        if fixed:
+            moving = [(n, s) for n, s in params if n not in fixed]
+            self.steady: SyncPlan = plan_sync(moving, {n: sources[n] for n, _ in moving},
+                                              {n: targets[n] for n, _ in moving}, elem)
+            self.steady.reads = reads
+        else:
+            self.steady = self.plan
+        self.frozen_sent = False  # whether a sync has delivered the frozen parameters (then only self.steady runs)
         if reads is not None and dist.get_rank() == 0:
             log_routes(params, reads, elem)
         self.checked = False
@@ -122,23 +135,28 @@ class WeightSync:
             self.checked = True
         deliver = self.rollout.update_weights if self.rollout is not None else None
         device = comm_device(self.group)
+        plan = self.steady if self.frozen_sent else self.plan
+        self.lower_bound = max(plan.lower_bound().values(), default=0)
         stats = execute(
-            self.plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=device,
+            plan, shards, dist.get_rank(), dtype=self.dtype, comm_device=device,
             bucket_bytes=self.bucket_bytes, deliver=deliver, group=self.group,
             fill=float("nan") if self.verify else None,
         )
         if self.rollout is not None:
             self.rollout.finish_weight_update()  # vLLM: finalize the layerwise reload (repack CPU weights, reset prefix cache)
+        self.frozen_sent = True
         if self.verify:
             self.check_engine(shards)
         if self.split:  # no world collective here: the roles are at different points; the step reduces these
             return {"weight_sync/bytes_recv": float(stats.bytes_recv), "weight_sync/bytes_sent": float(stats.bytes_sent),
-                    "weight_sync/collectives": float(stats.collectives), "timing/weight_sync_transport_s": stats.seconds}
+                    "weight_sync/collectives": float(stats.collectives), "weight_sync/tensors": float(len(plan.params)),
+                    "timing/weight_sync_transport_s": stats.seconds}
         recv_max, collectives = reduce_max(torch.tensor([stats.bytes_recv, stats.collectives], dtype=torch.float64))
         return {
             "weight_sync/bytes_recv_max": recv_max,
             "weight_sync/bytes_lower_bound": float(self.lower_bound),
             "weight_sync/collectives": collectives,
             "weight_sync/buckets": float(stats.buckets),
+            "weight_sync/tensors": float(len(plan.params)),
             "timing/weight_sync_transport_s": stats.seconds,
         }
