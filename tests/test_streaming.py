@@ -130,6 +130,59 @@ def test_mixed_version_loss_is_ppo_on_behaviour_logprobs_float64():
     assert abs(float(on_policy) - float(ref)) > 1e-3  # without rollout.partial the ratio would be 1
 
 
+@pytest.mark.quick
+def test_decoupled_ppo_loss_and_gradient_float64_on_a_mixed_version_batch():
+    """rollout_correction.decoupled: the ratio and clip use the proximal policy (the actor before the update), each
+    token weighted by min(pi_prox / pi_behav, C), pi_behav the engine's log-prob at the token's own version."""
+    from spmdrl.algos import POLICY_LOSSES
+    from spmdrl.batch import Batch
+    from spmdrl.config import Config
+    from spmdrl.loop.correction import correct_rollout
+    from spmdrl.loop.update import ActorObjective
+
+    cfg = Config()
+    cfg.rollout.partial, cfg.actor.entropy_metric, cfg.data.max_response_length = "keep", False, 5
+    cfg.rollout_correction.decoupled, cfg.rollout_correction.decoupled_cap = True, 1.5
+    g = torch.Generator().manual_seed(1)
+    B, R = 4, 5
+    versions = torch.tensor([[0, 0, 1, 1, 2], [2, 2, 2, 2, 2], [0, 1, 2, 2, 2], [1, 1, 1, 0, 0]])
+    behaviour = -torch.rand(B, R, generator=g) * 2 - 0.1 * versions  # each token's rollout log-prob, at its version
+    prox = behaviour + 0.5 * (2 - versions) * torch.randn(B, R, generator=g)  # the actor before the update (version 2)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.float32)
+    adv = torch.randn(B, R, generator=g)
+    logp = (prox + 0.3 * torch.randn(B, R, generator=g)).requires_grad_()  # ratios inside and outside the clip
+
+    class Engine:
+        def logprobs(self, tb, **kw):
+            return logp, None
+
+        def moe_losses(self):
+            return None
+
+    batch = Batch({"response_mask": mask, "rollout_log_probs": behaviour, "advantages": adv, "versions": versions})
+    mb, metrics = correct_rollout(cfg, None, batch, lambda engine, b: prox.clone(), None, None)  # on-policy: one pass
+    loss, _, _ = ActorObjective(cfg, POLICY_LOSSES.get(cfg.actor.policy_loss), 1.0)(mb, None, Engine())
+    loss.backward()
+    lp, A, m = logp.detach().double().requires_grad_(), adv.double(), mask.double()
+    w = (prox.double() - behaviour.double()).exp().clamp(max=1.5)
+    rho = (lp - prox.double()).exp()
+    lo, hi, c = 1 - cfg.actor.clip_ratio_low, 1 + cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c
+    pg = torch.maximum(-A * rho, -A * rho.clamp(lo, hi))
+    pg = torch.where(A < 0, torch.minimum(pg, -A * c), pg)  # the dual clip
+    ref = (w * pg * m).sum() / m.sum()
+    ref.backward()
+    assert abs(float(loss.detach()) - float(ref)) < 1e-6
+    assert (logp.grad.double() - lp.grad).abs().max() < 1e-6
+    sel = m > 0
+    assert abs(metrics["decoupled/weight_max"] - 1.5) < 1e-12 and 0 < metrics["decoupled/capped_fraction"] < 1
+    assert abs(metrics["decoupled/weight_mean"] - float(w[sel].mean())) < 1e-9
+    assert abs(metrics["decoupled/weight_min"] - float(w[sel].min())) < 1e-9
+    # against what it replaces: PPO on the behaviour log-probs (no decoupling) is another loss
+    plain = ActorObjective(Config(), POLICY_LOSSES.get(cfg.actor.policy_loss), 1.0)
+    plain.behaviour_old = True
+    assert abs(float(plain(batch, None, Engine())[0]) - float(ref)) > 1e-3
+
+
 def test_partial_rollouts_train_and_carry_requests_over(tmp_path):
     from spmdrl.data.synthetic import make_arith
     from spmdrl.metrics import read_jsonl
@@ -172,12 +225,23 @@ def test_partial_rollouts_refuse_what_they_cannot_do_in_one_line():
                       ({"multi_turn__enable": True}, "multi_turn.enable"),
                       ({"algorithm__filter_groups": True}, "algorithm.filter_groups"),
                       ({"rollout__top_p": 0.9}, "top_p = 0.9"),
-                      ({"actor__ppo_epochs": 2}, "rollout_correction.rollout_is"),
                       ({"trainer__device": "cuda"}, "enable_sleep_mode"),
+                      ({"actor__ppo_epochs": 2}, "rollout_correction.decoupled = true"),
                       ({"rollout__max_version_lag": -1}, "rollout.max_version_lag")):
         with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("(", r"\(")) as e:
             validate_partial(cfg(**kw))
         assert "\n" not in str(e.value)
     validate_partial(cfg(actor__ppo_epochs=2, rollout_correction__rollout_is="token"))
+    validate_partial(cfg(actor__ppo_epochs=2, rollout_correction__decoupled=True))
+    from spmdrl.config.validate import validate_rollout_correction
+
+    validate_rollout_correction(cfg(rollout_correction__decoupled=True, rollout_correction__decoupled_cap=2.0))
+    for kw, words in (({"rollout_correction__decoupled": True, "rollout_correction__rollout_is": "token"},
+                       "rollout_is = 'none'"),
+                      ({"rollout_correction__decoupled": True, "rollout_correction__decoupled_cap": 0.5}, ">= 1"),
+                      ({"rollout_correction__decoupled_cap": 2.0}, "decoupled = true")):
+        with pytest.raises(ConfigError, match=words) as e:
+            validate_rollout_correction(cfg(**kw))
+        assert "\n" not in str(e.value)
     validate_partial(cfg(trainer__device="cuda", rollout__enable_sleep_mode=False))
     validate_partial(cfg(placement__mode="split", trainer__max_staleness=1, trainer__device="cuda"))  # asynchronous split
