@@ -9,7 +9,9 @@ rollouts carried across weight updates.
   mode they do not (their prefix's keys and values are the old model's), while the tokens before it have the old
   model's;
 - the loss of a mixed-version batch equals a float64 PPO computed from each token's behaviour log-prob;
-- a 3-step GRPO run with rollout.partial = keep carries requests over and trains on tokens of two versions.
+- decoupled PPO's loss and gradient on a mixed-version batch equal a float64 computation;
+- a 4-step GRPO run with rollout.partial = keep and decoupled PPO carries requests over and trains on tokens of two
+  versions, and killed at step 3 and resumed it logs bitwise the uninterrupted run's metrics.
 """
 import json
 import os
@@ -183,28 +185,54 @@ def test_decoupled_ppo_loss_and_gradient_float64_on_a_mixed_version_batch():
     assert abs(float(plain(batch, None, Engine())[0]) - float(ref)) > 1e-3
 
 
-def test_partial_rollouts_train_and_carry_requests_over(tmp_path):
+def test_partial_rollouts_carry_requests_over_and_resume_exactly_after_kill(tmp_path, monkeypatch):
+    """A 4-step GRPO run with rollout.partial = keep and decoupled PPO carries requests over and trains on tokens of
+    two versions; the same run killed (os._exit) at the start of step 3, with requests in flight, and relaunched
+    resumes from the checkpoint after step 2 and logs bitwise the uninterrupted run's metrics."""
+    from safetensors.torch import load_file
+
     from spmdrl.data.synthetic import make_arith
     from spmdrl.metrics import read_jsonl
 
     model = build_tiny(str(tmp_path / "model"), seed=0)
     data = make_arith(str(tmp_path / "data"), n_train=64, n_val=4, seed=0)
-    out = tmp_path / "run"
-    o = {
-        "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.max_prompt_length": 32,
-        "data.max_response_length": 16, "data.train_batch_size": 2, "rollout.n": 2, "rollout.kv_cache_gb": 0.1,
-        "rollout.partial": "keep", "rollout.oversample": 1.0, "rollout.max_version_lag": 1, "actor.lr": 1e-3,
-        "actor.micro_batch_size": 4, "trainer.total_steps": 3, "trainer.device": "cpu",
-        "trainer.output_dir": str(out), "logging.progress": "false", "rollout.parity_check": "false",
-        "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
-    }
-    run(["spmdrl.train", *[f"{k}={v}" for k, v in o.items()]], nproc=None, module=True)
-    rows = [r for r in read_jsonl(str(out / "metrics.jsonl")) if r["step"] >= 1]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["rollout/requests_carried_over"] > 0 for r in rows), [r["rollout/requests_carried_over"] for r in rows]
-    assert rows[0]["rollout/version_lag_max"] == 0
-    assert max(r["rollout/version_lag_max"] for r in rows[1:]) == 1  # trained on tokens of the previous weights
-    assert all(r["rollout/requests_aborted_stale"] == 0 and r["actor/grad_norm"] > 0 for r in rows)
+
+    def train(out, check=True):
+        o = {
+            "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.max_prompt_length": 32,
+            "data.max_response_length": 16, "data.train_batch_size": 2, "rollout.n": 2, "rollout.kv_cache_gb": 0.1,
+            "rollout.partial": "keep", "rollout.oversample": 1.0, "rollout.max_version_lag": 1, "actor.lr": 1e-3,
+            "actor.micro_batch_size": 4, "trainer.total_steps": 4, "trainer.device": "cpu",
+            "trainer.output_dir": str(out), "logging.progress": "false", "rollout.parity_check": "false",
+            "checkpoint.save_freq": 2, "rollout_correction.decoupled": "true",
+            "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
+        }
+        return run(["spmdrl.train", *[f"{k}={v}" for k, v in o.items()]], nproc=None, module=True, check=check)
+
+    def rows(out):
+        measured = ("timing/", "perf/", "memory/")
+        return [{k: v for k, v in r.items() if not k.startswith(measured) and not k.endswith("_per_s")}
+                for r in read_jsonl(str(out / "metrics.jsonl"), last_per_step=True) if r["step"] >= 1]
+
+    train(tmp_path / "a")
+    monkeypatch.setenv("SPMDRL_FAULT_INJECT", "kill:rank=0:step=3")
+    killed = train(tmp_path / "b", check=False)
+    assert killed.returncode != 0 and "exits in step 3" in killed.stderr
+    monkeypatch.delenv("SPMDRL_FAULT_INJECT")
+    resumed = train(tmp_path / "b")
+    assert "resumed from" in resumed.stderr + resumed.stdout
+    straight = rows(tmp_path / "a")
+    assert [r["step"] for r in straight] == [1, 2, 3, 4]
+    assert all(r["rollout/requests_carried_over"] > 0 for r in straight)
+    assert straight[0]["rollout/version_lag_max"] == 0 and straight[0]["decoupled/weight_max"] < 1.001
+    assert max(r["rollout/version_lag_max"] for r in straight[1:]) == 1  # trained on tokens of the previous weights
+    assert max(r["decoupled/weight_max"] - r["decoupled/weight_min"] for r in straight[1:]) > 1e-3  # pi_prox != pi_behav
+    assert all(r["rollout/requests_aborted_stale"] == 0 and r["actor/grad_norm"] > 0 for r in straight)
+    # the checkpoint the resume started from held requests in flight: tokens so far of unfinished samples
+    saved = load_file(str(tmp_path / "b" / "checkpoints" / "step_00000002" / "rank_tensors" / "rank_0.safetensors"))
+    suspended = saved["partial/samples"][saved["partial/samples"][:, 2] == 1]
+    assert len(suspended) > 0 and int(suspended[:, 4].sum()) > 0
+    assert rows(tmp_path / "b") == straight  # bitwise: steps 1-2 before the kill, 3-4 after the resume
 
 
 def test_partial_rollouts_refuse_what_they_cannot_do_in_one_line():
