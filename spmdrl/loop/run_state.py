@@ -155,9 +155,9 @@ class RunCheckpointer:
             if any(k.startswith("partial/") for k in tensors):
                 self.partial.load_state_tensors(tensors, f"checkpoint {state.get('path', path)} (rank {self.rank})")
             else:
-                log.warning("checkpoint %s holds no requests in flight for rank %d (another world size, or saved "
-                            "without them): the partial rollouts start with an empty engine, so this resume is not "
-                            "exact", state.get("path", path), self.rank)
+                log.warning("checkpoint %s does not hold the requests in flight of this rank (%d) (another world "
+                            "size, or saved without them): the partial rollouts start with an empty engine, so this "
+                            "resume is not exact", state.get("path", path), self.rank)
         if self.stream is not None:
             if self.engines and self.cfg.trainer.max_staleness and "rank_tensors" not in state:
                 raise SpmdrlError(f"checkpoint {state.get('path', path)} has no in-flight batches for rank {self.rank}: "
