@@ -187,16 +187,16 @@ class PartialRollouts:
         samples = [(g.uid, j, kind, c) for g in sorted(self.groups.values(), key=lambda g: g.uid)
                    for kind, d in ((0, g.done), (1, g.so_far)) for j, c in sorted(d.items())]
         sampler = self.sampler.state_dict()
-        ints = lambda xs: torch.tensor(xs, dtype=torch.long).reshape(len(xs), -1)  # noqa: E731
+        ints = lambda xs, width: torch.tensor(xs, dtype=torch.long).reshape(-1, width)  # noqa: E731
         groups = sorted(self.groups.values(), key=lambda g: g.uid)
         out = {
             "state": torch.tensor([self.draws, self.version, self.rollout_engine.weight_version, sampler["epoch"],
                                    sampler["step_in_epoch"], sampler["seed"], int(self.suspended)], dtype=torch.long),
-            "queue": ints([[u, r] for u, r in self.queue]).reshape(-1, 2),
-            "groups": ints([[g.uid, g.row, g.seed, g.version, len(g.prompt)] for g in groups]).reshape(-1, 5),
+            "queue": ints([[u, r] for u, r in self.queue], 2),
+            "groups": ints([[g.uid, g.row, g.seed, g.version, len(g.prompt)] for g in groups], 5),
             "prompts": torch.tensor([t for g in groups for t in g.prompt], dtype=torch.long),
             "samples": ints([[u, j, kind, FINISH.index(c.finish_reason), len(c.token_ids),
-                              -1 if c.routes is None else len(c.routes)] for u, j, kind, c in samples]).reshape(-1, 6),
+                              -1 if c.routes is None else len(c.routes)] for u, j, kind, c in samples], 6),
             "tokens": torch.tensor([t for *_, c in samples for t in c.token_ids], dtype=torch.long),
             "logprobs": torch.tensor([x for *_, c in samples for x in c.logprobs], dtype=torch.float64),
             "versions": torch.tensor([v for *_, c in samples for v in c.versions], dtype=torch.long),
