@@ -1,6 +1,8 @@
 """Asynchronous split placement (rollout.partial with placement.mode = "split"): 4 gloo ranks, vLLM TP=2 on ranks 0-1,
 FSDP2 dp=2 on ranks 2-3, GRPO, rollout.partial = recompute, trainer.max_staleness 2. Responses end at any of 24 stop
-tokens, so their lengths vary and groups carry over weight updates. Two identical runs, shared by the tests below."""
+tokens, so their lengths vary and groups carry over weight updates. Two runs of one config, shared by the tests
+below: one straight, one killed (rank 0, a rollout rank, at the start of step 3: requests in flight on the rollout
+ranks, a batch posted ahead on the training ranks) and resumed from its checkpoint after step 2."""
 import os
 import types
 
@@ -32,12 +34,16 @@ def runs(tmp_path_factory):
     model = build_tiny(str(root / "model"), seed=0)
     data = make_arith(str(root / "data"), n_train=64, n_val=16, seed=0)
     ports: list[int] = []
-    while len(ports) < 2:
+    while len(ports) < 3:
         ports += [p for p in [free_port()] if p not in ports]
     outs = [root / "a", root / "b"]
     try:
-        for out, port in zip(outs, ports):
-            train(out, 4, overrides(model, data, out, **ASYNC), mp, port=port)
+        train(outs[0], 4, overrides(model, data, outs[0], **ASYNC), mp, port=ports[0])
+        mp.setenv("SPMDRL_FAULT_INJECT", "kill:rank=0:step=3")
+        killed = train(outs[1], 4, overrides(model, data, outs[1], **ASYNC), mp, port=ports[1], check=False)
+        assert killed.returncode != 0 and "rank 0 exits in step 3" in killed.stderr, killed.stderr[-3000:]
+        mp.delenv("SPMDRL_FAULT_INJECT")
+        train(outs[1], 4, overrides(model, data, outs[1], **ASYNC), mp, port=ports[2])
     finally:
         mp.undo()
         for p in ports:
@@ -124,11 +130,14 @@ def test_each_token_was_sampled_by_the_weights_of_its_version(runs):
     assert worst_own < 1e-4 < 1e-3 < best_other, (worst_own, best_other)
 
 
-def test_same_config_and_seed_give_the_same_metrics(runs):
-    """The schedule (when weights are loaded, which groups make a batch) is counted in engine steps, so two runs
-    of one config agree on every metric but the measured ones."""
+def test_same_config_and_seed_give_the_same_metrics_killed_and_resumed(runs):
+    """The schedule (when weights are loaded, which groups make a batch) is counted in engine steps, and a
+    checkpoint keeps the rollout ranks' requests in flight and the posted batch, so a run of the same config killed
+    in step 3 and resumed agrees with the straight one on every metric but the measured ones, and trains on the same
+    batches."""
     def rows(out):  # rollout/generated_tokens_per_s is measured too
-        return [{k: v for k, v in r.items() if not k.endswith("_per_s")} for r in comparable(read_jsonl(str(out)))]
+        return [{k: v for k, v in r.items() if not k.endswith("_per_s")}
+                for r in comparable(read_jsonl(str(out), last_per_step=True))]
 
     a, b = rows(runs.a / "metrics.jsonl"), rows(runs.b / "metrics.jsonl")
     assert len(a) == STEPS + 1 and a == b

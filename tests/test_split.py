@@ -42,12 +42,12 @@ def overrides(model, data, out, **extra):
     return [f"{k}={v}" for k, v in o.items()]
 
 
-def train(out, nproc, args, monkeypatch, port=None):
+def train(out, nproc, args, monkeypatch, port=None, check=True):
     dump = out / "dump"
     dump.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("SPMDRL_TEST_DUMP", str(dump))
     monkeypatch.setenv("SPMDRL_GROUP_LOG", str(out / "groups"))  # every process-group creation, per rank
-    return run(["spmdrl.train", *args], nproc=nproc, module=True, port=port)
+    return run(["spmdrl.train", *args], nproc=nproc, module=True, port=port, check=check)
 
 
 def shm_segments(port: int) -> list[str]:

@@ -205,3 +205,42 @@ def rollout_correction(
                  rollout_rs_seq_masked_fraction=div(g["rs_seq"], g["seqs"]),
                  rollout_rs_veto_fraction=div(g["rs_veto"], g["seqs"]))
     return Correction(weights, mask, {f"rollout_corr/{k}": float(v) for k, v in m.items()})
+
+
+def decoupled_weights(prox_log_prob: Tensor, behav_log_prob: Tensor, response_mask: Tensor, cap: float = 0.0,
+                      reduce: Reduce | None = None, reduce_max: Reduce | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Decoupled PPO's per-token importance weights (Hilton et al. 2021) and their metrics, for one batch [B, T].
+
+        w_it = exp(min(log pi_prox(y_it) - log pi_behav(y_it), log C))      (C = cap; 0: no cap)
+
+    pi_prox: the actor before the update (the ratio's and the clip's reference); pi_behav: the policy that sampled
+    the token (the rollout engine's log-prob, at the token's weight version). Log-ratios are bounded to +-20 before
+    the exponential; padding gets weight 0. The loss multiplies its per-token term by w (spmdrl.algos.losses), so
+    with the PPO clip this is L_it = -w_it min(rho_it A_it, clip(rho_it, 1 - eps_low, 1 + eps_high) A_it),
+    rho_it = pi_theta(y_it) / pi_prox(y_it).
+
+    Metrics (global over the rows of every rank when `reduce` / `reduce_max` are given): decoupled/weight_mean,
+    weight_max, weight_min (of w over valid tokens) and capped_fraction (valid tokens whose ratio exceeds C).
+    """
+    f64 = torch.float64
+    valid = response_mask != 0
+    log_w = (prox_log_prob.detach().to(f64) - behav_log_prob.detach().to(f64)).clamp(-LOG_BOUND, LOG_BOUND)
+    capped = valid & (log_w > math.log(cap)) if cap > 0 else torch.zeros_like(valid)
+    if cap > 0:
+        log_w = log_w.clamp(max=math.log(cap))
+    w = torch.where(valid, log_w.exp(), torch.zeros_like(log_w))
+    vf = valid.to(f64)
+    sums = torch.stack([vf.sum(), (w * vf).sum(), capped.to(f64).sum()])
+    big = torch.tensor(1e300, dtype=f64, device=w.device)
+    tops = torch.stack([torch.where(valid, w, -big).max() if valid.any() else -big,
+                        torch.where(valid, -w, -big).max() if valid.any() else -big])
+    if reduce is not None:
+        sums = reduce(sums)
+    if reduce_max is not None:
+        tops = reduce_max(tops)
+    n = float(sums[0])
+    metrics = {"decoupled/weight_mean": float(sums[1]) / n if n else 0.0,
+               "decoupled/capped_fraction": float(sums[2]) / n if n else 0.0}
+    if n:
+        metrics.update({"decoupled/weight_max": float(tops[0]), "decoupled/weight_min": -float(tops[1])})
+    return w.to(prox_log_prob.dtype), metrics

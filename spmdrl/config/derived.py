@@ -42,9 +42,11 @@ def sampler_truncates(cfg) -> bool:
 
 
 def rollout_correction_active(cfg) -> bool:
-    """Whether the update computes importance weights or a rejection mask (and so needs pi_old before it)."""
+    """Whether the update computes importance weights or a rejection mask (and so needs pi_old before it): the
+    [rollout_correction] section's, or decoupled PPO's."""
     rc = cfg.rollout_correction
-    return rc.rollout_is != "none" or rc.rollout_rs != "none" or rc.rollout_token_veto_threshold > 0
+    return (rc.rollout_is != "none" or rc.rollout_rs != "none" or rc.rollout_token_veto_threshold > 0
+            or rc.decoupled)
 
 
 def rolls_out_trajectories(cfg) -> bool:

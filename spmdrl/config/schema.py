@@ -441,6 +441,10 @@ class RolloutCorrectionConfig:
     """Lower bound L of the rejection ratio (>= 0, below U); unset means 1 / rollout_rs_threshold."""
     rollout_token_veto_threshold: float = 0.0
     """Drop a whole response when any of its token ratios pi_old / pi_rollout is below this; 0 disables."""
+    decoupled: bool = False
+    """Decoupled PPO (Hilton et al. 2021; AReaL): the ratio and its clip use the proximal policy pi_prox, the actor's log-probs of the batch before the update (its old-log-prob pass, or on-policy one forward pass of its own), and each token's loss is weighted by w = pi_prox / pi_behav, pi_behav being the rollout engine's log-prob at the weight version that sampled the token (detached; capped by decoupled_cap). For runs whose tokens come from older weights (rollout.partial, split placement's staleness); instead of rollout_is."""
+    decoupled_cap: float = 0.0
+    """With decoupled: the cap C of the importance weights, w = min(pi_prox / pi_behav, C) (>= 1); 0: uncapped."""
 
 
 @dataclass

@@ -410,12 +410,23 @@ def validate_rollout_correction(cfg) -> None:
     if not 0 <= rc.rollout_token_veto_threshold < 1:
         raise ConfigError(f"rollout_correction.rollout_token_veto_threshold must be in [0, 1) (0 disables), found "
                           f"{rc.rollout_token_veto_threshold}")
-    if rc.rollout_is != "none" and rc.rollout_is_in_loss:
+    if rc.decoupled and rc.rollout_is != "none":
+        raise ConfigError(f"rollout_correction.decoupled = true weights each token's loss by pi_prox / pi_behav, and "
+                          f"rollout_is = {rc.rollout_is!r} would weight it by the same ratio again: set "
+                          "rollout_correction.rollout_is = 'none' (decoupled_cap caps the weights)")
+    if rc.decoupled_cap != 0 and not (rc.decoupled and rc.decoupled_cap >= 1):
+        raise ConfigError(f"rollout_correction.decoupled_cap = {rc.decoupled_cap}: "
+                          + ("it must be >= 1 (a cap below 1 would weight every token below its ratio) or 0 (uncapped)"
+                             if rc.decoupled else "it caps decoupled PPO's weights; set rollout_correction.decoupled = "
+                             "true or leave it 0"))
+    if (rc.rollout_is != "none" and rc.rollout_is_in_loss) or rc.decoupled:
         params = inspect.signature(POLICY_LOSSES.get(cfg.actor.policy_loss)).parameters
         if "rollout_is_weights" not in params:
+            what = "decoupled = true" if rc.decoupled else f"rollout_is = {rc.rollout_is!r}"
+            fix = "rollout_correction.decoupled = false" if rc.decoupled else "rollout_correction.rollout_is_in_loss = false"
             raise ConfigError(
-                f"rollout_correction.rollout_is = {rc.rollout_is!r} but actor.policy_loss = {cfg.actor.policy_loss!r} "
-                "takes no rollout_is_weights argument: add it to the loss, or set rollout_correction.rollout_is_in_loss = false"
+                f"rollout_correction.{what} but actor.policy_loss = {cfg.actor.policy_loss!r} takes no "
+                f"rollout_is_weights argument: add it to the loss, or set {fix}"
             )
 
 
@@ -571,7 +582,7 @@ def validate_partial(cfg) -> None:
     if not on_policy(cfg) and not rollout_correction_active(cfg):
         raise ConfigError(f"rollout.partial = '{r.partial}' with an old-log-prob pass (several epochs or mini-batches, "
                           "KL in the reward or distillation) needs the behaviour log-probs in the loss: set "
-                          "rollout_correction.rollout_is = 'token' (decoupled PPO) or train on-policy")
+                          "rollout_correction.decoupled = true (decoupled PPO) or train on-policy")
     if r.enable_sleep_mode and not split and _on_cuda(cfg):  # split: the rollout ranks' engine never sleeps
         raise ConfigError(f"rollout.partial = '{r.partial}' keeps requests in the engine across the update, and vLLM's "
                           "sleep mode drops their KV cache while training: set rollout.enable_sleep_mode = false")

@@ -10,6 +10,9 @@
 - The [rollout_correction] section (spmdrl/algos/rollout_correction.py) turns pi_old / pi_rollout into
   importance weights and a rejection mask (`correct_rollout`). pi_old is the untruncated, temperature-scaled
   actor policy that the loss's ratio uses; on-policy (no separate old-log-prob pass) it is computed here.
+  Decoupled PPO (rollout_correction.decoupled) is the same pass with pi_old as the proximal policy: the ratio and
+  clip use it, and the weights are pi_old / pi_rollout, capped at decoupled_cap (`decoupled_weights`), pi_rollout
+  being each token's behaviour log-prob at the version that sampled it.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from spmdrl.algos.rollout_correction import rollout_correction
+from spmdrl.algos.rollout_correction import decoupled_weights, rollout_correction
 from spmdrl.batch import Batch
 from spmdrl.config.derived import rollout_correction_active
 from spmdrl.errors import ConfigError
@@ -97,6 +100,10 @@ def correct_rollout(cfg, engine, batch: Batch, forward: Callable, reduce: Callab
     if corr.weights is not None:
         tensors["rollout_is_weights"] = corr.weights
     metrics.update(corr.metrics)
+    if rc.decoupled:  # decoupled PPO: old is the proximal policy, the weights pi_prox / pi_behav (config refuses both)
+        tensors["rollout_is_weights"], m = decoupled_weights(old, batch["rollout_log_probs"], corr.response_mask,
+                                                             rc.decoupled_cap, reduce, reduce_max)
+        metrics.update(m)
     if corr.metrics.get("rollout_corr/rollout_rs_masked_fraction", 0.0) >= 1.0:
         log.warning("rollout_correction rejected every response token of this step (rollout_rs = %s, window [%s, %s], "
                     "veto %s): the update trains on nothing; the step counts as bad (trainer.max_bad_steps)",

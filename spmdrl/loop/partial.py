@@ -15,17 +15,40 @@ turn by turn with the new weights, and a group is complete when its trajectories
 
 The schedule depends on the config and seed only (engine steps, never wall-clock time), and every rank of a rollout
 TP group makes the same admissions (the engine checks them).
+
+Checkpoints (exact resume with requests in flight). A checkpoint suspends every unfinished request (`suspend`): it is
+taken out of the engine with what it generated so far (tokens, rollout log-probs, per-token versions, and the routes
+the CPU route recorder captured), and the next rollout admits it again as a continuation: prompt + tokens so far,
+max_tokens less what it has, its prefix cache dropped first, and with rollout.per_request_seed the seed
+`continuation_seed(its sample seed, tokens so far)` (else the step's shared stream, as any request). When it finishes,
+its completion is what it had plus what the continuation generated. The run that goes on after saving and a run
+resumed from that checkpoint both do exactly this, from the same state (`state_tensors` / `load_state_tensors`: the
+groups in flight with their prompts, seeds, admission versions and finished samples, the requests' tokens so far,
+the queue of drawn prompts, the draw count, the weight versions and this rank's prompt sampler), so the resumed run
+is bitwise the uninterrupted one. What a checkpoint step changes: a continuation is prefilled with the weights held
+at the checkpoint, so with rollout.partial = keep the requests carried over a checkpoint step have their keys and
+values recomputed (recompute's behaviour, at checkpoint steps only); a stop string that straddles the suspension
+point is not seen (the continuation checks the text it generates); the sampling noise after the suspension is the
+continuation's; multi-turn groups are not saved (a resumed multi-turn partial run starts with an empty engine and is
+not exact); and on GPUs (vLLM reports routes when a request finishes, not when it is aborted) a continuation's
+routes for the positions before the suspension are those its prefill computed. With checkpoint.save_every_min the
+suspension points follow the clock, so only checkpoint.save_freq's saves keep two runs of one config equal.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
-from spmdrl.rollout.base import RolloutOutput, SamplingSpec, sample_seed
+from spmdrl.errors import CheckpointError
+from spmdrl.rollout.base import Completion, RolloutOutput, SamplingSpec, continuation_seed, sample_seed
 from spmdrl.rollout.multi_turn import LoopStats
+from spmdrl.rollout.routes import merge_routes
+
+FINISH = ("stop", "length", "abort")  # finish reasons as saved (their index)
 
 
 @dataclass
@@ -39,6 +62,17 @@ class Group:
     version: int  # the weight version when it was admitted
     done: dict = field(default_factory=dict)  # sample index -> Completion (multi-turn: Trajectory)
     trajs: list = field(default_factory=list)  # multi-turn: its trajectories, in sample order
+    so_far: dict = field(default_factory=dict)  # sample index -> what a suspended request had generated (Completion)
+
+    def finish(self, j: int, c: Completion) -> None:
+        """Sample j finished as `c`; a continuation's completion is joined to what the request had before."""
+        p = self.so_far.pop(j, None)
+        if p is not None:
+            routes = c.routes if p.routes is None or c.routes is None else merge_routes(np.asarray(c.routes),
+                                                                                        np.asarray(p.routes))
+            c = Completion(c.id, p.token_ids + c.token_ids, p.logprobs + c.logprobs, p.versions + c.versions,
+                           c.finish_reason, routes)
+        self.done[j] = c
 
 
 def sampled_versions(x) -> list[int]:
@@ -71,6 +105,7 @@ class PartialRollouts:
         self.groups: dict[int, Group] = {}  # admitted, by uid
         self.draws = 0
         self.version = 0
+        self.suspended = False  # requests taken out at a checkpoint, admitted again by the next rollout
 
     def _draw(self, rows: list[int]) -> None:
         first = self.draws * self.batch_size + self.dp_offset(len(rows))  # unique over steps and rollout dp ranks
@@ -116,6 +151,8 @@ class PartialRollouts:
         cap = need + math.ceil(need * self.oversample)
         if not self.per_request_seed:
             eng.reseed((self.seed * 1_000_003 + step) % (2**31 - 1))
+        if self.suspended:
+            self._continue()
         complete = lambda: [g for g in self.groups.values() if len(g.done) == self.spec.n]  # noqa: E731
         steps = generated = 0  # engine steps, and tokens of this step's version in requests finished in them
         stepping = 0.0  # seconds in the engine's steps
@@ -138,7 +175,7 @@ class PartialRollouts:
                     self.groups[self.owner[id(t)]].done[t.sample] = t
             for c in finished:
                 uid, j = c.id.split("/")
-                self.groups[int(uid)].done[int(j)] = c
+                self.groups[int(uid)].finish(int(j), c)
             steps += 1
         out = sorted(complete(), key=lambda g: g.uid)[:need]
         for g in out:
@@ -161,6 +198,92 @@ class PartialRollouts:
         for t in g.trajs:
             del self.owner[id(t)]
         return g
+
+    # ---- checkpoints: the requests in flight suspended, saved, restored and continued (see the module doc) -------
+    def suspend(self) -> None:
+        """At a checkpoint: take every unfinished request out of the engine with what it generated so far; the next
+        rollout admits each again as a continuation. Multi-turn groups are not suspended: their trajectories go on in
+        this run, and a checkpoint holds none of them (`state_tensors`)."""
+        if self.agent is not None:
+            return
+        ids = [f"{u}/{j}" for u, g in sorted(self.groups.items()) for j in range(self.spec.n)
+               if j not in g.done and j not in g.so_far]
+        for c in self.rollout_engine.abort(ids):
+            uid, j = (int(x) for x in c.id.split("/"))
+            g = self.groups[uid]
+            if c.finish_reason == "abort":
+                g.finish(j, c)  # joined to an earlier suspension's tokens, if any
+                g.so_far[j] = g.done.pop(j)
+            else:  # finished while a generate call (validation) stepped the engine
+                g.finish(j, c)
+        self.suspended = True
+
+    def _continue(self) -> None:
+        """Admit the suspended requests again (uid, then sample order): prompt + tokens so far, the rest of
+        max_tokens, from an empty prefix cache."""
+        self.suspended = False
+        eng = self.rollout_engine
+        eng.forget_prefixes()  # nothing is in flight: both runs start from an empty cache
+        for u, g in sorted(self.groups.items()):
+            for j, p in sorted(g.so_far.items()):
+                seed = continuation_seed(sample_seed(g.seed, j), len(p.token_ids)) if self.per_request_seed else None
+                spec = replace(self.one, max_tokens=self.one.max_tokens - len(p.token_ids))
+                eng.admit([f"{u}/{j}"], [g.prompt + p.token_ids], spec, [seed])
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Everything the next rollouts depend on, as flat tensors (safetensors: no pickle), after `suspend`;
+        nothing for multi-turn groups (a run resumed from the checkpoint starts them over, not exactly)."""
+        if self.agent is not None:
+            return {}
+        samples = [(g.uid, j, kind, c) for g in sorted(self.groups.values(), key=lambda g: g.uid)
+                   for kind, d in ((0, g.done), (1, g.so_far)) for j, c in sorted(d.items())]
+        sampler = self.sampler.state_dict()
+        ints = lambda xs, width: torch.tensor(xs, dtype=torch.long).reshape(-1, width)  # noqa: E731
+        groups = sorted(self.groups.values(), key=lambda g: g.uid)
+        out = {
+            "state": torch.tensor([self.draws, self.version, self.rollout_engine.weight_version, sampler["epoch"],
+                                   sampler["step_in_epoch"], sampler["seed"], int(self.suspended)], dtype=torch.long),
+            "queue": ints([[u, r] for u, r in self.queue], 2),
+            "groups": ints([[g.uid, g.row, g.seed, g.version, len(g.prompt)] for g in groups], 5),
+            "prompts": torch.tensor([t for g in groups for t in g.prompt], dtype=torch.long),
+            "samples": ints([[u, j, kind, FINISH.index(c.finish_reason), len(c.token_ids),
+                              -1 if c.routes is None else len(c.routes)] for u, j, kind, c in samples], 6),
+            "tokens": torch.tensor([t for *_, c in samples for t in c.token_ids], dtype=torch.long),
+            "logprobs": torch.tensor([x for *_, c in samples for x in c.logprobs], dtype=torch.float64),
+            "versions": torch.tensor([v for *_, c in samples for v in c.versions], dtype=torch.long),
+        }
+        routes = [torch.as_tensor(np.asarray(c.routes)) for *_, c in samples if c.routes is not None]
+        if routes:
+            out["routes"] = torch.cat(routes)
+        return {f"partial/{k}": v.contiguous() for k, v in out.items()}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], where: str) -> None:
+        """Restore what `state_tensors` saved (a resumed run; `where` names the checkpoint file in errors)."""
+        t = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("partial/")}
+        try:
+            draws, version, weight_version, epoch, step_in_epoch, seed, suspended = t["state"].tolist()
+            groups, prompts, samples = t["groups"].tolist(), t["prompts"].tolist(), t["samples"].tolist()
+            tokens, logprobs, versions = t["tokens"].tolist(), t["logprobs"].tolist(), t["versions"].tolist()
+            queue = [tuple(q) for q in t["queue"].tolist()]
+            routes = t.get("routes")
+        except KeyError as e:
+            raise CheckpointError(f"{where}: the partial rollouts' state lacks {e.args[0]!r} (a damaged checkpoint)") from None
+        self.sampler.load_state_dict({"epoch": epoch, "step_in_epoch": step_in_epoch, "seed": seed})
+        self.draws, self.version, self.queue, self.suspended = draws, version, queue, bool(suspended)
+        self.rollout_engine.weight_version = weight_version
+        self.groups, at = {}, 0
+        for uid, row, gseed, gversion, plen in groups:
+            self.groups[uid] = Group(uid, row, prompts[at: at + plen], gseed, gversion)
+            at += plen
+        at = r_at = 0
+        for uid, j, kind, reason, length, rlen in samples:
+            r = None
+            if rlen >= 0:
+                r, r_at = routes[r_at: r_at + rlen].numpy(), r_at + rlen
+            c = Completion(f"{uid}/{j}", tokens[at: at + length], logprobs[at: at + length] if logprobs else [],
+                           versions[at: at + length], FINISH[reason], r)
+            at += length
+            (self.groups[uid].so_far if kind else self.groups[uid].done)[j] = c
 
 
 def groups_output(groups: list[Group], n: int) -> tuple[RolloutOutput, list[list[int]]]:

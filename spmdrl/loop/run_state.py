@@ -13,6 +13,7 @@ from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.errors import SpmdrlError, Stopped
 from spmdrl.faults import at_step_boundary, is_bad_step
 from spmdrl.loop.memory import MemoryLifecycle
+from spmdrl.loop.partial import PartialRollouts
 from spmdrl.loop.split import BatchStream
 from spmdrl.models.vision import copy_image_processor
 from spmdrl.reshard.sync import WeightSync
@@ -59,16 +60,18 @@ class BadSteps:
 class RunCheckpointer:
     """Saves everything a step depends on and restores it, so a resumed run continues exactly as if it had not
     stopped: the trainable engines (through `manager`), the sampler, the KL controller, the bad-step counts, the
-    RNG states and, in split placement, the batches in flight (`stream`). engines: {"actor": ..., "critic": ...}
-    (empty on a split layout's rollout ranks)."""
+    RNG states, in split placement the batches in flight (`stream`, on the training ranks) and with rollout.partial
+    the requests in flight (`partial`, on every rank that holds a rollout engine: each saves its own, suspended
+    first; loop/partial.py). engines: {"actor": ..., "critic": ...} (empty on a split layout's rollout ranks)."""
 
     def __init__(self, cfg, manager: CheckpointManager, engines: dict, tokenizer, sampler: DistributedPromptSampler,
                  kl_ctrl, bad_steps: BadSteps, weight_sync: WeightSync, stream: BatchStream | None, rank: int,
-                 config_toml: str | None = None, memory: MemoryLifecycle | None = None):
+                 config_toml: str | None = None, memory: MemoryLifecycle | None = None,
+                 partial: PartialRollouts | None = None):
         self.cfg, self.manager, self.engines, self.tokenizer, self.sampler = cfg, manager, engines, tokenizer, sampler
         self.config_toml = to_toml(cfg) if config_toml is None else config_toml  # what checkpoints record and compare
         self.kl_ctrl, self.bad_steps, self.weight_sync, self.stream, self.rank = kl_ctrl, bad_steps, weight_sync, stream, rank
-        self.memory = memory
+        self.memory, self.partial = memory, partial
         # every rank saves and loads the same engine names, whichever of them it holds (split placement)
         self.roles = ["actor", "critic"] if cfg.critic.enable else ["actor"]
         self.last_save = time.monotonic()  # checkpoint.save_every_min counts from the start, then from each save
@@ -111,11 +114,15 @@ class RunCheckpointer:
 
     def save(self, step: int) -> str:
         """The checkpoint after `step`; its path."""
-        in_flight = None
+        in_flight = {}
+        if self.partial is not None:  # rollout.partial: this rank's requests in flight, taken out of the engine to go
+            # on as continuations in the next rollout, here and in a run resumed from this checkpoint alike
+            self.partial.suspend()
+            in_flight.update(self.partial.state_tensors())
         if self.stream is not None and self.engines:  # split placement: batches already generated for the next
             # steps go into the checkpoint (the training ranks took them in during the step: their sampler counted
             # those draws, and the writer saves its state)
-            in_flight = self.stream.in_flight(step)
+            in_flight.update(self.stream.in_flight(step))
         state = {"sampler": self.sampler.state_dict(), **self.bad_steps.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
 
         def hf_files(out_dir: str) -> None:  # what `spmdrl export` needs besides the weights
@@ -129,7 +136,7 @@ class RunCheckpointer:
             self.memory.for_checkpoint("checkpoint_save", keep_rollout_weights=True)
         self.last_save = time.monotonic()
         return self.manager.save(step, engines=self.engines, trainer_state=state, config_toml=self.config_toml,
-                                 rng=rng_state(), hf_files=hf_files, rank_tensors=in_flight, roles=self.roles)
+                                 rng=rng_state(), hf_files=hf_files, rank_tensors=in_flight or None, roles=self.roles)
 
     def load(self, path: str) -> int:
         """Restore the run from checkpoint `path` and sync its actor weights to the rollout engine; the step it
@@ -145,11 +152,19 @@ class RunCheckpointer:
         if self.memory is not None:
             self.memory.for_sync()
         self.weight_sync()
+        tensors = state.get("rank_tensors", {})
+        if self.partial is not None:  # after the sampler: this rank's own sampler state comes with its requests
+            if any(k.startswith("partial/") for k in tensors):
+                self.partial.load_state_tensors(tensors, f"checkpoint {state.get('path', path)} (rank {self.rank})")
+            else:
+                log.warning("checkpoint %s does not hold the requests in flight of this rank (%d) (another world "
+                            "size, or saved without them): the partial rollouts start with an empty engine, so this "
+                            "resume is not exact", state.get("path", path), self.rank)
         if self.stream is not None:
             if self.engines and self.cfg.trainer.max_staleness and "rank_tensors" not in state:
                 raise SpmdrlError(f"checkpoint {state.get('path', path)} has no in-flight batches for rank {self.rank}: "
                                   "a split run with trainer.max_staleness > 0 resumes on the same world size only")
-            self.stream.restore(step, state.get("rank_tensors", {}))
+            self.stream.restore(step, {k: v for k, v in tensors.items() if not k.startswith("partial/")})
         if "rng" in state:
             set_rng_state(state["rng"])
         else:  # another world size: per-rank RNG streams cannot carry over

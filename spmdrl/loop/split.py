@@ -35,7 +35,10 @@ sampled it (`versions`); the training ranks' loss takes each token's behaviour l
 whose tokens would lag the actor that trains on them by more than trainer.max_staleness versions (>= 1) is aborted
 and its prompt queued again, so a long request may go on over max_staleness - 1 weight updates. The meeting point
 and its order stay as above (with k = 1: batch s+1 is taken in before the weights of step s go out). A checkpoint
-keeps the posted batch, not the requests in the engine: a resumed asynchronous run starts with an empty engine.
+keeps both: the training ranks save the posted batch (`in_flight`), and each rollout rank saves its own requests in
+flight, suspended first and admitted again as continuations by its next rollout, in the run that saved and in a
+resumed one alike (loop/partial.py; loop/run_state.py saves them), so a resumed asynchronous run goes on from the
+same engine state.
 """
 from __future__ import annotations
 

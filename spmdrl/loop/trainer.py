@@ -203,7 +203,8 @@ class Trainer:
         if self.critic is not None:
             trained["critic"] = self.critic
         self.checkpointer = RunCheckpointer(cfg, manager, trained, tokenizer, sampler, kl_ctrl, self.bad_steps,
-                                            self.weight_sync, self.stream, rank, self.config_toml, self.memory)
+                                            self.weight_sync, self.stream, rank, self.config_toml, self.memory,
+                                            partial=generator.partial if generator is not None else None)
         set_collective_timeout(cfg.trainer.dist_timeout_s)
         self.resumed_from = resume_from
         # whether the rollout engine's weights came through the sync (else it read the checkpoint itself)

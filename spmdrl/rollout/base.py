@@ -218,7 +218,8 @@ class RolloutEngine(Protocol):
 
     def abort(self, ids: list[str]) -> list["Completion"]:
         """Take back in-flight requests; what each generated so far, finish_reason 'abort' (ids not in flight are
-        skipped)."""
+        skipped). A request that finished in a step whose completions were not returned yet (a generate call stepped
+        the engine) comes back as it finished."""
         ...
 
     @property
@@ -280,6 +281,12 @@ def sample_seed(prompt_seed: int, j: int) -> int:
     Hashing (rather than prompt_seed + j) keeps prompts with neighbouring seeds from sharing samples.
     """
     return _splitmix64(_splitmix64(prompt_seed & _MASK64) ^ j) >> 1
+
+
+def continuation_seed(seed: int, generated: int) -> int:
+    """The seed of a request taken out of the engine after `generated` tokens and admitted again as a continuation
+    (prompt + its tokens so far): a 63-bit hash of its own seed and that length, the same on every rank."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ generated) >> 1
 
 
 def call_seed(seeds: list[int]) -> int:

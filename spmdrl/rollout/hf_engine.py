@@ -191,9 +191,10 @@ class HFEngine:
         return out
 
     def abort(self, ids: list[str]) -> list[Completion]:
-        """Take queued requests back (nothing of theirs has run: a request runs whole within one step)."""
+        """Take queued requests back (nothing of theirs has run: a request runs whole within one step); one that
+        finished while a generate call stepped the engine comes back finished, as step() would have returned it."""
         gone = set(ids)
-        out = [log.done("abort") for log, _, _, _ in self._queue if log.id in gone]
+        out = [c for c in self._stash if c.id in gone] + [log.done("abort") for log, _, _, _ in self._queue if log.id in gone]
         self._stash = [c for c in self._stash if c.id not in gone]
         self._queue = [item for item in self._queue if item[0].id not in gone]
         for rid in gone:

@@ -377,14 +377,18 @@ class VLLMEngine:
         return done
 
     def abort(self, ids: list[str]) -> list[Completion]:
-        """Take back in-flight requests (ids not in flight are skipped); what each generated so far."""
+        """Take back in-flight requests (ids not in flight are skipped): what each generated so far, with the routes
+        of the positions it computed when the CPU recorder captures them; one that finished while a generate call
+        stepped the engine comes back finished, as step() would have returned it."""
         self._check_same_across_tp("abort", list(ids))
         vids = [self._vid[i] for i in ids if i in self._vid]
         if vids:
             self.llm.llm_engine.abort_request(vids)
         gone = set(ids)
+        finished = [c for c in self._stash if c.id in gone]
         self._stash = [c for c in self._stash if c.id not in gone]
-        return [self._forget(v).done("abort") for v in vids]
+        recorded = self._take_routes() if vids else {}
+        return finished + [self._forget(v).done("abort", recorded.get((v, 0))) for v in vids]
 
     def _forget(self, vid: str) -> RequestLog:
         log = self._live.pop(vid)
