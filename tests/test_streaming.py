@@ -187,8 +187,8 @@ def test_decoupled_ppo_loss_and_gradient_float64_on_a_mixed_version_batch():
 
 def test_partial_rollouts_carry_requests_over_and_resume_exactly_after_kill(tmp_path, monkeypatch):
     """A 4-step GRPO run with rollout.partial = keep and decoupled PPO carries requests over and trains on tokens of
-    two versions; the same run killed (os._exit) at the start of step 3, with requests in flight, and relaunched
-    resumes from the checkpoint after step 2 and logs bitwise the uninterrupted run's metrics."""
+    two versions; the same run killed (os._exit) at the start of step 2, with requests in flight, and relaunched
+    resumes from the checkpoint after step 1 and logs bitwise the uninterrupted run's metrics."""
     from safetensors.torch import load_file
 
     from spmdrl.data.synthetic import make_arith
@@ -204,7 +204,8 @@ def test_partial_rollouts_carry_requests_over_and_resume_exactly_after_kill(tmp_
             "rollout.partial": "keep", "rollout.oversample": 1.0, "rollout.max_version_lag": 1, "actor.lr": 1e-3,
             "actor.micro_batch_size": 4, "trainer.total_steps": 4, "trainer.device": "cpu",
             "trainer.output_dir": str(out), "logging.progress": "false", "rollout.parity_check": "false",
-            "checkpoint.save_freq": 2, "rollout_correction.decoupled": "true",
+            "checkpoint.save_freq": 1, "rollout_correction.decoupled": "true",
+            "rollout.stop_token_ids": "[" + ",".join(str(i) for i in range(40, 53)) + "]",  # lengths vary: a long tail
             "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
         }
         return run(["spmdrl.train", *[f"{k}={v}" for k, v in o.items()]], nproc=None, module=True, check=check)
@@ -215,10 +216,14 @@ def test_partial_rollouts_carry_requests_over_and_resume_exactly_after_kill(tmp_
                 for r in read_jsonl(str(out / "metrics.jsonl"), last_per_step=True) if r["step"] >= 1]
 
     train(tmp_path / "a")
-    monkeypatch.setenv("SPMDRL_FAULT_INJECT", "kill:rank=0:step=3")
+    monkeypatch.setenv("SPMDRL_FAULT_INJECT", "kill:rank=0:step=2")
     killed = train(tmp_path / "b", check=False)
-    assert killed.returncode != 0 and "exits in step 3" in killed.stderr
+    assert killed.returncode != 0 and "exits in step 2" in killed.stderr
     monkeypatch.delenv("SPMDRL_FAULT_INJECT")
+    # the checkpoint the resume starts from holds requests in flight: tokens so far of unfinished samples
+    saved = load_file(str(tmp_path / "b" / "checkpoints" / "step_00000001" / "rank_tensors" / "rank_0.safetensors"))
+    suspended = saved["partial/samples"][saved["partial/samples"][:, 2] == 1]
+    assert len(suspended) > 0 and int(suspended[:, 4].sum()) > 0
     resumed = train(tmp_path / "b")
     assert "resumed from" in resumed.stderr + resumed.stdout
     straight = rows(tmp_path / "a")
@@ -227,12 +232,8 @@ def test_partial_rollouts_carry_requests_over_and_resume_exactly_after_kill(tmp_
     assert straight[0]["rollout/version_lag_max"] == 0 and straight[0]["decoupled/weight_max"] < 1.001
     assert max(r["rollout/version_lag_max"] for r in straight[1:]) == 1  # trained on tokens of the previous weights
     assert max(r["decoupled/weight_max"] - r["decoupled/weight_min"] for r in straight[1:]) > 1e-3  # pi_prox != pi_behav
-    assert all(r["rollout/requests_aborted_stale"] == 0 and r["actor/grad_norm"] > 0 for r in straight)
-    # the checkpoint the resume started from held requests in flight: tokens so far of unfinished samples
-    saved = load_file(str(tmp_path / "b" / "checkpoints" / "step_00000002" / "rank_tensors" / "rank_0.safetensors"))
-    suspended = saved["partial/samples"][saved["partial/samples"][:, 2] == 1]
-    assert len(suspended) > 0 and int(suspended[:, 4].sum()) > 0
-    assert rows(tmp_path / "b") == straight  # bitwise: steps 1-2 before the kill, 3-4 after the resume
+    assert sum(r["actor/grad_norm"] > 0 for r in straight) >= 3
+    assert rows(tmp_path / "b") == straight  # bitwise: step 1 before the kill, 2-4 after the resume
 
 
 def test_partial_rollouts_refuse_what_they_cannot_do_in_one_line():
