@@ -105,9 +105,9 @@ def test_dtensor_tp_actor_per_family(family_models, tmp_path):
             assert r["logprob_max_diff"] < 1e-5 and r["plan_recv"] == r["plan_lower_bound"] == 0, (arch, r)
 
 
-def family_run(root, arch, model, nproc: int = 2, **extra) -> list[dict]:
+def family_overrides(root, arch, model, **extra) -> tuple:
+    """A 2-step GRPO run of `arch`: its output directory and overrides."""
     from spmdrl.data.synthetic import make_arith
-    from spmdrl.metrics import read_jsonl
 
     data = make_arith(str(root / "data"), n_train=32, n_val=4, seed=0)
     out = root / f"run_{arch}"
@@ -119,28 +119,52 @@ def family_run(root, arch, model, nproc: int = 2, **extra) -> list[dict]:
         "placement.rollout_tp": 2, "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
     }
     o.update(extra)
-    run(["spmdrl.train", *[f"{k}={v}" for k, v in o.items()]], nproc=nproc, module=True)
-    return read_jsonl(str(out / "metrics.jsonl"))
+    return out, [f"{k}={v}" for k, v in o.items()]
+
+
+def family_extra(arch: str) -> dict:
+    """qwen3_moe runs with routing replay and the router's losses; the Megatron case on 4 ranks: tp 2 x dp 2, the
+    experts split over the 2 data-parallel replicas (all-to-all dispatch) and each expert's FFN width over tp."""
+    extra = {"actor.router_replay": "rollout", "actor.moe_aux_loss_coef": 0.01, "actor.moe_z_loss_coef": 0.001} \
+        if arch.startswith("qwen3_moe") else {}
+    if arch.endswith("megatron-ep2-tp2"):
+        extra.update({"trainer.backend": "megatron", "placement.actor_tp": 2, "placement.actor_ep": 2,
+                      "placement.ref_tp": 2, "placement.ref_ep": 2})
+    return extra
+
+
+TWO_RANK_FAMILIES = ["gemma3", "qwen3_moe", "falcon"]
+
+
+@pytest.fixture(scope="module")
+def family_runs(family_models, tmp_path_factory):
+    """The 2-rank families' runs, one after another in one launch (tests/dist_scripts/train_runs.py)."""
+    root = tmp_path_factory.mktemp("family_runs")
+    runs = {a: family_overrides(root, a, family_models[a], **family_extra(a)) for a in TWO_RANK_FAMILIES}
+    (root / "runs.json").write_text(json.dumps([{"overrides": o} for _, o in runs.values()]))
+    proc = run([os.path.join(HERE, "dist_scripts", "train_runs.py"), str(root / "runs.json")], nproc=2, timeout=900)
+    return {a: (out, proc.stdout[-3000:] + proc.stderr[-6000:]) for a, (out, _) in runs.items()}
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe", "qwen3_moe-megatron-ep2-tp2", "falcon"])
-def test_grpo_per_family_matches_vllm_after_a_sync(family_models, tmp_path, arch):
+def test_grpo_per_family_matches_vllm_after_a_sync(family_models, family_runs, tmp_path, arch):
     """Step 2 samples with the weights synced after step 1's two optimizer steps: vLLM's log-probs of its samples
     are the actor's within 1e-5. Planned families receive the lower bound; falcon's logged bytes (the whole-tensor
     route) are what `spmdrl plan` predicts for the same config. qwen3_moe runs with routing replay: the actor's
     forwards route every token vLLM computed as vLLM did (route agreement 1.0), its own router agrees as well
     (the same weights in float32), and every layer reports its expert load; its objective carries the router's
     load-balancing and z-loss terms; the same on the Megatron backend at tp 2 x ep 2 on 4 ranks."""
-    extra = {"actor.router_replay": "rollout", "actor.moe_aux_loss_coef": 0.01, "actor.moe_z_loss_coef": 0.001} \
-        if arch.startswith("qwen3_moe") else {}
-    nproc = 2
-    if arch.endswith("megatron-ep2-tp2"):  # the Megatron backend on 4 ranks: tp 2 x dp 2, the experts split over the
-        # 2 data-parallel replicas (all-to-all dispatch) and each expert's FFN width over tp
-        extra.update({"trainer.backend": "megatron", "placement.actor_tp": 2, "placement.actor_ep": 2,
-                      "placement.ref_tp": 2, "placement.ref_ep": 2})
-        nproc = 4
-    rows = [r for r in family_run(tmp_path, arch, family_models[arch.split("-")[0]], nproc, **extra) if r["step"] >= 1]
+    from spmdrl.metrics import read_jsonl
+
+    extra = family_extra(arch)
+    if arch in family_runs:
+        out, log = family_runs[arch]
+        assert (out / "rc").read_text() == "0", log
+    else:
+        out, overrides = family_overrides(tmp_path, arch, family_models[arch.split("-")[0]], **extra)
+        run(["spmdrl.train", *overrides], nproc=4, module=True)
+    rows = [r for r in read_jsonl(str(out / "metrics.jsonl")) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-5, (arch, r["rollout/logprob_diff_max"])
