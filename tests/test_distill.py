@@ -14,6 +14,7 @@ metrics (one launch fewer than a layout per degree: the suite's time).
 The kl_loss mode's gradient at dp 1 vs 2 against a float64 whole-batch reference is in test_objective_layout.py.
 Bad input (a teacher of another tokenizer family, a missing teacher, a teacher layout that does not fit) is one
 line and exit 2 before launch."""
+import json
 import os
 
 import pytest
@@ -95,7 +96,7 @@ def steps(tmp_path_factory):
     student = build_tiny(str(root / "student"), seed=0)
     teacher = build_tiny(str(root / "teacher"), seed=1, num_layers=6)  # larger than the student
     data = make_arith(str(root / "data"), n_train=64, n_val=8, seed=0)
-    out = {}
+    out, specs = {}, []
     for name, extra in LAYOUTS.items():
         d = root / name
         d.mkdir()
@@ -108,11 +109,12 @@ def steps(tmp_path_factory):
             "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_len.py") + ":score",
             "hooks.files": f'["{os.path.join(HERE, "dist_scripts", "dump_hook.py")}"]', **extra,
         }
-        os.environ["SPMDRL_TEST_DUMP"] = str(d)
-        try:
-            run(["spmdrl.train", *[f"{k}={v}" for k, v in o.items()]], nproc=2, module=True)
-        finally:
-            del os.environ["SPMDRL_TEST_DUMP"]
+        specs.append({"overrides": [f"{k}={v}" for k, v in o.items()], "env": {"SPMDRL_TEST_DUMP": str(d)}})
+    (root / "runs.json").write_text(json.dumps(specs))  # both layouts in one launch (dist_scripts/train_runs.py)
+    proc = run([os.path.join(HERE, "dist_scripts", "train_runs.py"), str(root / "runs.json")], nproc=2, timeout=900)
+    for name in LAYOUTS:
+        d = root / name
+        assert (d / "rc").read_text() == "0", proc.stdout[-3000:] + proc.stderr[-6000:]
         (metrics,) = read_jsonl(str(d / "metrics.jsonl"))
         ranks = [1] if name.startswith("split") else [0, 1]
         out[name] = metrics, _global([torch.load(d / f"batch_rank{r}.pt", weights_only=True) for r in ranks])
