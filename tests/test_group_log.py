@@ -229,7 +229,7 @@ def weight_sync_first_uses(name: str, directory: str):
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.models.model import load_hf_config
     from spmdrl.loop.build import build_weight_sync
-    from spmdrl.reshard.plan import full_block
+    from spmdrl.dist.blocks import full_block
     from spmdrl.reshard.transport import bucket_calls, execute, held_shards
     from spmdrl.tiny import build_model
 

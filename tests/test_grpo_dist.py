@@ -68,17 +68,32 @@ def check_run(out, nranks):
     return rows, checks
 
 
-@pytest.mark.parametrize("rollout_tp,actor_tp", [(2, 1), (1, 1), (1, 2)],
-                         ids=["rollout_tp2", "rollout_dp2", "actor_tp2_rollout_dp2"])
-def test_grpo_two_ranks(assets, tmp_path, rollout_tp, actor_tp, monkeypatch):
-    # actor_tp2_rollout_dp2: DTensor TP actor, and the batch moves from the rollout layout (p2p exchange)
-    calls = tmp_path / "reward_calls"
-    calls.mkdir()
-    monkeypatch.setenv("REWARD_CALL_LOG", str(calls))
+LAYOUTS = {"rollout_tp2": (2, 1), "rollout_dp2": (1, 1), "actor_tp2_rollout_dp2": (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(assets, tmp_path_factory):
+    """The three 2-rank layouts' runs, one after another in one launch (grpo_step.py --runs)."""
+    root = tmp_path_factory.mktemp("grpo_layouts")
     reward = os.path.join(HERE, "dist_scripts", "reward_count.py") + ":score"
-    run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--out", str(tmp_path),
-         *overrides(assets, tmp_path, **{"placement.rollout_tp": rollout_tp, "placement.actor_tp": actor_tp,
-                                         "reward.custom_fn": reward})], nproc=2)
+    specs = []
+    for name, (rollout_tp, actor_tp) in LAYOUTS.items():
+        out = root / name
+        (out / "reward_calls").mkdir(parents=True)
+        specs.append({"out": str(out), "env": {"REWARD_CALL_LOG": str(out / "reward_calls")},
+                      "overrides": overrides(assets, out, **{"placement.rollout_tp": rollout_tp,
+                                                             "placement.actor_tp": actor_tp, "reward.custom_fn": reward})})
+    (root / "runs.json").write_text(json.dumps(specs))
+    run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--runs", str(root / "runs.json")], nproc=2, timeout=900)
+    return root
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_grpo_two_ranks(layout_runs, layout):
+    # actor_tp2_rollout_dp2: DTensor TP actor, and the batch moves from the rollout layout (p2p exchange)
+    rollout_tp, _ = LAYOUTS[layout]
+    tmp_path = layout_runs / layout
+    calls = tmp_path / "reward_calls"
     rows, checks = check_run(tmp_path, 2)
     # every sample is scored exactly once, also when both ranks of an actor tp group hold it:
     # 2 steps x 4 prompts x 4 samples, plus 16 validation prompts x 1 sample before training and after the last step

@@ -40,7 +40,7 @@ def family_models(tmp_path_factory):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_reads_learnt_from_vllm_loaders_per_family(family_models, tp):
     from spmdrl.models.model import load_hf_config, model_param_shapes
-    from spmdrl.reshard.plan import full_block, numel
+    from spmdrl.dist.blocks import full_block, numel
     from spmdrl.reshard.vllm_reads import probe_vllm_reads
 
     for arch, path in family_models.items():

@@ -338,3 +338,40 @@ def test_a_mixture_of_experts_on_a_gpu_trains_with_the_host_optimizer_by_default
         plan(moe, "memory.actor_host_optimizer=false")
     assert megatron_host_optimizer(None, "critic", on_gpu=True, experts=0)[0] is False
     assert megatron_host_optimizer(True, "critic", on_gpu=False, experts=0)[0] is True
+
+
+@pytest.mark.quick
+def test_plan_counts_the_requests_partial_rollouts_hold_in_flight_and_the_streams_batches(tmp_path):
+    """rollout.partial: each rollout engine holds its share of data.train_batch_size plus rollout.oversample groups
+    of rollout.n requests (loop/partial.py), whose KV at full length is counted by hand here; asynchronous split
+    also holds one posted batch ahead on each training rank, with each token's version as an extra column."""
+    from spmdrl.config import validate
+    from spmdrl.plan import build_plan
+    from spmdrl.plan.estimate import render
+
+    model = build_tiny(str(tmp_path / "model"))
+    hf = json.load(open(os.path.join(model, "config.json")))
+
+    def plan(*overrides):
+        cfg = load_config(os.path.join(REPO, "configs/quickstart/grpo.toml"),
+                          [f"model.path={model}", "trainer.device=cuda", "rollout.partial=keep", *overrides])
+        validate(cfg, 2, trackers=False)
+        return cfg, build_plan(cfg, world_size=2)
+
+    cfg, p = plan("rollout.oversample=0.5", "placement.rollout_tp=1")  # rollout dp 2
+    need = cfg.data.train_batch_size // 2
+    requests = (need + -(-need // 2)) * cfg.rollout.n
+    per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * (hf["hidden_size"] // hf["num_attention_heads"]) * 2
+    kv = requests * (cfg.data.max_prompt_length + cfg.data.max_response_length) * per_token
+    r = p["rollout"]
+    assert r["in_flight_requests"] == requests and r["kv_in_flight_gb"] == pytest.approx(kv / 2**30, abs=1e-3)
+    assert r["kv_cache_holds_in_flight"] is True
+    assert "partial rollouts: %d requests in flight per rollout engine" % requests in render(p)
+    assert "in_flight_requests" not in build_plan(load_config(os.path.join(REPO, "configs/quickstart/grpo.toml"), [
+        f"model.path={model}", "trainer.device=cuda"]), world_size=2)["rollout"]
+    cfg, p = plan("placement.mode=split", "placement.rollout_ranks=[0]", "trainer.max_staleness=2")
+    pl = p["placement"]
+    # prompts, responses, response_mask and rollout_log_probs by position, 6 per-sample scalars, float64 columns
+    sync_row = 8 * (cfg.data.max_prompt_length + 3 * cfg.data.max_response_length + 6)
+    assert pl["batches_held_ahead"] == 1 and pl["batch_row_bytes"] == sync_row + 8 * cfg.data.max_response_length
+    assert pl["stream_buffer_bytes_per_training_rank"] == pl["batch_bytes_per_training_rank"]

@@ -6,7 +6,8 @@ import re
 import pytest
 import torch
 
-from spmdrl.reshard.plan import ModelDims, fsdp_block, fsdp_blocks, numel, plan_sync
+from spmdrl.dist.blocks import ModelDims, fsdp_block, fsdp_blocks, numel
+from spmdrl.reshard.plan import plan_sync
 
 from vllm_targets import vllm_blocks
 

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from spmdrl.errors import LayoutError
-from spmdrl.reshard.plan import (
-    ModelDims, megatron_blocks, megatron_padded_vocab, megatron_tp_block, numel, plan_sync, pp_stage_layers,
-)
+from spmdrl.dist.blocks import ModelDims, megatron_blocks, megatron_padded_vocab, megatron_tp_block, numel, pp_stage_layers
+from spmdrl.reshard.plan import plan_sync
 from spmdrl.reshard.transport import held_shards
 
 from vllm_targets import vllm_blocks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from spmdrl.reshard.plan import ModelDims
+from spmdrl.dist.blocks import ModelDims
 from spmdrl.reshard.vllm_reads import rollout_targets
 
 

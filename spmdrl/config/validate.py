@@ -710,7 +710,7 @@ def validate_architecture(cfg) -> None:
     * the Megatron backend converts MEGATRON_MODEL_TYPES only (its engine refuses others at build, minutes later).
     A hub id whose config is not on disk yet is checked when the engines load it."""
     from spmdrl.dist.layout import role_backends
-    from spmdrl.reshard.plan import MEGATRON_MODEL_TYPES
+    from spmdrl.dist.blocks import MEGATRON_MODEL_TYPES
     from spmdrl.rollout import vllm_available
 
     backends = role_backends(cfg)
@@ -865,7 +865,7 @@ def _check_fsdp_tp_modules(cfg, source: str, path: str) -> None:
     (engines/fsdp.py tp_plan): a model without them (fused q/k/v as in Phi-3 or Falcon) trains at actor_tp = 1."""
     if cfg.placement.actor_tp <= 1:
         return
-    from spmdrl.reshard.plan import TP_MODULES
+    from spmdrl.dist.blocks import TP_MODULES
 
     have = _decoder_linear_layers(path)
     missing = [m for m in TP_MODULES if have and m not in have]

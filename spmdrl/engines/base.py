@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Protocol, 
 
 import torch
 
-from spmdrl.reshard.plan import Block
+from spmdrl.dist.blocks import Block
 
 if TYPE_CHECKING:
     from spmdrl.dist.meshes import RoleMesh

@@ -27,7 +27,7 @@ from spmdrl.engines.response_index import ResponseIndex
 from spmdrl.engines.router_replay import RouterReplay, moe_routers
 from spmdrl.engines.sequence_parallel import SequenceShard
 from spmdrl.engines.token_batch import TokenBatch, dense_rows, relayout
-from spmdrl.reshard.plan import Block, fsdp_blocks, numel
+from spmdrl.dist.blocks import Block, fsdp_blocks, numel
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import ConfigError, SpmdrlError
 

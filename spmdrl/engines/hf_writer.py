@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from spmdrl.reshard.plan import full_block, plan_sync
+from spmdrl.dist.blocks import full_block
+from spmdrl.reshard.plan import plan_sync
 from spmdrl.reshard.transport import execute, held_shards
 
 

@@ -5,7 +5,7 @@ on the meta device), rank sets from `dist.layout.plan_layout`, the weight-sync f
 `reshard.plan.plan_sync` call that `WeightSync` makes at run time.
 
 Roles on the Megatron backend (trainer.backend = "megatron") take their per-rank state and pipeline activations
-from `spmdrl.plan.megatron` and their weight-sync sources from `reshard.plan.megatron_blocks`.
+from `spmdrl.plan.megatron` and their weight-sync sources from `dist.blocks.megatron_blocks`.
 
 Memory is an estimate per rank (GPU) and per node (host), in GiB (2^30 bytes), for the colocated phase order
 that `spmdrl.loop.memory.MemoryLifecycle` runs, plus the moments around it:
@@ -109,7 +109,7 @@ def role_table(layout: dict) -> dict:
 def shard_stats(params, lay) -> dict:
     """Per-rank element counts of an FSDP2 (x DTensor tp) role: the largest shard, the TP-local size of the
     whole model, the root's (non-layer) parameters and the largest TP-local decoder layer."""
-    from spmdrl.reshard.plan import fsdp_block, fsdp_tp_style, numel
+    from spmdrl.dist.blocks import fsdp_block, fsdp_tp_style, numel
 
     shards = lay.dp * lay.sp  # FSDP2 shards over dp x sp (RoleMesh.shard_mesh)
     per_rank: dict[tuple[int, int], int] = {}  # by (shard row, tp) coordinate
@@ -132,7 +132,7 @@ def shard_stats(params, lay) -> dict:
 def load_bytes_per_rank(params, lay, store_eb: int, ckpt_eb: int) -> int:
     """Memory a rank's sharded load adds (spmdrl/engines/loading.py): its shard in the storage dtype, plus one
     block in flight (read in the checkpoint dtype, then cast)."""
-    from spmdrl.reshard.plan import fsdp_block, fsdp_tp_style, numel
+    from spmdrl.dist.blocks import fsdp_block, fsdp_tp_style, numel
 
     largest = max(numel(fsdp_block(s, fsdp_tp_style(n), lay.dp * lay.sp, lay.tp, 0, 0)) for n, s in params)
     return shard_stats(params, lay)["shard"] * store_eb + largest * (ckpt_eb + store_eb)
@@ -144,7 +144,8 @@ def load_bytes_per_rank(params, lay, store_eb: int, ckpt_eb: int) -> int:
 def weight_sync_plan(params, hf_config, layout: dict, cfg, elem_bytes: int, backend: str = "fsdp"):
     """The SyncPlan WeightSync builds at run time: the actor's source blocks (FSDP2 x DTensor tp, or Megatron
     tp x pp x dp), vLLM TP targets."""
-    from spmdrl.reshard.plan import ModelDims, fsdp_blocks, megatron_blocks, plan_sync
+    from spmdrl.dist.blocks import ModelDims, fsdp_blocks, megatron_blocks
+    from spmdrl.reshard.plan import plan_sync
     from spmdrl.reshard.vllm_reads import rollout_targets
 
     dims = ModelDims.from_hf_config(hf_config)
@@ -353,7 +354,7 @@ class VllmFigures:
 
 
 def _vllm_figures(cfg, hf, layout: dict, sync: SyncFigures, rollout_eb: int) -> VllmFigures:
-    from spmdrl.reshard.plan import numel
+    from spmdrl.dist.blocks import numel
 
     held: dict[int, int] = {}
     for ts in sync.full_plan.targets.values():
@@ -556,7 +557,8 @@ def build_plan(cfg, world_size: int | None = None) -> dict:
                           if lora_mode else {})
                        | {"elem_bytes": rollout_eb, "full_gather_bytes_per_rank": state["actor"]["stats"]["total"] * 4,
                           "p2p_peers_max": list(max(peers.values(), key=sum, default=(0, 0)))},
-        "rollout": {"vllm_weights_gb": _gib(vllm_w), "kv_cache_gb": _gib(kv_cache), "kv_cache_fits_one_sequence": kv_ok},
+        "rollout": {"vllm_weights_gb": _gib(vllm_w), "kv_cache_gb": _gib(kv_cache), "kv_cache_fits_one_sequence": kv_ok,
+                    **partial_figures(cfg, layout, hf, kv_cache)},
         "nccl": {"communicators": worst_comms, "comm_gb": _gib(NCCL_COMM_BYTES),
                  "p2p_peer_gb": {"nvlink": _gib(NCCL_NVLINK_PEER_BYTES), "network": _gib(NCCL_NET_PEER_BYTES)}},
         "memory": memory,
@@ -608,7 +610,8 @@ def adapter_sync_figures(adapter, layout: dict, elem_bytes: int, bucket: int, sp
     the actor's gather brings each rank the adapter less its own FSDP2 shard (no exchange of the sync's own, so
     no collectives or NCCL peers are counted here)."""
     from spmdrl.reshard.adapter import adapter_plan
-    from spmdrl.reshard.plan import fsdp_blocks, full_block, plan_sync
+    from spmdrl.dist.blocks import fsdp_blocks, full_block
+    from spmdrl.reshard.plan import plan_sync
 
     rollout_ranks, source = list(layout["rollout"].ranks), min(layout["actor"].ranks)
     if split:
@@ -649,11 +652,28 @@ def split_figures(cfg, layout: dict) -> dict:
     d = cfg.data
     width = {"prompts": d.max_prompt_length, "responses": d.max_response_length,
              "response_mask": d.max_response_length, "rollout_log_probs": d.max_response_length}
-    row = 8 * sum(width.get(k, 1) if two_d else 1 for k, (_, two_d) in ROLLOUT_KEYS.items())
+    asynchronous = cfg.rollout.partial != "off"  # each token's version travels too (loop/split.py VERSION_KEYS)
+    row = 8 * (sum(width.get(k, 1) if two_d else 1 for k, (_, two_d) in ROLLOUT_KEYS.items())
+               + (d.max_response_length if asynchronous else 0))
     samples = d.train_batch_size * cfg.rollout.n // layout["actor"].dp
+    ahead = 1 if asynchronous else cfg.trainer.max_staleness  # batches posted ahead of training (BatchStream.ahead)
     return {"rollout_ranks": list(layout["rollout"].ranks), "training_ranks": list(layout["actor"].ranks),
             "max_staleness": cfg.trainer.max_staleness, "samples_per_training_rank": samples, "batch_row_bytes": row,
-            "batch_bytes_per_training_rank": samples * row}
+            "batch_bytes_per_training_rank": samples * row, "batches_held_ahead": ahead,
+            "stream_buffer_bytes_per_training_rank": ahead * samples * row}
+
+
+def partial_figures(cfg, layout: dict, hf, kv_cache: float) -> dict:
+    """Partial rollouts (rollout.partial): the requests each rollout engine holds in flight (this rank's share of
+    data.train_batch_size plus rollout.oversample, rollout.n requests a group; loop/partial.py) and the KV cache
+    they take at full length. Short of it, vLLM preempts requests and prefills them again (slower, not an error)."""
+    if cfg.rollout.partial == "off":
+        return {}
+    need = -(-cfg.data.train_batch_size // layout["rollout"].dp)
+    requests = (need + math.ceil(need * cfg.rollout.oversample)) * cfg.rollout.n
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    kv = requests * seq * 2 * hf.num_hidden_layers * _kv_per_token(hf, layout["rollout"].tp)
+    return {"in_flight_requests": requests, "kv_in_flight_gb": _gib(kv), "kv_cache_holds_in_flight": kv_cache >= kv}
 
 
 def _kv_per_token(c, tp: int) -> int:
@@ -703,7 +723,16 @@ def render(p: dict) -> str:
         lines += ["", f"split placement: rollout ranks {_short([pl['rollout_ranks']])}, training ranks "
                       f"{_short([pl['training_ranks']])}, trainer.max_staleness {pl['max_staleness']}; per step each training "
                       f"rank receives at most {pl['batch_bytes_per_training_rank'] / 2**20:.3f} MiB of batch "
-                      f"({pl['samples_per_training_rank']} samples x {pl['batch_row_bytes']} B rows), point to point"]
+                      f"({pl['samples_per_training_rank']} samples x {pl['batch_row_bytes']} B rows), point to point; "
+                      f"it holds {pl['batches_held_ahead']} posted batch(es) ahead, "
+                      f"({pl['stream_buffer_bytes_per_training_rank'] / 2**20:.3f} MiB)"]
+    if "in_flight_requests" in p["rollout"]:
+        r = p["rollout"]
+        lines += ["", f"partial rollouts: {r['in_flight_requests']} requests in flight per rollout engine, "
+                      f"{r['kv_in_flight_gb']} GiB of KV cache at full length against {r['kv_cache_gb']} GiB"
+                      + ("" if r["kv_cache_holds_in_flight"] else
+                         " (short of it: vLLM preempts requests and prefills them again; lower rollout.oversample "
+                         "or raise rollout.gpu_memory_utilization)")]
     if "lora_sync" in w:
         lines += ["", f"LoRA rank {p['model']['lora_rank']}: {p['model']['adapter_params'] / 1e6:.1f}M adapter parameters "
                       f"({w['adapter_bytes'] / 2**20:.1f} MiB in the rollout dtype); base frozen in the compute dtype, "

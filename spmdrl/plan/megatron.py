@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from spmdrl.reshard.plan import EXPERTS, MEGATRON_VOCAB, megatron_blocks, megatron_padded_vocab, numel, pp_stage_layers
+from spmdrl.dist.blocks import EXPERTS, MEGATRON_VOCAB, megatron_blocks, megatron_padded_vocab, numel, pp_stage_layers
 
 
 def megatron_stats(params, lay, hf, padded_vocab: int | None = None) -> dict:

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from spmdrl.dist.collectives import comm_device, reduce_max
 from spmdrl.errors import ConfigError, LayoutError
 
-from .plan import fsdp_blocks, full_block, plan_sync
+from spmdrl.dist.blocks import fsdp_blocks, full_block
+from .plan import plan_sync
 from .transport import execute
 
 PEFT_PREFIX = "base_model.model."

@@ -15,7 +15,8 @@ from spmdrl.dist.collectives import comm_device, reduce_max
 from spmdrl.dist.meshes import RoleMesh
 from spmdrl.errors import LayoutError
 
-from .plan import SyncPlan, fsdp_blocks, plan_sync
+from spmdrl.dist.blocks import fsdp_blocks
+from .plan import SyncPlan, plan_sync
 from .transport import Shards, execute, held_shards
 from .verify import verify_sync
 from .vllm_reads import rollout_targets, route_summary

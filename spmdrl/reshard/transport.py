@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .plan import Block, SyncPlan, numel
+from spmdrl.dist.blocks import Block, numel
+from .plan import SyncPlan
 
 
 Shards = dict[str, dict[Block, torch.Tensor]]  # what a rank holds: name -> {its block: local tensor}

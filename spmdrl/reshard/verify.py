@@ -26,7 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .plan import Block, SyncPlan, numel
+from spmdrl.dist.blocks import Block, numel
+from .plan import SyncPlan
 from .transport import Shards
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .plan import Block, full_block, intersect, numel
+from spmdrl.dist.blocks import Block, full_block, intersect, numel
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """Run a short GRPO job through the real Trainer, then check weight sync: vLLM's logprobs on sampled
-sequences must equal the actor's own (fp32) after the last sync. Writes <out>/check_rank{r}.json."""
+sequences must equal the actor's own (fp32) after the last sync. Writes <out>/check_rank{r}.json. With --runs,
+several such jobs one after another in one process and process group (one interpreter start)."""
 import argparse
 import json
 import os
@@ -9,19 +10,38 @@ import torch
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="one run: its check files go here")
+    p.add_argument("--runs", help="several runs, one after another in this process and process group: a JSON file "
+                                  "of [{\"out\": ..., \"overrides\": [...], \"env\": {...}}]")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     from spmdrl.config import load_config, validate
     from spmdrl.dist.init import detect_env, init_distributed
-    from spmdrl.engines import pack_sequences
-    from spmdrl.rollout import SamplingSpec
-    from spmdrl.loop.trainer import Trainer
 
-    cfg = load_config(None, args.overrides)
-    env = detect_env()
-    layout = validate(cfg, env.world_size)
-    env, device = init_distributed(cfg.trainer.device)
+    runs = json.load(open(args.runs)) if args.runs else [{"out": args.out, "overrides": args.overrides}]
+    device = None
+    for spec in runs:
+        saved = {k: os.environ.get(k) for k in spec.get("env", {})}
+        os.environ.update(spec.get("env", {}))
+        try:
+            cfg = load_config(None, spec["overrides"])
+            layout = validate(cfg, detect_env().world_size)
+            if device is None:
+                env, device = init_distributed(cfg.trainer.device)
+            trainer = one_run(cfg, layout, env, device, spec["out"])
+            if len(runs) > 1:
+                trainer.rollout.close()  # the next run builds its own engine
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return 0
+
+
+def one_run(cfg, layout, env, device, out_dir):
+    from spmdrl.engines import pack_sequences
+    from spmdrl.loop.trainer import Trainer
+    from spmdrl.rollout import SamplingSpec
+
     trainer = Trainer(cfg, layout, env.rank, env.world_size, device)
     before = {k: v.clone() for k, v in trainer.actor.full_state_dict().items()}
     trainer.fit()
@@ -41,9 +61,9 @@ def main():
         diff = max(diff, float((logp[i, : len(lps)] - torch.tensor(lps)).abs().max()) if lps else 0.0)
     res = {"weight_sync_max_diff": diff, "param_change": changed, "responses": out.response_ids,
            "n_tokens": sum(len(r) for r in out.response_ids)}
-    with open(os.path.join(args.out, f"check_rank{env.rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"check_rank{env.rank}.json"), "w") as f:
         json.dump(res, f)
-    return 0
+    return trainer
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from spmdrl.engines.hf_writer import write_hf_weights
-    from spmdrl.reshard.plan import megatron_blocks, plan_sync
+    from spmdrl.dist.blocks import megatron_blocks
+    from spmdrl.reshard.plan import plan_sync
     from spmdrl.reshard.sync import check_shards
     from spmdrl.reshard.transport import execute, held_shards
     from spmdrl.reshard.verify import gather_whole

@@ -32,7 +32,7 @@ def main():
     from spmdrl.dist.layout import plan_layout
     from spmdrl.dist.meshes import RoleMeshes
     from spmdrl.engines import build_train_engine, pack_sequences
-    from spmdrl.reshard.plan import fsdp_tp_style, numel
+    from spmdrl.dist.blocks import fsdp_tp_style, numel
     from spmdrl.reshard.sync import WeightSync
     from spmdrl.rollout import SamplingSpec, build_engine
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.reshard.adapter import AdapterSync, MergedActor, adapter_params
-from spmdrl.reshard.plan import full_block
+from spmdrl.dist.blocks import full_block
 from spmdrl.reshard.sync import WeightSync
 from spmdrl.rollout.vllm_engine import LoRASpec, VLLMEngine
 

@@ -49,7 +49,7 @@ import re
 from dataclasses import dataclass
 
 from spmdrl.errors import ConfigError
-from spmdrl.reshard.plan import Block
+from spmdrl.dist.blocks import Block
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ from spmdrl.config.derived import (megatron_host_optimizer, megatron_router_refu
 from spmdrl.engines.base import lr_lambda
 from spmdrl.engines.token_batch import TokenBatch, relayout
 from spmdrl.errors import ConfigError
-from spmdrl.reshard.plan import MEGATRON_MODEL_TYPES
+from spmdrl.dist.blocks import MEGATRON_MODEL_TYPES
 
 from . import forward as fw
 from .convert import Piece, dims_from_hf, hf_param_shapes, hf_pieces, stage_layers, vocab_rows

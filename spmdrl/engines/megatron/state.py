@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.errors import CheckpointError, ConfigError
-from spmdrl.reshard.plan import Block
+from spmdrl.dist.blocks import Block
 
 from .convert import Piece, hf_param_shapes, hf_pieces, merged_blocks
 
@@ -76,7 +76,7 @@ def ep_ranks(engine) -> dict[int, int]:
 def source_blocks(engine) -> dict[str, list[tuple[int, Block]]]:
     # the reshard planner's Megatron layout (experts by its ep argument); tests/test_reshard_megatron.py checks it
     # equals convert.source_blocks, dense and expert-parallel
-    from spmdrl.reshard.plan import megatron_blocks
+    from spmdrl.dist.blocks import megatron_blocks
 
     return megatron_blocks(engine.param_shapes(), engine.mesh.grid(), num_layers=engine.dims.layers,
                            padded_vocab=engine.dims.vocab_padded, tied=engine.dims.tie and not engine.dims.value_head,
