@@ -6,7 +6,7 @@
 Launches of `spmdrl train` into a fresh --out directory (trainer.output_dir=<out>/run,
 checkpoint.resume=auto, checkpoint.save_freq=1 are appended to your overrides), each checked:
 
-  0. a misspelt key under `python -m spmdrl.launcher` (what replaces torchrun): one line, exit 2.
+  0. a misspelt key under `python -m spmdrl.process.launcher` (what replaces torchrun): one line, exit 2.
   1. kill -9 of the launcher once the first checkpoint exists: no process of the job may be alive 30 s later.
   2. SIGTERM to the launcher while a checkpoint save is in progress (a .tmp-step_* directory exists; if no
      save is seen within --wait-save-s, after the next step): the whole job ends within 30 s, stderr has
@@ -301,9 +301,9 @@ def killed_rank_named(job: Job, rank: int, pid: int) -> bool:
 
 
 def config_typo(args, run, ov, check) -> None:
-    """A misspelt key under the launcher that replaces torchrun (python -m spmdrl.launcher, torchrun's
+    """A misspelt key under the launcher that replaces torchrun (python -m spmdrl.process.launcher, torchrun's
     arguments): exactly one line, exit 2, no torchrun summary or traceback."""
-    cmd = [sys.executable, "-m", "spmdrl.launcher", "--standalone", "--nproc-per-node", str(args.nproc), "-m",
+    cmd = [sys.executable, "-m", "spmdrl.process.launcher", "--standalone", "--nproc-per-node", str(args.nproc), "-m",
            "spmdrl.train", "--config", args.config, *ov, "trainer.totl_steps=3"]
     job = Job(0, args, ov, cmd=cmd)
     job.proc.wait(timeout=args.start_s)

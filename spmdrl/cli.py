@@ -24,11 +24,11 @@ import typer
 from spmdrl.errors import SpmdrlError
 
 class _Command(typer.Typer):
-    """The `spmdrl` console script: it leaves without the interpreter's teardown (spmdrl.launcher.leave), which
+    """The `spmdrl` console script: it leaves without the interpreter's teardown (spmdrl.process.launcher.leave), which
     takes seconds once a command has imported torch and vLLM."""
 
     def __call__(self, *args, **kwargs):
-        from spmdrl.launcher import leave
+        from spmdrl.process.launcher import leave
 
         try:
             super().__call__(*args, **kwargs)
@@ -76,8 +76,8 @@ def _overrides(items: Optional[list[str]]) -> list[str]:
 
 
 def launch_command(module: str, config: str, overrides: list[str], nproc: int) -> list[str]:
-    """The command that runs `module` on `nproc` local ranks (spmdrl.launcher: torchrun, when nproc > 1)."""
-    from spmdrl.launcher import launch_command as command
+    """The command that runs `module` on `nproc` local ranks (spmdrl.process.launcher: torchrun, when nproc > 1)."""
+    from spmdrl.process.launcher import launch_command as command
 
     return command(module, config, overrides, nproc)
 

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from spmdrl.launcher import run_as_process
+    from spmdrl.process.launcher import run_as_process
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_as_process(main)

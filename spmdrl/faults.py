@@ -265,7 +265,7 @@ def watch_stop_signals(on_stuck: Callable[[int], None], grace_s: float = STOP_GR
                     continue
                 if not _stop["handled"]:
                     on_stuck(pending)
-                from spmdrl.launcher import exit_now
+                from spmdrl.process.launcher import exit_now
 
                 exit_now(128 + pending)
         r.close()  # the thread holds both sockets (the C handler writes to w's fd while it runs)

@@ -141,6 +141,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from spmdrl.launcher import run_as_process
+    from spmdrl.process.launcher import run_as_process
 
     run_as_process(main)

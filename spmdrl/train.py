@@ -2,7 +2,7 @@
 
 Also runs as plain `python -m spmdrl.train ...` (a world of one) and under `srun` without torchrun.
 Config errors and the checks on disk (spmdrl.preflight) are raised on every rank before any process group,
-model or engine exists; every error is one line, printed once (spmdrl.launcher.report_error), exit 2.
+model or engine exists; every error is one line, printed once (spmdrl.process.launcher.report_error), exit 2.
 """
 import os
 import sys
@@ -69,7 +69,7 @@ def run_entry(argv, *, prog: str, description: str, root_cls, validate_fn, run_f
     user error, 128 + the signal on a stop (143 for SIGTERM, 130 for Ctrl-C)."""
     from spmdrl.faults import (STOP_GRACE_S, Stopped, Terminated, ignore_stop_signals, slow_start_if_injected,
                                stop_handled, stop_signals, watch_stop_signals)
-    from spmdrl.launcher import record_bug, report_error, settle_heap, watch_parent
+    from spmdrl.process.launcher import record_bug, report_error, settle_heap, watch_parent
 
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", "-c", default=None, help="TOML config file")
@@ -147,9 +147,9 @@ def _exit_now_if_stopped(code: int, stopped: bool = False) -> None:
     """Stopped by a signal (Ctrl-C, a kill of the launcher, torchrun stopping the job, a scheduler; `stopped`: the
     run stopped at a step boundary because some rank got one): the metrics are closed, the checkpoints consistent
     and the line printed, so skip the process-group and interpreter teardown (seconds with vLLM loaded; torchrun
-    SIGKILLs after 30 s) and leave (spmdrl.launcher.exit_now)."""
+    SIGKILLs after 30 s) and leave (spmdrl.process.launcher.exit_now)."""
     from spmdrl.faults import stop_requested
-    from spmdrl.launcher import exit_now
+    from spmdrl.process.launcher import exit_now
 
     if stopped or stop_requested():
         exit_now(code)
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from spmdrl.launcher import run_as_process
+    from spmdrl.process.launcher import run_as_process
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_as_process(main)

@@ -3,7 +3,7 @@ tool files a config names. A misspelled name, a module that raises, and a file t
 (`os._exit`, a crash in C code) are each one ConfigError line naming the config key and the spec, and the
 process that asked is not the one that ends.
 
-The throwaway process is a worker (spmdrl/workers.py: `main` below in a new interpreter, user prints on stderr):
+The throwaway process is a worker (spmdrl/process/workers.py: `main` below in a new interpreter, user prints on stderr):
 it gets the (key, spec) list on its stdin and answers ("loading", i) before each item, then ("ok",) or ("error",
 i, message). A process that ends without a final answer ended while loading the last item it announced.
 """
@@ -13,8 +13,8 @@ import pickle
 import time
 
 from spmdrl.errors import ConfigError, RewardError, SpmdrlError
-from spmdrl.usercode import load_object, one_line
-from spmdrl.workers import kill_worker, recv, send, serve_streams, spawn_worker
+from spmdrl.process.usercode import load_object, one_line
+from spmdrl.process.workers import kill_worker, recv, send, serve_streams, spawn_worker
 
 PROBE_TIMEOUT_S = 120.0  # importing the user's modules and their dependencies
 

@@ -99,7 +99,7 @@ def runs(assets, tmp_path_factory):
     a, b, c, d, e = (tmp_path_factory.mktemp(n) for n in ("A", "B", "C", "D", "exported"))
     train_b = ["spmdrl.train", *overrides(assets, b)]
     # what `spmdrl train --nproc 2` runs, with checkpoint.save_freq at its default
-    train_d = ["spmdrl.launcher", "--standalone", "--nproc-per-node", "2", "-m", "spmdrl.train",
+    train_d = ["spmdrl.process.launcher", "--standalone", "--nproc-per-node", "2", "-m", "spmdrl.train",
                *overrides(assets, d, **{"checkpoint.save_freq": 0})]
     run_a = Launch([SCRIPT, "--out", str(a), "--dump", *overrides(assets, a)], nproc=2)
     killed = Launch(train_b, nproc=2, module=True, env={"SPMDRL_FAULT_INJECT": "kill:rank=1:step=3"})

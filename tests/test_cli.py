@@ -117,7 +117,7 @@ def test_config_docs_writes_and_checks(tmp_path):
 def test_train_dry_run_validates_and_builds_the_command():
     result = run("train", "--config", GRPO, "--nproc", 8, "--dry-run", "--actor.lr=3e-6", "rollout.n=8")
     assert result.exit_code == 0, result.output
-    assert "-P -m spmdrl.launcher --standalone --nproc-per-node 8 -m spmdrl.train" in result.stderr
+    assert "-P -m spmdrl.process.launcher --standalone --nproc-per-node 8 -m spmdrl.train" in result.stderr
     assert f"--config {GRPO} actor.lr=3e-6 rollout.n=8" in result.stderr
     # 256 prompts over 4 rollout engines is fine; over 3 ranks it is not, and nothing is launched.
     assert_user_error(run("train", "--config", GRPO, "--nproc", 3, "--dry-run"), "world size 3")

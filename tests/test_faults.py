@@ -272,7 +272,7 @@ def test_a_rank_error_is_one_line_once_with_exit_2(tmp_path):
     traceback replaced by the ranks' line (error files), exit 2; before any model is loaded."""
     from launching import run as launch
 
-    proc = launch(["spmdrl.launcher", "--standalone", "--nproc-per-node", "2", "-m", "spmdrl.train",
+    proc = launch(["spmdrl.process.launcher", "--standalone", "--nproc-per-node", "2", "-m", "spmdrl.train",
                    "model.path=/nonexistent/model", "data.train_files=[\"x.parquet\"]", f"trainer.output_dir={tmp_path}/run"],
                   nproc=None, module=True, timeout=300, check=False)
     err = [re.sub(r"^error \(rank \d\)", "error (rank R)", ln) for ln in proc.stderr.splitlines()
@@ -284,7 +284,7 @@ def test_a_rank_error_is_one_line_once_with_exit_2(tmp_path):
 
 @pytest.mark.dist
 def test_a_config_typo_is_shown_whichever_rank_fails_first(tmp_path, monkeypatch):
-    """`python -m spmdrl.launcher ... actor.lrr=1e-4` with 2 ranks, 10 times: when rank 1 failed first, the
+    """`python -m spmdrl.process.launcher ... actor.lrr=1e-4` with 2 ranks, 10 times: when rank 1 failed first, the
     launcher stopped rank 0 before it printed and blamed 'a kill from outside spmdrl' (exit 1), hiding the
     typo. One rank is made to read its config late on most tries (SPMDRL_FAULT_INJECT=slow_start), so the other
     always fails first there; every try shows the typo's line, and only it, with exit 2."""
@@ -297,7 +297,7 @@ def test_a_config_typo_is_shown_whichever_rank_fails_first(tmp_path, monkeypatch
             monkeypatch.setenv("SPMDRL_FAULT_INJECT", f"slow_start:rank={late}")
         else:
             monkeypatch.delenv("SPMDRL_FAULT_INJECT", raising=False)
-        proc = launch(["spmdrl.launcher", "--standalone", "--nproc-per-node", "2", "-m", "spmdrl.train",
+        proc = launch(["spmdrl.process.launcher", "--standalone", "--nproc-per-node", "2", "-m", "spmdrl.train",
                        "actor.lrr=1e-4", f"trainer.output_dir={tmp_path}/run"],
                       nproc=None, module=True, timeout=300, check=False)
         err = [re.sub(r"^error \(rank \d\)", "error (rank R)", ln) for ln in proc.stderr.splitlines()

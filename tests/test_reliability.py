@@ -567,7 +567,7 @@ def _failure(tmp_path, rank, exitcode, line=None):
 def test_the_launcher_names_a_rank_killed_from_outside_and_exits_1(tmp_path, capsys):
     """kill -9 of a rank during a save was reported as 'stopped by SIGTERM ... the first failing rank's line has
     the cause' with exit 2 (a user error), though the killed rank printed nothing."""
-    from spmdrl.launcher import summarise_failures
+    from spmdrl.process.launcher import summarise_failures
 
     (tmp_path / "attempt_0").mkdir()
     (tmp_path / "attempt_0" / "spmdrl_first_error").touch()  # a rank printed its line
@@ -587,8 +587,8 @@ def test_the_launcher_names_a_rank_killed_from_outside_and_exits_1(tmp_path, cap
 
 
 def _bug(tmp_path, rank, exitcode, exc: BaseException):
-    """A rank that raised `exc` (not a user error): its error file as spmdrl.launcher.record_bug writes it."""
-    from spmdrl.launcher import record_bug
+    """A rank that raised `exc` (not a user error): its error file as spmdrl.process.launcher.record_bug writes it."""
+    from spmdrl.process.launcher import record_bug
 
     path = tmp_path / "attempt_0" / str(rank) / "error.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -618,7 +618,7 @@ def test_a_ranks_exception_is_named_not_torchruns_stop_of_it(tmp_path, capsys):
     """Both ranks raised an ordinary exception in step 1, stage 'old_logprob'; torchrun stopped rank 0 (SIGTERM)
     while it was exiting. The launcher's line read `rank 0 ... was killed by SIGTERM (from outside spmdrl ...)`:
     it names the exception now, with its stage, and exits 1."""
-    from spmdrl.launcher import summarise_failures
+    from spmdrl.process.launcher import summarise_failures
 
     note = "spmdrl: raised in step 1, stage 'old_logprob'"
     failures = {0: _bug(tmp_path, 0, -15, _raised(IndexError("index 70000 is out of bounds for dimension 0"), note)),
@@ -639,7 +639,7 @@ def test_a_signal_is_from_outside_only_when_no_rank_reported_and_the_launcher_di
     """kill -9 of rank 1 after the last checkpoint; torchrun then stopped rank 0 with SIGTERM before it said
     anything: only the kill is named (the SIGTERM was the launcher's). A SIGTERM nobody reported and that no
     failure of another rank explains is from outside."""
-    from spmdrl.launcher import summarise_failures
+    from spmdrl.process.launcher import summarise_failures
 
     none = tmp_path / "none.json"
     assert summarise_failures({0: _process_failure(0, -15, none), 1: _process_failure(1, -9, none)}) == 1
@@ -665,7 +665,7 @@ def test_a_signal_is_from_outside_only_when_no_rank_reported_and_the_launcher_di
 def test_a_recorded_error_wins_over_the_launchers_own_stop(tmp_path, capsys):
     """A config error on rank 1 while rank 0 was stopped by the launcher (SIGTERM) before it could print: the
     launcher said rank 0 'was killed by SIGTERM (from outside spmdrl ...)' and exited 1, hiding the typo."""
-    from spmdrl.launcher import summarise_failures
+    from spmdrl.process.launcher import summarise_failures
 
     typo = "command-line override: unknown key 'actor.lrr'; did you mean 'actor.lr'?"
     for rank0 in (_failure(tmp_path, 0, -15), _failure(tmp_path, 0, 143, "stopped by SIGTERM before start-up; ...")):
@@ -734,7 +734,7 @@ with stop_signals():
 
 
 def test_leave_does_what_an_exit_does_but_the_teardown(tmp_path):
-    """spmdrl.launcher.leave (how every spmdrl process ends): the exit status, buffered output, the other
+    """spmdrl.process.launcher.leave (how every spmdrl process ends): the exit status, buffered output, the other
     non-daemon threads run to their end, an idle thread pool's workers let go (as torch inductor's compile pool
     is kept for the life of a process that compiled), the atexit handlers, and a message as sys.exit prints it;
     the interpreter's teardown (its garbage collections, which would finalise the cycle below) is skipped."""
@@ -745,7 +745,7 @@ def test_leave_does_what_an_exit_does_but_the_teardown(tmp_path):
     script.write_text('''
 import atexit, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
-from spmdrl.launcher import leave
+from spmdrl.process.launcher import leave
 pool = ThreadPoolExecutor(1)  # kept, never shut down: its idle worker is a non-daemon thread
 pool.submit(int).result()
 class Cycle:
@@ -771,7 +771,7 @@ def test_the_heap_is_frozen_only_in_a_process_an_entry_point_owns(tmp_path):
     import subprocess
     import sys
 
-    from spmdrl.launcher import settle_heap
+    from spmdrl.process.launcher import settle_heap
 
     frozen = gc.get_freeze_count()
     settle_heap()
@@ -779,7 +779,7 @@ def test_the_heap_is_frozen_only_in_a_process_an_entry_point_owns(tmp_path):
     script = tmp_path / "entry.py"
     script.write_text('''
 import atexit, gc, sys
-from spmdrl.launcher import run_as_process, settle_heap
+from spmdrl.process.launcher import run_as_process, settle_heap
 atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0))
 def main():
     settle_heap()
@@ -858,7 +858,7 @@ def test_a_config_directory_is_named_as_such(tmp_path):
 
 def test_an_import_that_hangs_says_so(tmp_path, monkeypatch, capsys):
     """A tool file that blocked at import gave no message at all."""
-    from spmdrl import usercode
+    from spmdrl.process import usercode
     from spmdrl.tools.registry import load_tools
 
     monkeypatch.setattr(usercode, "SLOW_IMPORT_S", 0.3)

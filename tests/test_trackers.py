@@ -252,7 +252,7 @@ from spmdrl.train import apply_verbosity, setup_logging
 apply_verbosity("info")
 setup_logging(0)
 from spmdrl.config.schema import LoggingConfig
-from spmdrl.launcher import leave
+from spmdrl.process.launcher import leave
 from spmdrl.trackers import TrackerRun, open_tracker
 
 out = sys.argv[1]

@@ -28,7 +28,7 @@ from spmdrl.dist.collectives import broadcast_from_leader, is_group_leader
 from spmdrl.errors import SpmdrlError
 from spmdrl.rollout.base import SamplingSpec, call_seed
 from spmdrl.rollout.trajectory import Trajectory
-from spmdrl.workers import kill_worker, recv, send, spawn_worker
+from spmdrl.process.workers import kill_worker, recv, send, spawn_worker
 
 logger = logging.getLogger("spmdrl.agents")
 TICK_S = 0.02  # how long the leader waits for a request when nothing is in flight, before the next broadcast

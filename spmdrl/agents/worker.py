@@ -1,4 +1,4 @@
-"""One agent session in a process of its own (`spmdrl.agents.worker.main`, started by spmdrl/workers.py).
+"""One agent session in a process of its own (`spmdrl.agents.worker.main`, started by spmdrl/process/workers.py).
 
 The rank sends `(kind, target, sample)`: kind "python" calls `target` ('file.py:run' or 'module:run') as
 `run(base_url, api_key, sample)`; kind "command" runs `target` with /bin/sh, the sample as JSON on its stdin and
@@ -16,9 +16,9 @@ import os
 import subprocess
 import sys
 
-from spmdrl.proctree import become_subreaper, kill_tree
-from spmdrl.usercode import load_object, one_line
-from spmdrl.workers import recv, send, serve_streams
+from spmdrl.process.proctree import become_subreaper, kill_tree
+from spmdrl.process.usercode import load_object, one_line
+from spmdrl.process.workers import recv, send, serve_streams
 
 MODULE = "spmdrl.agents.worker"
 

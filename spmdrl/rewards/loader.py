@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from spmdrl.errors import RewardError
-from spmdrl.usercode import load_object, one_line as _one_line
+from spmdrl.process.usercode import load_object, one_line as _one_line
 
 __all__ = ["_one_line", "load_reward_fn", "reward_fn_name"]
 

@@ -7,7 +7,7 @@ pathological regex included), raises RewardTimeout for that sample and starts a 
 a worker that dies (a segfault, os._exit in user code) is a failed sample the same way. The worker dies with
 its rank (PR_SET_PDEATHSIG on Linux, and end of input otherwise), ignores Ctrl-C (the rank decides), and
 writes whatever the function prints to stderr, so the protocol on its own file descriptors stays clean. It
-is a subreaper (spmdrl/proctree.py): whatever the function starts is killed after each call, and with the
+is a subreaper (spmdrl/process/proctree.py): whatever the function starts is killed after each call, and with the
 worker on a timeout. Tool workers (tools/worker.py) are started and served by the same functions.
 
 The cost is a pickle round trip per sample (tens of microseconds) and one process per rank;
@@ -24,8 +24,8 @@ import sys
 import time
 
 from spmdrl.errors import RewardError
-from spmdrl.proctree import become_subreaper, has_children, kill_tree
-from spmdrl.workers import LEN as _LEN, kill_worker, recv as _recv, send as _send, serve_streams, spawn_worker
+from spmdrl.process.proctree import become_subreaper, has_children, kill_tree
+from spmdrl.process.workers import LEN as _LEN, kill_worker, recv as _recv, send as _send, serve_streams, spawn_worker
 
 START_TIMEOUT_S = 120.0  # importing the user's module (and its dependencies) is not the function's time
 

@@ -756,8 +756,8 @@ def _shm_segments(group: str) -> list[str]:
 def remove_shm_segments() -> None:
     """Unlink the shared-memory segments of this process's CPU TP communicators (every member of a group does it;
     a member still running keeps its mapping). vLLM's C++ side unlinks them in a static destructor, which only a
-    normal interpreter exit runs: spmdrl's processes leave through os._exit (spmdrl.launcher.leave, the stop
-    paths), so this runs at any exit that runs Python (spmdrl.launcher.at_any_exit) and when an engine closes."""
+    normal interpreter exit runs: spmdrl's processes leave through os._exit (spmdrl.process.launcher.leave, the stop
+    paths), so this runs at any exit that runs Python (spmdrl.process.launcher.at_any_exit) and when an engine closes."""
     for group in sorted(_shm_groups):
         for path in _shm_segments(group):
             try:
@@ -804,7 +804,7 @@ def _job_unique_cpu_shm_names() -> Iterator[None]:
             except OSError:  # another member of the group removed it first
                 pass
         if not _shm_groups:
-            from spmdrl.launcher import at_any_exit
+            from spmdrl.process.launcher import at_any_exit
 
             at_any_exit(remove_shm_segments)
         _shm_groups.add(group)

@@ -25,7 +25,7 @@ import inspect
 
 from spmdrl.errors import ConfigError
 from spmdrl.tools.base import Tool
-from spmdrl.usercode import load_object, one_line
+from spmdrl.process.usercode import load_object, one_line
 
 KEY = "multi_turn.tools"
 

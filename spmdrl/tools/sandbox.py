@@ -10,7 +10,7 @@ internet) and mount namespace, where the run's directories (`hidden`) are covere
 directory. As another user it gets its own network namespace where the kernel lets unprivileged users
 create one (a user namespace).
 
-The bootstrap forks the program and stays as its parent and subreaper (spmdrl/proctree.py): when the program
+The bootstrap forks the program and stays as its parent and subreaper (spmdrl/process/proctree.py): when the program
 exits, every process it started (children, new sessions, double forks) is killed, then the bootstrap exits
 as the program did. At the wall-clock limit the trainer kills the bootstrap and everything under it. stdout
 and stderr are read concurrently and cut to a size.
@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from spmdrl.proctree import kill_tree
+from spmdrl.process.proctree import kill_tree
 
 NOBODY = "nobody"
 _GRACE_S = 0.2

@@ -1,11 +1,11 @@
 """Tools in worker processes, so that multi_turn.tool_timeout_s stops a call whatever it does.
 
-A worker (`spmdrl.tools.worker.main` in a new interpreter, started by spmdrl/workers.py like a reward worker) loads every tool
+A worker (`spmdrl.tools.worker.main` in a new interpreter, started by spmdrl/process/workers.py like a reward worker) loads every tool
 of the runner again from its spec (multi_turn.tools) and answers calls `(id, tool index, arguments)` with
 `(id, "ok", text)`, `(id, "bad_output", type name)` or `(id, "error", exception type name, message)`. A sync
 tool runs in the worker's main thread, one call at a time; an async tool runs on the worker's event loop, many
 calls at once. The rank kills a worker whose call ran past its timeout (SIGKILL of the worker and of every
-process under it, spmdrl/proctree.py: a C loop, a regex backtrack holding the GIL, a blocked event loop) and
+process under it, spmdrl/process/proctree.py: a C loop, a regex backtrack holding the GIL, a blocked event loop) and
 uses a fresh one; a worker that dies in a call (os._exit, a segfault, a signal) fails that call.
 
 Every worker is a subreaper: whatever a call starts (children, new sessions, double forks) is killed when a
@@ -24,9 +24,9 @@ import threading
 import time
 
 from spmdrl.errors import ConfigError
-from spmdrl.proctree import become_subreaper, has_children, kill_tree
+from spmdrl.process.proctree import become_subreaper, has_children, kill_tree
 from spmdrl.tools.base import as_text
-from spmdrl.workers import recv, send, serve_streams, spawn_worker
+from spmdrl.process.workers import recv, send, serve_streams, spawn_worker
 
 START_TIMEOUT_S = 120.0  # importing the tools' modules is not a call's time
 MODULE = "spmdrl.tools.worker"

@@ -67,6 +67,6 @@ def one_run(cfg, layout, env, device, out_dir):
 
 
 if __name__ == "__main__":
-    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+    from spmdrl.process.launcher import leave  # no interpreter teardown: seconds per rank
 
     leave(main())

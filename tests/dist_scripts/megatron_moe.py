@@ -213,6 +213,6 @@ def resume_check(make, items, objective, out, name, kw) -> dict:
 
 
 if __name__ == "__main__":
-    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+    from spmdrl.process.launcher import leave  # no interpreter teardown: seconds per rank
 
     leave(main())

@@ -148,6 +148,6 @@ def swapped_rows(sync, rank):
 
 
 if __name__ == "__main__":
-    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+    from spmdrl.process.launcher import leave  # no interpreter teardown: seconds per rank
 
     leave(main())

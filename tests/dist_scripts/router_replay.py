@@ -368,6 +368,6 @@ def main(out: str, *args: str) -> int:
 
 
 if __name__ == "__main__":
-    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+    from spmdrl.process.launcher import leave  # no interpreter teardown: seconds per rank
 
     leave(main(*sys.argv[1:]))

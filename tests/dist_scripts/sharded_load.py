@@ -72,6 +72,6 @@ def main():
 
 
 if __name__ == "__main__":
-    from spmdrl.launcher import leave  # no interpreter teardown: seconds per rank
+    from spmdrl.process.launcher import leave  # no interpreter teardown: seconds per rank
 
     leave(main())

@@ -108,6 +108,6 @@ def main():
 
 
 if __name__ == "__main__":
-    from spmdrl.launcher import leave
+    from spmdrl.process.launcher import leave
 
     leave(main())

@@ -1,6 +1,6 @@
 """How `spmdrl train` starts ranks, how they stop, and how a rank's error reaches the user once.
 
-    spmdrl train --nproc N  ==exec==>  python -P -m spmdrl.launcher <torchrun args> -m spmdrl.train ...
+    spmdrl train --nproc N  ==exec==>  python -P -m spmdrl.process.launcher <torchrun args> -m spmdrl.train ...
                                            (torchrun's agent, in this process: the PID the user started)
                                            └── N ranks: python -u -m spmdrl.train ... (PYTHONSAFEPATH=1)
 
@@ -15,7 +15,7 @@
   cause; this wrapper then exits 2 for a user error (printing it when the ranks that found it were all
   stopped before they could), names each rank that died without a word (kill -9, the OOM killer) and exits
   1, and prints no traceback of its own (`summarise_failures`). It takes torchrun's arguments, so
-  `python -m spmdrl.launcher --nnodes ... -m spmdrl.train ...` replaces `torchrun` on every node.
+  `python -m spmdrl.process.launcher --nnodes ... -m spmdrl.train ...` replaces `torchrun` on every node.
 """
 from __future__ import annotations
 
@@ -217,7 +217,7 @@ def launch_command(module: str, config: str, overrides: list[str], nproc: int) -
     args = ["-m", module, "--config", config, *overrides]
     if nproc > 1:
         # --standalone: a local rendezvous on a free port, so two runs on one machine do not collide.
-        return [sys.executable, "-P", "-m", "spmdrl.launcher", "--standalone", "--nproc-per-node", str(nproc), *args]
+        return [sys.executable, "-P", "-m", "spmdrl.process.launcher", "--standalone", "--nproc-per-node", str(nproc), *args]
     return [sys.executable, "-P", *args]
 
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from spmdrl.proctree import die_with_parent, kill_tree
+from spmdrl.process.proctree import die_with_parent, kill_tree
 
 LEN = struct.Struct("<Q")
 
@@ -81,7 +81,7 @@ def spawn_worker(module: str, args: list[str], env: dict | None = None) -> subpr
 
 
 def kill_worker(proc: subprocess.Popen) -> None:
-    """SIGKILL a worker and every process it started that is still running (spmdrl/proctree.py), then
+    """SIGKILL a worker and every process it started that is still running (spmdrl/process/proctree.py), then
     close its pipes."""
     if proc.poll() is None:
         kill_tree(proc.pid)
