@@ -354,7 +354,8 @@ def test_plan_counts_the_requests_partial_rollouts_hold_in_flight_and_the_stream
 
     def plan(*overrides):
         cfg = load_config(os.path.join(REPO, "configs/quickstart/grpo.toml"),
-                          [f"model.path={model}", "trainer.device=cuda", "rollout.partial=keep", *overrides])
+                          [f"model.path={model}", "trainer.device=cuda", "rollout.partial=keep",
+                           "rollout.enable_sleep_mode=false", *overrides])
         validate(cfg, 2, trackers=False)
         return cfg, build_plan(cfg, world_size=2)
 
