@@ -17,6 +17,8 @@ import statistics
 import subprocess
 import sys
 
+from spmdrl.errors import SpmdrlError
+
 GENERATION = ("timing/rollout_s",)
 COMPUTE = ("timing/old_logprob_s", "timing/ref_logprob_s", "timing/values_s", "timing/update_actor_s", "timing/update_critic_s")
 SYNC = ("timing/weight_sync_s",)
@@ -178,9 +180,11 @@ def placement_bench(work_dir: str, model: str | None, nproc: int, steps: int, ov
 # ----- colocated / split, synchronous / asynchronous, on a long-tail workload -----
 
 LONG_TAIL = [
-    # a response ends at EOS or any of 13 of the tiny model's 320 tokens: most end early, several % reach 64
-    "data.max_response_length=64", "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8",
-    "actor.micro_batch_size=8",
+    # a response ends at EOS or any of 13 of the tiny model's 320 tokens, each sampled with probability ~1/320 per
+    # token: the lengths are about geometric (mean ~25), a few % reach max_response_length. Generation dominates the
+    # step: a synchronous rollout runs until its longest response ends, with the engine nearly empty for most of it
+    "data.max_response_length=128", "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8",
+    "actor.micro_batch_size=32",
     "rollout.stop_token_ids=[" + ",".join(str(i) for i in range(40, 53)) + "]", "rollout.parity_check=false",
     "checkpoint.save_freq=-1",
 ]
@@ -196,38 +200,133 @@ def async_modes(nproc: int) -> dict[str, list[str]]:
             "d colocated partial": ["rollout.partial=keep"]}
 
 
-def async_row(run_dir: str, skip: int = 2) -> dict[str, float]:
-    """Over the steps after `skip`: trained tokens, trained tokens per second (their sum over the steps' time),
-    mean busy fractions, mean version lag of the trained tokens, and the share of responses that hit max tokens."""
+ASYNC_BASELINE = ("a colocated", "b split k=1")
+"""The modes `spmdrl bench --async --baseline REV` also runs with the code of REV (e.g. today's main)."""
+
+
+def trained_steps(run_dir: str) -> list[dict[str, float]]:
+    """Per logged step of a run: its seconds, trained tokens, busy fractions, mean version lag of the trained tokens,
+    mean response length and the share of responses that reached max tokens."""
     from spmdrl.metrics import read_jsonl
 
     rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"), last_per_step=True) if "timing/step_s" in r]
-    rows = rows[skip:] or rows
-    tokens = sum(r["perf/trained_tokens_per_s"] * r["timing/step_s"] for r in rows)
-    mean = lambda k: statistics.mean(r.get(k, 0.0) for r in rows)  # noqa: E731
-    lag = "rollout/version_lag_mean" if "rollout/version_lag_mean" in rows[-1] else "train/weight_version_lag"
-    return {"tokens": tokens, "tokens_per_s": tokens / sum(r["timing/step_s"] for r in rows),
-            "rollout_busy": 100 * mean("perf/rollout_busy"), "train_busy": 100 * mean("perf/train_busy"),
-            "lag": mean(lag), "clip": 100 * mean("train/response_clip_ratio"), "steps": float(len(rows))}
+    out = []
+    for r in rows:
+        lag = r.get("rollout/version_lag_mean", r.get("train/weight_version_lag", 0.0))
+        out.append({"step": r["step"], "s": r["timing/step_s"], "tokens": r["perf/trained_tokens_per_s"] * r["timing/step_s"],
+                    "rollout_busy": r.get("perf/rollout_busy", 0.0), "train_busy": r.get("perf/train_busy", 0.0),
+                    "lag": lag, "length": r.get("train/response_length_mean", 0.0),
+                    "clip": r.get("train/response_clip_ratio", 0.0)})
+    return out
 
 
-def async_bench(work_dir: str, model: str | None, nproc: int, steps: int, overrides: list[str]) -> str:
-    """Run the four setups of `async_modes` on the long-tail workload (LONG_TAIL, then the overrides); one row each."""
-    model_dir, data = prepare(work_dir, model)
-    rows = []
-    for name, extra in async_modes(nproc).items():
-        run = launch(work_dir, model_dir, data, nproc, steps, [*LONG_TAIL, *overrides, *extra],
-                     run_name=name.split()[0] + "_" + name.split()[1])
-        rows.append((name, async_row(run)))
-    cols = (("tokens", "trained tok", "{:>12.0f}"), ("tokens_per_s", "trained tok/s", "{:>14.1f}"),
-            ("rollout_busy", "rollout busy %", "{:>15.1f}"), ("train_busy", "trainer busy %", "{:>15.1f}"),
-            ("lag", "mean lag", "{:>9.2f}"), ("clip", "at max %", "{:>9.1f}"))
-    head = f"{'mode':<20}" + "".join(f"{label:>{len(fmt.format(0.0))}}" for _, label, fmt in cols)
-    lines = [f"steps 3..{steps}, {nproc} ranks, {LONG_TAIL[1].split('=')[1]} prompts x {LONG_TAIL[2].split('=')[1]} "
-             "samples per step", head, "-" * len(head)]
-    for name, r in rows:
-        lines.append(f"{name:<20}" + "".join(fmt.format(r[k]) for k, _, fmt in cols))
+def measured(steps: list[dict[str, float]], warmup: int, tail: int) -> list[dict[str, float]]:
+    """The steps a mode is measured over: after `warmup` steps (engine warm-up; partial modes' carried-over requests
+    reaching their steady state) and before the last `tail` (a split run's rollout ranks have nothing left to
+    generate for the last steps)."""
+    return steps[warmup:len(steps) - tail]
+
+
+def window(steps: list[dict[str, float]], budget: float) -> dict[str, float]:
+    """The measured steps from the first on, until their trained tokens reach `budget`; the step that crosses it
+    counts by the fraction of its tokens needed, so every mode is measured over exactly `budget` trained tokens.
+    Trained tokens/s = budget / the window's seconds; busy fractions are time-weighted, the version lag
+    token-weighted, response length and the at-max share weighted by samples (the same number every step)."""
+    total = sum(r["tokens"] for r in steps)
+    if budget > total * (1 + 1e-9) or budget <= 0:
+        raise SpmdrlError(f"a trained-token window of {budget:.0f} tokens: the measured steps trained {total:.0f}; "
+                          "pass a smaller --tokens or more --steps")
+    weights, left = [], budget
+    for r in steps:
+        w = 1.0 if r["tokens"] <= left else left / r["tokens"]
+        weights.append(w)
+        left -= w * r["tokens"]
+        if left <= budget * 1e-12:
+            break
+    rows = steps[:len(weights)]
+    secs = sum(w * r["s"] for w, r in zip(weights, rows))
+    n = sum(weights)
+
+    def by(key: str, weight) -> float:
+        ws = [w * weight(r) for w, r in zip(weights, rows)]
+        return sum(x * r[key] for x, r in zip(ws, rows)) / sum(ws)
+
+    return {"tokens": budget, "seconds": secs, "tokens_per_s": budget / secs, "steps": n,
+            "last_step": rows[-1]["step"], "rollout_busy": 100 * by("rollout_busy", lambda r: r["s"]),
+            "train_busy": 100 * by("train_busy", lambda r: r["s"]), "lag": by("lag", lambda r: r["tokens"]),
+            "length": by("length", lambda r: 1.0), "clip": 100 * by("clip", lambda r: 1.0)}
+
+
+def async_table(runs: dict[str, list[dict[str, float]]], warmup: int, tail: int, tokens: float | None = None) -> str:
+    """One row per mode over the same number of trained tokens (`tokens`, default the fewest any mode trained in its
+    measured steps), and the issue's targets: (c) / (b) trained tokens/s >= 1.3 with rollout busy >= 90 %,
+    (d) / (a) >= 1.2; with baseline rows ("... (base)"), each mode against its baseline."""
+    kept = {name: measured(steps, warmup, tail) for name, steps in runs.items()}
+    budget = tokens or min(sum(r["tokens"] for r in steps) for steps in kept.values())
+    rows = {name: window(steps, budget) for name, steps in kept.items()}
+    cols = (("tokens_per_s", "trained tok/s", "{:>14.1f}"), ("rollout_busy", "rollout busy %", "{:>15.1f}"),
+            ("train_busy", "trainer busy %", "{:>15.1f}"), ("lag", "mean lag", "{:>9.2f}"),
+            ("length", "mean len", "{:>9.1f}"), ("clip", "at max %", "{:>9.1f}"), ("steps", "steps", "{:>7.1f}"),
+            ("seconds", "seconds", "{:>8.1f}"))
+    head = f"{'mode':<24}" + "".join(f"{label:>{len(fmt.format(0.0))}}" for _, label, fmt in cols)
+    lines = [f"each mode over {budget:.0f} trained tokens, from step {warmup + 1} on (steps: the window's steps, the "
+             "last counted by the fraction of its tokens needed)", head, "-" * len(head)]
+    for name, r in rows.items():
+        lines.append(f"{name:<24}" + "".join(fmt.format(r[k]) for k, _, fmt in cols))
+
+    def ratio(a: str, b: str) -> str:
+        return f"{rows[a]['tokens_per_s'] / rows[b]['tokens_per_s']:.2f}x" if a in rows and b in rows else "-"
+
+    lines.append("")
+    if "c split async" in rows:
+        lines.append(f"c / b: {ratio('c split async', 'b split k=1')} (target >= 1.3x), c rollout busy "
+                     f"{rows['c split async']['rollout_busy']:.1f} % (target >= 90 %)")
+    lines.append(f"d / a: {ratio('d colocated partial', 'a colocated')} (target >= 1.2x)")
+    for name in rows:
+        if name.endswith(" (base)"):
+            mode = name[:-len(" (base)")]
+            lines.append(f"{mode} / its baseline: {ratio(mode, name)}")
     return "\n".join(lines)
+
+
+def export_code(rev: str, dest: str) -> str:
+    """The spmdrl package at git revision `rev` of this checkout, exported to dest (for A/B runs)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    try:
+        archive = subprocess.run(["git", "-C", repo, "archive", rev, "spmdrl"], check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        raise SpmdrlError(f"--baseline {rev}: cannot export it from the git checkout {repo} "
+                          f"({err.decode().strip() or e}); pass a revision of that checkout") from None
+    subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+    return dest
+
+
+def async_bench(work_dir: str, model: str | None, nproc: int, steps: int, overrides: list[str],
+                tokens: float | None = None, warmup: int | None = None, baseline: str | None = None) -> str:
+    """Run the four setups of `async_modes` on the long-tail workload (LONG_TAIL, then the overrides) from the same
+    model, prompts and seed, and with a baseline revision (`baseline`, e.g. "main") also (a) and (b) with its code;
+    one row each over the same number of trained tokens (async_table). warmup: steps not measured (default a
+    quarter of the steps, at least 2); the last 2 steps are not measured either."""
+    model_dir, data = prepare(work_dir, model)
+    warmup = max(2, steps // 4) if warmup is None else warmup
+    modes = [(name, extra, None) for name, extra in async_modes(nproc).items()]
+    if baseline:
+        code = export_code(baseline, os.path.join(work_dir, "baseline_code"))
+        base = [(f"{name} (base)", async_modes(nproc)[name], code) for name in ASYNC_BASELINE]
+        modes = modes[:2] + base + modes[2:]
+    runs = {}
+    for name, extra, code in modes:
+        run = launch(work_dir, model_dir, data, nproc, steps, [*LONG_TAIL, *overrides, *extra], code_dir=code,
+                     run_name=name.split()[0] + ("_base" if code else "") + "_" + name.split()[1])
+        runs[name] = trained_steps(run)
+    value = dict(o.split("=", 1) for o in [*LONG_TAIL, *overrides])
+    head = (f"{nproc} ranks, {steps} steps per mode, {value['data.train_batch_size']} prompts x {value['rollout.n']} "
+            f"samples per step, max {value['data.max_response_length']} tokens"
+            + (f"; (base): the code of {baseline}" if baseline else ""))
+    return head + "\n" + async_table(runs, warmup, 2, tokens)
 
 
 LORA_COLS = (

@@ -497,7 +497,14 @@ def bench(
                                       "on the same workload and world; one row each."),
     compare_async: bool = typer.Option(False, "--async", help="Run colocated synchronous, split max_staleness 1, "
                                        "asynchronous split (rollout.partial) and colocated partial rollouts on a "
-                                       "long-tail workload; one row each: trained tokens/s, busy %, version lag."),
+                                       "long-tail workload; one row each over the same number of trained tokens: "
+                                       "trained tokens/s, busy %, version lag, response lengths."),
+    tokens: Optional[float] = typer.Option(None, help="--async: the trained tokens each mode is measured over "
+                                           "(default: the fewest any mode trained in its measured steps)."),
+    warmup: Optional[int] = typer.Option(None, help="--async: steps not measured at the start (default: a quarter "
+                                         "of --steps, at least 2)."),
+    baseline: Optional[str] = typer.Option(None, help="--async: a git revision of this checkout (e.g. main) whose "
+                                           "code also runs (a) and (b), as rows '(base)'."),
     tools: bool = typer.Option(False, "--tools", help="Run the multi-turn turn loop on the calculator task (the tool "
                                "quickstart's GRPO; --model: its SFT model, default: trained once into the work dir) and "
                                "report the loop's time split: generation, tools, idle, turns, model tokens/s."),
@@ -508,7 +515,7 @@ def bench(
     )
 
     if compare_async:
-        typer.echo(async_bench(work_dir, model, nproc, steps, _overrides(overrides)))
+        typer.echo(async_bench(work_dir, model, nproc, steps, _overrides(overrides), tokens, warmup, baseline))
         return
     if tools:
         typer.echo(tool_bench(work_dir, model, nproc, steps, _overrides(overrides)))

@@ -74,3 +74,48 @@ def test_tool_breakdown_reads_the_turn_loop_split(tmp_path):
     assert abs(b["model_tokens_per_s"] - 240.0) < 1e-9
     text = format_tool_breakdown(b, 2)
     assert "generation" in text and "idle" in text and "model tokens/s: 240" in text
+
+
+def _async_run(path, steps):
+    """A run directory with a handmade metrics.jsonl: steps = [(step_s, trained tokens, rollout busy, train busy,
+    version lag, response length mean, at-max share)]."""
+    path.mkdir()
+    with open(path / "metrics.jsonl", "w") as f:
+        for i, (s, tok, rb, tb, lag, length, clip) in enumerate(steps, 1):
+            f.write(json.dumps({"step": i, "timing/step_s": s, "perf/trained_tokens_per_s": tok / s,
+                                "perf/rollout_busy": rb, "perf/train_busy": tb, "rollout/version_lag_mean": lag,
+                                "train/response_length_mean": length, "train/response_clip_ratio": clip}) + "\n")
+    return str(path)
+
+
+def test_async_window_measures_every_mode_over_the_same_trained_tokens(tmp_path):
+    from spmdrl.bench import async_table, measured, trained_steps, window
+    from spmdrl.errors import SpmdrlError
+
+    warm = (50.0, 10.0, 0.5, 0.5, 0.0, 1.0, 0.0)  # warm-up and drain steps: never measured
+    # mode x: 100 tokens a step in 2 s; mode y: 300 tokens in 3 s, then 200 in 4 s
+    x = trained_steps(_async_run(tmp_path / "x", [warm, *[(2.0, 100.0, 0.5, 1.0, 1.0, 25.0, 0.0)] * 4, warm]))
+    y = trained_steps(_async_run(tmp_path / "y", [warm, (3.0, 300.0, 1.0, 0.5, 2.0, 30.0, 0.1),
+                                                  (4.0, 200.0, 0.5, 0.5, 0.0, 20.0, 0.3), warm]))
+    assert abs(x[1]["tokens"] - 100.0) < 1e-9 and [r["step"] for r in measured(x, 1, 1)] == [2, 3, 4, 5]
+    mx, my = measured(x, 1, 1), measured(y, 1, 1)
+    # the budget, 400 tokens (x's total, the smaller): x over its 4 steps (8 s); y over its first step and half
+    # its second (100 of its 200 tokens): 3 + 2 = 5 s
+    wx, wy = window(mx, 400.0), window(my, 400.0)
+    assert abs(wx["seconds"] - 8.0) < 1e-9 and abs(wx["tokens_per_s"] - 50.0) < 1e-9 and wx["steps"] == 4.0
+    assert abs(wy["seconds"] - 5.0) < 1e-9 and abs(wy["tokens_per_s"] - 80.0) < 1e-9 and abs(wy["steps"] - 1.5) < 1e-9
+    # time-weighted busy: (3 * 1.0 + 2 * 0.5) / 5; token-weighted lag: (300 * 2 + 100 * 0) / 400; per-sample
+    # length and at-max share: (1 * 30 + 0.5 * 20) / 1.5 and (1 * 0.1 + 0.5 * 0.3) / 1.5
+    assert abs(wy["rollout_busy"] - 80.0) < 1e-9 and abs(wy["train_busy"] - 50.0) < 1e-9
+    assert abs(wy["lag"] - 1.5) < 1e-9
+    assert abs(wy["length"] - 40.0 / 1.5) < 1e-9 and abs(wy["clip"] - 100 * 0.25 / 1.5) < 1e-9
+    # a budget inside the first step: a fraction of it
+    w = window(my, 150.0)
+    assert abs(w["seconds"] - 1.5) < 1e-9 and abs(w["steps"] - 0.5) < 1e-9
+    with pytest.raises(SpmdrlError, match="more --steps"):
+        window(mx, 401.0)
+    table = async_table({"a colocated": x, "d colocated partial": y}, warmup=1, tail=1)
+    assert "each mode over 400 trained tokens" in table and "d / a: 1.60x (target >= 1.2x)" in table
+    assert "c / b" not in table  # a mode not run has no ratio line
+    table = async_table({"b split k=1": x, "b split k=1 (base)": y}, warmup=1, tail=1, tokens=300.0)
+    assert "each mode over 300 trained tokens" in table and "b split k=1 / its baseline: 0.50x" in table
