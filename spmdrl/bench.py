@@ -180,13 +180,12 @@ def placement_bench(work_dir: str, model: str | None, nproc: int, steps: int, ov
 # ----- colocated / split, synchronous / asynchronous, on a long-tail workload -----
 
 LONG_TAIL = [
-    # a response ends at EOS or any of 13 of the tiny model's 320 tokens, each sampled with probability ~1/320 per
-    # token: the lengths are about geometric (mean ~25), a few % reach max_response_length. Generation dominates the
-    # step: a synchronous rollout runs until its longest response ends, with the engine nearly empty for most of it
+    # a response ends at EOS or at any of 6 of the tiny model's 320 tokens: the lengths are about geometric (mean
+    # ~45), 5-10 % reach max_response_length. Generation dominates the step: a synchronous rollout runs until its
+    # longest response ends, with the engine nearly empty for most of that time
     "data.max_response_length=128", "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8",
-    "actor.micro_batch_size=32",
-    "rollout.stop_token_ids=[" + ",".join(str(i) for i in range(40, 53)) + "]", "rollout.parity_check=false",
-    "checkpoint.save_freq=-1",
+    "actor.micro_batch_size=8", "rollout.stop_token_ids=[" + ",".join(str(i) for i in range(40, 46)) + "]",
+    "rollout.parity_check=false", "checkpoint.save_freq=-1",
 ]
 
 
@@ -327,6 +326,28 @@ def async_bench(work_dir: str, model: str | None, nproc: int, steps: int, overri
             f"samples per step, max {value['data.max_response_length']} tokens"
             + (f"; (base): the code of {baseline}" if baseline else ""))
     return head + "\n" + async_table(runs, warmup, 2, tokens)
+
+
+def learning_table(runs: dict[str, str], key: str = "val/accuracy") -> str:
+    """A markdown table of `key` at each validation step of each run (one column per run, name -> run directory),
+    and each run's last value minus the first run's (the reference)."""
+    from spmdrl.metrics import read_jsonl
+
+    curves = {name: {r["step"]: r[key] for r in read_jsonl(os.path.join(d, "metrics.jsonl"), last_per_step=True)
+                     if key in r} for name, d in runs.items()}
+    for name, c in curves.items():
+        if not c:
+            raise SpmdrlError(f"run {name} ({runs[name]}): no {key} in its metrics.jsonl; set trainer.test_freq and "
+                              "data.val_files")
+    names = list(curves)
+    steps = sorted({s for c in curves.values() for s in c})
+    lines = ["| step | " + " | ".join(names) + " |", "| ---: |" + " ---: |" * len(names)]
+    for s in steps:
+        lines.append(f"| {s} | " + " | ".join(f"{curves[n][s]:.3f}" if s in curves[n] else "-" for n in names) + " |")
+    ref = curves[names[0]][max(curves[names[0]])]
+    last = {n: c[max(c)] for n, c in curves.items()}
+    lines.append("| last - " + names[0] + " | " + " | ".join(f"{last[n] - ref:+.3f}" for n in names) + " |")
+    return "\n".join(lines)
 
 
 LORA_COLS = (
@@ -600,7 +621,10 @@ if __name__ == "__main__":
     # python -m spmdrl.bench RUN_DIR [RUN_DIR ...]                      compare bench runs
     # python -m spmdrl.bench update MODEL SAMPLES RMIN RMAX [overrides]  time one actor update alone
     # python -m spmdrl.bench cpu WORK_DIR CODE_DIR NPROC [overrides]    CPU seconds per step of a checkout
-    if sys.argv[1:2] == ["cpu"]:
+    # python -m spmdrl.bench learning NAME=RUN_DIR [NAME=RUN_DIR ...]   val/accuracy per validation step, side by side
+    if sys.argv[1:2] == ["learning"]:
+        print(learning_table(dict(a.split("=", 1) for a in sys.argv[2:])))
+    elif sys.argv[1:2] == ["cpu"]:
         work, code, nproc, *extra = sys.argv[2:]
         res = cpu_bench(work, code, int(nproc), extra)
         print(" ".join(f"{k}={v:.4f}" for k, v in res.items()), "|", code, " ".join(extra))

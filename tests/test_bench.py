@@ -119,3 +119,34 @@ def test_async_window_measures_every_mode_over_the_same_trained_tokens(tmp_path)
     assert "c / b" not in table  # a mode not run has no ratio line
     table = async_table({"b split k=1": x, "b split k=1 (base)": y}, warmup=1, tail=1, tokens=300.0)
     assert "each mode over 300 trained tokens" in table and "b split k=1 / its baseline: 0.50x" in table
+
+
+def test_learning_table_lines_up_validation_steps(tmp_path):
+    from spmdrl.bench import learning_table
+    from spmdrl.errors import SpmdrlError
+
+    for name, vals in (("sync", {0: 0.5, 10: 0.7, 20: 0.8}), ("async", {0: 0.5, 10: 0.65, 20: 0.78})):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            for step in range(21):
+                f.write(json.dumps({"step": step, "train/reward_mean": 0.1,
+                                    **({"val/accuracy": vals[step]} if step in vals else {})}) + "\n")
+    table = learning_table({"sync": str(tmp_path / "sync"), "async": str(tmp_path / "async")})
+    assert table.splitlines()[0] == "| step | sync | async |"
+    assert "| 10 | 0.700 | 0.650 |" in table and table.splitlines()[-1] == "| last - sync | +0.000 | -0.020 |"
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(SpmdrlError, match="test_freq"):
+        learning_table({"none": str(tmp_path / "none")})
+
+
+def test_async_setups_are_valid_on_the_long_tail_workload():
+    import os
+
+    from spmdrl.bench import LONG_TAIL, async_modes
+    from spmdrl.config import load_config, validate
+
+    repo_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart", "grpo.toml")
+    for nproc in (2, 4):
+        for name, extra in async_modes(nproc).items():
+            validate(load_config(repo_cfg, [*LONG_TAIL, *extra]), nproc)
