@@ -180,23 +180,25 @@ def placement_bench(work_dir: str, model: str | None, nproc: int, steps: int, ov
 # ----- colocated / split, synchronous / asynchronous, on a long-tail workload -----
 
 LONG_TAIL = [
-    # a response ends at EOS or at any of 6 of the tiny model's 320 tokens: the lengths are about geometric (mean
-    # ~45), 5-10 % reach max_response_length. Generation dominates the step: a synchronous rollout runs until its
+    # a response ends at EOS or at any of 3 of the tiny model's 320 tokens: the lengths are about geometric (mean
+    # ~75), 3-7 % reach max_response_length. Generation dominates the step: a synchronous rollout runs until its
     # longest response ends, with the engine nearly empty for most of that time
-    "data.max_response_length=128", "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8",
-    "actor.micro_batch_size=8", "rollout.stop_token_ids=[" + ",".join(str(i) for i in range(40, 46)) + "]",
-    "rollout.parity_check=false", "checkpoint.save_freq=-1",
+    "data.max_response_length=256", "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8",
+    "actor.micro_batch_size=8", "rollout.stop_token_ids=[40,41,42]", "rollout.parity_check=false",
+    "checkpoint.save_freq=-1",
 ]
 
 
 def async_modes(nproc: int) -> dict[str, list[str]]:
     """The four setups `spmdrl bench --async` compares on the same world and prompts: (a) colocated synchronous,
-    (b) split one step off-policy, (c) asynchronous split (rollout.partial, max_staleness 2), (d) colocated with
-    partial rollouts."""
+    (b) split one step off-policy, (c) asynchronous split (rollout.partial), (d) colocated with partial rollouts.
+    The partial modes' version bounds (trainer.max_staleness 4, rollout.max_version_lag 3) are ones the longest
+    responses of LONG_TAIL stay within: a tighter bound aborts them (generation thrown away, and the long tail cut
+    out of the trained batches, which then differ from the synchronous modes' in length)."""
     split = placements(nproc)["split_s1"][:2]
     return {"a colocated": [], "b split k=1": [*split, "trainer.max_staleness=1"],
-            "c split async": [*split, "trainer.max_staleness=2", "rollout.partial=keep"],
-            "d colocated partial": ["rollout.partial=keep"]}
+            "c split async": [*split, "trainer.max_staleness=4", "rollout.partial=keep"],
+            "d colocated partial": ["rollout.partial=keep", "rollout.max_version_lag=3"]}
 
 
 ASYNC_BASELINE = ("a colocated", "b split k=1")
@@ -215,7 +217,8 @@ def trained_steps(run_dir: str) -> list[dict[str, float]]:
         out.append({"step": r["step"], "s": r["timing/step_s"], "tokens": r["perf/trained_tokens_per_s"] * r["timing/step_s"],
                     "rollout_busy": r.get("perf/rollout_busy", 0.0), "train_busy": r.get("perf/train_busy", 0.0),
                     "lag": lag, "length": r.get("train/response_length_mean", 0.0),
-                    "clip": r.get("train/response_clip_ratio", 0.0)})
+                    "clip": r.get("train/response_clip_ratio", 0.0),
+                    "aborted": r.get("rollout/requests_aborted_stale", 0.0)})
     return out
 
 
@@ -253,7 +256,8 @@ def window(steps: list[dict[str, float]], budget: float) -> dict[str, float]:
     return {"tokens": budget, "seconds": secs, "tokens_per_s": budget / secs, "steps": n,
             "last_step": rows[-1]["step"], "rollout_busy": 100 * by("rollout_busy", lambda r: r["s"]),
             "train_busy": 100 * by("train_busy", lambda r: r["s"]), "lag": by("lag", lambda r: r["tokens"]),
-            "length": by("length", lambda r: 1.0), "clip": 100 * by("clip", lambda r: 1.0)}
+            "length": by("length", lambda r: 1.0), "clip": 100 * by("clip", lambda r: 1.0),
+            "aborted": by("aborted", lambda r: 1.0)}
 
 
 def async_table(runs: dict[str, list[dict[str, float]]], warmup: int, tail: int, tokens: float | None = None) -> str:
@@ -265,11 +269,13 @@ def async_table(runs: dict[str, list[dict[str, float]]], warmup: int, tail: int,
     rows = {name: window(steps, budget) for name, steps in kept.items()}
     cols = (("tokens_per_s", "trained tok/s", "{:>14.1f}"), ("rollout_busy", "rollout busy %", "{:>15.1f}"),
             ("train_busy", "trainer busy %", "{:>15.1f}"), ("lag", "mean lag", "{:>9.2f}"),
-            ("length", "mean len", "{:>9.1f}"), ("clip", "at max %", "{:>9.1f}"), ("steps", "steps", "{:>7.1f}"),
+            ("length", "mean len", "{:>9.1f}"), ("clip", "at max %", "{:>9.1f}"), ("aborted", "aborted", "{:>8.1f}"),
+            ("steps", "steps", "{:>7.1f}"),
             ("seconds", "seconds", "{:>8.1f}"))
     head = f"{'mode':<24}" + "".join(f"{label:>{len(fmt.format(0.0))}}" for _, label, fmt in cols)
     lines = [f"each mode over {budget:.0f} trained tokens, from step {warmup + 1} on (steps: the window's steps, the "
-             "last counted by the fraction of its tokens needed)", head, "-" * len(head)]
+             "last counted by the fraction of its tokens needed; aborted: requests aborted as too stale per step)",
+             head, "-" * len(head)]
     for name, r in rows.items():
         lines.append(f"{name:<24}" + "".join(fmt.format(r[k]) for k, _, fmt in cols))
 
