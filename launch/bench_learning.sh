@@ -9,10 +9,12 @@
 # behaviour log-prob, so no decoupled PPO or rollout_is is needed.
 #   bash launch/bench_learning.sh [extra overrides for all three, e.g. trainer.seed=1]
 # Needs the quickstart's data and SFT model in $OUT (default outputs/quickstart: run `bash launch/quickstart.sh`
-# once); the runs go to $OUT/learning_{sync,async,partial}. MODES="async partial" skips the synchronous run.
+# once); the runs go to $OUT/learning_{sync,async,partial}$TAG (TAG, default empty: e.g. TAG=_s1 for a second seed).
+# MODES="async partial" skips the synchronous run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/quickstart}
+TAG=${TAG:-}
 NPROC=${NPROC:-2}
 if [ ! -f "$OUT/sft_model/config.json" ]; then
   echo "error: $OUT/sft_model not found: run 'bash launch/quickstart.sh' first (or set OUT to its output directory)" >&2
@@ -29,12 +31,12 @@ for mode in ${MODES:-sync async partial}; do
     partial) extra=(rollout.partial=keep) ;;
     *) echo "error: MODES: $mode is not one of sync, async, partial" >&2; exit 2 ;;
   esac
-  echo "== $mode -> $OUT/learning_$mode"
+  echo "== $mode -> $OUT/learning_$mode$TAG"
   spmdrl train --nproc "$NPROC" --config configs/quickstart/grpo.toml "${common[@]}" \
-    trainer.output_dir="$OUT/learning_$mode" "${extra[@]}" "$@"
+    trainer.output_dir="$OUT/learning_$mode$TAG" "${extra[@]}" "$@"
 done
 args=()
 for mode in sync async partial; do
-  [ -f "$OUT/learning_$mode/metrics.jsonl" ] && args+=("$mode=$OUT/learning_$mode")
+  if [ -f "$OUT/learning_$mode$TAG/metrics.jsonl" ]; then args+=("$mode=$OUT/learning_$mode$TAG"); fi
 done
 python -m spmdrl.bench learning "${args[@]}"
