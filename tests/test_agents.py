@@ -265,16 +265,22 @@ def served(tmp_path_factory, caplog_module):
                                 max_prompt_tokens=64, max_response_tokens=300)
             res["curl"] = curl.rollout(_batch([{"letter": "b", "answer": "7"}]), [8], replace_n(spec, 1))
             curl.close()
+            t0 = time.monotonic()
             posting = AgentRollout(rec, tok, AgentSpec("command", os.path.join(HERE, "agent_curl_reward.sh"),
                                                        timeout_s=60), max_prompt_tokens=64, max_response_tokens=300)
             res["posted"] = posting.rollout(_batch([{"letter": "b", "extra": {"mode": "post"}},
                                                     {"letter": "b", "extra": {"mode": "both"}}]), [9, 10],
                                             replace_n(spec, 1))
             posting.close()
+            res["posted_s"] = time.monotonic() - t0
+            t0 = time.monotonic()
             res["serve"] = _serve_calls(rec)
+            res["serve_s"] = time.monotonic() - t0
         finally:
             engine.close()
+        t0 = time.monotonic()
         res["moe"] = _moe_session(out, entry)
+        res["moe_s"] = time.monotonic() - t0
     yield res
 
 
@@ -331,17 +337,19 @@ def _serve_calls(engine):
                 OpenAI(base_url=out["url"], api_key="wrong", max_retries=0).models.list()
             except Exception as e:
                 out["wrong_key"] = getattr(e, "status_code", None)
-            # streamed replies, each against the same request unstreamed (greedy: the same tokens), with the engine
-            # slowed to 50 ms a step: each chunk notes the engine's step count when it arrived
-            engine.delay = 0.05
+            # streamed replies, each against the same request unstreamed (greedy: the same tokens), the engine slowed
+            # to 50 ms a step while a text streams: each chunk notes the engine's step count when it arrived
             prompt = "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n"
             out["text_plain"] = client.completions.create(model="x", prompt=prompt, max_tokens=16).choices[0].text
+            engine.delay = 0.05
             out["text_chunks"] = [(ch.id, ch.choices[0].text, ch.choices[0].finish_reason, engine.steps) for ch in
                                   client.completions.create(model="x", prompt=prompt, max_tokens=16, stream=True)]
+            engine.delay = 0.0
             out["text_finished_at"] = engine.finished_at[out["text_chunks"][0][0].removeprefix("cmpl-")]
             d = [{"role": "user", "content": "d"}]
             for turn in ("call", "answer"):  # d calls boom (a streamed tool call), then answers "ok" (streamed text)
                 plain = client.chat.completions.create(model="x", messages=d, tools=AGENT_TOOLS)
+                engine.delay = 0.05 if turn == "answer" else 0.0
                 chunks = [(ch.model_dump(exclude_none=True), engine.steps) for ch in client.chat.completions.create(
                     model="x", messages=d, tools=AGENT_TOOLS, stream=True)]
                 out[f"chat_{turn}"] = (plain.choices[0].message.model_dump(exclude_none=True),
@@ -548,6 +556,10 @@ def test_an_agent_can_post_its_reward_to_the_endpoint(served):
     post, both = served["posted"]
     assert post.finish == both.finish == "answer", (post.agent, both.agent)
     assert post.agent["reward"] == 1.0 and both.agent["reward"] == 0.25
+
+
+def test_fixture_timings(served):
+    print({k: round(v, 1) for k, v in served.items() if k.endswith("_s")})
 
 
 def test_agent_sessions_keep_the_routes_transformers_routes_with(served):

@@ -12,9 +12,10 @@ change. Held back until it can: an incomplete character (a multi-byte character 
 still become a tool call (`<tool_call>` or its beginning at the end) or one of the agent's stop strings, and
 trailing whitespace. Tool calls are parsed once the completion is finished and sent then, as `tool_calls` deltas
 before the last chunk (a call's text is never streamed as content). The deltas put together are exactly the
-content of the same reply unstreamed; the trained ids and log-probs are the finished completion's. Every request needs the run's secret as its bearer token (401
-otherwise). A request that cannot be served gets a 4xx with one line (`{"error": {"message": ...}}`) and one line
-in the log; nothing a request sends reaches the engine loop except a well-formed admission.
+content of the same reply unstreamed; the trained ids and log-probs are the finished completion's.
+
+Every request needs the run's secret as its bearer token (401 otherwise). A request that cannot be served gets a
+4xx with one line (`{"error": {"message": ...}}`) and one line in the log; nothing a request sends reaches the engine loop except a well-formed admission.
 
 The run fixes the sampling: temperature, top_p, top_k and the seed are the run's (an agent's values are ignored);
 n > 1, logit_bias, presence / frequency penalties, response_format and a forced tool_choice are refused (they
@@ -289,7 +290,7 @@ class Endpoint:
         value = req.get("reward")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise CallError(400, f"post {{\"reward\": <a finite number>}}, not reward={value!r}"[:200])
-        with st.session.lock:
+        with self._lock:  # with close_session: a post either counts or is refused
             if st.closed:
                 raise CallError(404, "the session ended")
             st.reward = float(value)
@@ -326,6 +327,8 @@ class Reply:
         self.include_usage = include_usage
         self.rid, self.fut, self.tokens = "", None, None
         self.recorded = False
+        self.result: tuple | None = None
+        """What session.finish returned: (text, tool calls, finish_reason)."""
         self.created = int(time.time())
 
     def submit(self, spec: SamplingSpec, stream: bool) -> None:
@@ -479,7 +482,8 @@ class TextStream:
     def rest(self, content: str) -> str:
         """What remains to send of the reply's final content (after what was streamed)."""
         if not content.startswith(self.sent):  # what was sent is always a beginning of it (see visible)
-            logger.warning("agent endpoint: a streamed reply's text diverged from its completion's; the rest is not sent")
+            logger.warning("agent endpoint: a streamed reply's text diverged from its completion's; "
+                           "the rest is not sent")
             return ""
         return content[len(self.sent):]
 
@@ -569,9 +573,9 @@ class _Handler(BaseHTTPRequestHandler):
                 for e in itertools.chain([first] if first is not None else [], events):
                     self.wfile.write(b"data: " + json.dumps(e).encode() + b"\n\n")
                     self.wfile.flush()
-            except OSError:
+            except OSError:  # the client went away: below
                 raise
-            except Exception as e:  # noqa: BLE001 (CallError included): one line, the stream ends
+            except Exception as e:  # CallError included: one line, the stream ends
                 self._error(sid, e, streaming=True)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()

@@ -157,6 +157,7 @@ class Generator:
         version `trained_by` (default `version`) to train on."""
         if self.partial is not None:
             return self._partial(prompt_idx, step, version, trained_by)
+        self.rollout.weight_version = version  # what every token sampled now carries (Completion.versions)
         r = self.mesh
         first = round_ * self.cfg.data.train_batch_size + r.dp_offset(len(prompt_idx))
         seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompt_idx))

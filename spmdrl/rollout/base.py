@@ -9,8 +9,8 @@ Underneath `generate` is the request-level interface the caller steps itself (st
 requests (one sample each, with an id of the caller's), `step` the engine once and get back the requests that
 finished in that step (`Completion`; with `step(partial=True)` also the new tokens of the requests still running,
 what a streamed reply sends as they are sampled), `abort` requests, and `in_flight` counts what is admitted and
-unfinished. `generate` is a drain of it: admit everything, step until nothing is in flight, return in request order. Every
-token a request generates carries `weight_version`, the version of the weights the step that produced it ran
+unfinished. `generate` is a drain of it: admit everything, step until nothing is in flight, return in request
+order. Every token a request generates carries `weight_version`, the version of the weights the step that produced it ran
 with (the caller sets it after loading new weights); between two steps the caller may load weights, and a request
 admitted earlier continues with the new ones (`rebuild_kv` recomputes its cache with them first). Every rank of
 a TP group must make the same admissions, aborts and steps.
