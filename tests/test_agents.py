@@ -265,22 +265,16 @@ def served(tmp_path_factory, caplog_module):
                                 max_prompt_tokens=64, max_response_tokens=300)
             res["curl"] = curl.rollout(_batch([{"letter": "b", "answer": "7"}]), [8], replace_n(spec, 1))
             curl.close()
-            t0 = time.monotonic()
             posting = AgentRollout(rec, tok, AgentSpec("command", os.path.join(HERE, "agent_curl_reward.sh"),
                                                        timeout_s=60), max_prompt_tokens=64, max_response_tokens=300)
             res["posted"] = posting.rollout(_batch([{"letter": "b", "extra": {"mode": "post"}},
                                                     {"letter": "b", "extra": {"mode": "both"}}]), [9, 10],
                                             replace_n(spec, 1))
             posting.close()
-            res["posted_s"] = time.monotonic() - t0
-            t0 = time.monotonic()
             res["serve"] = _serve_calls(rec)
-            res["serve_s"] = time.monotonic() - t0
         finally:
             engine.close()
-        t0 = time.monotonic()
         res["moe"] = _moe_session(out, entry)
-        res["moe_s"] = time.monotonic() - t0
     yield res
 
 
@@ -556,10 +550,6 @@ def test_an_agent_can_post_its_reward_to_the_endpoint(served):
     post, both = served["posted"]
     assert post.finish == both.finish == "answer", (post.agent, both.agent)
     assert post.agent["reward"] == 1.0 and both.agent["reward"] == 0.25
-
-
-def test_fixture_timings(served):
-    print({k: round(v, 1) for k, v in served.items() if k.endswith("_s")})
 
 
 def test_agent_sessions_keep_the_routes_transformers_routes_with(served):
