@@ -2,7 +2,8 @@
 FSDP2 dp=2 on ranks 2-3, GRPO, rollout.partial = recompute, trainer.max_staleness 2. Responses end at any of 24 stop
 tokens, so their lengths vary and groups carry over weight updates. Two runs of one config, shared by the tests
 below: one straight, one killed (rank 0, a rollout rank, at the start of step 3: requests in flight on the rollout
-ranks, a batch posted ahead on the training ranks) and resumed from its checkpoint after step 2."""
+ranks, a batch posted ahead on the training ranks) and resumed from its checkpoint after step 2. The rollout ranks
+stream each batch's groups as they complete (several posts per batch)."""
 import os
 import types
 
@@ -83,6 +84,11 @@ def test_async_split_trains_on_tokens_of_several_versions_within_the_staleness_b
         assert r["perf/trained_tokens_per_s"] > 0
     assert max(r["rollout/version_lag_max"] for r in rows[1:]) == K  # the bound is reached, and kept
     assert any(r["rollout/requests_carried_over"] > 0 for r in rows[1:])
+    # groups are streamed as they complete: a batch goes out in several posts, most of its groups before the engine
+    # step that completes it, and the training ranks take their share in several messages (counted where received)
+    assert all(r["rollout/stream_sends"] >= 2 and r["rollout/groups_streamed_early"] > 0 for r in rows[1:STEPS])
+    assert all(r["rollout/stream_lead_steps"] > 0 for r in rows[1:STEPS])
+    assert all(r["batch_move/messages"] >= 1 for r in rows[1:]) and max(r["batch_move/messages"] for r in rows) > 1
     # the loss's old policy is each token's behaviour log-prob: where the batch is older than the actor the PPO
     # ratio starts away from 1 (an on-policy loss would take the actor's own log-probs: ppo_kl exactly 0)
     assert abs(rows[1]["actor/ppo_kl"]) < 1e-4

@@ -384,6 +384,7 @@ class Trainer:
             else:
                 with timer("wait_batch"):
                     batch = self.stream.receive(step)
+                metrics.update(self.stream.take_messages())  # asynchronous: the posts its groups were streamed in
             self.scorer.attach_meta(batch, self.train_ds, self.actor_mesh)
             if "trajectory" in batch:  # multi-turn: turns, tool calls and failures, of the last round
                 metrics.update(trajectory_metrics(batch, self.tool_names, self.actor_mesh))
