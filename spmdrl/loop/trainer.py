@@ -290,7 +290,7 @@ class Trainer:
 
     def rollout_role(self, step: int, timer: StageTimer) -> dict[str, float]:
         """Split placement, the rollout ranks (loop/split.py): generate and post the batches up to step + k (the
-        asynchronous stream: admit, step the engine, post each batch as its groups complete), then load this
+        asynchronous stream: admit, step the engine, post each group as it completes), then load this
         step's weights and see every batch send complete."""
         self.stream.produce(step, timer)
         metrics = self.stream.take_metrics()
