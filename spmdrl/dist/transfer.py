@@ -8,7 +8,7 @@ by point-to-point messages on a process group of their own (`RoleMeshes.batch_gr
 from one replica of each rollout dp rank holding part of it. The sender does not wait: `post_batch` returns
 the pending sends, which the rollout ranks complete later (`PendingSends.wait`) while they already generate
 the next batch. A batch may also go out in several posts of consecutive rows (`post_rows`: asynchronous split
-streams each set of groups as it completes), which `recv_rows` takes in the order they were posted.
+streams each set of groups as it completes), which `recv_batch` takes in the order they were posted.
 
 Per message, two sends: a header (rows and the width of every tensor) and the rows packed into float64
 (token ids and lengths are exact in float64), as `collectives.redistribute` packs them.
@@ -33,7 +33,6 @@ class PendingSends:
     works: list = field(default_factory=list)
     tensors: list = field(default_factory=list)
     bytes_sent: int = 0
-    messages: int = 0
 
     def wait(self) -> None:
         for w in self.works:
@@ -44,7 +43,6 @@ class PendingSends:
         self.works += other.works
         self.tensors += other.tensors
         self.bytes_sent += other.bytes_sent
-        self.messages += other.messages
 
 
 def batch_bytes_plan(src: RoleMesh, dst: RoleMesh, per_src: int, row_bytes: int) -> dict[int, int]:
@@ -80,22 +78,15 @@ def post_rows(rows: Batch, first: int, per_src: int, src: RoleMesh, dst: RoleMes
             out.works.append(dist.isend(t, peer, group=group, tag=tag))
             out.tensors.append(t)
         out.bytes_sent += part.numel() * part.element_size()
-        out.messages += 1
     return out
 
 
-def recv_batch(like: Batch, src: RoleMesh, dst: RoleMesh, per_src: int, group, tag: int = 0) -> tuple[Batch, int]:
+def recv_batch(like: Batch, src: RoleMesh, dst: RoleMesh, per_src: int, group, tag: int = 0) -> tuple[Batch, int, int]:
     """On a dst rank: receive its share of a batch whose src dp ranks hold per_src rows each; `like` gives the
-    keys, dtypes and ranks (zero rows is fine). Returns (batch, bytes received). `tag` tells apart batches
-    in flight at once between the same ranks (gloo matches by tag; NCCL delivers in order)."""
-    batch, nbytes, _ = recv_rows(like, src, dst, per_src, group, tag)
-    return batch, nbytes
-
-
-def recv_rows(like: Batch, src: RoleMesh, dst: RoleMesh, per_src: int, group, tag: int = 0) -> tuple[Batch, int, int]:
-    """`recv_batch` that also counts the messages its share came in: from each src peer, messages (`post_rows`)
-    are taken in the order they were posted until that peer's rows are all there. Returns (batch, bytes,
-    messages)."""
+    keys, dtypes and ranks (zero rows is fine). From each src peer, messages (`post_batch`, `post_rows`) are taken
+    in the order they were posted until that peer's rows are all there. Returns (batch, bytes received, messages).
+    `tag` tells apart batches in flight at once between the same ranks (gloo matches by tag; NCCL delivers in
+    order)."""
     plan = batch_move_plan(src.layout, dst.layout, per_src)
     keys = sorted(like.tensors)
     dev = comm_device(group)

@@ -28,7 +28,7 @@ drained. Each rollout rank keeps data.train_batch_size * (1 + rollout.oversample
 share), steps its engine, and streams batch s to the training ranks as its groups complete (`GroupStream`): after an
 engine step in which groups complete, they go out in one post (each group's samples whole, rows in completion
 order; dist/transfer.py post_rows), until `need` groups make the batch (loop/partial.py); the unfinished requests
-stay in the engine. The training ranks take their share in as the posts come, in the order posted (recv_rows),
+stay in the engine. The training ranks take their share in as the posts come, in the order posted (recv_batch),
 and train on batch s once their share of it is whole; every post of batch s+1 is out before the rollout ranks wait
 for the weights of step s, and the training ranks take them all in before they send those weights, so the order
 below holds. The rollout ranks run one batch ahead: in step s they
@@ -53,7 +53,7 @@ from spmdrl.batch import Batch
 from spmdrl.config.derived import replays_routes, rolls_out_trajectories
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.meshes import RoleMeshes
-from spmdrl.dist.transfer import PendingSends, post_batch, post_rows, recv_rows
+from spmdrl.dist.transfer import PendingSends, post_batch, post_rows, recv_batch
 from spmdrl.errors import SpmdrlError
 from spmdrl.loop.generate import Generator
 from spmdrl.loop.memory import MemoryLifecycle
@@ -226,8 +226,8 @@ class BatchStream:
         asynchronous: as its groups complete, the rows of one post per message)."""
         per_src = self.rollout_mesh.dp_share(self.samples_per_step, "rollout samples")
         next(self.sampler)  # count the draw the rollout ranks made for it: the sampler state a checkpoint saves
-        return recv_rows(empty_rollout_batch(self.keys), self.rollout_mesh, self.actor_mesh, per_src,
-                         self.meshes.batch_group, tag=step)
+        return recv_batch(empty_rollout_batch(self.keys), self.rollout_mesh, self.actor_mesh, per_src,
+                          self.meshes.batch_group, tag=step)
 
     def take_in(self, step: int) -> None:
         """Training ranks, before the weights of `step` go out: receive every batch the rollout ranks posted for
