@@ -23,9 +23,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from spmdrl.errors import ConfigError
+from spmdrl.rollout.routes import merge_routes
 
 _MASK64 = (1 << 64) - 1
 GENERATE_ID = "generate:"  # the prefix of the request ids a generate call admits (callers' ids may not start with it)
@@ -108,6 +110,18 @@ class Completion:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def joined(before: "Completion | None", after: Completion) -> Completion:
+    """A request suspended with `before` generated and continued as `after` (a continuation: prompt + before's
+    tokens), as one completion: the tokens, log-probs and versions of both, `after`'s finish, and per position the
+    routes first computed (before's, as generated; rollout/routes.py merge_routes)."""
+    if before is None:
+        return after
+    routes = after.routes if before.routes is None or after.routes is None else merge_routes(
+        np.asarray(before.routes), np.asarray(after.routes))
+    return Completion(after.id, before.token_ids + after.token_ids, before.logprobs + after.logprobs,
+                      before.versions + after.versions, after.finish_reason, routes)
 
 
 class RequestLog:
