@@ -125,6 +125,21 @@ def graded(base_url: str, api_key: str, sample: dict) -> float:
 MODES = {"react": react, "graded": graded, "faults": faults, "flood": flood, "crash": crash, "hang": hang}
 
 
+def two_calls(base_url: str, api_key: str, sample: dict) -> float:
+    """Two chat calls, the second extending the first with its reply and a user turn (any model: no tools)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+    messages = [dict(m) for m in sample["messages"]]
+    for _ in range(2):
+        r = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    return 1.0
+
+
+MODES["two_calls"] = two_calls
+
+
 def run(base_url: str, api_key: str, sample: dict):
     mode = (sample.get("extra_info") or {}).get("mode", "react")
     assert os.environ["OPENAI_BASE_URL"] == base_url and os.environ["OPENAI_API_KEY"] == api_key

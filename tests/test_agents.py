@@ -126,6 +126,38 @@ def test_refusals_are_one_line_call_errors(tok):
         assert e.value.status == 400 and "\n" not in str(e.value)
 
 
+@pytest.mark.quick
+def test_streamed_text_holds_back_split_characters_calls_and_stop_strings(tok):
+    """The tiny tokenizer has one token per byte, so "é" and "✓" arrive split over 2 and 3 tokens: no delta ever
+    carries a broken character, the deltas put together are the reply's content, and text that may still become
+    a tool call or a stop string is sent only once it cannot."""
+    from spmdrl.agents.endpoint import TextStream
+
+    render = ChatRender(tok)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def stream(text, stops=(), calls=True, end=True):
+        s = TextStream(render, {eos}, list(stops), calls)
+        ids = _enc(tok, text) + ([eos] if end else [])
+        return s, [s.feed([t]) for t in ids]
+
+    s, deltas = stream("héllo ✓ done")
+    assert "".join(deltas) == "héllo ✓ done" and not any("\ufffd" in d for d in deltas)
+    assert sum(1 for d in deltas if d) > 5 and deltas[1] == "" and deltas[2] == "é"  # h, then é once whole
+    # a tool call: the text before it is streamed (less trailing whitespace), the call never is
+    s, deltas = stream("ok " + CALL)
+    assert "".join(deltas) == "ok" and s.rest("ok") == ""
+    assert deltas[:2] == ["o", "k"] and all(d == "" for d in deltas[2:])
+    # "<" may begin a call: held back, then sent once it did not ("<b" cannot be "<tool_call>")
+    s, deltas = stream("a<b", end=False)
+    assert deltas == ["a", "", "<b"]
+    # the agent's stop string: nothing from its first character on; the reply ends before it
+    s, deltas = stream("12 STOP 34", stops=["STOP"], calls=False)
+    assert "".join(deltas) == "12 " and s.rest("12 ") == ""
+    s, deltas = stream("1 ST", stops=["STOP"], calls=False, end=False)
+    assert "".join(deltas) == "1 " and s.rest("1 ST") == "ST"  # a length finish: the held-back rest comes last
+
+
 # ---- sessions through a real engine, in this process ------------------------------------------------------------
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -134,10 +166,13 @@ ENGINE = os.environ.get("SPMDRL_AGENT_TEST_ENGINE", "vllm")
 
 
 class Recorder:
-    """The engine, with every completion it hands out kept (what was sampled, independently of the capture)."""
+    """The engine, with every completion it hands out kept (what was sampled, independently of the capture), its
+    steps counted (`finished_at`: the step each request finished in), optionally slowed (`delay` seconds a step) and
+    its weight version raised by one at step `bump_at` (as a weight update between two steps would)."""
 
     def __init__(self, engine):
         self.engine, self.completions, self.admitted = engine, [], []
+        self.steps, self.finished_at, self.delay, self.bump_at = 0, {}, 0.0, None
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -150,9 +185,17 @@ class Recorder:
         self.admitted.append((ids[0], list(prompts[0]), spec.temperature))
         return self.engine.admit(ids, prompts, spec, seeds)
 
-    def step(self):
-        out = self.engine.step()
-        self.completions += out
+    def step(self, partial=False):
+        import time
+
+        if self.steps == self.bump_at:
+            self.engine.weight_version += 1
+        time.sleep(self.delay)
+        out = self.engine.step(partial=partial)
+        self.steps += 1
+        done = [c for c in out if c.finished]
+        self.completions += done
+        self.finished_at.update((c.id, self.steps) for c in done)
         return out
 
     def abort(self, ids):
@@ -194,6 +237,7 @@ def served(tmp_path_factory, caplog_module):
         spec = SamplingSpec(n=2, temperature=TEMPERATURE, max_tokens=300, stop_token_ids=[tok.eos_token_id])
         try:
             rec = Recorder(engine)
+            rec.bump_at = 12  # every token from the 13th engine step on carries weight version 1
             react = AgentRollout(rec, tok, AgentSpec("python", entry, sessions=3, timeout_s=120),
                                  max_prompt_tokens=64, max_response_tokens=300)
             t0 = time.monotonic()
@@ -202,6 +246,7 @@ def served(tmp_path_factory, caplog_module):
             res["react_s"], res["react_stats"] = time.monotonic() - t0, react.stats.extra
             res["react_completions"], res["react_admitted"] = list(rec.completions), list(rec.admitted)
             react.close()
+            rec.bump_at = None
             rec.completions.clear()
             caplog_module.clear()
             faulty = AgentRollout(rec, tok, AgentSpec("python", entry, sessions=4, timeout_s=10,
@@ -220,10 +265,39 @@ def served(tmp_path_factory, caplog_module):
                                 max_prompt_tokens=64, max_response_tokens=300)
             res["curl"] = curl.rollout(_batch([{"letter": "b", "answer": "7"}]), [8], replace_n(spec, 1))
             curl.close()
-            res["serve"] = _serve_calls(engine)
+            posting = AgentRollout(rec, tok, AgentSpec("command", os.path.join(HERE, "agent_curl_reward.sh"),
+                                                       timeout_s=60), max_prompt_tokens=64, max_response_tokens=300)
+            res["posted"] = posting.rollout(_batch([{"letter": "b", "extra": {"mode": "post"}},
+                                                    {"letter": "b", "extra": {"mode": "both"}}]), [9, 10],
+                                            replace_n(spec, 1))
+            posting.close()
+            res["serve"] = _serve_calls(rec)
         finally:
             engine.close()
+        res["moe"] = _moe_session(out, entry)
     yield res
+
+
+def _moe_session(out, entry):
+    """Routing replay with agents: a tiny Qwen3-MoE (untrained) in a vLLM engine that records routes, one session of
+    two chat calls (the second extends the first)."""
+    from spmdrl.agents.sessions import AgentRollout, AgentSpec
+    from spmdrl.rollout import SamplingSpec, build_engine
+    from spmdrl.tiny import build_tiny
+
+    model = build_tiny(str(out / "moe"), seed=0, arch="qwen3_moe", num_layers=2)
+    engine = build_engine("vllm", model_path=model, max_model_len=256, seed=0, kv_cache_gb=0.05, tp_size=1,
+                          capture_routes=True)
+    try:
+        tok = engine.tokenizer
+        rollout = AgentRollout(engine, tok, AgentSpec("python", entry, timeout_s=60), max_prompt_tokens=64,
+                               max_response_tokens=100)
+        spec = SamplingSpec(n=1, temperature=1.0, max_tokens=100, stop_token_ids=[tok.eos_token_id])
+        (t,) = rollout.rollout(_batch([{"letter": "q", "extra": {"mode": "two_calls"}}]), [11], spec)
+        rollout.close()
+    finally:
+        engine.close()
+    return {"model": model, "traj": t}
 
 
 def _serve_calls(engine):
@@ -257,6 +331,27 @@ def _serve_calls(engine):
                 OpenAI(base_url=out["url"], api_key="wrong", max_retries=0).models.list()
             except Exception as e:
                 out["wrong_key"] = getattr(e, "status_code", None)
+            # streamed replies, each against the same request unstreamed (greedy: the same tokens), the engine slowed
+            # to 50 ms a step while a text streams: each chunk notes the engine's step count when it arrived
+            prompt = "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n"
+            out["text_plain"] = client.completions.create(model="x", prompt=prompt, max_tokens=16).choices[0].text
+            engine.delay = 0.05
+            out["text_chunks"] = [(ch.id, ch.choices[0].text, ch.choices[0].finish_reason, engine.steps) for ch in
+                                  client.completions.create(model="x", prompt=prompt, max_tokens=16, stream=True)]
+            engine.delay = 0.0
+            out["text_finished_at"] = engine.finished_at[out["text_chunks"][0][0].removeprefix("cmpl-")]
+            d = [{"role": "user", "content": "d"}]
+            for turn in ("call", "answer"):  # d calls boom (a streamed tool call), then answers "ok" (streamed text)
+                plain = client.chat.completions.create(model="x", messages=d, tools=AGENT_TOOLS)
+                engine.delay = 0.05 if turn == "answer" else 0.0
+                chunks = [(ch.model_dump(exclude_none=True), engine.steps) for ch in client.chat.completions.create(
+                    model="x", messages=d, tools=AGENT_TOOLS, stream=True)]
+                out[f"chat_{turn}"] = (plain.choices[0].message.model_dump(exclude_none=True),
+                                       plain.choices[0].finish_reason, chunks,
+                                       engine.finished_at[chunks[0][0]["id"].removeprefix("chatcmpl-")])
+                d = d + [out[f"chat_{turn}"][0], {"role": "tool", "tool_call_id": "call_0",
+                                                  "content": "error: RuntimeError: boom"}]
+            engine.delay = 0.0
         except Exception as e:
             out["error"] = repr(e)
         finally:
@@ -401,6 +496,84 @@ def test_serve_answers_the_openai_client_without_sessions(served):
 def test_a_bash_and_curl_agent_runs_a_session(served):
     (t,) = served["curl"]
     assert t.finish == "answer" and t.agent["reward"] == 1.0 and t.turns[0].text == "7" and sum(t.mask) == 2
+
+
+def test_streamed_replies_arrive_as_the_tokens_are_sampled(served):
+    """Streamed through the endpoint with the openai client: a 16-token completion comes in more than one text chunk,
+    the first while the engine was still sampling it (its step count below the step the request finished in), and
+    the chunks put together are the unstreamed reply. A chat reply streams its text the same way; a tool call comes
+    whole before the last chunk, as the unstreamed reply's tool_calls."""
+    out = served["serve"]
+    assert "error" not in out, out["error"]
+    chunks = out["text_chunks"]
+    texts = [(text, step) for _, text, _, step in chunks if text]
+    assert len(texts) > 1 and texts[0][1] < out["text_finished_at"], (texts, out["text_finished_at"])
+    assert "".join(t for t, _ in texts) == out["text_plain"] and len(out["text_plain"]) == 16
+    assert chunks[-1][2] == "length"
+    for turn in ("call", "answer"):
+        plain, reason, chunks, finished_at = out[f"chat_{turn}"]
+        deltas = [c["choices"][0]["delta"] for c, _ in chunks if c["choices"]]
+        content = [(d["content"], step) for d, (c, step) in zip(deltas, chunks) if d.get("content")]
+        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        assert "".join(t for t, _ in content) == (plain.get("content") or "")
+        assert [{k: v for k, v in tc.items() if k != "index"} for tc in calls] == plain.get("tool_calls", [])
+        assert chunks[-1][0]["choices"][0]["finish_reason"] == reason
+        if turn == "call":
+            assert reason == "tool_calls" and calls[0]["function"]["name"] == "boom" and not content
+        else:  # "ok": one chunk a token, the first before the request finished (at its end token)
+            assert plain["content"] == "ok" and [t for t, _ in content] == ["o", "k"] and content[0][1] < finished_at
+
+
+def test_every_captured_token_carries_the_weight_version_that_sampled_it(served):
+    """The react sessions ran while the engine's weight version went from 0 to 1 (at its 13th step): each model
+    token of a trajectory carries the version of the step that sampled it (the completions' own), some requests
+    were sampled under both, and a glue token carries the version of the token before it."""
+    trajs, comps = served["react"], served["react_completions"]
+    versions = {tuple(c.token_ids): [] for c in comps}
+    for c in comps:
+        versions[tuple(c.token_ids)].append(c.versions)
+    assert any(set(c.versions) == {0, 1} for c in comps)  # a call in flight across the change
+    for t in trajs:
+        assert len(t.versions) == len(t.ids)
+        for at, run in _model_runs(t):
+            assert t.versions[at: at + len(run)] in versions[tuple(run)]
+        for k, m in enumerate(t.mask):
+            if not m:
+                assert k > 0 and t.versions[k] == t.versions[k - 1]
+    seen = {v for t in trajs for v in t.versions}
+    assert seen == {0, 1}, seen
+
+
+def test_an_agent_can_post_its_reward_to_the_endpoint(served):
+    """A bash+curl agent posts its reward (a malformed post got 400, one without the key 401, else the script
+    fails): the session's reward is the posted one; an agent that also prints a reward gets the printed one."""
+    post, both = served["posted"]
+    assert post.finish == both.finish == "answer", (post.agent, both.agent)
+    assert post.agent["reward"] == 1.0 and both.agent["reward"] == 0.25
+
+
+def test_agent_sessions_keep_the_routes_transformers_routes_with(served):
+    """Routing replay with agents: on a tiny Qwen3-MoE whose vLLM engine records routes, a session of two chat calls
+    keeps, for every position of its trajectory the engine computed (all but the last token), the experts of every
+    layer; transformers' own router over prompt + ids picks the same ones (route agreement 1.0)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    moe = served["moe"]
+    t = moe["traj"]
+    assert t.finish in ("answer", "length") and len(t.turns) == 2 and t.agent["reward"] == 1.0, t.agent
+    assert sum(t.mask) > 0 and 0 in t.mask  # the model's tokens of both calls, the glue between
+    model = AutoModelForCausalLM.from_pretrained(moe["model"], dtype=torch.float32).eval()
+    ids = t.prompt + t.ids
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]), output_router_logits=True).router_logits
+    top_k = model.config.num_experts_per_tok
+    hf = np.stack([lg.topk(top_k, dim=-1).indices.sort(-1).values.numpy() for lg in logits], 1)
+    got = np.sort(np.asarray(t.routes), -1)
+    assert got.shape == (len(ids) - 1, len(logits), top_k), got.shape
+    agree = float((got == hf[: len(ids) - 1]).all(-1).mean())
+    assert agree == 1.0, agree
 
 
 # ---- through the Trainer: 2 ranks, rollout TP = 2 ---------------------------------------------------------------

@@ -2,7 +2,8 @@
 FSDP2 dp=2 on ranks 2-3, GRPO, rollout.partial = recompute, trainer.max_staleness 2. Responses end at any of 24 stop
 tokens, so their lengths vary and groups carry over weight updates. Two runs of one config, shared by the tests
 below: one straight, one killed (rank 0, a rollout rank, at the start of step 3: requests in flight on the rollout
-ranks, a batch posted ahead on the training ranks) and resumed from its checkpoint after step 2."""
+ranks, a batch posted ahead on the training ranks) and resumed from its checkpoint after step 2. The rollout ranks
+stream each batch's groups as they complete (several posts per batch)."""
 import os
 import types
 
@@ -83,6 +84,13 @@ def test_async_split_trains_on_tokens_of_several_versions_within_the_staleness_b
         assert r["perf/trained_tokens_per_s"] > 0
     assert max(r["rollout/version_lag_max"] for r in rows[1:]) == K  # the bound is reached, and kept
     assert any(r["rollout/requests_carried_over"] > 0 for r in rows[1:])
+    # groups are streamed as they complete: batches go out in several posts, groups before the engine step that
+    # completes their batch, and a training rank takes its share in several messages (counted where received; a
+    # batch whose groups were all held complete from the step before goes out in one post)
+    assert sum(r["rollout/stream_sends"] for r in rows[1:STEPS]) > STEPS  # batches 1-4, generated in steps 1-3
+    assert max(r["rollout/groups_streamed_early"] for r in rows[1:STEPS]) > 0
+    assert max(r["rollout/stream_lead_steps"] for r in rows[1:STEPS]) > 0
+    assert all(r["batch_move/messages"] >= 1 for r in rows[1:]) and max(r["batch_move/messages"] for r in rows[1:]) > 1
     # the loss's old policy is each token's behaviour log-prob: where the batch is older than the actor the PPO
     # ratio starts away from 1 (an on-policy loss would take the actor's own log-probs: ppo_kl exactly 0)
     assert abs(rows[1]["actor/ppo_kl"]) < 1e-4

@@ -276,13 +276,23 @@ def test_grpo_with_tools_under_partial_rollouts(tool_model, tmp_path, monkeypatc
     (lag 1, never more than the bound). Colocated, step 1's batch was sampled entirely by the weights it trains, so
     vLLM's per-turn log-probs of its model tokens equal the FSDP2 actor's over the whole trajectories within 1e-5
     (one fp32 forward, tool tokens as context). The turns reach the reward and the hooks (which see the tool
-    results as mask-0 tokens)."""
+    results as mask-0 tokens). Colocated, the step-1 checkpoint holds the trajectories in flight (a turn cut
+    mid-way, with its tokens so far, after earlier turns' tool results) and a run resumed from it logs step 2
+    exactly as the straight run did."""
+    import shutil
+
+    from safetensors.torch import load_file
+
     from spmdrl.metrics import read_jsonl
+    from spmdrl.rollout.trajectory import unpack_texts
 
     monkeypatch.setenv("SPMDRL_TEST_DUMP", str(tmp_path))
     extra = {**PARTIAL[mode], "rollout.parity_check": "false"}
-    run(["spmdrl.train", *_trainer_overrides(tool_model, tmp_path, **extra)], nproc=2, module=True)
-    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    if mode == "colocated":
+        extra.update({"checkpoint.save_freq": 1, "checkpoint.keep_last": 0})
+    straight = tmp_path / "straight"
+    run(["spmdrl.train", *_trainer_overrides(tool_model, straight, tmp_path / "data", **extra)], nproc=2, module=True)
+    rows = read_jsonl(str(straight / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
     _, s1, s2 = rows
     assert s1["rollout/requests_carried_over"] > 0
@@ -298,3 +308,30 @@ def test_grpo_with_tools_under_partial_rollouts(tool_model, tmp_path, monkeypatc
     for t in called:
         mask = torch.tensor(t["mask"])
         assert (mask == 0).any() and torch.tensor(t["logprobs"])[mask == 0].abs().sum() == 0
+    if mode != "colocated":
+        return
+    # the checkpoint after step 1 holds multi-turn trajectories in flight: a turn suspended with tokens so far
+    # (partial/samples: uid, sample, kind 1 = suspended, finish, tokens), one of them after a tool result
+    saved = load_file(str(straight / "checkpoints" / "step_00000001" / "rank_tensors" / "rank_0.safetensors"))
+    suspended = saved["partial/samples"][saved["partial/samples"][:, 2] == 1]
+    assert len(suspended) > 0 and int(suspended[:, 4].max()) > 0
+    trajs = [json.loads(x) for x in unpack_texts(saved["partial/trajectories"])]
+    in_flight = [t for t in trajs if not t["finish"]]
+    assert len(in_flight) == len(suspended)
+    assert any(t["turns"] and t["turns"][-1]["appended"] and 0 in t["mask"] for t in in_flight)
+    assert len(saved["partial/trajectory_logprobs"]) == sum(len(t["ids"]) for t in trajs)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step_00000002"))
+    open(resumed / "metrics.jsonl", "w").writelines(
+        line for line in open(straight / "metrics.jsonl") if json.loads(line)["step"] <= 1)
+    monkeypatch.setenv("SPMDRL_TEST_DUMP", str(resumed))
+    proc = run(["spmdrl.train", *_trainer_overrides(tool_model, resumed, tmp_path / "data", **extra)], nproc=2,
+               module=True)
+    assert "resumed from" in proc.stdout + proc.stderr and "not exact" not in proc.stdout + proc.stderr
+
+    def comparable(rows):
+        measured = ("timing/", "perf/", "memory/", "tools/seconds")
+        return [{k: v for k, v in r.items() if not k.startswith(measured) and not k.endswith("_per_s")} for r in rows]
+
+    again = read_jsonl(str(resumed / "metrics.jsonl"), last_per_step=True)
+    assert comparable(again) == comparable(read_jsonl(str(straight / "metrics.jsonl"), last_per_step=True))

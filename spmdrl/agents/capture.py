@@ -169,6 +169,7 @@ class Branch:
         n, t, s, m = self.marks
         traj = self.traj
         traj.ids, traj.mask, traj.logprobs, traj.turns = traj.ids[:n], traj.mask[:n], traj.logprobs[:n], traj.turns[:t]
+        traj.versions = traj.versions[:n]
         traj.messages = traj.messages[:m]
         if traj.turns:
             last = traj.turns[-1]
@@ -247,6 +248,7 @@ class Session:
                 t.ids += glue
                 t.mask += [0] * len(glue)
                 t.logprobs += [0.0] * len(glue)
+                t.versions += t.versions[-1:] * len(glue)  # glue is no model's: it goes with the turn before it
                 if t.turns:
                     t.turns[-1].results += [ToolResult(str(m.get("name", "")), content_text(m.get("content")))
                                             for m in new if m.get("role") == "tool"]
@@ -309,6 +311,7 @@ class Session:
                 t.ids += glue
                 t.mask += [0] * len(glue)
                 t.logprobs += [0.0] * len(glue)
+                t.versions += t.versions[-1:] * len(glue)
             best.seen = [("text", prompt if isinstance(prompt, str) else "")]
             best.busy = True
             left = self.max_response_tokens - len(best.traj.ids)
@@ -322,8 +325,9 @@ class Session:
             call.branch.rollback()
 
     def finish(self, call: Call, token_ids: list[int], logprobs: list[float], reason: str, stop_ids: set,
-               stops: list[str], routes=None) -> tuple[str, list[ToolCall], str]:
-        """Record a completion on its branch; (text returned, parsed tool calls, finish_reason)."""
+               stops: list[str], routes=None, versions=None) -> tuple[str, list[ToolCall], str]:
+        """Record a completion on its branch (versions: the weight version that sampled each token); (text
+        returned, parsed tool calls, finish_reason)."""
         b, t = call.branch, call.branch.traj
         with self.lock:
             if self.closed:
@@ -331,6 +335,7 @@ class Session:
             t.ids += token_ids
             t.mask += [1] * len(token_ids)
             t.logprobs += logprobs if logprobs else [0.0] * len(token_ids)
+            t.versions += list(versions) if versions else [0] * len(token_ids)
             if routes is not None:
                 t.add_turn_routes(routes)
             end = token_ids[-1] if token_ids and reason == "stop" and token_ids[-1] in stop_ids else None
@@ -370,11 +375,11 @@ class Session:
 
 
 def assistant_message(text: str, calls: list[ToolCall], fmt: str = "hermes") -> dict:
-    """The assistant message the endpoint returns: the text before the first call as content, the calls as
-    OpenAI tool_calls (arguments as a JSON string); without calls the whole text."""
+    """The assistant message the endpoint returns: the text before the first call (less trailing whitespace) as
+    content, the calls as OpenAI tool_calls (arguments as a JSON string); without calls the whole text."""
     if not calls:
         return {"role": "assistant", "content": text}
-    head = text[: text.find(OPEN)].strip() if OPEN in text else text.strip()
+    head = (text[: text.find(OPEN)] if OPEN in text else text).rstrip()
     return {"role": "assistant", "content": head or None,
             "tool_calls": [{"id": f"call_{k}", "type": "function",
                             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}

@@ -1,11 +1,21 @@
 """The OpenAI-compatible endpoint of a rollout group's leader rank: a loopback HTTP server whose requests become
 admissions into the group's stepped engine (agents/sessions.py steps it on every rank).
 
-Paths: `/sessions/<id>/v1/chat/completions` (plain and streamed), `/sessions/<id>/v1/completions` and
-`/sessions/<id>/v1/models` for a training session (its calls are captured, agents/capture.py); `spmdrl serve`
-serves the same under `/v1/` without capture. Every request needs the run's secret as its bearer token (401
-otherwise). A request that cannot be served gets a 4xx with one line (`{"error": {"message": ...}}`) and one line
-in the log; nothing a request sends reaches the engine loop except a well-formed admission.
+Paths: `/sessions/<id>/v1/chat/completions` and `/sessions/<id>/v1/completions` (plain and streamed),
+`/sessions/<id>/v1/models`, and `POST /sessions/<id>/reward` (also under `.../v1/reward`: the session's reward,
+`{"reward": <number>}`) for a training session (its calls are captured, agents/capture.py); `spmdrl serve` serves
+the same under `/v1/` without capture and without rewards.
+
+Streaming. A streamed request gets its text as the engine samples it: the engine loop hands the HTTP thread each
+step's new tokens (`step(partial=True)`), the thread decodes them (`TextStream`) and sends what can no longer
+change. Held back until it can: an incomplete character (a multi-byte character split over tokens), text that may
+still become a tool call (`<tool_call>` or its beginning at the end) or one of the agent's stop strings, and
+trailing whitespace. Tool calls are parsed once the completion is finished and sent then, as `tool_calls` deltas
+before the last chunk (a call's text is never streamed as content). The deltas put together are exactly the
+content of the same reply unstreamed; the trained ids and log-probs are the finished completion's.
+
+Every request needs the run's secret as its bearer token (401 otherwise). A request that cannot be served gets a
+4xx with one line (`{"error": {"message": ...}}`) and one line in the log; nothing a request sends reaches the engine loop except a well-formed admission.
 
 The run fixes the sampling: temperature, top_p, top_k and the seed are the run's (an agent's values are ignored);
 n > 1, logit_bias, presence / frequency penalties, response_format and a forced tool_choice are refused (they
@@ -18,25 +28,28 @@ import hmac
 import itertools
 import json
 import logging
+import math
 import queue
 import re
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from spmdrl.agents.capture import Call, CallError, ChatRender, Session, content_text
+from spmdrl.agents.capture import Call, CallError, ChatRender, Session, assistant_message
 from spmdrl.rollout.base import Completion, SamplingSpec
-from spmdrl.tools.parse import stop_strings
+from spmdrl.tools.parse import OPEN, stop_strings
 
 logger = logging.getLogger("spmdrl.agents")
 
 SERVED_MODEL = "policy"
 REFUSED = {"logit_bias": "logit_bias", "presence_penalty": "a presence penalty",
            "frequency_penalty": "a frequency penalty", "response_format": "response_format (guided decoding)"}
-_PATH = re.compile(r"^(?:/sessions/(?P<sid>[A-Za-z0-9_.-]+))?/v1/(?P<what>chat/completions|completions|models)/?$")
+_PATH = re.compile(r"^(?:/sessions/(?P<sid>[A-Za-z0-9_.-]+))?(?P<v1>/v1)?/(?P<what>chat/completions|completions|models"
+                   r"|reward)/?$")
 
 
 @dataclass
@@ -57,6 +70,8 @@ class SessionState:
     """Its requests in the engine."""
     errors: list = field(default_factory=list)
     """The one-line faults of its calls (what the log got)."""
+    reward: float | None = None
+    """The last reward the agent posted (POST .../reward), None if it posted none."""
 
 
 class Admissions:
@@ -68,14 +83,20 @@ class Admissions:
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
         self.futures: dict[str, Future] = {}
+        self.streams: dict[str, queue.SimpleQueue] = {}
+        """Streamed requests: their new tokens, step by step, then None once the future is set."""
         self._ids = itertools.count()
         self.wake = threading.Event()
 
-    def submit(self, context: list[int], spec: SamplingSpec) -> tuple[str, Future]:
+    def submit(self, context: list[int], spec: SamplingSpec, tokens: queue.SimpleQueue | None = None
+               ) -> tuple[str, Future]:
+        """Queue a request for the engine loop; `tokens` (a streamed request): where its new tokens go."""
         rid = f"agent-{next(self._ids)}"
         fut: Future = Future()
         with self._lock:
             self.futures[rid] = fut
+            if tokens is not None:
+                self.streams[rid] = tokens
         self._new.put((rid, context, spec))
         self.wake.set()
         return rid, fut
@@ -105,15 +126,26 @@ class Admissions:
 
     def fail(self, rid: str, e: Exception) -> None:
         with self._lock:
-            fut = self.futures.pop(rid, None)
+            fut, q = self.futures.pop(rid, None), self.streams.pop(rid, None)
         if fut is not None and not fut.done():
             fut.set_exception(CallError(400, f"the engine refused the request: {' '.join(str(e).split())[:200]}"))
+        if q is not None:
+            q.put(None)
 
     def deliver(self, c: Completion) -> None:
+        """A finished (or aborted) request's completion; a running one's new tokens (c.finished False) go to its
+        stream, if it has one."""
         with self._lock:
-            fut = self.futures.pop(c.id, None)
+            if not c.finished:
+                q = self.streams.get(c.id)
+                if q is not None:
+                    q.put(c.token_ids)
+                return
+            fut, q = self.futures.pop(c.id, None), self.streams.pop(c.id, None)
         if fut is not None and not fut.done():
             fut.set_result(c)
+        if q is not None:
+            q.put(None)
 
 
 class Endpoint:
@@ -184,9 +216,10 @@ class Endpoint:
     # ------------------------------------------------------------------------------------------------ requests
 
     def handle(self, method: str, path: str, headers, body: bytes | None):
-        """(status, payload) with payload a dict (JSON) or a list of dicts (a stream); CallError for refusals."""
+        """(status, payload) with payload a dict (JSON) or an iterator of dicts (a stream: its first events are
+        produced lazily, as the engine samples); CallError for refusals."""
         m = _PATH.match(path.split("?", 1)[0])
-        if m is None:
+        if m is None or (m.group("what") != "reward" and not m.group("v1")):
             raise CallError(404, f"no such path {path[:100]!r}: use /v1/chat/completions, /v1/completions or /v1/models "
                                  "under the base URL you were given")
         auth = headers.get("Authorization", "")
@@ -203,18 +236,22 @@ class Endpoint:
                 st = self.sessions.get(sid)
             if st is None:
                 raise CallError(404, f"session {sid} is not running (it ended or timed out)")
+        elif what == "reward":
+            raise CallError(404, "this endpoint serves a model without sessions: there is no reward to post")
         if what == "models":
             if method != "GET":
                 raise CallError(405, "use GET for /v1/models")
             return 200, {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "spmdrl"}]}
         if method != "POST":
-            raise CallError(405, f"use POST for /v1/{what}")
+            raise CallError(405, f"use POST for /{what}")
         try:
             req = json.loads(body or b"")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CallError(400, f"the request body is not valid JSON ({getattr(e, 'msg', type(e).__name__)})") from None
         if not isinstance(req, dict):
             raise CallError(400, "the request body must be a JSON object")
+        if what == "reward":
+            return 200, self._post_reward(sid, st, req)
         if st is not None:
             with st.session.lock:
                 st.calls += 1
@@ -223,6 +260,10 @@ class Endpoint:
         session = st.session if st is not None else Session(self.render, max_prompt_tokens=self.max_prompt_tokens,
                                                             max_response_tokens=self.max_response_tokens, fmt=self.fmt)
         spec, stops, max_tokens = self._sampling(req)
+        stream = req.get("stream", False)
+        if stream not in (True, False, None):
+            raise CallError(400, f"stream={stream!r} must be true or false")
+        include_usage = bool(stream) and bool((req.get("stream_options") or {}).get("include_usage"))
         chat = what == "chat/completions"
         if chat:
             tools = req.get("tools") or None
@@ -234,29 +275,26 @@ class Endpoint:
             call = session.prepare(req.get("messages"), tools, max_tokens)
         else:
             call = session.prepare_text(req.get("prompt"), max_tokens)
+        reply = Reply(self, call, session, st, stops, chat, include_usage)
         try:
-            completion = self._sample(call, replace(spec, max_tokens=call.max_tokens), st)
+            reply.submit(replace(spec, max_tokens=call.max_tokens), stream=bool(stream))
+            if stream:
+                return 200, reply.events()
+            return 200, reply.body(reply.wait())
         except BaseException:
-            session.release(call)
+            reply.release()
             raise
-        text, calls, reason = session.finish(call, completion.token_ids, completion.logprobs,
-                                             completion.finish_reason, self.stop_ids, stops, completion.routes)
-        usage = {"prompt_tokens": len(call.context), "completion_tokens": len(completion.token_ids),
-                 "total_tokens": len(call.context) + len(completion.token_ids)}
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{completion.id}"
-        created = int(time.time())
-        if not chat:
-            return 200, {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                         "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}],
-                         "usage": usage}
-        from spmdrl.agents.capture import assistant_message
 
-        message = assistant_message(text, calls, self.fmt)
-        if not req.get("stream"):
-            return 200, {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                         "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
-                         "usage": usage}
-        return 200, _chunks(rid, created, self.model_name, message, reason)
+    def _post_reward(self, sid: str, st: SessionState, req: dict) -> dict:
+        """POST /sessions/<id>/reward {"reward": <number>}: the session's reward (the last one posted counts)."""
+        value = req.get("reward")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise CallError(400, f"post {{\"reward\": <a finite number>}}, not reward={value!r}"[:200])
+        with self._lock:  # with close_session: a post either counts or is refused
+            if st.closed:
+                raise CallError(404, "the session ended")
+            st.reward = float(value)
+        return {"session": sid, "reward": float(value)}
 
     def _sampling(self, req: dict) -> tuple[SamplingSpec, list[str], int | None]:
         n = req.get("n", 1)
@@ -278,42 +316,176 @@ class Endpoint:
         spec = replace(self.spec, n=1, stop=list(dict.fromkeys([*self.spec.stop, *stop_strings(self.fmt), *stop])))
         return spec, stop, mt
 
-    def _sample(self, call: Call, spec: SamplingSpec, st: SessionState | None) -> Completion:
-        if call.max_tokens < 1:
+
+class Reply:
+    """One call's way through the engine: admitted (`submit`), then either waited for whole (`wait`, `body`) or
+    streamed (`events`). Its branch is rolled back (`release`) unless its completion was recorded."""
+
+    def __init__(self, ep: Endpoint, call: Call, session: Session, st: SessionState | None, stops: list[str],
+                 chat: bool, include_usage: bool = False):
+        self.ep, self.call, self.session, self.st, self.stops, self.chat = ep, call, session, st, stops, chat
+        self.include_usage = include_usage
+        self.rid, self.fut, self.tokens = "", None, None
+        self.recorded = False
+        self.result: tuple | None = None
+        """What session.finish returned: (text, tool calls, finish_reason)."""
+        self.created = int(time.time())
+
+    def submit(self, spec: SamplingSpec, stream: bool) -> None:
+        if self.call.max_tokens < 1:
             raise CallError(400, "no tokens left in this trajectory's budget (data.max_response_length)")
-        with self._lock:  # with close_session: a request is either refused here or aborted there
-            if st is not None and st.closed:
+        self.tokens = queue.SimpleQueue() if stream else None
+        with self.ep._lock:  # with close_session: a request is either refused here or aborted there
+            if self.st is not None and self.st.closed:
                 raise CallError(404, "the session ended")
-            rid, fut = self.admissions.submit(call.context, spec)
-            if st is not None:
-                st.rids.add(rid)
+            self.rid, self.fut = self.ep.admissions.submit(self.call.context, spec, self.tokens)
+            if self.st is not None:
+                self.st.rids.add(self.rid)
+
+    def _left(self) -> float | None:
+        return None if self.st is None else max(0.0, self.st.deadline - time.monotonic())
+
+    def _timed_out(self) -> CallError:
+        self.ep.admissions.abort([self.rid])
+        return CallError(408, "the session's time ran out while this call was sampled (agent.timeout_s)")
+
+    def wait(self) -> Completion:
+        """The finished completion, recorded on the session's branch."""
         try:
-            left = None if st is None else max(0.0, st.deadline - time.monotonic())
-            c = fut.result(timeout=left)
+            c = self.fut.result(timeout=self._left())
         except FutureTimeout:
-            self.admissions.abort([rid])
-            raise CallError(408, "the session's time ran out while this call was sampled (agent.timeout_s)") from None
+            raise self._timed_out() from None
         finally:
-            if st is not None:
-                st.rids.discard(rid)
+            if self.st is not None:
+                self.st.rids.discard(self.rid)
         if c.finish_reason == "abort":
             raise CallError(408, "the call was taken back: its session ended")
+        self.result = self.session.finish(self.call, c.token_ids, c.logprobs, c.finish_reason, self.ep.stop_ids,
+                                          self.stops, c.routes, c.versions)
+        self.recorded = True
         return c
 
+    def release(self) -> None:
+        """A call that got no completion recorded: its branch back to before it; its request aborted if still in
+        the engine."""
+        if self.recorded:
+            return
+        self.recorded = True
+        if self.rid and self.fut is not None and not self.fut.done():
+            self.ep.admissions.abort([self.rid])
+        if self.st is not None and self.rid:
+            self.st.rids.discard(self.rid)
+        self.session.release(self.call)
 
-def _chunks(rid: str, created: int, model: str, message: dict, reason: str) -> list[dict]:
-    """A finished completion as chat.completion.chunk events: the role, the content, the tool calls, the end."""
-    def chunk(delta, finish=None):
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    def _usage(self, c: Completion) -> dict:
+        n = len(self.call.context)
+        return {"prompt_tokens": n, "completion_tokens": len(c.token_ids), "total_tokens": n + len(c.token_ids)}
 
-    out = [chunk({"role": "assistant", "content": ""})]
-    if message.get("content"):
-        out.append(chunk({"content": message["content"]}))
-    for k, c in enumerate(message.get("tool_calls") or []):
-        out.append(chunk({"tool_calls": [{"index": k, **c}]}))
-    out.append(chunk({}, reason))
-    return out
+    def body(self, c: Completion) -> dict:
+        text, calls, reason = self.result
+        rid = f"{'chatcmpl' if self.chat else 'cmpl'}-{c.id}"
+        ep = self.ep
+        if not self.chat:
+            return {"id": rid, "object": "text_completion", "created": self.created, "model": ep.model_name,
+                    "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}],
+                    "usage": self._usage(c)}
+        return {"id": rid, "object": "chat.completion", "created": self.created, "model": ep.model_name,
+                "choices": [{"index": 0, "message": assistant_message(text, calls, ep.fmt), "finish_reason": reason,
+                             "logprobs": None}], "usage": self._usage(c)}
+
+    def _chunk(self, delta, finish=None) -> dict:
+        rid, ep = f"{'chatcmpl' if self.chat else 'cmpl'}-{self.rid}", self.ep
+        if self.chat:
+            return {"id": rid, "object": "chat.completion.chunk", "created": self.created, "model": ep.model_name,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        return {"id": rid, "object": "text_completion", "created": self.created, "model": ep.model_name,
+                "choices": [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}]}
+
+    def events(self) -> Iterator[dict]:
+        """The streamed reply: the role (chat), the text as it is sampled, then (once finished) the rest of the
+        content, the tool calls and the finish reason. Closing it early (the client went away) aborts the request
+        and rolls its branch back."""
+        text = TextStream(self.ep.render, self.ep.stop_ids, self.stops, calls=self.chat)
+        try:
+            if self.chat:
+                yield self._chunk({"role": "assistant", "content": ""})
+            while True:
+                try:
+                    new = self.tokens.get(timeout=self._left())
+                except queue.Empty:
+                    raise self._timed_out() from None
+                if new is None:
+                    break
+                delta = text.feed(new)
+                if delta:
+                    yield self._chunk({"content": delta} if self.chat else delta)
+            c = self.wait()
+            shown, calls, reason = self.result
+            message = assistant_message(shown, calls, self.ep.fmt) if self.chat else {"content": shown}
+            rest = text.rest(message["content"] or "")
+            if rest:
+                yield self._chunk({"content": rest} if self.chat else rest)
+            for k, tc in enumerate(message.get("tool_calls") or []):
+                yield self._chunk({"tool_calls": [{"index": k, **tc}]})
+            yield self._chunk({} if self.chat else "", reason)
+            if self.include_usage:
+                yield {**self._chunk({} if self.chat else ""), "choices": [], "usage": self._usage(c)}
+        finally:
+            self.release()
+
+
+class TextStream:
+    """A completion's text for a streamed reply, from its tokens as they are sampled: `feed` takes a step's new ids
+    and returns the text that can be sent now; `rest` the remainder once the reply's content is known.
+
+    Decoding is incremental over a window that starts where the last complete text ended (so a tokenizer that
+    decodes a token differently by what precedes it is read in context), and a window whose text ends in U+FFFD (a
+    multi-byte character cut between tokens) waits for the next token. Of the decoded text, sent is what cannot
+    change any more: up to the first of the agent's stop strings, in a chat reply up to the first `<tool_call>`,
+    less an ending that may still grow into one of those, and in a chat reply less trailing whitespace (the content
+    before a tool call is returned without it). Stop tokens (EOS) end the text; they are not in it."""
+
+    def __init__(self, render: ChatRender, stop_ids: set, stops: list[str], calls: bool):
+        self.render, self.stop_ids, self.stops, self.calls = render, stop_ids, list(stops), calls
+        self.marks = [*self.stops, OPEN] if calls else list(self.stops)
+        self.ids: list[int] = []
+        self.start = self.read = 0
+        self.text = ""
+        self.sent = ""
+
+    def feed(self, ids: list[int]) -> str:
+        self.ids += [t for t in ids if t not in self.stop_ids]
+        before = self.render.decode(self.ids[self.start: self.read])
+        after = self.render.decode(self.ids[self.start:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.start, self.read = self.read, len(self.ids)
+        safe = self.visible(self.text)
+        if not safe.startswith(self.sent):  # cannot happen with prefix-stable decoding; never send what is wrong
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+    def visible(self, text: str) -> str:
+        for s in self.stops:
+            at = text.find(s)
+            if at >= 0:
+                text = text[:at]
+        if self.calls and OPEN in text:
+            text = text[: text.find(OPEN)]
+        for k in range(max(0, len(text) - max(map(len, self.marks), default=0)), len(text)):
+            if any(m.startswith(text[k:]) for m in self.marks):  # the earliest ending that may grow into a mark
+                text = text[:k]
+                break
+        return text.rstrip() if self.calls else text
+
+    def rest(self, content: str) -> str:
+        """What remains to send of the reply's final content (after what was streamed)."""
+        if not content.startswith(self.sent):  # what was sent is always a beginning of it (see visible)
+            logger.warning("agent endpoint: a streamed reply's text diverged from its completion's; "
+                           "the rest is not sent")
+            return ""
+        return content[len(self.sent):]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -344,18 +516,34 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = self._body() if method == "POST" else None
             status, payload = ep.handle(method, self.path, self.headers, body)
-        except CallError as e:
-            st = ep.sessions.get(sid)
-            ep.fault(f"session {sid}", e.status, str(e), st)
-            return self._json(e.status, {"error": {"message": str(e), "type": "invalid_request_error",
-                                                   "code": e.status}}, close=True)
+            first = None if isinstance(payload, dict) else next(payload, None)  # a stream's faults before its first
+        except CallError as e:                                                  # event are plain HTTP errors
+            return self._error(sid, e)
         except Exception as e:  # a bug here must cost one request, never the rank
+            return self._error(sid, e)
+        if isinstance(payload, dict):
+            return self._json(status, payload)
+        self._stream(first, payload, sid)
+
+    def _error(self, sid: str, e: Exception, streaming: bool = False) -> None:
+        """One line to the log and to the client: an HTTP error, or an error event in a stream already begun."""
+        ep = self.endpoint
+        if isinstance(e, CallError):
+            status, message = e.status, str(e)
+            ep.fault(f"session {sid}", status, message, ep.sessions.get(sid))
+        else:
             logger.debug("agent endpoint request failed", exc_info=True)
+            status, message = 500, f"internal error ({type(e).__name__})"
             ep.fault(f"session {sid}", 500, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
-            return self._json(500, {"error": {"message": f"internal error ({type(e).__name__})", "code": 500}}, close=True)
-        if isinstance(payload, list):
-            return self._stream(payload)
-        self._json(status, payload)
+        error = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                           "code": status}}
+        if not streaming:
+            return self._json(status, error, close=True)
+        try:
+            self.wfile.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+            self.wfile.flush()
+        except OSError:
+            pass
 
     def _json(self, status: int, payload: dict, close: bool = False) -> None:
         data = json.dumps(payload).encode()
@@ -371,19 +559,30 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # the client went away
             self.close_connection = True
 
-    def _stream(self, events: list[dict]) -> None:
+    def _stream(self, first: dict | None, events: Iterator[dict], sid: str) -> None:
+        """Server-sent events, each sent as it is produced; `[DONE]` after the last. A fault after the first event
+        is an error event (the status is sent already); a client that goes away closes `events` (its request is
+        aborted)."""
         try:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Connection", "close")
             self.end_headers()
-            for e in events:
-                self.wfile.write(b"data: " + json.dumps(e).encode() + b"\n\n")
+            try:
+                for e in itertools.chain([first] if first is not None else [], events):
+                    self.wfile.write(b"data: " + json.dumps(e).encode() + b"\n\n")
+                    self.wfile.flush()
+            except OSError:  # the client went away: below
+                raise
+            except Exception as e:  # CallError included: one line, the stream ends
+                self._error(sid, e, streaming=True)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-        except OSError:
+        except OSError:  # the client went away
             pass
+        finally:
+            events.close()
         self.close_connection = True
 
     def do_GET(self):  # noqa: N802

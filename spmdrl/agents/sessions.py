@@ -9,6 +9,9 @@ the same requests (the engine checks it); once every session has ended and nothi
 so in the same broadcast and the group leaves the loop together. The trajectories are then broadcast from the
 leader: every rank of the group returns the same batch.
 
+The session's reward: the agent's return value when it returns one, else the last reward it posted to the endpoint
+(`POST <base_url>/reward`), else None (the run's reward function scores the transcript).
+
 A session that fails (the agent crashed, ran past its timeout, returned something unusable) keeps its reward at 0
 and trains nothing (its loss mask is 0); one line in the log says why.
 """
@@ -84,8 +87,8 @@ def serve(engine, group, endpoint: Endpoint | None, finished, stats: AgentStats 
             for c in engine.abort(aborts):
                 if leader:
                     endpoint.admissions.deliver(c)
-        if engine.in_flight:
-            for c in engine.step():
+        if engine.in_flight:  # the leader also hears of running requests' new tokens (streamed replies)
+            for c in engine.step(partial=leader):
                 if leader:
                     endpoint.admissions.deliver(c)
         if stats is not None:
@@ -176,7 +179,7 @@ class AgentRollout:
                 st = ep.close_session(sid)
                 if why:
                     logger.warning("agent session %s (prompt %d, sample %d) failed: %s", sid, int(pb.index[i]), j, why)
-                results[k] = (value, why, st.calls, len(st.errors))
+                results[k] = (value, why, st.calls, len(st.errors), st.reward)
                 with lock:
                     left[0] -= 1
 
@@ -203,21 +206,21 @@ class AgentRollout:
 
     def _trajectory(self, pb, i: int, j: int, session: Session, result) -> Trajectory:
         """The session's final branch with its reward; a placeholder (one masked EOS) when it sampled nothing."""
-        value, why, _, _ = result
+        value, why, _, _, posted = result
         trajs = session.trajectories()
         if trajs:
             t = trajs[-1]
         else:
             eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
             t = Trajectory(prompt=list(pb.input_ids[i]), messages=[dict(m) for m in pb.raw_prompt[i]], seed=0, sample=j,
-                           ids=[eos], mask=[0], logprobs=[0.0])
+                           ids=[eos], mask=[0], logprobs=[0.0], versions=[self.engine.weight_version])
         t.seed, t.sample = 0, j
         if why:
             t.finish, t.mask = "error", [0] * len(t.ids)
             t.agent = {"reward": 0.0, "error": why, "branches": len(trajs), "transcript": t.messages}
         else:
             t.finish = t.finish or "answer"
-            reward = value["reward"]
+            reward = value["reward"] if value["reward"] is not None else posted  # returned, else posted
             t.agent = {"reward": reward if reward is None or math.isfinite(reward) else 0.0, "branches": len(trajs)}
             t.agent["transcript"] = value["transcript"] if value["transcript"] is not None else t.messages
         return t

@@ -373,8 +373,9 @@ def validate_agent(cfg) -> None:
         raise ConfigError("agent.enable and multi_turn.enable are two ways to roll out: turn one off (an agent "
                           "calls its own tools; multi_turn runs spmdrl's)")
     if cfg.rollout.partial != "off":
-        raise ConfigError(f"agent.enable = true with rollout.partial = {cfg.rollout.partial!r}: agent sessions run "
-                          "whole within a step; set rollout.partial = 'off'")
+        raise ConfigError(f"agent.enable = true with rollout.partial = {cfg.rollout.partial!r}: agent sessions are not "
+                          "carried over weight updates (a session's calls would wait while the actor trains, and a "
+                          "checkpoint cannot suspend a program of yours); set rollout.partial = 'off'")
 
 
 def validate_rollout_correction(cfg) -> None:

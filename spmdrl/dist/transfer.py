@@ -7,9 +7,10 @@ by point-to-point messages on a process group of their own (`RoleMeshes.batch_gr
 `collectives.batch_move_plan`: each training dp rank receives exactly its contiguous share of the global batch,
 from one replica of each rollout dp rank holding part of it. The sender does not wait: `post_batch` returns
 the pending sends, which the rollout ranks complete later (`PendingSends.wait`) while they already generate
-the next batch.
+the next batch. A batch may also go out in several posts of consecutive rows (`post_rows`: asynchronous split
+streams each set of groups as it completes), which `recv_batch` takes in the order they were posted.
 
-Per peer, two messages: a header (rows and the width of every tensor) and the rows packed into float64
+Per message, two sends: a header (rows and the width of every tensor) and the rows packed into float64
 (token ids and lengths are exact in float64), as `collectives.redistribute` packs them.
 """
 from __future__ import annotations
@@ -53,45 +54,62 @@ def batch_bytes_plan(src: RoleMesh, dst: RoleMesh, per_src: int, row_bytes: int)
 def post_batch(batch: Batch, src: RoleMesh, dst: RoleMesh, group, tag: int = 0) -> PendingSends:
     """On a src rank: post (without waiting) the sends of this rank's rows to the dst ranks that need them.
     Every rank of a src dp group holds the same rows; the plan picks one replica per receiver."""
-    plan = batch_move_plan(src.layout, dst.layout, len(batch))
-    keys = sorted(batch.tensors)
-    widths = [batch.tensors[k].shape[1] if batch.tensors[k].dim() == 2 else 1 for k in keys]
+    return post_rows(batch, 0, len(batch), src, dst, group, tag)
+
+
+def post_rows(rows: Batch, first: int, per_src: int, src: RoleMesh, dst: RoleMesh, group, tag: int = 0) -> PendingSends:
+    """On a src rank: post (without waiting) rows [first, first + len(rows)) of this rank's per_src rows of a batch
+    to the dst ranks whose share holds them, one message (header and rows) per dst rank. A batch can go out in
+    several such posts, in row order (a stream of groups as they complete); `recv_batch` takes them as they come
+    until its share is whole."""
+    plan = batch_move_plan(src.layout, dst.layout, per_src)
+    keys = sorted(rows.tensors)
+    widths = [rows.tensors[k].shape[1] if rows.tensors[k].dim() == 2 else 1 for k in keys]
     dev = comm_device(group)
-    packed = _pack(batch, keys, widths, dev)
+    packed = _pack(rows, keys, widths, dev)
     out = PendingSends()
     for peer, (lo, hi) in sorted(plan.sends.get(src.rank, {}).items()):
+        lo, hi = max(lo, first) - first, min(hi, first + len(rows)) - first
+        if lo >= hi:
+            continue
         header = torch.tensor([hi - lo, *widths], dtype=torch.long, device=dev)
-        rows = packed[lo:hi].contiguous()
-        for t in (header, rows):
+        part = packed[lo:hi].contiguous()
+        for t in (header, part):
             out.works.append(dist.isend(t, peer, group=group, tag=tag))
             out.tensors.append(t)
-        out.bytes_sent += rows.numel() * rows.element_size()
+        out.bytes_sent += part.numel() * part.element_size()
     return out
 
 
-def recv_batch(like: Batch, src: RoleMesh, dst: RoleMesh, per_src: int, group, tag: int = 0) -> tuple[Batch, int]:
+def recv_batch(like: Batch, src: RoleMesh, dst: RoleMesh, per_src: int, group, tag: int = 0) -> tuple[Batch, int, int]:
     """On a dst rank: receive its share of a batch whose src dp ranks hold per_src rows each; `like` gives the
-    keys, dtypes and ranks (zero rows is fine). Returns (batch, bytes received). `tag` tells apart batches
-    in flight at once between the same ranks (gloo matches by tag; NCCL delivers in order)."""
+    keys, dtypes and ranks (zero rows is fine). From each src peer, messages (`post_batch`, `post_rows`) are taken
+    in the order they were posted until that peer's rows are all there. Returns (batch, bytes received, messages).
+    `tag` tells apart batches in flight at once between the same ranks (gloo matches by tag; NCCL delivers in
+    order)."""
     plan = batch_move_plan(src.layout, dst.layout, per_src)
     keys = sorted(like.tensors)
     dev = comm_device(group)
-    parts, nbytes, widths = [], 0, None
+    parts, nbytes, messages = [], 0, 0
     for peer, (glo, ghi) in sorted(plan.recvs.get(dst.rank, {}).items()):
-        header = torch.empty(1 + len(keys), dtype=torch.long, device=dev)
-        dist.recv(header, peer, group=group, tag=tag)
-        rows, w = int(header[0]), [int(x) for x in header[1:].tolist()]
-        if rows != ghi - glo:
-            raise RuntimeError(f"rank {dst.rank} expected {ghi - glo} rows from rank {peer}, got {rows}")
-        buf = torch.empty(rows, sum(w), dtype=torch.float64, device=dev)
-        dist.recv(buf, peer, group=group, tag=tag)
-        nbytes += buf.numel() * buf.element_size()
-        parts.append((glo, w, buf))
+        got = 0
+        while got < ghi - glo:
+            header = torch.empty(1 + len(keys), dtype=torch.long, device=dev)
+            dist.recv(header, peer, group=group, tag=tag)
+            rows, w = int(header[0]), [int(x) for x in header[1:].tolist()]
+            if not 0 < rows <= ghi - glo - got:
+                raise RuntimeError(f"rank {dst.rank} expected {ghi - glo - got} more rows from rank {peer}, got {rows}")
+            buf = torch.empty(rows, sum(w), dtype=torch.float64, device=dev)
+            dist.recv(buf, peer, group=group, tag=tag)
+            nbytes += buf.numel() * buf.element_size()
+            parts.append((glo + got, w, buf))
+            got += rows
+            messages += 1
     if not parts:
-        return Batch({k: v[:0] for k, v in like.tensors.items()}), 0
+        return Batch({k: v[:0] for k, v in like.tensors.items()}), 0, 0
     widths = [max(p[1][i] for p in parts) for i in range(len(keys))]
     batches = [_unpack(buf, keys, w, like) for _, w, buf in sorted(parts, key=lambda p: p[0])]
-    return Batch.cat([_pad_to(b, keys, widths, like) for b in batches]), nbytes
+    return Batch.cat([_pad_to(b, keys, widths, like) for b in batches]), nbytes, messages
 
 
 def _pad_to(batch: Batch, keys: list[str], widths: list[int], like: Batch) -> Batch:

@@ -8,6 +8,8 @@ capture (actor.router_replay = "rollout") both carry `routed_experts`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from spmdrl.batch import Batch
@@ -149,14 +151,16 @@ class Generator:
             m[k] = m.get(k, 0.0) + v
 
     def generate(self, prompt_idx: list[int], step: int, round_: int = 0, version: int = 0,
-                 trained_by: int | None = None) -> Batch:
+                 trained_by: int | None = None, stream: Callable[[Batch, int], None] | None = None) -> Batch:
         """The samples of dataset rows `prompt_idx` (this rollout dp rank's share of a step's prompts): same
         prompts and seeds on every rank of the TP group. The caller has put the memory in its rollout phase
-        (MemoryLifecycle.for_rollout). With rollout.partial, as many complete groups as `prompt_idx` has, the
-        oldest in flight first (the prompts join the queue), sampled by weights `version` and older, for the actor
-        version `trained_by` (default `version`) to train on."""
+        (MemoryLifecycle.for_rollout). With rollout.partial, the first as many groups as `prompt_idx` has to
+        complete (the prompts join the queue), sampled by weights `version` and older, for the actor version
+        `trained_by` (default `version`) to train on; `stream` gets them as they complete, as batches of whole
+        groups, with the engine steps so far (loop/partial.py)."""
         if self.partial is not None:
-            return self._partial(prompt_idx, step, version, trained_by)
+            return self._partial(prompt_idx, step, version, trained_by, stream)
+        self.rollout.weight_version = version  # what every token sampled now carries (Completion.versions)
         r = self.mesh
         first = round_ * self.cfg.data.train_batch_size + r.dp_offset(len(prompt_idx))
         seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompt_idx))
@@ -174,13 +178,21 @@ class Generator:
             batch["baseline_rewards"] = gb["scores"].repeat_interleave(n)
         return batch
 
-    def _partial(self, prompt_idx: list[int], step: int, version: int, trained_by: int | None) -> Batch:
-        n = self.specs.train.n
-        groups, metrics = self.partial.rollout(prompt_idx, step, version, trained_by)
+    def _partial(self, prompt_idx: list[int], step: int, version: int, trained_by: int | None,
+                 stream: Callable[[Batch, int], None] | None) -> Batch:
+        emit = None if stream is None else lambda groups, at: stream(self._groups_batch(groups, version), at)
+        groups, metrics = self.partial.rollout(prompt_idx, step, version, trained_by, emit)
         self.loop_time.update(metrics)
+        if self.agent is not None:
+            self._note_loop()
+        return self._groups_batch(groups, version)
+
+    def _groups_batch(self, groups: list, version: int) -> Batch:
+        """Complete groups of a partial rollout as a batch: their samples, each token's version (`versions`), the
+        oldest version a sample saw (`weight_version`) and the group ids."""
+        n = self.specs.train.n
         if self.agent is not None:  # multi-turn: each group's trajectories
             trajs = [g.done[j] for g in groups for j in range(n)]
-            self._note_loop()
             batch = trajectories_to_batch(trajs, [g.row for g in groups], n, self.pad_id)
             versions = [t.versions for t in trajs]
         else:

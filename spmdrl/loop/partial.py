@@ -3,7 +3,8 @@ the rollout ranks of an asynchronous split run (loop/split.py).
 
 A step's rollout keeps `need + oversample` prompt groups (rollout.n requests each) generating (the next one is
 admitted before the engine step after one finishes), steps the engine until `need` groups are complete (need: this
-rank's share of data.train_batch_size), and returns those; the rest stay in the engine and go on after the weight
+rank's share of data.train_batch_size), and returns those in the order they completed (asynchronous split streams
+each engine step's newly complete ones to the training ranks at once: `stream`); the rest stay in the engine and go on after the weight
 update, with the new weights. Each token carries the
 weight version that sampled it (the engine's `weight_version`: the step whose update produced the weights). A group
 whose tokens would lag the actor that trains on them by more than rollout.max_version_lag versions (split placement:
@@ -25,28 +26,33 @@ its completion is what it had plus what the continuation generated. The run that
 resumed from that checkpoint both do exactly this, from the same state (`state_tensors` / `load_state_tensors`: the
 groups in flight with their prompts, seeds, admission versions and finished samples, the requests' tokens so far,
 the queue of drawn prompts, the draw count, the weight versions and this rank's prompt sampler), so the resumed run
-is bitwise the uninterrupted one. What a checkpoint step changes: a continuation is prefilled with the weights held
+is bitwise the uninterrupted one. Multi-turn: a trajectory in flight is always in a turn (tools run between engine
+steps), so the turn's request is what is suspended (AgentLoop.suspend / resume: the continuation's prompt is
+everything so far plus the turn's tokens so far, its seed continuation_seed(the turn's seed, tokens so far)), and
+the checkpoint also holds every trajectory of the groups in flight (ids, mask, log-probs, versions, routes, turns
+with their calls and tool results, messages) and the loop's request count. What a checkpoint step changes: a continuation is prefilled with the weights held
 at the checkpoint, so with rollout.partial = keep the requests carried over a checkpoint step have their keys and
 values recomputed (recompute's behaviour, at checkpoint steps only); a stop string that straddles the suspension
 point is not seen (the continuation checks the text it generates); the sampling noise after the suspension is the
-continuation's; multi-turn groups are not saved (a resumed multi-turn partial run starts with an empty engine and is
-not exact); and on GPUs (vLLM reports routes when a request finishes, not when it is aborted) a continuation's
+continuation's; and on GPUs (vLLM reports routes when a request finishes, not when it is aborted) a continuation's
 routes for the positions before the suspension are those its prefill computed. With checkpoint.save_every_min the
 suspension points follow the clock, so only checkpoint.save_freq's saves keep two runs of one config equal.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from spmdrl.errors import CheckpointError
-from spmdrl.rollout.base import Completion, RolloutOutput, SamplingSpec, continuation_seed, sample_seed
+from spmdrl.rollout.base import Completion, RolloutOutput, SamplingSpec, continuation_seed, joined, sample_seed
 from spmdrl.rollout.multi_turn import LoopStats
-from spmdrl.rollout.routes import merge_routes
+from spmdrl.rollout.trajectory import pack_texts, trajectory_from_state, trajectory_state, unpack_texts
 
 FINISH = ("stop", "length", "abort")  # finish reasons as saved (their index)
 
@@ -66,13 +72,7 @@ class Group:
 
     def finish(self, j: int, c: Completion) -> None:
         """Sample j finished as `c`; a continuation's completion is joined to what the request had before."""
-        p = self.so_far.pop(j, None)
-        if p is not None:
-            routes = c.routes if p.routes is None or c.routes is None else merge_routes(np.asarray(c.routes),
-                                                                                        np.asarray(p.routes))
-            c = Completion(c.id, p.token_ids + c.token_ids, p.logprobs + c.logprobs, p.versions + c.versions,
-                           c.finish_reason, routes)
-        self.done[j] = c
+        self.done[j] = joined(self.so_far.pop(j, None), c)
 
 
 def sampled_versions(x) -> list[int]:
@@ -126,12 +126,14 @@ class PartialRollouts:
         seeds = [sample_seed(g.seed, j) if self.per_request_seed else None for j in range(self.spec.n)]
         self.rollout_engine.admit(ids, [prompt] * self.spec.n, self.one, seeds)
 
-    def rollout(self, rows: list[int], step: int, version: int, trained_by: int | None = None
-                ) -> tuple[list[Group], dict[str, float]]:
-        """This step's complete groups (len(rows) of them, the oldest first) and the step's metrics. rows: this
-        rank's newly drawn prompts; version: the weights the engine holds now; trained_by: the actor version that
-        trains on these groups (colocated: `version`; split placement: the version before the update of the step
-        the batch is for), from which a token's lag counts."""
+    def rollout(self, rows: list[int], step: int, version: int, trained_by: int | None = None,
+                stream: Callable[[list[Group], int], None] | None = None) -> tuple[list[Group], dict[str, float]]:
+        """This step's batch: the first len(rows) groups to complete (those held complete from before first, then
+        in the order they complete, by uid within one engine step), and the step's metrics. rows: this rank's newly
+        drawn prompts; version: the weights the engine holds now; trained_by: the actor version that trains on these
+        groups (colocated: `version`; split placement: the version before the update of the step the batch is
+        for), from which a token's lag counts; stream: called with the batch's groups as they complete (those of
+        one engine step together) and the count of engine steps so far, before the engine steps again."""
         t0, eng, need = time.perf_counter(), self.rollout_engine, len(rows)
         if self.agent is not None:
             self.agent.stats = LoopStats()
@@ -153,18 +155,30 @@ class PartialRollouts:
             eng.reseed((self.seed * 1_000_003 + step) % (2**31 - 1))
         if self.suspended:
             self._continue()
-        complete = lambda: [g for g in self.groups.values() if len(g.done) == self.spec.n]  # noqa: E731
+        complete = lambda: sorted((g for g in self.groups.values() if len(g.done) == self.spec.n),  # noqa: E731
+                                  key=lambda g: g.uid)
         steps = generated = 0  # engine steps, and tokens of this step's version in requests finished in them
         stepping = 0.0  # seconds in the engine's steps
+        out: list[Group] = []  # the batch: the first `need` groups to complete, in that order (uid within a step)
+
         def admit(count: int) -> None:
             for _ in range(count):
                 if not self.queue:
                     self._draw(next(self.sampler))
                 self._admit(*self.queue.pop(0))
 
+        def deliver(groups: list[Group]) -> None:  # complete groups join the batch (and go out at once, streamed)
+            groups = groups[: need - len(out)]
+            for g in groups:
+                self._forget(g.uid)
+            out.extend(groups)
+            if groups and stream is not None:
+                stream(groups, steps)
+
         admit(cap - len(self.groups))  # groups held complete count: they are the next step's first
-        while len(done := complete()) < need:
-            admit(cap - (len(self.groups) - len(done)))  # a group finished: the next one starts at once
+        deliver(complete())
+        while len(out) < need:
+            admit(cap - (len(self.groups) - len(complete())))  # a group finished: the next one starts at once
             t1 = time.perf_counter()
             finished = eng.step()
             stepping += time.perf_counter() - t1
@@ -177,9 +191,7 @@ class PartialRollouts:
                 uid, j = c.id.split("/")
                 self.groups[int(uid)].finish(int(j), c)
             steps += 1
-        out = sorted(complete(), key=lambda g: g.uid)[:need]
-        for g in out:
-            self._forget(g.uid)
+            deliver(complete())
         carried = len(self.groups) * self.spec.n  # requests left for the next step: unfinished, or in an unfinished group
         lags = torch.tensor([trained_by - v for g in out for x in g.done.values() for v in sampled_versions(x)],
                             dtype=torch.float64)
@@ -201,10 +213,16 @@ class PartialRollouts:
 
     # ---- checkpoints: the requests in flight suspended, saved, restored and continued (see the module doc) -------
     def suspend(self) -> None:
-        """At a checkpoint: take every unfinished request out of the engine with what it generated so far; the next
-        rollout admits each again as a continuation. Multi-turn groups are not suspended: their trajectories go on in
-        this run, and a checkpoint holds none of them (`state_tensors`)."""
+        """At a checkpoint: take every unfinished request out of the engine with what it generated so far (multi-turn:
+        the current turn's request of every trajectory in flight); the next rollout admits each again as a
+        continuation."""
         if self.agent is not None:
+            trajs = [t for _, g in sorted(self.groups.items()) for t in g.trajs
+                     if not t.done and t.sample not in g.so_far]
+            got = self.agent.suspend(trajs)
+            for t in trajs:
+                self.groups[self.owner[id(t)]].so_far[t.sample] = got[id(t)]
+            self.suspended = True
             return
         ids = [f"{u}/{j}" for u, g in sorted(self.groups.items()) for j in range(self.spec.n)
                if j not in g.done and j not in g.so_far]
@@ -220,23 +238,25 @@ class PartialRollouts:
 
     def _continue(self) -> None:
         """Admit the suspended requests again (uid, then sample order): prompt + tokens so far, the rest of
-        max_tokens, from an empty prefix cache."""
+        max_tokens, from an empty prefix cache (multi-turn: the turn's continuation, AgentLoop.resume)."""
         self.suspended = False
         eng = self.rollout_engine
         eng.forget_prefixes()  # nothing is in flight: both runs start from an empty cache
         for u, g in sorted(self.groups.items()):
             for j, p in sorted(g.so_far.items()):
+                if self.agent is not None:
+                    self.agent.resume(g.trajs[j], g.so_far.pop(j), self.one)
+                    continue
                 seed = continuation_seed(sample_seed(g.seed, j), len(p.token_ids)) if self.per_request_seed else None
                 spec = replace(self.one, max_tokens=self.one.max_tokens - len(p.token_ids))
                 eng.admit([f"{u}/{j}"], [g.prompt + p.token_ids], spec, [seed])
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Everything the next rollouts depend on, as flat tensors (safetensors: no pickle), after `suspend`;
-        nothing for multi-turn groups (a run resumed from the checkpoint starts them over, not exactly)."""
-        if self.agent is not None:
-            return {}
+        """Everything the next rollouts depend on, as flat tensors (safetensors: no pickle), after `suspend`
+        (multi-turn: also every trajectory of the groups in flight, ended or not, and the loop's request count)."""
         samples = [(g.uid, j, kind, c) for g in sorted(self.groups.values(), key=lambda g: g.uid)
-                   for kind, d in ((0, g.done), (1, g.so_far)) for j, c in sorted(d.items())]
+                   for kind, d in ((0, g.done), (1, g.so_far)) for j, c in sorted(d.items())
+                   if kind or self.agent is None]  # multi-turn: the trajectories go apart (_trajectory_tensors)
         sampler = self.sampler.state_dict()
         ints = lambda xs, width: torch.tensor(xs, dtype=torch.long).reshape(-1, width)  # noqa: E731
         groups = sorted(self.groups.values(), key=lambda g: g.uid)
@@ -255,7 +275,21 @@ class PartialRollouts:
         routes = [torch.as_tensor(np.asarray(c.routes)) for *_, c in samples if c.routes is not None]
         if routes:
             out["routes"] = torch.cat(routes)
+        if self.agent is not None:
+            out.update(self._trajectory_tensors(groups))
         return {f"partial/{k}": v.contiguous() for k, v in out.items()}
+
+    def _trajectory_tensors(self, groups: list[Group]) -> dict[str, torch.Tensor]:
+        """Multi-turn: each group's trajectories (uid, then sample order) as JSON (ids, mask, versions, turns with
+        their calls and results, messages, finish), their log-probs (float64) and routes, and the loop's counts."""
+        trajs = [t for g in groups for t in g.trajs]
+        out = {"trajectories": pack_texts([json.dumps(trajectory_state(t)) for t in trajs]),
+               "trajectory_logprobs": torch.tensor([x for t in trajs for x in t.logprobs], dtype=torch.float64),
+               "agent": torch.tensor(self.agent.state(), dtype=torch.long)}
+        routes = [torch.as_tensor(t.routes) for t in trajs if t.routes is not None]
+        if routes:
+            out["trajectory_routes"] = torch.cat(routes)
+        return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], where: str) -> None:
         """Restore what `state_tensors` saved (a resumed run; `where` names the checkpoint file in errors)."""
@@ -271,7 +305,7 @@ class PartialRollouts:
         self.sampler.load_state_dict({"epoch": epoch, "step_in_epoch": step_in_epoch, "seed": seed})
         self.draws, self.version, self.queue, self.suspended = draws, version, queue, bool(suspended)
         self.rollout_engine.weight_version = weight_version
-        self.groups, at = {}, 0
+        self.groups, self.owner, at = {}, {}, 0
         for uid, row, gseed, gversion, plen in groups:
             self.groups[uid] = Group(uid, row, prompts[at: at + plen], gseed, gversion)
             at += plen
@@ -284,6 +318,33 @@ class PartialRollouts:
                            versions[at: at + length], FINISH[reason], r)
             at += length
             (self.groups[uid].so_far if kind else self.groups[uid].done)[j] = c
+        if self.agent is not None:
+            self._load_trajectories(t, where)
+
+    def _load_trajectories(self, t: dict[str, torch.Tensor], where: str) -> None:
+        """Multi-turn: the groups' trajectories back (`_trajectory_tensors`); ended ones are their groups' done."""
+        try:
+            states = [json.loads(x) for x in unpack_texts(t["trajectories"])] if len(t["trajectories"]) else []
+            logprobs, counts = t["trajectory_logprobs"].tolist(), t["agent"].tolist()
+            routes = t.get("trajectory_routes")
+        except KeyError as e:
+            raise CheckpointError(f"{where}: the partial rollouts' state lacks {e.args[0]!r}, the multi-turn "
+                                  "trajectories in flight (saved by a single-turn run, or damaged)") from None
+        self.agent.load_state(counts)
+        at = r_at = 0
+        by_sample = iter(states)
+        for uid, g in sorted(self.groups.items()):
+            for j in range(self.spec.n):
+                st = next(by_sample)
+                r = None
+                if st["routes"] is not None:
+                    r, r_at = routes[r_at: r_at + st["routes"]].numpy(), r_at + st["routes"]
+                traj = trajectory_from_state(st, g.prompt, logprobs[at: at + len(st["ids"])], r)
+                at += len(st["ids"])
+                g.trajs.append(traj)
+                self.owner[id(traj)] = uid
+                if traj.done:
+                    g.done[j] = traj
 
 
 def groups_output(groups: list[Group], n: int) -> tuple[RolloutOutput, list[list[int]]]:

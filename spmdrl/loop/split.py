@@ -25,8 +25,13 @@ run trains on those and the rollout ranks go on from batch s+k+1, so resume is e
 
 Asynchronous split (rollout.partial = keep | recompute with split placement): the rollout ranks' engines are never
 drained. Each rollout rank keeps data.train_batch_size * (1 + rollout.oversample) prompt groups in flight (its
-share), steps its engine, and posts batch s as soon as its first `need` groups are complete (groups kept whole;
-loop/partial.py); the unfinished requests stay in the engine. The rollout ranks run one batch ahead: in step s they
+share), steps its engine, and streams batch s to the training ranks as its groups complete (`GroupStream`): after an
+engine step in which groups complete, they go out in one post (each group's samples whole, rows in completion
+order; dist/transfer.py post_rows), until `need` groups make the batch (loop/partial.py); the unfinished requests
+stay in the engine. The training ranks take their share in as the posts come, in the order posted (recv_batch),
+and train on batch s once their share of it is whole; every post of batch s+1 is out before the rollout ranks wait
+for the weights of step s, and the training ranks take them all in before they send those weights, so the order
+below holds. The rollout ranks run one batch ahead: in step s they
 complete and post batch s+1, then load the weights of step s between two engine steps, without draining or
 recomputing anything (keep; recompute prefills the requests in flight again with the new weights). The point where
 version v is loaded is the engine step at which batch v+1 is complete: a function of the config and seed, never of
@@ -48,7 +53,7 @@ from spmdrl.batch import Batch
 from spmdrl.config.derived import replays_routes, rolls_out_trajectories
 from spmdrl.data.sampler import DistributedPromptSampler
 from spmdrl.dist.meshes import RoleMeshes
-from spmdrl.dist.transfer import PendingSends, post_batch, recv_batch
+from spmdrl.dist.transfer import PendingSends, post_batch, post_rows, recv_batch
 from spmdrl.errors import SpmdrlError
 from spmdrl.loop.generate import Generator
 from spmdrl.loop.memory import MemoryLifecycle
@@ -84,8 +89,35 @@ def empty_rollout_batch(keys: dict[str, tuple[torch.dtype, bool]] = ROLLOUT_KEYS
     return Batch({k: torch.zeros((0, 1) if two_d else (0,), dtype=dt) for k, (dt, two_d) in keys.items()})
 
 
-LAST_BATCH_METRICS = ("rollout/requests_carried_over", "rollout/generated_tokens_per_s")
+LAST_BATCH_METRICS = ("rollout/requests_carried_over", "rollout/generated_tokens_per_s", "rollout/stream_lead_steps")
 """Asynchronous split's rollout metrics that describe one batch (when a step posts two, the later one's)."""
+
+
+class GroupStream:
+    """Asynchronous split, on a rollout rank: one batch's groups posted to the training ranks as they complete (the
+    groups of one engine step in one post, rows in completion order, each group's samples whole), and how early."""
+
+    def __init__(self, stream: "BatchStream", step: int):
+        self.stream, self.step = stream, step
+        self.rows = 0  # this rank's rows of the batch posted so far
+        self.posts: list[tuple[int, int]] = []  # (engine step, groups) of each post
+
+    def __call__(self, groups: Batch, engine_step: int) -> None:
+        st = self.stream
+        st.check_keys(groups)
+        st.sent.append(post_rows(groups, self.rows, st.rollout_mesh.dp_share(st.samples_per_step, "rollout samples"),
+                                 st.rollout_mesh, st.actor_mesh, st.meshes.batch_group, tag=self.step))
+        self.rows += len(groups)
+        self.posts.append((engine_step, int(groups["uid"].unique().numel())))
+
+    def metrics(self) -> dict[str, float]:
+        """rollout/stream_sends (posts), rollout/groups_streamed_early (groups posted before the engine step that
+        completed the batch) and rollout/stream_lead_steps (engine steps a group went out before that, mean)."""
+        last = self.posts[-1][0] if self.posts else 0
+        groups = sum(g for _, g in self.posts)
+        return {"rollout/stream_sends": float(len(self.posts)),
+                "rollout/groups_streamed_early": float(sum(g for at, g in self.posts if at < last)),
+                "rollout/stream_lead_steps": sum((last - at) * g for at, g in self.posts) / max(groups, 1)}
 
 
 class BatchStream:
@@ -111,32 +143,45 @@ class BatchStream:
         self.next_batch = 1  # rollout ranks: the next step whose batch is generated
         self.version = 0  # rollout ranks: the weight version vLLM holds
         self.sent: list[PendingSends] = []  # rollout ranks: batch sends posted this step
-        self.inbox: dict[int, tuple[Batch, int]] = {}  # training ranks: batches taken in ahead or restored, bytes
+        self.inbox: dict[int, tuple[Batch, int, int]] = {}  # training ranks: batches taken in ahead or restored,
+        # with the bytes and messages each came in
+        self.messages: int | None = None  # training ranks, asynchronous: messages this step's batch came in
         self.batch_bytes = 0  # training ranks: bytes received this step
         self.lags: torch.Tensor | None = None  # training ranks, asynchronous: this step's trained tokens' version lags
 
     # ---- rollout ranks ---------------------------------------------------------------------------------
     def produce(self, step: int, timer) -> None:
         """Generate and post every batch up to step + k (the last step at most); asynchronous: up to step + 1, each
-        batch the first groups complete, for the actor after step s-1 to train on."""
+        batch the first groups to complete, streamed to the training ranks as they complete (`GroupStream`), for
+        the actor after step s-1 to train on."""
         last = min(step + self.ahead, self.total_steps)
         while self.next_batch <= last:
             s = self.next_batch
             self.memory.for_rollout()
+            stream = GroupStream(self, s) if self.asynchronous else None
             with timer("rollout"):
-                batch = self.generator.generate(next(self.sampler), s, 0, self.version, self.version_after(s - 1))
+                batch = self.generator.generate(next(self.sampler), s, 0, self.version, self.version_after(s - 1),
+                                                stream)
             for k, v in self.generator.take_metrics().items():  # counts add up; a state or rate is the last batch's
                 if not k.startswith("rollout/version_lag"):  # the training ranks log the lags of the batch they train
                     self.loop_metrics[k] = v if k in LAST_BATCH_METRICS else self.loop_metrics.get(k, 0.0) + v
-            if "weight_version" not in batch:  # asynchronous: the oldest version each sample saw (loop/generate.py)
+            if stream is not None:  # its groups are out already
+                for k, v in stream.metrics().items():
+                    self.loop_metrics[k] = v if k in LAST_BATCH_METRICS else self.loop_metrics.get(k, 0.0) + v
+                self.next_batch += 1
+                continue
+            if "weight_version" not in batch:
                 batch["weight_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
-            if set(batch.tensors) != set(self.keys):  # the training ranks unpack by this list
-                raise SpmdrlError(f"a rollout batch has tensors {sorted(batch.tensors)} but spmdrl.loop.split.ROLLOUT_KEYS "
-                                  f"(and MULTI_TURN_KEYS, ROUTE_KEYS) list {sorted(self.keys)}: add new rollout "
-                                  "tensors there")
+            self.check_keys(batch)
             with timer("post_batch"):
                 self.sent.append(post_batch(batch, self.rollout_mesh, self.actor_mesh, self.meshes.batch_group, tag=s))
             self.next_batch += 1
+
+    def check_keys(self, batch: Batch) -> None:
+        if set(batch.tensors) != set(self.keys):  # the training ranks unpack by this list
+            raise SpmdrlError(f"a rollout batch has tensors {sorted(batch.tensors)} but spmdrl.loop.split.ROLLOUT_KEYS "
+                              f"(and MULTI_TURN_KEYS, ROUTE_KEYS) list {sorted(self.keys)}: add new rollout "
+                              "tensors there")
 
     def version_after(self, step: int) -> int:
         """The actor's weight version after `step` (critic warmup steps keep version 0)."""
@@ -167,16 +212,18 @@ class BatchStream:
     def receive(self, step: int) -> Batch:
         """Batch `step` on this training rank: from the inbox, else from the rollout ranks."""
         if step in self.inbox:
-            batch, nbytes = self.inbox.pop(step)
+            batch, nbytes, messages = self.inbox.pop(step)
         else:
-            batch, nbytes = self.fetch(step)
+            batch, nbytes, messages = self.fetch(step)
         self.batch_bytes += nbytes
         if "versions" in batch:  # lag: the actor version that trains on it (after step - 1) minus the token's
             self.lags = (self.version_after(step - 1) - batch["versions"])[batch["response_mask"] > 0].double()
+            self.messages = messages
         return batch
 
-    def fetch(self, step: int) -> tuple[Batch, int]:
-        """Receive batch `step` from the rollout ranks: (this rank's share, bytes received)."""
+    def fetch(self, step: int) -> tuple[Batch, int, int]:
+        """Receive batch `step` from the rollout ranks: (this rank's share, bytes received, messages it came in;
+        asynchronous: as its groups complete, the rows of one post per message)."""
         per_src = self.rollout_mesh.dp_share(self.samples_per_step, "rollout samples")
         next(self.sampler)  # count the draw the rollout ranks made for it: the sampler state a checkpoint saves
         return recv_batch(empty_rollout_batch(self.keys), self.rollout_mesh, self.actor_mesh, per_src,
@@ -184,19 +231,21 @@ class BatchStream:
 
     def take_in(self, step: int) -> None:
         """Training ranks, before the weights of `step` go out: receive every batch the rollout ranks posted for
-        the next steps (step+1 .. step+k; asynchronous: step+1), so that no transfer is pending at the meeting
-        point."""
+        the next steps (step+1 .. step+k; asynchronous: step+1, its groups as they were streamed), so that no
+        transfer is pending at the meeting point."""
         for s in range(step + 1, min(step + self.ahead, self.total_steps) + 1):
             if s not in self.inbox:
                 self.inbox[s] = self.fetch(s)  # its bytes count in the step that trains on it
 
     def in_flight(self, step: int) -> dict[str, torch.Tensor]:
         """Training ranks, at a checkpoint after `step`: the batches posted for steps step+1 .. step+k (taken in
-        during the step) as flat tensors to save."""
+        during the step) as flat tensors to save, with the bytes and messages each came in (`s/_wire`)."""
         self.take_in(step)
         out = {}
         for s in range(step + 1, min(step + self.ahead, self.total_steps) + 1):
-            out.update({f"{s}/{k}": v.contiguous() for k, v in self.inbox[s][0].tensors.items()})
+            batch, nbytes, messages = self.inbox[s]
+            out.update({f"{s}/{k}": v.contiguous() for k, v in batch.tensors.items()})
+            out[f"{s}/_wire"] = torch.tensor([nbytes, messages], dtype=torch.long)
         return out
 
     def restore(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -206,9 +255,19 @@ class BatchStream:
         for name, v in tensors.items():
             s, key = name.split("/", 1)
             by_step.setdefault(int(s), {})[key] = v
-        self.inbox = {s: (Batch(d), _wire_bytes(Batch(d))) for s, d in by_step.items()}
+        self.inbox = {}
+        for s, d in by_step.items():
+            wire = d.pop("_wire", None)  # absent in checkpoints written before it was saved: one message per batch
+            nbytes, messages = wire.tolist() if wire is not None else (_wire_bytes(Batch(d)), 1)
+            self.inbox[s] = (Batch(d), nbytes, messages)
         self.next_batch = min(step + self.ahead, self.total_steps) + 1
         self.version = self.version_after(step)
+
+    def take_messages(self) -> dict[str, float]:
+        """Asynchronous split, training ranks: batch_move/messages, the messages this rank's share of the batch it
+        trains on this step came in (one per post of a rollout rank that held part of it); nothing otherwise."""
+        m, self.messages = self.messages, None
+        return {} if m is None else {"batch_move/messages": float(m)}
 
     def take_lags(self) -> torch.Tensor | None:
         """Asynchronous split: the version lag of every token of the batch this training rank trains on this step

@@ -290,7 +290,7 @@ class Trainer:
 
     def rollout_role(self, step: int, timer: StageTimer) -> dict[str, float]:
         """Split placement, the rollout ranks (loop/split.py): generate and post the batches up to step + k (the
-        asynchronous stream: admit, step the engine, post each batch as its groups complete), then load this
+        asynchronous stream: admit, step the engine, post each group as it completes), then load this
         step's weights and see every batch send complete."""
         self.stream.produce(step, timer)
         metrics = self.stream.take_metrics()
@@ -384,6 +384,7 @@ class Trainer:
             else:
                 with timer("wait_batch"):
                     batch = self.stream.receive(step)
+                metrics.update(self.stream.take_messages())  # asynchronous: the posts its groups were streamed in
             self.scorer.attach_meta(batch, self.train_ds, self.actor_mesh)
             if "trajectory" in batch:  # multi-turn: turns, tool calls and failures, of the last round
                 metrics.update(trajectory_metrics(batch, self.tool_names, self.actor_mesh))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from spmdrl.rewards.gsm8k import same_number
 from spmdrl.rewards.registry import REWARD_FNS
 
 _DROP = re.compile(r"\s+|\$|\^\s*\{?\\circ\}?|°|\\!|\\,")
@@ -32,13 +33,7 @@ def normalize(answer: str) -> str:
 
 
 def same_answer(a: str, b: str) -> bool:
-    a, b = normalize(a), normalize(b)
-    if a == b:
-        return True
-    try:
-        return abs(float(a) - float(b)) < 1e-6
-    except ValueError:
-        return False
+    return same_number(normalize(a), normalize(b), tol=1e-6)
 
 
 @REWARD_FNS.register("hiyouga/geometry3k", "geo3k")

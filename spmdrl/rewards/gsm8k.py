@@ -25,11 +25,12 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
     return _normalize(found[-1]) if found else None
 
 
-def _same_number(a: str, b: str) -> bool:
+def same_number(a: str, b: str, tol: float = 1e-9) -> bool:
+    """a and b are the same string, or both numbers within tol of each other."""
     if a == b:
         return True
     try:
-        return abs(float(a) - float(b)) < 1e-9
+        return abs(float(a) - float(b)) < tol
     except ValueError:
         return False
 
@@ -41,7 +42,7 @@ def compute_score(
     answer = extract_solution(solution_str, method)
     if answer is None:
         return 0.0
-    return score if _same_number(answer, _normalize(str(ground_truth))) else format_score
+    return score if same_number(answer, _normalize(str(ground_truth))) else format_score
 
 
 @REWARD_FNS.register("openai/gsm8k", "gsm8k")

@@ -7,9 +7,10 @@ the same answer: by default the engine seeds one random stream per call from all
 
 Underneath `generate` is the request-level interface the caller steps itself (streaming rollouts): `admit`
 requests (one sample each, with an id of the caller's), `step` the engine once and get back the requests that
-finished in that step (`Completion`), `abort` requests, and `in_flight` counts what is admitted and unfinished.
-`generate` is a drain of it: admit everything, step until nothing is in flight, return in request order. Every
-token a request generates carries `weight_version`, the version of the weights the step that produced it ran
+finished in that step (`Completion`; with `step(partial=True)` also the new tokens of the requests still running,
+what a streamed reply sends as they are sampled), `abort` requests, and `in_flight` counts what is admitted and
+unfinished. `generate` is a drain of it: admit everything, step until nothing is in flight, return in request
+order. Every token a request generates carries `weight_version`, the version of the weights the step that produced it ran
 with (the caller sets it after loading new weights); between two steps the caller may load weights, and a request
 admitted earlier continues with the new ones (`rebuild_kv` recomputes its cache with them first). Every rank of
 a TP group must make the same admissions, aborts and steps.
@@ -22,9 +23,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from spmdrl.errors import ConfigError
+from spmdrl.rollout.routes import merge_routes
 
 _MASK64 = (1 << 64) - 1
 GENERATE_ID = "generate:"  # the prefix of the request ids a generate call admits (callers' ids may not start with it)
@@ -86,7 +89,8 @@ class RolloutOutput:
 
 @dataclass
 class Completion:
-    """One request the engine finished in a step (or took back with `abort`)."""
+    """One request the engine finished in a step (or took back with `abort`); with `step(partial=True)` also the
+    tokens a request still running produced in that step (finish_reason None)."""
 
     id: str
     """The caller's request id (admit)."""
@@ -96,11 +100,28 @@ class Completion:
     """Processed log-prob of each token (SamplingSpec.logprobs); empty when the spec asked for none."""
     versions: list[int]
     """The engine's weight_version at the step that produced each token."""
-    finish_reason: str
-    """'stop', 'length', or 'abort' (taken back before it finished)."""
+    finish_reason: str | None
+    """'stop', 'length', or 'abort' (taken back before it finished); None for a request still running (`step`'s
+    partial report: token_ids, logprobs and versions are then only the tokens of that step)."""
     routes: object = None
     """With route capture: the experts each computed position of prompt + response was routed to (see
     RolloutOutput.routed_experts); None otherwise and for aborted requests."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def joined(before: "Completion | None", after: Completion) -> Completion:
+    """A request suspended with `before` generated and continued as `after` (a continuation: prompt + before's
+    tokens), as one completion: the tokens, log-probs and versions of both, `after`'s finish, and per position the
+    routes first computed (before's, as generated; rollout/routes.py merge_routes)."""
+    if before is None:
+        return after
+    routes = after.routes if before.routes is None or after.routes is None else merge_routes(
+        np.asarray(before.routes), np.asarray(after.routes))
+    return Completion(after.id, before.token_ids + after.token_ids, before.logprobs + after.logprobs,
+                      before.versions + after.versions, after.finish_reason, routes)
 
 
 class RequestLog:
@@ -117,6 +138,10 @@ class RequestLog:
 
     def done(self, reason: str, routes=None) -> Completion:
         return Completion(self.id, self.token_ids, self.logprobs, self.versions, reason, routes)
+
+    def since(self, start: int) -> Completion:
+        """The tokens from `start` on, of a request still running (finish_reason None)."""
+        return Completion(self.id, self.token_ids[start:], self.logprobs[start:], self.versions[start:], None)
 
 
 def drain(step, ids: list[str], stash: list["Completion"]) -> list["Completion"]:
@@ -212,8 +237,11 @@ class RolloutEngine(Protocol):
         see reseed). The same call on every rank of the TP group (checked)."""
         ...
 
-    def step(self) -> list["Completion"]:
-        """One engine step; the requests that finished in it."""
+    def step(self, partial: bool = False) -> list["Completion"]:
+        """One engine step; the requests that finished in it. partial: also, for each request still running that
+        sampled tokens in this step, a Completion of just those tokens with finish_reason None (the finished
+        request's Completion still holds all of its tokens). Reporting only: the step is the same either way, so
+        the ranks of a TP group may differ in it."""
         ...
 
     def abort(self, ids: list[str]) -> list["Completion"]:

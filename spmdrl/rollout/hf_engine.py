@@ -152,10 +152,10 @@ class HFEngine:
             raise ConfigError("rollout: prompts with images need a vision-language model (Qwen2.5-VL, Qwen3-VL); "
                               f"this one is a {type(self.model).__name__}")
 
-    def step(self) -> list[Completion]:
+    def step(self, partial: bool = False) -> list[Completion]:
         """Decode the next max_num_seqs queued requests of one sampling spec to the end, as one batch (no
         continuous batching: a request finishes in the step that starts it); plus those that finished while a
-        generate call stepped the engine."""
+        generate call stepped the engine. partial: nothing more to report (no request runs across steps)."""
         stashed, self._stash = self._stash, []
         return stashed + self._step()
 

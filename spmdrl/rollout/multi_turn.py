@@ -46,7 +46,8 @@ from dataclasses import dataclass, replace
 
 from spmdrl.dist.collectives import broadcast_from_leader, group_agrees, is_group_leader
 from spmdrl.errors import SpmdrlError
-from spmdrl.rollout.base import Completion, RolloutEngine, SamplingSpec, call_seed, sample_seed
+from spmdrl.rollout.base import (Completion, RolloutEngine, SamplingSpec, call_seed, continuation_seed, joined,
+                                 sample_seed)
 from spmdrl.rollout.chat import ChatGlue, tool_message
 from spmdrl.rollout.trajectory import Trajectory, Turn
 from spmdrl.tools.base import ToolResult, ToolRunner
@@ -105,10 +106,11 @@ class AgentLoop:
         self.fmt, self.tp_group = fmt, tp_group
         self.tokenizer = glue.tokenizer
         self.stats = LoopStats()
-        self._requests = itertools.count()  # request ids: the same sequence on every rank of the TP group
-        self._steps = 0  # engine steps this loop handed completions of (the agreement check names them)
+        self.requests = 0  # request ids issued: the same sequence on every rank of the TP group
+        self.steps = 0  # engine steps this loop handed completions of (the agreement check names them)
         self._live: dict[str, tuple[Trajectory, SamplingSpec]] = {}  # request id -> its trajectory and sampling
         self._held: list[Completion] = []  # finished while `run` stepped the engine, not run's: the next advance's
+        self._prefix: dict[str, Completion] = {}  # a continuation's request id -> its turn's tokens before a suspension
 
     def trajectories(self, prompts: list[list[int]], messages: list[list[dict]], seeds: list[int], n: int,
                      tool_kwargs: list[dict] | None = None) -> list[Trajectory]:
@@ -155,8 +157,7 @@ class AgentLoop:
         lim = self.limits
         reqs = []  # (request id, prompt, seed, the request's spec)
         for t, spec in pending:
-            rid = f"turn:{next(self._requests)}"
-            self._live[rid] = (t, spec)
+            rid = self._new_request(t, spec)
             stop = list(dict.fromkeys([*spec.stop, *stop_strings(self.fmt)]))
             seed = sample_seed(turn_seed(t.seed, t.sample, len(t.turns)), 0) if self.seeded else None
             reqs.append((rid, t.prompt + t.ids, seed, replace(spec, n=1, stop=stop,
@@ -164,6 +165,12 @@ class AgentLoop:
         for _, run in itertools.groupby(reqs, key=lambda r: r[3]):  # one admit per run of equal specs, in order
             rids, prompts, seeds, specs = zip(*run)
             self.engine.admit(list(rids), list(prompts), specs[0], list(seeds))
+
+    def _new_request(self, t: Trajectory, spec: SamplingSpec) -> str:
+        rid = f"turn:{self.requests}"
+        self.requests += 1
+        self._live[rid] = (t, spec)
+        return rid
 
     def advance(self, completions: list[Completion]) -> tuple[list[Trajectory], list[Completion]]:
         """Take one engine step's completions: those of this loop's requests end a turn of their trajectory; a
@@ -175,10 +182,11 @@ class AgentLoop:
         if not mine:
             return [], others
         t0 = time.perf_counter()
-        self._steps += 1
+        self.steps += 1
         ended, calling = [], []
         for c in mine:
             t, spec = self._live.pop(c.id)
+            c = joined(self._prefix.pop(c.id, None), c)
             sampled_end = self._end_turn(t, c, spec)
             if t.done:
                 ended.append(t)
@@ -207,6 +215,47 @@ class AgentLoop:
         self.engine.abort(rids)
         for rid in rids:
             del self._live[rid]
+            self._prefix.pop(rid, None)
+
+    # ---- checkpoints: a turn in flight suspended and continued (loop/partial.py) --------------------------------
+    def suspend(self, trajs: list[Trajectory]) -> dict[int, Completion]:
+        """Take the requests of `trajs` out of the engine: id(trajectory) -> what its current turn generated so far
+        (finish reason "abort"; joined to an earlier suspension's tokens), or the turn's completion when it finished
+        while `run` stepped the engine (held for the next `advance`). `resume` admits them again."""
+        want = {id(t) for t in trajs}
+        rids = [rid for rid, (t, _) in self._live.items() if id(t) in want]
+        held = [c for c in self._held if c.id in rids]
+        self._held = [c for c in self._held if c.id not in rids]
+        done = {c.id for c in held}
+        out = {}
+        for c in held + self.engine.abort([r for r in rids if r not in done]):  # every TP rank aborts alike
+            t, _ = self._live.pop(c.id)
+            out[id(t)] = joined(self._prefix.pop(c.id, None), c)
+        return out
+
+    def resume(self, t: Trajectory, so_far: Completion, spec: SamplingSpec) -> None:
+        """Go on with a suspended turn of `t`: a finished one is held for the next `advance`; an unfinished one is
+        admitted as a continuation (its prompt + everything so far + the turn's tokens so far, the rest of the
+        budget, with per-request seeds `continuation_seed(the turn's seed, tokens so far)`), and its completion is
+        joined to `so_far` when it finishes."""
+        rid = self._new_request(t, spec)
+        if so_far.finish_reason != "abort":
+            self._held.append(replace(so_far, id=rid))
+            return
+        self._prefix[rid] = so_far
+        n = len(so_far.token_ids)
+        stop = list(dict.fromkeys([*spec.stop, *stop_strings(self.fmt)]))
+        seed = continuation_seed(sample_seed(turn_seed(t.seed, t.sample, len(t.turns)), 0), n) if self.seeded else None
+        self.engine.admit([rid], [t.prompt + t.ids + list(so_far.token_ids)],
+                          replace(spec, n=1, stop=stop, max_tokens=self.limits.max_response_tokens - len(t.ids) - n),
+                          [seed])
+
+    def state(self) -> list[int]:
+        """The request and engine-step counts (a checkpoint saves them, so that request ids go on alike)."""
+        return [self.requests, self.steps]
+
+    def load_state(self, state: list[int]) -> None:
+        self.requests, self.steps = (int(x) for x in state)
 
     def _end_turn(self, t: Trajectory, c: Completion, spec: SamplingSpec) -> str:
         """A turn's completion into its trajectory: its tokens, log-probs, versions and routes, its text and calls,
@@ -244,10 +293,10 @@ class AgentLoop:
         the tools: a rank that skips a broadcast or an admission its peers make hangs the group."""
         mine = [(t.seed, t.sample, len(t.ids), t.finish) for t in trajs]
         digest = int.from_bytes(hashlib.blake2b(repr(mine).encode(), digest_size=8).digest(), "little")
-        if not group_agrees([self._steps, len(mine), calling, digest], self.tp_group):
+        if not group_agrees([self.steps, len(mine), calling, digest], self.tp_group):
             turn = min(len(t.turns) for t in trajs)
             raise SpmdrlError(
-                f"multi-turn rollout, turn {turn} (engine step {self._steps} of the loop): the ranks of a rollout TP "
+                f"multi-turn rollout, turn {turn} (engine step {self.steps} of the loop): the ranks of a rollout TP "
                 f"group disagree on which trajectories ended a turn and which called tools ({len(mine)} ended a turn, "
                 f"{calling} called tools here); they must issue the same requests or vLLM hangs: check that every "
                 "rank gets the same prompts, seeds and tool results")

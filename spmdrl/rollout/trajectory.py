@@ -101,6 +101,24 @@ class Trajectory:
         return out
 
 
+def trajectory_state(t: Trajectory) -> dict:
+    """Everything of a trajectory in flight but its prompt, log-probs and routes, as JSON-able data (a checkpoint
+    saves it with those; `trajectory_from_state` is the inverse)."""
+    return {"messages": t.messages, "seed": t.seed, "sample": t.sample, "tool_kwargs": t.tool_kwargs, "ids": t.ids,
+            "mask": t.mask, "versions": t.versions, "finish": t.finish, "turns": [turn_info(x) for x in t.turns],
+            "routes": None if t.routes is None else len(t.routes)}
+
+
+def trajectory_from_state(state: dict, prompt: list[int], logprobs: list[float], routes) -> Trajectory:
+    turns = [Turn(text=x["text"], appended=x["appended"],
+                  calls=[ToolCall(c["name"], c["arguments"], c["error"]) for c in x["calls"]],
+                  results=[ToolResult(r["name"], r["text"], r["failure"], r["seconds"]) for r in x["results"]])
+             for x in state["turns"]]
+    return Trajectory(prompt=list(prompt), messages=state["messages"], seed=state["seed"], sample=state["sample"],
+                      tool_kwargs=state["tool_kwargs"], ids=state["ids"], mask=state["mask"], logprobs=list(logprobs),
+                      versions=state["versions"], turns=turns, finish=state["finish"], routes=routes)
+
+
 def turn_info(t: Turn) -> dict:
     return {
         "text": t.text, "appended": t.appended,

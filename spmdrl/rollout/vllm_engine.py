@@ -341,19 +341,20 @@ class VLLMEngine:
                 self._vid[rid] = vid
                 self._wants_logprobs[vid] = spec.logprobs
 
-    def step(self) -> list[Completion]:
+    def step(self, partial: bool = False) -> list[Completion]:
         """One vLLM engine step (a scheduler step and a forward); the requests that finished in it (and those that
-        finished while a generate call stepped the engine)."""
+        finished while a generate call stepped the engine). partial: also the tokens each request still running
+        sampled in this step (vLLM reports them: every request is added with RequestOutputKind.DELTA)."""
         stashed, self._stash = self._stash, []
-        return stashed + self._step()
+        return stashed + self._step(partial)
 
-    def _step(self) -> list[Completion]:
+    def _step(self, partial: bool = False) -> list[Completion]:
         if not self._live:
             return []
         self.finish_weight_update()
         with self._rng.active():
             outs = self.llm.llm_engine.step()
-        finished = []
+        finished, running = [], []
         for out in outs:
             log = self._live.get(out.request_id)
             if log is None:
@@ -362,19 +363,22 @@ class VLLMEngine:
                 ids = list(c.token_ids)
                 lps = [float(c.logprobs[k][t].logprob) for k, t in enumerate(ids)] if self._wants_logprobs[
                     out.request_id] else []
+                start = len(log.token_ids)
                 log.extend(ids, lps, self.weight_version)
                 if out.finished:
                     if c.finish_reason not in ("stop", "length"):
                         raise SpmdrlError(f"vLLM request {out.request_id} ended with finish_reason={c.finish_reason!r}")
                     finished.append((out.request_id, c))
+                elif partial and ids:
+                    running.append(log.since(start))
         if not finished:
-            return []
+            return running
         recorded = self._take_routes()
         done = []
         for vid, c in finished:
             log = self._forget(vid)
             done.append(log.done(c.finish_reason, self._routes_of(recorded, vid, c) if self.capture_routes else None))
-        return done
+        return done + running
 
     def abort(self, ids: list[str]) -> list[Completion]:
         """Take back in-flight requests (ids not in flight are skipped): what each generated so far, with the routes

@@ -6,6 +6,7 @@ import json
 import os
 
 import torch
+from run_env import run_env
 
 
 def main():
@@ -21,9 +22,7 @@ def main():
     runs = json.load(open(args.runs)) if args.runs else [{"out": args.out, "overrides": args.overrides}]
     device = None
     for spec in runs:
-        saved = {k: os.environ.get(k) for k in spec.get("env", {})}
-        os.environ.update(spec.get("env", {}))
-        try:
+        with run_env(spec.get("env", {})):
             cfg = load_config(None, spec["overrides"])
             layout = validate(cfg, detect_env().world_size)
             if device is None:
@@ -31,9 +30,6 @@ def main():
             trainer = one_run(cfg, layout, env, device, spec["out"])
             if len(runs) > 1:
                 trainer.rollout.close()  # the next run builds its own engine
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     return 0
 
 

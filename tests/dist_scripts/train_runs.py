@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from run_env import run_env
+
 
 def main() -> int:
     from spmdrl.config import Config, load_config, validate
@@ -22,28 +24,24 @@ def main() -> int:
     rank, world_size = detect_env().rank, detect_env().world_size
     device = None
     for spec in json.load(open(sys.argv[1])):
-        saved = {k: os.environ.get(k) for k in spec.get("env", {})}
-        os.environ.update(spec.get("env", {}))
-        cfg = load_config(None, spec["overrides"], root_cls=Config)
-        cfg.trainer.output_dir = os.path.abspath(cfg.trainer.output_dir)
-        rc = 0
-        try:
-            layout = validate(cfg, world_size)
-            train_preflight(cfg, rank, world_size)
-            if device is None:  # one process group for every run
-                _, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
-            trainer = Trainer(cfg, layout, rank, world_size, device)
+        with run_env(spec.get("env", {})):
+            cfg = load_config(None, spec["overrides"], root_cls=Config)
+            cfg.trainer.output_dir = os.path.abspath(cfg.trainer.output_dir)
+            rc = 0
             try:
-                trainer.fit()
-            finally:
-                if trainer.rollout is not None:  # the next run builds its own engine
-                    trainer.rollout.close()
-        except SpmdrlError as e:
-            print(f"[rank{rank}] error: {e}", file=sys.stderr, flush=True)
-            rc = 2
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+                layout = validate(cfg, world_size)
+                train_preflight(cfg, rank, world_size)
+                if device is None:  # one process group for every run
+                    _, device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+                trainer = Trainer(cfg, layout, rank, world_size, device)
+                try:
+                    trainer.fit()
+                finally:
+                    if trainer.rollout is not None:  # the next run builds its own engine
+                        trainer.rollout.close()
+            except SpmdrlError as e:
+                print(f"[rank{rank}] error: {e}", file=sys.stderr, flush=True)
+                rc = 2
         if rank == 0:
             os.makedirs(cfg.trainer.output_dir, exist_ok=True)
             with open(os.path.join(cfg.trainer.output_dir, "rc"), "w") as f:
