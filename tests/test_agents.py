@@ -424,32 +424,52 @@ def _letters_data(root):
 
 @pytest.mark.dist
 def test_agent_sessions_train_through_the_trainer(tmp_path_factory, tmp_path):
-    """Two GRPO steps on 2 ranks with rollout TP = 2, every rollout an agent session (the openai-client ReAct
-    agent, graded so that the two sessions of a prompt differ) through rank 0's endpoint while rank 1 steps the same requests: the agent's rewards are the scores, the
-    trajectories train (the actor moved), and at step 2 vLLM's log-probs of the trained tokens equal the actor's
-    over the whole trajectories (the trained ids are the sampled ids, in the contexts they were sampled in)."""
+    """One launch on 2 ranks with rollout TP = 2, every rollout an agent session through rank 0's endpoint while
+    rank 1 steps the same requests (grpo_step.py --runs: two Trainer runs in one process group).
+
+    1. Two GRPO steps of the openai-client ReAct agent, graded so that the two sessions of a prompt differ: the
+       agent's rewards are the scores, the trajectories train (the actor moved), and at step 2 vLLM's log-probs of
+       the trained tokens equal the actor's over the whole trajectories (the trained ids are the sampled ids, in the
+       contexts they were sampled in).
+    2. One GRPO step of a bash script with curl (tests/agent_curl.sh, agent.command): each session's trajectory is
+       a row of the batch the update trains on, with the loss mask on exactly the tokens vLLM sampled for it, the
+       script's printed reward as its score, a non-zero advantage, and a non-zero gradient."""
     pytest.importorskip("vllm")
     pytest.importorskip("openai")
+    import torch
+
     from launching import run
     from spmdrl.metrics import read_jsonl
+    from spmdrl.rollout.trajectory import decode_infos
     from tool_agent import shared_tool_model
 
     model = shared_tool_model(tmp_path_factory)
     data = _letters_data(tmp_path / "data")
+    react_out, curl_out, dump = tmp_path / "react", tmp_path / "curl", tmp_path / "dump"
+    for d in (react_out, curl_out, dump):
+        d.mkdir()
     o = {
         "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.val_files": f'["{data["val"]}"]',
         "data.max_prompt_length": 64, "data.max_response_length": 300, "data.train_batch_size": 2,
         "data.shuffle": "false", "rollout.n": 2, "rollout.kv_cache_gb": 0.2, "rollout.temperature": TEMPERATURE,
         "rollout.val_temperature": 0.0, "placement.rollout_tp": 2, "actor.lr": 1e-4, "actor.micro_batch_size": 2,
         "actor.ppo_mini_batch_size": 2, "trainer.total_steps": 2, "trainer.device": "cpu",
-        "trainer.output_dir": str(tmp_path), "logging.progress": "false",
+        "trainer.output_dir": str(react_out), "logging.progress": "false",
         "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_const.py") + ":score",
         "agent.enable": "true", "agent.entry": os.path.join(HERE, "agent_programs.py") + ":run",
         "agent.sessions": 4, "agent.timeout_s": 120,
     }
-    run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--out", str(tmp_path), *[f"{k}={v}" for k, v in o.items()]],
-        nproc=2)
-    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    curl = {**o, "agent.entry": "", "agent.command": f"bash {os.path.join(HERE, 'agent_curl.sh')}",
+            "trainer.total_steps": 1, "data.val_files": "[]", "trainer.output_dir": str(curl_out),
+            "hooks.files": f'["{os.path.join(HERE, "dist_scripts", "dump_hook.py")}"]'}
+    runs = [{"out": str(react_out), "overrides": [f"{k}={v}" for k, v in o.items()]},
+            {"out": str(curl_out), "overrides": [f"{k}={v}" for k, v in curl.items()],
+             "env": {"SPMDRL_TEST_DUMP": str(dump)}}]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--runs", str(tmp_path / "runs.json")], nproc=2,
+        timeout=900)
+
+    rows = read_jsonl(str(react_out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
     val, s1, s2 = rows
     assert val["val/accuracy"] == 0.5  # greedy: b answers 7 (the agent's reward 1), a never answers (0)
@@ -463,8 +483,33 @@ def test_agent_sessions_train_through_the_trainer(tmp_path_factory, tmp_path):
     assert s2["rollout/logprob_diff_max"] < 1e-4
     documented = open(os.path.join(os.path.dirname(HERE), "docs", "metrics.md")).read()
     assert all(f"`{k}`" in documented for k in s1 if k.startswith("agent/"))
-    checks = [json.load(open(tmp_path / f"check_rank{r}.json")) for r in range(2)]
+    checks = [json.load(open(react_out / f"check_rank{r}.json")) for r in range(2)]
     assert checks[0]["param_change"] > 0 and checks[0]["weight_sync_max_diff"] < 1e-4
+
+    # the bash + curl agent: its sessions' trajectories in the batch the update trained on, on both actor ranks
+    (c1,) = read_jsonl(str(curl_out / "metrics.jsonl"))
+    assert c1["agent/sessions"] == 4 and c1["agent/failed_sessions"] == 0 and c1["agent/calls"] == 4
+    assert c1["actor/grad_norm"] > 0 and c1["train/reward_mean"] == 1.25  # (1 + 1.5) per prompt: its printed rewards
+    tok = _tokenizer(model)
+    seven = tok.encode("7", add_special_tokens=False) + [tok.eos_token_id]
+    trained = []
+    for r in range(2):
+        b = torch.load(dump / f"batch_rank{r}.pt")
+        for i, info in enumerate(decode_infos(b["trajectory"])):
+            n = int(b["response_len"][i])
+            ids, mask = b["responses"][i, :n].tolist(), b["response_mask"][i, :n].tolist()
+            assert ids == seven and mask == [1.0, 1.0]  # greedy-memorised "7" and its end token, both sampled
+            assert (b["rollout_log_probs"][i, :n] < 0).all()
+            assert float(b["scores"][i]) == info["agent"]["reward"] and info["agent"]["reward"] in (1.0, 1.5)
+            assert float(b["advantages"][i, 0]) != 0.0 and info["turns"][0]["text"] == "7"
+            trained.append(info["agent"]["reward"])
+    assert sorted(trained) == [1.0, 1.0, 1.5, 1.5]
+
+
+def _tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 @pytest.mark.quick
@@ -489,3 +534,34 @@ def test_agent_config_refusals():
     ):
         with pytest.raises(ConfigError, match=what):
             validate_agent(load_config(None, ["agent.enable=true", *overrides]))
+
+
+@pytest.mark.quick
+def test_the_agent_quickstart_is_the_tool_quickstart_with_an_agent():
+    """configs/quickstart/grpo_agent.toml (TASK=agent) validates on 2 ranks and differs from grpo_tools.toml
+    (TASK=tools) only in how it rolls out, and its agent shows the model the calculator schema the in-process loop
+    writes into the prompt, with results cut as multi_turn.max_tool_response_tokens cuts them (byte-level
+    tokenizer: one token per character)."""
+    import dataclasses
+    import importlib.util
+
+    from spmdrl.config import load_config, validate
+    from spmdrl.tools.builtin import calculator_tool
+
+    root = os.path.dirname(HERE)
+    agent_cfg = load_config(os.path.join(root, "configs", "quickstart", "grpo_agent.toml"))
+    tools_cfg = load_config(os.path.join(root, "configs", "quickstart", "grpo_tools.toml"))
+    validate(agent_cfg, 2)
+    a, t = dataclasses.asdict(agent_cfg), dataclasses.asdict(tools_cfg)
+    assert a["agent"]["enable"] and not a["multi_turn"]["enable"] and t["multi_turn"]["enable"]
+    for cfg in (a, t):
+        cfg.pop("agent"), cfg.pop("multi_turn"), cfg["trainer"].pop("output_dir")
+    assert a == t
+    spec = importlib.util.spec_from_file_location("agent_react", os.path.join(root, agent_cfg.agent.entry.split(":")[0]))
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    assert json.dumps(agent.TOOLS) == json.dumps([calculator_tool().schema()])
+    assert agent.MAX_TURNS == tools_cfg.multi_turn.max_turns
+    assert agent.MAX_RESULT_CHARS == tools_cfg.multi_turn.max_tool_response_tokens
+    assert agent.calculator('{"expression": "1234567+89012"}') == "1323579"
+    assert agent.reward(" 1323579", "1323579") == 1.0 and agent.reward("1323579 ", "1323578") == 0.0
