@@ -122,6 +122,9 @@ class AgentRollout:
         self.endpoint = None
         self.base_url = ""
         self._rounds = 0
+        self.branches: list[list[Trajectory]] = []
+        """After `rollout`: per session (in the order of its trajectories) its other branches (loop/generate.py
+        trains them with agent.train_branches = "all")."""
         if is_group_leader(tp_group):
             self.secret = secret or secrets.token_urlsafe(24)
             self.endpoint = Endpoint(ChatRender(tokenizer), SamplingSpec(), set(), self.secret, fmt=spec.fmt,
@@ -143,7 +146,7 @@ class AgentRollout:
         ep = self.endpoint
         if ep is None:
             serve(self.engine, self.tp_group, None, None, stats)
-            trajs, stats.extra = broadcast_from_leader(None, self.tp_group)
+            trajs, self.branches, stats.extra = broadcast_from_leader(None, self.tp_group)
             return trajs
         stop_ids = set(spec.stop_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         ep.spec, ep.stop_ids = replace(spec, n=1), stop_ids
@@ -190,6 +193,7 @@ class AgentRollout:
         for t in threads:
             t.join()
         trajs = [self._trajectory(pb, i, j, s, r) for (i, j), s, r in zip(samples, sessions, results)]
+        self.branches = [self._other_branches(s, t) for s, t in zip(sessions, trajs)]
         stats.turns = max((len(t.turns) for t in trajs), default=0)
         stats.other_s = max(0.0, time.perf_counter() - t0 - stats.generate_s)
         stats.extra = {
@@ -199,7 +203,20 @@ class AgentRollout:
             "agent/branches": float(sum(len(s.trajectories()) for s in sessions)),
             "agent/endpoint_errors": float(ep.faults - faults0),
         }
-        return broadcast_from_leader((trajs, stats.extra), self.tp_group)[0]
+        return broadcast_from_leader((trajs, self.branches, stats.extra), self.tp_group)[0]
+
+    @staticmethod
+    def _other_branches(session: Session, final: Trajectory) -> list[Trajectory]:
+        """The session's branches other than its final one (`final`, its row of the batch), each with the session's
+        outcome (reward, transcript) and its own tokens; none for a failed session (it trains nothing)."""
+        if final.finish == "error":
+            return []
+        out = []
+        for k, t in enumerate(b for b in session.trajectories()[:-1]):
+            t.seed, t.sample, t.finish = 0, final.sample, t.finish or "answer"
+            t.agent = {**final.agent, "branch": k + 1}
+            out.append(t)
+        return out
 
     def _trajectory(self, pb, i: int, j: int, session: Session, result) -> Trajectory:
         """The session's final branch with its reward; a placeholder (one masked EOS) when it sampled nothing."""
