@@ -133,13 +133,15 @@ def test_every_branch_of_a_session_becomes_a_row_of_its_group(tok):
     finals = []
     for session, reward in ((s, 1.0), (plain, 0.0)):
         t = session.trajectories()[-1]
-        t.sample, t.finish, t.agent = len(finals), "answer", {"reward": reward, "branches": len(session.trajectories())}
+        t.sample, t.finish = len(finals), "answer"
+        t.agent = {"reward": reward, "branches": len(session.trajectories()), "transcript": t.messages}  # as _trajectory
         finals.append(t)
     others = [AgentRollout._other_branches(x, t) for x, t in zip((s, plain), finals)]
     assert [len(o) for o in others] == [1, 0]
     (branch,) = others[0]
     assert branch.ids == first.ids and branch.mask == first.mask and branch.logprobs == first.logprobs
-    assert branch.agent == {"reward": 1.0, "branches": 2, "branch": 1} and branch.sample == 0
+    assert branch.agent == {"reward": 1.0, "branches": 2, "branch": 1, "transcript": branch.messages} and branch.sample == 0
+    assert branch.messages != finals[0].messages  # its own conversation, not the final branch's
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     rows, kind, session = branch_rows(finals, others, n=2, slots=2, eos=eos)
     assert rows[:3] == [finals[0], finals[1], branch] and kind == [0, 0, 1, PADDING] and session == [0, 1, 0, -1]
@@ -579,7 +581,7 @@ def test_agent_sessions_train_through_the_trainer(tmp_path_factory, tmp_path):
         for i, info in enumerate(decode_infos(b["trajectory"])):
             n = int(b["response_len"][i])
             ids, mask = b["responses"][i, :n].tolist(), b["response_mask"][i, :n].tolist()
-            assert mask == [1.0] * n and (b["rollout_log_probs"][i, :n] < 0).all()  # one call: every token sampled
+            assert mask == [1.0] * n and (b["rollout_log_probs"][i, :n] <= 0).all()  # one call: every token sampled
             assert tok.decode(ids).startswith(info["turns"][0]["text"])
             reward = info["agent"]["reward"]
             assert float(b["scores"][i]) == reward and reward in expected

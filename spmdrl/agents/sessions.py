@@ -208,13 +208,15 @@ class AgentRollout:
     @staticmethod
     def _other_branches(session: Session, final: Trajectory) -> list[Trajectory]:
         """The session's branches other than its final one (`final`, its row of the batch), each with the session's
-        outcome (reward, transcript) and its own tokens; none for a failed session (it trains nothing)."""
+        outcome (its reward, the transcript its agent returned, else its own messages) and its own tokens; none for
+        a failed session (it trains nothing)."""
         if final.finish == "error":
             return []
+        returned = final.agent.get("transcript") is not final.messages  # _trajectory's fallback: the final's own
         out = []
-        for k, t in enumerate(b for b in session.trajectories()[:-1]):
+        for k, t in enumerate(session.trajectories()[:-1]):
             t.seed, t.sample, t.finish = 0, final.sample, t.finish or "answer"
-            t.agent = {**final.agent, "branch": k + 1}
+            t.agent = {**final.agent, "branch": k + 1, "transcript": final.agent["transcript"] if returned else t.messages}
             out.append(t)
         return out
 

@@ -218,14 +218,14 @@ class Learner:
     def batch_metrics(self, batch: Batch, actor_version: int) -> dict[str, float]:
         """The batch's rewards, lengths and advantages; in split placement how many actor versions old its
         weights are (actor_version: the step of the actor's last update)."""
-        mask = batch["response_mask"]
+        advantage_mean = float(masked_mean(batch["advantages"], batch["response_mask"]))  # every trained token
         batch = sessions_only(batch)  # [agent] branch rows: a session counts once
         m = {
             "train/reward_mean": float(batch["scores"].mean()),
             "train/reward_std": float(batch["scores"].std()) if len(batch) > 1 else 0.0,
             "train/response_length_mean": float(batch["response_len"].float().mean()),
             "train/response_clip_ratio": float(batch["truncated"].mean()),
-            "train/advantage_mean": float(masked_mean(batch["advantages"], mask)),
+            "train/advantage_mean": advantage_mean,
         }
         if "weight_version" in batch:
             m["train/weight_version_lag"] = actor_version - float(batch["weight_version"].double().mean())
