@@ -92,19 +92,36 @@ def serve(engine, group, endpoint: Endpoint | None, finished, stats: AgentStats 
             stats.generate_s += time.perf_counter() - t0
 
 
-def run_session(spec: AgentSpec, base_url: str, api_key: str, sample: dict) -> tuple[dict | None, str]:
-    """One agent session in a worker process: (its outcome, '') or (None, why it failed)."""
-    proc = spawn_worker(MODULE, [], env={"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key})
+class Slot:
+    """One of a rollout group's `agent.sessions` slots: a worker process that runs the slot's sessions one after
+    another (agents/worker.py), started at its first session and replaced after a session that ran past its time
+    or killed it."""
+
+    def __init__(self):
+        self.proc = None
+
+    def close(self) -> None:
+        if self.proc is not None:
+            kill_worker(self.proc)
+            self.proc = None
+
+
+def run_session(spec: AgentSpec, slot: Slot, base_url: str, api_key: str, sample: dict) -> tuple[dict | None, str]:
+    """One agent session in `slot`'s worker process: (its outcome, '') or (None, why it failed)."""
+    if slot.proc is None:
+        slot.proc = spawn_worker(MODULE, [])
+    proc = slot.proc
     try:
-        send(proc.stdin, (spec.kind, spec.target, sample))
+        send(proc.stdin, (spec.kind, spec.target, sample, {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}))
         reply = recv(proc.stdout.fileno(), time.monotonic() + spec.timeout_s)
     except TimeoutError:
+        slot.close()  # the worker and everything the session started
         return None, f"ran past agent.timeout_s = {spec.timeout_s:g}s and was stopped"
     except (OSError, EOFError) as e:
+        slot.close()
         return None, f"its process failed ({type(e).__name__})"
-    finally:
-        kill_worker(proc)
     if reply is None:
+        slot.close()
         return None, f"its process died (exit status {proc.returncode})"
     status, value = reply
     return (value, "") if status == "ok" else (None, value)
@@ -123,6 +140,7 @@ class AgentRollout:
         self.base_url = ""
         self._rounds = 0
         self.branches: list[list[Trajectory]] = []
+        self.slots = [Slot() for _ in range(spec.sessions)]  # the leader's session workers, kept between rollouts
         """After `rollout`: per session (in the order of its trajectories) its other branches (loop/generate.py
         trains them with agent.train_branches = "all")."""
         if is_group_leader(tp_group):
@@ -134,6 +152,8 @@ class AgentRollout:
             logger.info("agent endpoint on %s (loopback only)", self.base_url)
 
     def close(self) -> None:
+        for slot in self.slots:
+            slot.close()
         if self.endpoint is not None:
             self.endpoint.stop()
 
@@ -160,7 +180,7 @@ class AgentRollout:
         lock = threading.Lock()
         left = [len(samples)]
 
-        def worker() -> None:
+        def worker(slot: Slot) -> None:
             while True:
                 with lock:
                     if not pending:
@@ -173,7 +193,8 @@ class AgentRollout:
                           "extra_info": pb.extra_info[i]}
                 ep.open_session(sid, sessions[k], self.spec.timeout_s)
                 try:
-                    value, why = run_session(self.spec, f"{self.base_url}/sessions/{sid}/v1", self.secret, sample)
+                    value, why = run_session(self.spec, slot, f"{self.base_url}/sessions/{sid}/v1", self.secret,
+                                            sample)
                 except Exception as e:  # spawning failed: this session fails, the rollout goes on
                     value, why = None, f"could not start ({type(e).__name__}: {e})"
                 st = ep.close_session(sid)
@@ -184,7 +205,7 @@ class AgentRollout:
                     left[0] -= 1
 
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker, daemon=True, name=f"spmdrl-agent-{n}")
+        threads = [threading.Thread(target=worker, args=(self.slots[n],), daemon=True, name=f"spmdrl-agent-{n}")
                    for n in range(min(self.spec.sessions, len(samples)))]
         for t in threads:
             t.start()
