@@ -94,11 +94,19 @@ def serve(engine, group, endpoint: Endpoint | None, finished, stats: AgentStats 
 
 class Slot:
     """One of a rollout group's `agent.sessions` slots: a worker process that runs the slot's sessions one after
-    another (agents/worker.py), started at its first session and replaced after a session that ran past its time
-    or killed it."""
+    another (agents/worker.py), replaced after a session that ran past its time or killed it.
+
+    `ready` starts it from the rank's main thread, before a rollout's session threads: a worker dies with the
+    thread that started it (PR_SET_PDEATHSIG follows the thread), and the session threads end with the rollout."""
 
     def __init__(self):
         self.proc = None
+
+    def ready(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:  # died with the thread of a replacement
+            self.close()
+        if self.proc is None:
+            self.proc = spawn_worker(MODULE, [])
 
     def close(self) -> None:
         if self.proc is not None:
@@ -108,7 +116,7 @@ class Slot:
 
 def run_session(spec: AgentSpec, slot: Slot, base_url: str, api_key: str, sample: dict) -> tuple[dict | None, str]:
     """One agent session in `slot`'s worker process: (its outcome, '') or (None, why it failed)."""
-    if slot.proc is None:
+    if slot.proc is None:  # replaced after this rollout's earlier session (it lives as long as this thread)
         slot.proc = spawn_worker(MODULE, [])
     proc = slot.proc
     try:
@@ -207,6 +215,8 @@ class AgentRollout:
         t0 = time.perf_counter()
         threads = [threading.Thread(target=worker, args=(self.slots[n],), daemon=True, name=f"spmdrl-agent-{n}")
                    for n in range(min(self.spec.sessions, len(samples)))]
+        for slot in self.slots[: len(threads)]:
+            slot.ready()
         for t in threads:
             t.start()
         faults0 = ep.faults
