@@ -44,7 +44,7 @@ def reward(answer: str, truth: str) -> float:
 
 
 def run(base_url: str, api_key: str, sample: dict) -> float:
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300)
+    client = OpenAI(base_url=base_url, api_key=api_key, timeout=300)  # the default retries: connection errors
     messages = [dict(m) for m in sample["messages"]]
     for _ in range(MAX_TURNS):
         try:
