@@ -6,6 +6,9 @@
 #   GRPO_CONFIG=configs/quickstart/grpo_split.toml bash launch/quickstart.sh   # split placement, one step off-policy
 #   TASK=tools bash launch/quickstart.sh   # long sums the tiny model solves only by calling the calculator
 #     (its own data, SFT on tool-call conversations and GRPO with multi-turn rollouts; OUT=outputs/quickstart_tools)
+#   TASK=agent bash launch/quickstart.sh   # the same task, data and SFT model, but GRPO rolls out with a black-box
+#     agent (configs/quickstart/agent_react.py, the openai client) through the endpoint (docs/agents.md); results in
+#     outputs/quickstart_tools/grpo_agent, next to TASK=tools' grpo_tools
 #   TASK=vlm bash launch/quickstart.sh   # a tiny vision-language model (Qwen2.5-VL) counting shapes in pictures: its
 #     own data (count-shapes), SFT on pictures with their answers, GRPO with the transformers rollout engine
 #     (docs/vlm.md; OUT=outputs/quickstart_vlm)
@@ -18,16 +21,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TASK=${TASK:-arith}
 MODEL=()  # spmdrl model tiny's architecture (default: the text model)
+GRPO_NAME=  # the GRPO config's name when it is not grpo$SUFFIX
 case "$TASK" in
   arith) SUFFIX= ; DATA=(synthetic --n-sft 4096) ;;
   tools) SUFFIX=_tools ; DATA=(tool-sums) ;;
+  agent) SUFFIX=_tools ; DATA=(tool-sums) ; GRPO_NAME=grpo_agent ;;  # the tools task's model, data and SFT warm start
   vlm) SUFFIX=_vlm ; DATA=(count-shapes --n-train 1024 --n-val 128 --n-sft 2048) ; MODEL=(--arch qwen2_5_vl) ;;
   distill) SUFFIX= ; DATA=(synthetic --n-sft 4096) ;;  # the arithmetic task's model, data and SFT warm start
-  *) echo "error: TASK=$TASK is not one of arith, tools, vlm, distill" >&2; exit 2 ;;
+  *) echo "error: TASK=$TASK is not one of arith, tools, agent, vlm, distill" >&2; exit 2 ;;
 esac
 OUT=${OUT:-outputs/quickstart$SUFFIX}
 NPROC=${NPROC:-2}
-GRPO_CONFIG=${GRPO_CONFIG:-configs/quickstart/grpo$SUFFIX.toml}
+GRPO_CONFIG=${GRPO_CONFIG:-configs/quickstart/${GRPO_NAME:-grpo$SUFFIX}.toml}
 RUN="$OUT/$(basename "$GRPO_CONFIG" .toml)"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
@@ -74,7 +79,7 @@ if [ "$TASK" = distill ]; then
   echo "distillation and GRPO $(( $(date +%s) - t_grpo )) s; quickstart finished in $(( $(date +%s) - start )) s"
   exit 0
 fi
-echo "== 4/4 GRPO ($NPROC processes, $([ "$TASK" = vlm ] && echo "transformers rollout engine" || echo "in-process vLLM")) -> $RUN"
+echo "== 4/4 GRPO ($NPROC processes, $([ "$TASK" = vlm ] && echo "transformers rollout engine" || echo "in-process vLLM")$([ "$TASK" = agent ] && echo ", agent sessions")) -> $RUN"
 t_grpo=$(date +%s)
 # the quickstart starts its GRPO run over: checkpoint.resume=off, and trainer.overwrite=true deletes an earlier
 # run of this config in $RUN (without it a fresh run into a used directory is refused); pass

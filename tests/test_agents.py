@@ -117,6 +117,83 @@ def test_an_edited_history_becomes_a_branch_and_a_repeat_call_forks(tok):
 
 
 @pytest.mark.quick
+def test_every_branch_of_a_session_becomes_a_row_of_its_group(tok):
+    """agent.train_branches = "all": a session's other branches (here the 3-turn conversation before its history
+    was edited) become rows after its group's final branches, each with its own captured ids and mask and its
+    session's outcome; a group with fewer branch rows than the step's most is filled with masked padding rows."""
+    from spmdrl.agents.sessions import AgentRollout
+    from spmdrl.loop.generate import PADDING, branch_rows, trajectories_to_batch
+
+    s, _, calls = _three_turns(tok)
+    first = copy.deepcopy(s.trajectories()[0])
+    edited = copy.deepcopy(calls[2][1])
+    edited[2]["content"] = "4"
+    _sample(s, s.prepare(edited, TOOLS, None), "8", tok)
+    plain, _, _ = _three_turns(tok)  # a session without branches
+    finals = []
+    for session, reward in ((s, 1.0), (plain, 0.0)):
+        t = session.trajectories()[-1]
+        t.sample, t.finish = len(finals), "answer"
+        t.agent = {"reward": reward, "branches": len(session.trajectories()), "transcript": t.messages}  # as _trajectory
+        finals.append(t)
+    others = [AgentRollout._other_branches(x, t) for x, t in zip((s, plain), finals)]
+    assert [len(o) for o in others] == [1, 0]
+    (branch,) = others[0]
+    assert branch.ids == first.ids and branch.mask == first.mask and branch.logprobs == first.logprobs
+    assert branch.agent == {"reward": 1.0, "branches": 2, "branch": 1, "transcript": branch.messages} and branch.sample == 0
+    assert branch.messages != finals[0].messages  # its own conversation, not the final branch's
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    rows, kind, session = branch_rows(finals, others, n=2, slots=2, eos=eos)
+    assert rows[:3] == [finals[0], finals[1], branch] and kind == [0, 0, 1, PADDING] and session == [0, 1, 0, -1]
+    batch = trajectories_to_batch(rows, [7] * 4, 1, 0)
+    assert batch["index"].tolist() == [7] * 4 and batch["response_len"].tolist()[3] == 1
+    assert batch["response_mask"][2, : len(first.ids)].tolist() == [float(m) for m in first.mask]
+    assert float(batch["response_mask"][3].sum()) == 0.0  # padding trains nothing
+
+
+@pytest.mark.quick
+def test_a_sessions_branches_share_its_grpo_advantage_counted_once():
+    """session_advantages against GRPO computed by hand in float64 over sessions: two groups of n = 2 sessions,
+    session (0, 0) with two extra branches, a padding row; the extra branches take their session's advantage on
+    their own model tokens. Counting rows as samples (plain GRPO over the batch) gives other values."""
+    import torch
+
+    from spmdrl.algos import ADV_ESTIMATORS
+    from spmdrl.loop.learner import session_advantages
+
+    grpo = ADV_ESTIMATORS.get("grpo")
+    # rows: group 10: final (s0), final (s1), branch of s0, branch of s0; group 11: final, final, padding
+    uid = torch.tensor([10, 10, 10, 10, 11, 11, 11])
+    branch = torch.tensor([0, 0, 1, 2, 0, 0, -1])
+    session = torch.tensor([0, 1, 0, 0, 0, 1, -1])
+    reward = [1.0, 0.0, 1.0, 1.0, 0.5, 0.2, 0.0]
+    mask = torch.zeros(7, 5)
+    for i, (a, b) in enumerate([(0, 3), (0, 5), (1, 4), (2, 3), (0, 2), (0, 4), (0, 0)]):
+        mask[i, a:b] = 1
+    rewards = torch.zeros(7, 5)
+    for i in range(7):
+        if mask[i].any():
+            rewards[i, int(mask[i].nonzero().max())] = reward[i]
+    from spmdrl.batch import Batch
+
+    batch = Batch({"uid": uid, "branch": branch, "session": session, "response_mask": mask,
+                   "token_level_rewards": rewards})
+    adv, ret = session_advantages(grpo, batch, epsilon=1e-6, norm_by_std=True)
+
+    def by_hand(a, b):  # GRPO of a group of two sessions with rewards a, b: unbiased std over the two
+        mean = (a + b) / 2
+        std = (((a - mean) ** 2 + (b - mean) ** 2) / 1) ** 0.5
+        return (a - mean) / (std + 1e-6), (b - mean) / (std + 1e-6)
+
+    g10, g11 = by_hand(1.0, 0.0), by_hand(0.5, 0.2)
+    per_row = [g10[0], g10[1], g10[0], g10[0], g11[0], g11[1], 0.0]
+    expected = torch.tensor(per_row, dtype=torch.float64)[:, None] * mask.double()
+    assert torch.allclose(adv.double(), expected, atol=1e-6) and torch.equal(adv, ret)
+    plain, _ = grpo(rewards, mask, index=uid)
+    assert not torch.allclose(plain[:4].double(), expected[:4], atol=1e-3)  # rows counted as samples: wrong
+
+
+@pytest.mark.quick
 def test_refusals_are_one_line_call_errors(tok):
     s = _session(tok, max_prompt=20)
     for bad, what in (([], "non-empty"), ([{"role": "wizard", "content": "x"}], "role"),
@@ -597,32 +674,53 @@ def _letters_data(root):
 
 @pytest.mark.dist
 def test_agent_sessions_train_through_the_trainer(tmp_path_factory, tmp_path):
-    """Two GRPO steps on 2 ranks with rollout TP = 2, every rollout an agent session (the openai-client ReAct
-    agent, graded so that the two sessions of a prompt differ) through rank 0's endpoint while rank 1 steps the same requests: the agent's rewards are the scores, the
-    trajectories train (the actor moved), and at step 2 vLLM's log-probs of the trained tokens equal the actor's
-    over the whole trajectories (the trained ids are the sampled ids, in the contexts they were sampled in)."""
+    """One launch on 2 ranks with rollout TP = 2, every rollout an agent session through rank 0's endpoint while
+    rank 1 steps the same requests (grpo_step.py --runs: two Trainer runs in one process group).
+
+    1. Two GRPO steps of the openai-client ReAct agent, graded so that the two sessions of a prompt differ: the
+       agent's rewards are the scores, the trajectories train (the actor moved), and at step 2 vLLM's log-probs of
+       the trained tokens equal the actor's over the whole trajectories (the trained ids are the sampled ids, in the
+       contexts they were sampled in).
+    2. One GRPO step of a bash script with curl (tests/agent_curl.sh, agent.command) whose sessions make two calls
+       that do not extend each other (two branches): each branch is a row of the batch the update trains on, with
+       the loss mask on exactly the tokens vLLM sampled for it, the script's printed reward as its score, and its
+       session's GRPO advantage (the group's statistics over sessions, not rows); the gradient is not zero."""
     pytest.importorskip("vllm")
     pytest.importorskip("openai")
+    import torch
+
     from launching import run
     from spmdrl.metrics import read_jsonl
+    from spmdrl.rollout.trajectory import decode_infos
     from tool_agent import shared_tool_model
 
     model = shared_tool_model(tmp_path_factory)
     data = _letters_data(tmp_path / "data")
+    react_out, curl_out, dump = tmp_path / "react", tmp_path / "curl", tmp_path / "dump"
+    for d in (react_out, curl_out, dump):
+        d.mkdir()
     o = {
         "model.path": model, "data.train_files": f'["{data["train"]}"]', "data.val_files": f'["{data["val"]}"]',
         "data.max_prompt_length": 64, "data.max_response_length": 300, "data.train_batch_size": 2,
         "data.shuffle": "false", "rollout.n": 2, "rollout.kv_cache_gb": 0.2, "rollout.temperature": TEMPERATURE,
         "rollout.val_temperature": 0.0, "placement.rollout_tp": 2, "actor.lr": 1e-4, "actor.micro_batch_size": 2,
         "actor.ppo_mini_batch_size": 2, "trainer.total_steps": 2, "trainer.device": "cpu",
-        "trainer.output_dir": str(tmp_path), "logging.progress": "false",
+        "trainer.output_dir": str(react_out), "logging.progress": "false",
         "reward.custom_fn": os.path.join(HERE, "dist_scripts", "reward_const.py") + ":score",
         "agent.enable": "true", "agent.entry": os.path.join(HERE, "agent_programs.py") + ":run",
         "agent.sessions": 4, "agent.timeout_s": 120,
     }
-    run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--out", str(tmp_path), *[f"{k}={v}" for k, v in o.items()]],
-        nproc=2)
-    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    curl = {**o, "agent.entry": "", "agent.command": f"bash {os.path.join(HERE, 'agent_curl.sh')} branch",
+            "trainer.total_steps": 1, "data.val_files": "[]", "trainer.output_dir": str(curl_out),
+            "hooks.files": f'["{os.path.join(HERE, "dist_scripts", "dump_hook.py")}"]'}
+    runs = [{"out": str(react_out), "overrides": [f"{k}={v}" for k, v in o.items()]},
+            {"out": str(curl_out), "overrides": [f"{k}={v}" for k, v in curl.items()],
+             "env": {"SPMDRL_TEST_DUMP": str(dump)}}]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    run([os.path.join(HERE, "dist_scripts", "grpo_step.py"), "--runs", str(tmp_path / "runs.json")], nproc=2,
+        timeout=900)
+
+    rows = read_jsonl(str(react_out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
     val, s1, s2 = rows
     assert val["val/accuracy"] == 0.5  # greedy: b answers 7 (the agent's reward 1), a never answers (0)
@@ -636,8 +734,41 @@ def test_agent_sessions_train_through_the_trainer(tmp_path_factory, tmp_path):
     assert s2["rollout/logprob_diff_max"] < 1e-4
     documented = open(os.path.join(os.path.dirname(HERE), "docs", "metrics.md")).read()
     assert all(f"`{k}`" in documented for k in s1 if k.startswith("agent/"))
-    checks = [json.load(open(tmp_path / f"check_rank{r}.json")) for r in range(2)]
+    checks = [json.load(open(react_out / f"check_rank{r}.json")) for r in range(2)]
     assert checks[0]["param_change"] > 0 and checks[0]["weight_sync_max_diff"] < 1e-4
+
+    # the bash + curl agent, two branches a session: every branch a row of the batch the update trained on
+    (c1,) = read_jsonl(str(curl_out / "metrics.jsonl"))
+    assert c1["agent/sessions"] == 4 and c1["agent/failed_sessions"] == 0 and c1["agent/calls"] == 8
+    assert c1["agent/branches"] == 8 and c1["agent/branch_rows"] == 4
+    assert c1["actor/grad_norm"] > 0 and c1["train/reward_mean"] == 1.25  # (1 + 1.5) per prompt: its printed rewards
+    tok = _tokenizer(model)
+    seven = tok.encode("7", add_special_tokens=False) + [tok.eos_token_id]
+    # GRPO over the 2 sessions of a group (rewards 1 and 1.5), by hand; counting the branches as samples would give
+    # 0.25 / std(1, 1, 1.5, 1.5) = 0.866 instead
+    expected = {1.0: -0.25 / (0.125 ** 0.5 + 1e-6), 1.5: 0.25 / (0.125 ** 0.5 + 1e-6)}
+    sessions = {}
+    for r in range(2):
+        b = torch.load(dump / f"batch_rank{r}.pt")
+        assert len(b["responses"]) == 4 and b["branch"].tolist() == [0, 0, 1, 1]  # one group a rank, no padding
+        for i, info in enumerate(decode_infos(b["trajectory"])):
+            n = int(b["response_len"][i])
+            ids, mask = b["responses"][i, :n].tolist(), b["response_mask"][i, :n].tolist()
+            assert mask == [1.0] * n and (b["rollout_log_probs"][i, :n] <= 0).all()  # one call: every token sampled
+            assert tok.decode(ids).startswith(info["turns"][0]["text"])
+            reward = info["agent"]["reward"]
+            assert float(b["scores"][i]) == reward and reward in expected
+            assert torch.allclose(b["advantages"][i, :n].double(), torch.full((n,), expected[reward], dtype=torch.float64),
+                                  atol=1e-5)
+            sessions.setdefault((int(b["uid"][i]), int(b["session"][i])), []).append(ids)
+    assert len(sessions) == 4 and all(len(v) == 2 for v in sessions.values())
+    assert all(seven in v and any(x != seven for x in v) for v in sessions.values())  # its "b" call and its "a" call
+
+
+def _tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 @pytest.mark.quick
@@ -659,6 +790,40 @@ def test_agent_config_refusals():
         ([f"agent.entry={entry}", "agent.tool_format=xml"], "agent.tool_format must be one of"),
         ([f"agent.entry={entry}", "multi_turn.enable=true"], "two ways to roll out"),
         ([f"agent.entry={entry}", "rollout.partial=keep"], "rollout.partial = 'off'"),
+        ([f"agent.entry={entry}", "agent.train_branches=some"], "agent.train_branches must be one of all, last"),
+        ([f"agent.entry={entry}", "algorithm.filter_groups=true"], "set agent.train_branches = 'last'"),
+        ([f"agent.entry={entry}", "placement.mode=split"], "set agent.train_branches = 'last'"),
     ):
         with pytest.raises(ConfigError, match=what):
             validate_agent(load_config(None, ["agent.enable=true", *overrides]))
+
+
+@pytest.mark.quick
+def test_the_agent_quickstart_is_the_tool_quickstart_with_an_agent():
+    """configs/quickstart/grpo_agent.toml (TASK=agent) validates on 2 ranks and differs from grpo_tools.toml
+    (TASK=tools) only in how it rolls out, and its agent shows the model the calculator schema the in-process loop
+    writes into the prompt, with results cut as multi_turn.max_tool_response_tokens cuts them (byte-level
+    tokenizer: one token per character)."""
+    import dataclasses
+    import importlib.util
+
+    from spmdrl.config import load_config, validate
+    from spmdrl.tools.builtin import calculator_tool
+
+    root = os.path.dirname(HERE)
+    agent_cfg = load_config(os.path.join(root, "configs", "quickstart", "grpo_agent.toml"))
+    tools_cfg = load_config(os.path.join(root, "configs", "quickstart", "grpo_tools.toml"))
+    validate(agent_cfg, 2)
+    a, t = dataclasses.asdict(agent_cfg), dataclasses.asdict(tools_cfg)
+    assert a["agent"]["enable"] and not a["multi_turn"]["enable"] and t["multi_turn"]["enable"]
+    for cfg in (a, t):
+        cfg.pop("agent"), cfg.pop("multi_turn"), cfg["trainer"].pop("output_dir")
+    assert a == t
+    spec = importlib.util.spec_from_file_location("agent_react", os.path.join(root, agent_cfg.agent.entry.split(":")[0]))
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    assert json.dumps(agent.TOOLS) == json.dumps([calculator_tool().schema()])
+    assert agent.MAX_TURNS == tools_cfg.multi_turn.max_turns
+    assert agent.MAX_RESULT_CHARS == tools_cfg.multi_turn.max_tool_response_tokens
+    assert agent.calculator('{"expression": "1234567+89012"}') == "1323579"
+    assert agent.reward(" 1323579", "1323579") == 1.0 and agent.reward("1323579 ", "1323578") == 0.0

@@ -177,8 +177,7 @@ class Endpoint:
             pass
 
         Handler.endpoint = endpoint
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", port), Handler)
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
                          name="spmdrl-agent-endpoint").start()
         host, port = self.server.server_address[:2]
@@ -486,6 +485,11 @@ class TextStream:
                            "the rest is not sent")
             return ""
         return content[len(self.sent):]
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # a rollout's sessions connect at once: a short accept queue resets connections
 
 
 class _Handler(BaseHTTPRequestHandler):

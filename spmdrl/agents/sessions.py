@@ -95,19 +95,44 @@ def serve(engine, group, endpoint: Endpoint | None, finished, stats: AgentStats 
             stats.generate_s += time.perf_counter() - t0
 
 
-def run_session(spec: AgentSpec, base_url: str, api_key: str, sample: dict) -> tuple[dict | None, str]:
-    """One agent session in a worker process: (its outcome, '') or (None, why it failed)."""
-    proc = spawn_worker(MODULE, [], env={"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key})
+class Slot:
+    """One of a rollout group's `agent.sessions` slots: a worker process that runs the slot's sessions one after
+    another (agents/worker.py), replaced after a session that ran past its time or killed it.
+
+    `ready` starts it from the rank's main thread, before a rollout's session threads: a worker dies with the
+    thread that started it (PR_SET_PDEATHSIG follows the thread), and the session threads end with the rollout."""
+
+    def __init__(self):
+        self.proc = None
+
+    def ready(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:  # died with the thread of a replacement
+            self.close()
+        if self.proc is None:
+            self.proc = spawn_worker(MODULE, [])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            kill_worker(self.proc)
+            self.proc = None
+
+
+def run_session(spec: AgentSpec, slot: Slot, base_url: str, api_key: str, sample: dict) -> tuple[dict | None, str]:
+    """One agent session in `slot`'s worker process: (its outcome, '') or (None, why it failed)."""
+    if slot.proc is None:  # replaced after this rollout's earlier session (it lives as long as this thread)
+        slot.proc = spawn_worker(MODULE, [])
+    proc = slot.proc
     try:
-        send(proc.stdin, (spec.kind, spec.target, sample))
+        send(proc.stdin, (spec.kind, spec.target, sample, {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}))
         reply = recv(proc.stdout.fileno(), time.monotonic() + spec.timeout_s)
     except TimeoutError:
+        slot.close()  # the worker and everything the session started
         return None, f"ran past agent.timeout_s = {spec.timeout_s:g}s and was stopped"
     except (OSError, EOFError) as e:
+        slot.close()
         return None, f"its process failed ({type(e).__name__})"
-    finally:
-        kill_worker(proc)
     if reply is None:
+        slot.close()
         return None, f"its process died (exit status {proc.returncode})"
     status, value = reply
     return (value, "") if status == "ok" else (None, value)
@@ -125,6 +150,10 @@ class AgentRollout:
         self.endpoint = None
         self.base_url = ""
         self._rounds = 0
+        self.branches: list[list[Trajectory]] = []
+        self.slots = [Slot() for _ in range(spec.sessions)]  # the leader's session workers, kept between rollouts
+        """After `rollout`: per session (in the order of its trajectories) its other branches (loop/generate.py
+        trains them with agent.train_branches = "all")."""
         if is_group_leader(tp_group):
             self.secret = secret or secrets.token_urlsafe(24)
             self.endpoint = Endpoint(ChatRender(tokenizer), SamplingSpec(), set(), self.secret, fmt=spec.fmt,
@@ -134,6 +163,8 @@ class AgentRollout:
             logger.info("agent endpoint on %s (loopback only)", self.base_url)
 
     def close(self) -> None:
+        for slot in self.slots:
+            slot.close()
         if self.endpoint is not None:
             self.endpoint.stop()
 
@@ -146,7 +177,7 @@ class AgentRollout:
         ep = self.endpoint
         if ep is None:
             serve(self.engine, self.tp_group, None, None, stats)
-            trajs, stats.extra = broadcast_from_leader(None, self.tp_group)
+            trajs, self.branches, stats.extra = broadcast_from_leader(None, self.tp_group)
             return trajs
         stop_ids = set(spec.stop_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         ep.spec, ep.stop_ids = replace(spec, n=1), stop_ids
@@ -160,7 +191,7 @@ class AgentRollout:
         lock = threading.Lock()
         left = [len(samples)]
 
-        def worker() -> None:
+        def worker(slot: Slot) -> None:
             while True:
                 with lock:
                     if not pending:
@@ -173,7 +204,8 @@ class AgentRollout:
                           "extra_info": pb.extra_info[i]}
                 ep.open_session(sid, sessions[k], self.spec.timeout_s)
                 try:
-                    value, why = run_session(self.spec, f"{self.base_url}/sessions/{sid}/v1", self.secret, sample)
+                    value, why = run_session(self.spec, slot, f"{self.base_url}/sessions/{sid}/v1", self.secret,
+                                            sample)
                 except Exception as e:  # spawning failed: this session fails, the rollout goes on
                     value, why = None, f"could not start ({type(e).__name__}: {e})"
                 st = ep.close_session(sid)
@@ -184,8 +216,10 @@ class AgentRollout:
                     left[0] -= 1
 
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker, daemon=True, name=f"spmdrl-agent-{n}")
+        threads = [threading.Thread(target=worker, args=(self.slots[n],), daemon=True, name=f"spmdrl-agent-{n}")
                    for n in range(min(self.spec.sessions, len(samples)))]
+        for slot in self.slots[: len(threads)]:
+            slot.ready()
         for t in threads:
             t.start()
         faults0 = ep.faults
@@ -193,6 +227,7 @@ class AgentRollout:
         for t in threads:
             t.join()
         trajs = [self._trajectory(pb, i, j, s, r) for (i, j), s, r in zip(samples, sessions, results)]
+        self.branches = [self._other_branches(s, t) for s, t in zip(sessions, trajs)]
         stats.turns = max((len(t.turns) for t in trajs), default=0)
         stats.other_s = max(0.0, time.perf_counter() - t0 - stats.generate_s)
         stats.extra = {
@@ -202,7 +237,22 @@ class AgentRollout:
             "agent/branches": float(sum(len(s.trajectories()) for s in sessions)),
             "agent/endpoint_errors": float(ep.faults - faults0),
         }
-        return broadcast_from_leader((trajs, stats.extra), self.tp_group)[0]
+        return broadcast_from_leader((trajs, self.branches, stats.extra), self.tp_group)[0]
+
+    @staticmethod
+    def _other_branches(session: Session, final: Trajectory) -> list[Trajectory]:
+        """The session's branches other than its final one (`final`, its row of the batch), each with the session's
+        outcome (its reward, the transcript its agent returned, else its own messages) and its own tokens; none for
+        a failed session (it trains nothing)."""
+        if final.finish == "error":
+            return []
+        returned = final.agent.get("transcript") is not final.messages  # _trajectory's fallback: the final's own
+        out = []
+        for k, t in enumerate(session.trajectories()[:-1]):
+            t.seed, t.sample, t.finish = 0, final.sample, t.finish or "answer"
+            t.agent = {**final.agent, "branch": k + 1, "transcript": final.agent["transcript"] if returned else t.messages}
+            out.append(t)
+        return out
 
     def _trajectory(self, pb, i: int, j: int, session: Session, result) -> Trajectory:
         """The session's final branch with its reward; a placeholder (one masked EOS) when it sampled nothing."""

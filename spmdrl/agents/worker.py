@@ -1,10 +1,13 @@
-"""One agent session in a process of its own (`spmdrl.agents.worker.main`, started by spmdrl/process/workers.py).
+"""Agent sessions in a process of their own (`spmdrl.agents.worker.main`, started by spmdrl/process/workers.py),
+one after another: each of a rank's `agent.sessions` slots keeps one such worker, so a Python agent's module and
+what it imports (the openai client: most of a session's CPU on a small model) load once per slot, not per session.
 
-The rank sends `(kind, target, sample)`: kind "python" calls `target` ('file.py:run' or 'module:run') as
-`run(base_url, api_key, sample)`; kind "command" runs `target` with /bin/sh, the sample as JSON on its stdin and
-in SPMDRL_SAMPLE, and reads its result from the last line of its stdout. OPENAI_BASE_URL and OPENAI_API_KEY are in
-the environment of both. The worker is a subreaper: whatever the agent started is killed before it answers, and
-the rank kills the worker's whole tree when the session's time runs out.
+For each session the rank sends `(kind, target, sample, env)`: kind "python" calls `target` ('file.py:run' or
+'module:run') as `run(base_url, api_key, sample)`; kind "command" runs `target` with /bin/sh, the sample as JSON on
+its stdin and in SPMDRL_SAMPLE, and reads its result from the last line of its stdout. `env` (the session's
+OPENAI_BASE_URL and OPENAI_API_KEY) goes into the environment of both. The worker is a subreaper: whatever the
+session started is killed before it answers; the rank kills the worker's whole tree when a session's time runs out
+(and starts a fresh worker for the slot's next session).
 
 The answer is `("ok", {"reward": float | None, "transcript": list | None})` or `("error", one line)`.
 """
@@ -85,18 +88,24 @@ def main() -> int:
     if os.getppid() != parent:  # the rank died before die_with_parent took effect
         return 0
     become_subreaper()
-    kind, target, sample = recv(requests.fileno(), None)
-    try:
-        if kind == "python":
-            fn = load_object(target, what="agent", key="agent.entry", error=BadResult)
-            reply = ("ok", outcome(fn(os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"], sample)))
-        else:
-            reply = ("ok", run_command(target, sample))
-    except BadResult as e:
-        reply = ("error", str(e))
-    except BaseException as e:  # the agent's own failure: one line
-        reply = ("error", f"raised {type(e).__name__}: {one_line(e) or '(no message)'}")
-    kill_tree(os.getpid(), include_root=False)  # nothing it started outlives the session
-    sys.stdout.flush()
-    send(replies, reply)
-    return 0
+    agents: dict[str, object] = {}  # target -> the loaded run function: one import per worker
+    while True:
+        msg = recv(requests.fileno(), None)
+        if msg is None:  # the rank closed the slot
+            return 0
+        kind, target, sample, env = msg
+        os.environ.update(env)
+        try:
+            if kind == "python":
+                if target not in agents:
+                    agents[target] = load_object(target, what="agent", key="agent.entry", error=BadResult)
+                reply = ("ok", outcome(agents[target](env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"], sample)))
+            else:
+                reply = ("ok", run_command(target, sample))
+        except BadResult as e:
+            reply = ("error", str(e))
+        except BaseException as e:  # the agent's own failure: one line
+            reply = ("error", f"raised {type(e).__name__}: {one_line(e) or '(no message)'}")
+        kill_tree(os.getpid(), include_root=False)  # nothing the session started outlives it
+        sys.stdout.flush()
+        send(replies, reply)

@@ -722,6 +722,9 @@ class AgentConfig:
     """How the model writes tool calls (what the endpoint parses into OpenAI tool_calls): hermes."""
     port: int = 0
     """The endpoint's port on 127.0.0.1 (0: a free one)."""
+    train_branches: str = "all"
+    """Which of a session's trajectories train: all (every branch: a call that did not extend the conversation
+    started one; each carries its session's reward and GRPO advantage) or last (the branch of its last call)."""
 
 
 @dataclass

@@ -342,6 +342,9 @@ def validate_multi_turn(cfg) -> None:
                           "with the chat template")
 
 
+BRANCH_RULES = ("all", "last")
+
+
 def validate_agent(cfg) -> None:
     """The [agent] section (docs/agents.md; spmdrl/agents/)."""
     import os
@@ -376,6 +379,14 @@ def validate_agent(cfg) -> None:
         raise ConfigError(f"agent.enable = true with rollout.partial = {cfg.rollout.partial!r}: agent sessions are not "
                           "carried over weight updates (a session's calls would wait while the actor trains, and a "
                           "checkpoint cannot suspend a program of yours); set rollout.partial = 'off'")
+    if a.train_branches not in BRANCH_RULES:
+        raise ConfigError(f"agent.train_branches must be one of {', '.join(BRANCH_RULES)}, found {a.train_branches!r}")
+    if a.train_branches == "all":
+        for bad, what in ((cfg.placement.mode == "split", "placement.mode = 'split'"),
+                          (cfg.algorithm.filter_groups, "algorithm.filter_groups = true")):
+            if bad:
+                raise ConfigError(f"agent.train_branches = 'all' with {what}: a step's rows per group vary with the "
+                                  "sessions' branches, which this does not take yet; set agent.train_branches = 'last'")
 
 
 def validate_rollout_correction(cfg) -> None:

@@ -97,6 +97,41 @@ def trajectories_to_batch(trajs: list[Trajectory], prompt_idx: list[int], n: int
     return batch
 
 
+BRANCH, PADDING = "branch", -1
+"""[agent] with agent.train_branches = "all": the batch key that says which trajectory of its session a row is: 0 the
+final branch (the session's row without branches), k >= 1 its other branches, PADDING a row that fills its group
+to the step's rows per group (response_mask 0: it trains nothing and counts in no metric)."""
+
+
+def sessions_only(batch: Batch) -> Batch:
+    """The rows of the sessions' final branches (all of `batch` without branch rows): one per session, what a
+    group's statistics and the rollout metrics count."""
+    return batch.select(batch[BRANCH] == 0) if BRANCH in batch else batch
+
+
+def branch_rows(trajs: list[Trajectory], branches: list[list[Trajectory]], n: int, slots: int, eos: int):
+    """Every branch of every session as rows, group-major, each group `n + slots` rows: its n sessions' final
+    branches (sample order), then their other branches, then padding rows. Returns (rows, branch, session): the
+    trajectories, each row's BRANCH value, and the session (sample j of its group) it belongs to (-1: padding)."""
+    rows, branch, session = [], [], []
+    for p in range(len(trajs) // n):
+        own = trajs[p * n:(p + 1) * n]
+        rows += own
+        branch += [0] * n
+        session += list(range(n))
+        for j in range(n):
+            for t in branches[p * n + j]:
+                rows.append(t)
+                branch.append(int(t.agent["branch"]))
+                session.append(j)
+        for _ in range(n + slots - (len(rows) - p * (n + slots))):
+            rows.append(Trajectory(prompt=list(own[0].prompt), messages=[], seed=0, sample=-1, ids=[eos], mask=[0],
+                                   logprobs=[0.0], agent={"reward": 0.0}))
+            branch.append(PADDING)
+            session.append(-1)
+    return rows, branch, session
+
+
 def sample(rollout, agent: AgentLoop | None, dataset: PromptDataset, prompt_idx: list[int], spec, seeds: list[int],
            pad_id: int) -> Batch:
     """One rollout of dataset rows `prompt_idx` with `spec` (spec.n samples each): a single generate call, or
@@ -122,6 +157,7 @@ class Generator:
         self.cfg, self.mesh, self.rollout, self.specs = cfg, mesh, rollout, specs
         self.dataset, self.pad_id, self.scorer, self.greedy_baseline = dataset, pad_id, scorer, greedy_baseline
         self.agent = agent
+        self.train_branches = cfg.agent.enable and cfg.agent.train_branches == "all"
         self.loop_time: dict[str, float] = {}
         self.partial = PartialRollouts(cfg, rollout, dataset, sampler, specs.train, mesh.dp_offset, agent) \
             if cfg.rollout.partial != "off" else None
@@ -165,18 +201,42 @@ class Generator:
         first = round_ * self.cfg.data.train_batch_size + r.dp_offset(len(prompt_idx))
         seeds = request_seeds(self.cfg.trainer.seed, step, first, len(prompt_idx))
         n = self.specs.train.n
-        batch = sample(self.rollout, self.agent, self.dataset, prompt_idx, self.specs.train, seeds, self.pad_id)
+        if self.train_branches:
+            batch, per_group = self._with_branches(prompt_idx, seeds)
+        else:
+            batch, per_group = sample(self.rollout, self.agent, self.dataset, prompt_idx, self.specs.train, seeds,
+                                      self.pad_id), n
         self._note_loop()
         # the group id: one per prompt draw (step, round, global position), never the dataset row, so two
         # draws of one prompt in a step (an epoch boundary, a dynamic-sampling round) stay two groups
         uid = step * self.cfg.algorithm.max_sample_rounds * self.cfg.data.train_batch_size + first
-        batch["uid"] = torch.arange(uid, uid + len(prompt_idx), dtype=torch.long).repeat_interleave(n)
+        batch["uid"] = torch.arange(uid, uid + len(prompt_idx), dtype=torch.long).repeat_interleave(per_group)
         if self.greedy_baseline:  # ReMax: greedy rollout as the baseline
             gb = sample(self.rollout, self.agent, self.dataset, prompt_idx, self.specs.greedy, seeds, self.pad_id)
             self.scorer.attach_meta(gb, self.dataset, r)
             self.scorer.score(gb, r)  # the same shaped reward the samples get
-            batch["baseline_rewards"] = gb["scores"].repeat_interleave(n)
+            batch["baseline_rewards"] = gb["scores"].repeat_interleave(per_group)
         return batch
+
+    def _with_branches(self, prompt_idx: list[int], seeds: list[int]) -> tuple[Batch, int]:
+        """[agent] sessions with every branch a row (agent.train_branches = "all"; branch_rows): each group gets
+        n + slots rows, slots the most branch rows any group of the step has (one max over the rollout dp ranks, so
+        that every rank holds as many rows per group and the batch moves keep groups whole). Returns the batch and
+        its rows per group."""
+        n = self.specs.train.n
+        trajs = self.agent.rollout(self.dataset.batch(prompt_idx), seeds, self.specs.train)
+        branches = self.agent.branches
+        extra = [sum(len(b) for b in branches[p * n:(p + 1) * n]) for p in range(len(prompt_idx))]
+        slots = max(extra, default=0)
+        if self.mesh.dp_size > 1:
+            slots = int(reduce_max(torch.tensor([float(slots)]), group=self.mesh.group("dp"))[0])
+        self.agent.stats.extra["agent/branch_rows"] = float(sum(extra))
+        eos = self.agent.tokenizer.eos_token_id if self.agent.tokenizer.eos_token_id is not None else self.pad_id
+        rows, branch, session = branch_rows(trajs, branches, n, slots, eos)
+        batch = trajectories_to_batch(rows, [i for i in prompt_idx for _ in range(n + slots)], 1, self.pad_id)
+        batch[BRANCH] = torch.tensor(branch, dtype=torch.long)
+        batch["session"] = torch.tensor(session, dtype=torch.long)
+        return batch, n + slots
 
     def _partial(self, prompt_idx: list[int], step: int, version: int, trained_by: int | None,
                  stream: Callable[[Batch, int], None] | None) -> Batch:

@@ -34,7 +34,10 @@ def sample_rows(batch: Batch, step: int, split: str, limit: int | None = None) -
     n = len(batch) if limit is None else min(limit, len(batch))
     meta = batch.meta
     rows = []
+    padding = (batch["branch"] < 0).tolist() if "branch" in batch else [False] * n  # [agent]: loop/generate.py
     for i in range(n):
+        if padding[i]:
+            continue
         row = {
             "step": int(step), "split": split, "uid": int(batch["uid"][i]) if "uid" in batch else None,
             "data_source": meta["data_source"][i], "prompt": prompt_text(meta["raw_prompt"][i]),

@@ -14,6 +14,7 @@ from spmdrl.engines import TrainEngine
 from spmdrl.engines.router_replay import router_metrics
 from spmdrl.config.derived import micro_batch_limits, mini_batch_prompts, replays_routes
 from spmdrl.loop.correction import correct_rollout, logprob_diff
+from spmdrl.loop.generate import BRANCH, sessions_only
 from spmdrl.rollout.routes import route_shape
 from spmdrl.loop.update import ActorObjective, CriticObjective, forward_all, run_updates
 
@@ -132,12 +133,14 @@ class Learner:
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm
+        kw = dict(gamma=alg.gamma, lam=alg.lam, epsilon=alg.epsilon, norm_by_std=alg.norm_adv_by_std,
+                  reduce=self.dp_sum)  # batch statistics (whitening) over the global batch
+        if BRANCH in batch and "index" in getattr(self.adv_fn, "requires", ()):  # [agent] branch rows
+            batch["advantages"], batch["returns"] = session_advantages(self.adv_fn, batch, **kw)
+            return {}
         batch["advantages"], batch["returns"] = self.adv_fn(
             batch["token_level_rewards"], batch["response_mask"], index=batch["uid"],
-            values=batch.tensors.get("values"), baseline_rewards=batch.tensors.get("baseline_rewards"),
-            gamma=alg.gamma, lam=alg.lam, epsilon=alg.epsilon, norm_by_std=alg.norm_adv_by_std,
-            reduce=self.dp_sum,  # batch statistics (whitening) over the global batch
-        )
+            values=batch.tensors.get("values"), baseline_rewards=batch.tensors.get("baseline_rewards"), **kw)
         return {}
 
     def distill(self, batch: Batch) -> dict[str, float]:
@@ -199,7 +202,11 @@ class Learner:
     def _update(self, engine: TrainEngine, batch: Batch, objective, role: str) -> dict[str, float]:
         sec = getattr(self.cfg, role)
         mesh = self.meshes[role]
-        mini = mesh.dp_share(mini_batch_prompts(self.cfg) * self.cfg.rollout.n, "mini-batch samples")
+        n = self.cfg.rollout.n
+        mini = mesh.dp_share(mini_batch_prompts(self.cfg) * n, "mini-batch samples")
+        if BRANCH in batch:  # [agent] branch rows: as many optimizer steps, each over its groups' rows
+            sessions = max(int((batch[BRANCH] == 0).sum()), 1)
+            mini = -(-mini * len(batch) // sessions)
         size, budget = micro_batch_limits(self.cfg, role, self.longest)
         return run_updates(
             engine, batch, epochs=sec.ppo_epochs, mini_size=mini, micro_size=size, pad_id=self.pad_id,
@@ -211,14 +218,43 @@ class Learner:
     def batch_metrics(self, batch: Batch, actor_version: int) -> dict[str, float]:
         """The batch's rewards, lengths and advantages; in split placement how many actor versions old its
         weights are (actor_version: the step of the actor's last update)."""
-        mask = batch["response_mask"]
+        advantage_mean = float(masked_mean(batch["advantages"], batch["response_mask"]))  # every trained token
+        batch = sessions_only(batch)  # [agent] branch rows: a session counts once
         m = {
             "train/reward_mean": float(batch["scores"].mean()),
             "train/reward_std": float(batch["scores"].std()) if len(batch) > 1 else 0.0,
             "train/response_length_mean": float(batch["response_len"].float().mean()),
             "train/response_clip_ratio": float(batch["truncated"].mean()),
-            "train/advantage_mean": float(masked_mean(batch["advantages"], mask)),
+            "train/advantage_mean": advantage_mean,
         }
         if "weight_version" in batch:
             m["train/weight_version_lag"] = actor_version - float(batch["weight_version"].double().mean())
         return m
+
+
+def session_advantages(adv_fn, batch: Batch, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """[agent] branch rows (loop/generate.py branch_rows) with an estimator that groups samples (GRPO, RLOO, ...):
+    the estimator runs over the sessions' final branches, one row per session and n per group as without branches,
+    so a session with many branches weighs no more in its group's statistics; every other branch of a session takes
+    its session's advantage (and return) on its own model tokens; padding rows get 0."""
+    final = (batch[BRANCH] == 0).nonzero().flatten()
+    part = {k: batch[k].index_select(0, final) for k in ("token_level_rewards", "response_mask", "uid")}
+    baseline = batch.tensors.get("baseline_rewards")
+    adv_f, ret_f = adv_fn(part["token_level_rewards"], part["response_mask"], index=part["uid"],
+                          baseline_rewards=None if baseline is None else baseline.index_select(0, final), **kw)
+    valid = part["response_mask"] != 0
+    first = valid.long().argmax(-1, keepdim=True)  # a group estimator's advantage is one value per row
+    per_session = {(int(u), int(s)): k for k, (u, s) in enumerate(zip(part["uid"].tolist(),
+                                                                     batch["session"][final].tolist()))}
+    src = torch.tensor([per_session.get((int(u), int(s)), -1) if s >= 0 else -1
+                        for u, s in zip(batch["uid"].tolist(), batch["session"].tolist())], dtype=torch.long)
+    mask = batch["response_mask"] != 0
+    has = src >= 0
+    out = []
+    for x in (adv_f, ret_f):
+        value = x.gather(-1, first)[:, 0] * valid.any(-1)
+        full = torch.zeros(batch["response_mask"].shape, dtype=x.dtype)
+        full[has] = torch.where(mask[has], value[src[has]][:, None], torch.zeros((), dtype=x.dtype))
+        full[final] = x
+        out.append(full)
+    return out[0], out[1]

@@ -7,6 +7,7 @@ import torch
 from spmdrl.batch import Batch
 from spmdrl.dist.collectives import reduce_max, reduce_sum
 from spmdrl.dist.meshes import RoleMesh
+from spmdrl.loop.generate import BRANCH, PADDING
 from spmdrl.tools.base import FAILURES
 from spmdrl.tools.runner import UNKNOWN
 
@@ -18,6 +19,8 @@ def trajectory_metrics(batch: Batch, tool_names: list[str], mesh: RoleMesh) -> d
     configured tool names only, and a per-kind failure count appears when it is non-zero, so every rank reports
     the same keys."""
     names = sorted(set(tool_names)) + [UNKNOWN]
+    if BRANCH in batch:  # [agent] branch rows: the padding rows are no trajectories
+        batch = batch.select(batch[BRANCH] != PADDING)
     trajs = batch.meta["trajectory"]
     mask = batch["response_mask"]
     n = len(trajs)
