@@ -140,6 +140,54 @@ def two_calls(base_url: str, api_key: str, sample: dict) -> float:
 MODES["two_calls"] = two_calls
 
 
+def openai_agents(base_url: str, api_key: str, sample: dict) -> float:
+    """The same ReAct loop written with the OpenAI Agents SDK: an Agent over the Chat Completions model, the test
+    tools as FunctionTools. 1.0 when it called a tool and then answered "ok" (prompt d: boom, then ok)."""
+    from agents import Agent, FunctionTool, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    ran = []
+
+    def tool(schema):
+        async def invoke(ctx, arguments: str) -> str:
+            ran.append(schema["name"])
+            return call_tool(schema["name"], json.loads(arguments or "{}"))
+        return FunctionTool(name=schema["name"], description=schema["description"],
+                            params_json_schema=schema["parameters"], on_invoke_tool=invoke, strict_json_schema=False)
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+    agent = Agent(name="test", model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+                  tools=[tool(t["function"]) for t in TOOLS])
+    result = Runner.run_sync(agent, [dict(m) for m in sample["messages"]], max_turns=3)
+    return 1.0 if ran and str(result.final_output).strip() == "ok" else 0.0
+
+
+def langgraph(base_url: str, api_key: str, sample: dict) -> float:
+    """The same ReAct loop as LangGraph's prebuilt agent over ChatOpenAI, the test tools as StructuredTools. 1.0
+    when it called a tool and then answered "ok"."""
+    from langchain_core.tools import StructuredTool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    ran = []
+
+    def tool(schema):
+        def invoke(**args) -> str:
+            ran.append(schema["name"])
+            return call_tool(schema["name"], args)
+        return StructuredTool.from_function(invoke, name=schema["name"], description=schema["description"],
+                                            args_schema=schema["parameters"])
+
+    model = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+    agent = create_react_agent(model, [tool(t["function"]) for t in TOOLS])
+    state = agent.invoke({"messages": [dict(m) for m in sample["messages"]]}, {"recursion_limit": 5})
+    return 1.0 if ran and state["messages"][-1].content.strip() == "ok" else 0.0
+
+
+MODES["openai_agents"], MODES["langgraph"] = openai_agents, langgraph
+
+
 def run(base_url: str, api_key: str, sample: dict):
     mode = (sample.get("extra_info") or {}).get("mode", "react")
     assert os.environ["OPENAI_BASE_URL"] == base_url and os.environ["OPENAI_API_KEY"] == api_key

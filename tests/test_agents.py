@@ -295,6 +295,7 @@ def served(tmp_path_factory, caplog_module):
     pytest.importorskip("openai")
     if ENGINE == "vllm":
         pytest.importorskip("vllm")
+    import importlib.util
     import logging
     import time
 
@@ -348,6 +349,17 @@ def served(tmp_path_factory, caplog_module):
                                                     {"letter": "b", "extra": {"mode": "both"}}]), [9, 10],
                                             replace_n(spec, 1))
             posting.close()
+            if all(importlib.util.find_spec(m) for m in ("agents", "langgraph", "langchain_openai")):
+                rec.completions.clear()
+                rec.admitted.clear()
+                sdks = AgentRollout(rec, tok, AgentSpec("python", entry, sessions=2, timeout_s=120),
+                                    max_prompt_tokens=64, max_response_tokens=300)
+                res["sdks"] = sdks.rollout(_batch([{"letter": "d", "extra": {"mode": "openai_agents"}},
+                                                   {"letter": "d", "extra": {"mode": "langgraph"}}]), [12, 13],
+                                           replace_n(spec, 1))
+                res["sdks_stats"], res["sdks_completions"] = sdks.stats.extra, list(rec.completions)
+                res["sdks_admitted"] = list(rec.admitted)
+                sdks.close()
             res["serve"] = _serve_calls(rec)
         finally:
             engine.close()
@@ -401,6 +413,11 @@ def _serve_calls(engine):
                                                tools=AGENT_TOOLS)
             out["call"] = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
             out["finish"] = r.choices[0].finish_reason
+            r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}],
+                                               tools=AGENT_TOOLS, tool_choice="none", parallel_tool_calls=True,
+                                               max_completion_tokens=100, store=False, metadata={"k": "v"}, user="u")
+            choice = r.choices[0]
+            out["no_calls"] = (choice.message.content, choice.message.tool_calls, choice.finish_reason)
             text = "".join(c.choices[0].text for c in [client.completions.create(
                 model="x", prompt="<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n", max_tokens=4)])
             out["completion"] = text
@@ -563,11 +580,38 @@ def test_faults_each_give_one_line_and_no_hang(served):
 
 def test_serve_answers_the_openai_client_without_sessions(served):
     """spmdrl serve's endpoint (greedy): /v1/models, a chat answer, a parsed tool call, /v1/completions, and 401."""
+    from tool_agent import CALL_ADD
+
     out = served["serve"]
     assert "error" not in out, out["error"]
     assert out["models"] == ["policy"] and out["chat"] == "7" and out["wrong_key"] == 401
     assert out["call"] == [("add", {"x": 1, "y": 2})] and out["finish"] == "tool_calls"
     assert out["completion"] == "7"
+    # tool_choice "none" (with fields the Agents SDK and LangChain send): the same call, as text
+    content, calls, finish = out["no_calls"]
+    assert calls is None and finish == "stop" and content.startswith(CALL_ADD), out["no_calls"]
+
+
+def test_openai_agents_sdk_and_langgraph_agents_run_sessions(served):
+    """An OpenAI Agents SDK agent and a LangGraph ReAct agent (tests/agent_programs.py) through the endpoint: each
+    calls boom, gets its result, answers "ok"; each session is one branch (what the SDK sends back extends what it
+    got), its model tokens are the engine's completions on exactly the contexts they were sampled on."""
+    pytest.importorskip("agents")
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    trajs, stats = served["sdks"], served["sdks_stats"]
+    assert [t.agent.get("reward") for t in trajs] == [1.0, 1.0], [(t.agent, [x.text for x in t.turns]) for t in trajs]
+    assert stats["agent/sessions"] == 2 and stats["agent/failed_sessions"] == 0 and stats["agent/branches"] == 2
+    assert stats["agent/endpoint_errors"] == 0
+    context = {rid: tuple(p) for rid, p, _ in served["sdks_admitted"]}
+    sampled = {(context[c.id], tuple(c.token_ids)): c.logprobs for c in served["sdks_completions"]}
+    for t in trajs:
+        assert [turn.calls[0].name if turn.calls else turn.text for turn in t.turns] == ["boom", "ok"]
+        assert t.turns[0].appended and [r.text for r in t.turns[0].results] == ["error: RuntimeError: boom"]
+        runs = _model_runs(t)
+        assert len(runs) == 2
+        for at, run in runs:
+            assert t.logprobs[at: at + len(run)] == sampled[(tuple(t.prompt + t.ids[:at]), tuple(run))]
 
 
 def test_a_bash_and_curl_agent_runs_a_session(served):

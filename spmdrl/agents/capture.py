@@ -325,9 +325,11 @@ class Session:
             call.branch.rollback()
 
     def finish(self, call: Call, token_ids: list[int], logprobs: list[float], reason: str, stop_ids: set,
-               stops: list[str], routes=None, versions=None) -> tuple[str, list[ToolCall], str]:
+               stops: list[str], routes=None, versions=None,
+               parse_calls: bool = True) -> tuple[str, list[ToolCall], str]:
         """Record a completion on its branch (versions: the weight version that sampled each token); (text
-        returned, parsed tool calls, finish_reason)."""
+        returned, parsed tool calls, finish_reason). With parse_calls=False (tool_choice "none") no tool calls are
+        parsed: the text comes back whole."""
         b, t = call.branch, call.branch.traj
         with self.lock:
             if self.closed:
@@ -354,7 +356,7 @@ class Session:
                 b.busy = False
                 self.last = b
                 return shown, [], reason
-            calls = parse_tool_calls(text, self.fmt) if reason == "stop" else []
+            calls = parse_tool_calls(text, self.fmt) if reason == "stop" and parse_calls else []
             t.turns.append(Turn(text=text, calls=calls))
             usable = bool(calls) and not any(c.error for c in calls)
             message = assistant_message(shown, calls if usable else [], self.fmt)

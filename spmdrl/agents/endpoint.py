@@ -20,7 +20,8 @@ Every request needs the run's secret as its bearer token (401 otherwise). A requ
 The run fixes the sampling: temperature, top_p, top_k and the seed are the run's (an agent's values are ignored);
 n > 1, logit_bias, presence / frequency penalties, response_format and a forced tool_choice are refused (they
 would sample from another distribution than the one trained on); max_tokens (max_completion_tokens) and stop
-are honoured within the run's budget.
+are honoured within the run's budget. Under tool_choice "none" the model samples as always and a call it writes
+comes back as text. Other fields (parallel_tool_calls, store, metadata, user, ...) are ignored.
 """
 from __future__ import annotations
 
@@ -268,13 +269,16 @@ class Endpoint:
             tools = req.get("tools") or None
             if tools is not None and not isinstance(tools, list):
                 raise CallError(400, "tools must be a list of function schemas")
-            if req.get("tool_choice", "auto") not in ("auto", "none", None):
+            tool_choice = req.get("tool_choice", "auto")
+            if tool_choice not in ("auto", "none", None):
                 raise CallError(400, "tool_choice other than auto or none is refused: the run samples without "
                                      "forcing calls")
             call = session.prepare(req.get("messages"), tools, max_tokens)
         else:
             call = session.prepare_text(req.get("prompt"), max_tokens)
-        reply = Reply(self, call, session, st, stops, chat, include_usage)
+            tool_choice = None
+        # tool_choice "none": the model samples as always; a call it writes comes back as text, not as tool_calls
+        reply = Reply(self, call, session, st, stops, chat, include_usage, calls=chat and tool_choice != "none")
         try:
             reply.submit(replace(spec, max_tokens=call.max_tokens), stream=bool(stream))
             if stream:
@@ -321,9 +325,11 @@ class Reply:
     streamed (`events`). Its branch is rolled back (`release`) unless its completion was recorded."""
 
     def __init__(self, ep: Endpoint, call: Call, session: Session, st: SessionState | None, stops: list[str],
-                 chat: bool, include_usage: bool = False):
+                 chat: bool, include_usage: bool = False, calls: bool = True):
         self.ep, self.call, self.session, self.st, self.stops, self.chat = ep, call, session, st, stops, chat
         self.include_usage = include_usage
+        self.calls = chat and calls
+        """Whether tool calls in the text become the reply's tool_calls (not under tool_choice "none")."""
         self.rid, self.fut, self.tokens = "", None, None
         self.recorded = False
         self.result: tuple | None = None
@@ -360,7 +366,7 @@ class Reply:
         if c.finish_reason == "abort":
             raise CallError(408, "the call was taken back: its session ended")
         self.result = self.session.finish(self.call, c.token_ids, c.logprobs, c.finish_reason, self.ep.stop_ids,
-                                          self.stops, c.routes, c.versions)
+                                          self.stops, c.routes, c.versions, parse_calls=self.calls)
         self.recorded = True
         return c
 
@@ -404,7 +410,7 @@ class Reply:
         """The streamed reply: the role (chat), the text as it is sampled, then (once finished) the rest of the
         content, the tool calls and the finish reason. Closing it early (the client went away) aborts the request
         and rolls its branch back."""
-        text = TextStream(self.ep.render, self.ep.stop_ids, self.stops, calls=self.chat)
+        text = TextStream(self.ep.render, self.ep.stop_ids, self.stops, calls=self.calls)
         try:
             if self.chat:
                 yield self._chunk({"role": "assistant", "content": ""})
