@@ -224,8 +224,11 @@ class PartialRollouts:
                 self.groups[self.owner[id(t)]].so_far[t.sample] = got[id(t)]
             self.suspended = True
             return
-        ids = [f"{u}/{j}" for u, g in sorted(self.groups.items()) for j in range(self.spec.n)
-               if j not in g.done and j not in g.so_far]
+        if self.suspended:  # taken out already, no rollout since: none of them is in the engine
+            return
+        # every unfinished request is in the engine, a continuation of an earlier suspension too (its tokens before
+        # that stay in so_far until it finishes or is suspended again: `finish` joins them)
+        ids = [f"{u}/{j}" for u, g in sorted(self.groups.items()) for j in range(self.spec.n) if j not in g.done]
         for c in self.rollout_engine.abort(ids):
             uid, j = (int(x) for x in c.id.split("/"))
             g = self.groups[uid]
