@@ -162,12 +162,11 @@ class BatchStream:
             with timer("rollout"):
                 batch = self.generator.generate(next(self.sampler), s, 0, self.version, self.version_after(s - 1),
                                                 stream)
-            for k, v in self.generator.take_metrics().items():  # counts add up; a state or rate is the last batch's
-                if not k.startswith("rollout/version_lag"):  # the training ranks log the lags of the batch they train
-                    self.loop_metrics[k] = v if k in LAST_BATCH_METRICS else self.loop_metrics.get(k, 0.0) + v
+            # the training ranks log the lags of the batch they train
+            self.add_metrics({k: v for k, v in self.generator.take_metrics().items()
+                              if not k.startswith("rollout/version_lag")})
             if stream is not None:  # its groups are out already
-                for k, v in stream.metrics().items():
-                    self.loop_metrics[k] = v if k in LAST_BATCH_METRICS else self.loop_metrics.get(k, 0.0) + v
+                self.add_metrics(stream.metrics())
                 self.next_batch += 1
                 continue
             if "weight_version" not in batch:
@@ -176,6 +175,11 @@ class BatchStream:
             with timer("post_batch"):
                 self.sent.append(post_batch(batch, self.rollout_mesh, self.actor_mesh, self.meshes.batch_group, tag=s))
             self.next_batch += 1
+
+    def add_metrics(self, metrics: dict[str, float]) -> None:
+        """A batch's rollout metrics into this step's: counts add up; a state or rate is the last batch's."""
+        for k, v in metrics.items():
+            self.loop_metrics[k] = v if k in LAST_BATCH_METRICS else self.loop_metrics.get(k, 0.0) + v
 
     def check_keys(self, batch: Batch) -> None:
         if set(batch.tensors) != set(self.keys):  # the training ranks unpack by this list
